@@ -1,1 +1,44 @@
-fn main(){}
+//! `cargo xtask <command>`: project automation, written in Rust so it runs wherever cargo does.
+
+mod crdgen;
+mod test;
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "cargo xtask", about = "kmm-fleet project automation")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Generate the CRD YAML under addon-manifests/crds/ from the Rust API types.
+    Crdgen {
+        /// Fail instead of writing when the committed YAML differs from the types.
+        #[arg(long)]
+        check: bool,
+    },
+    /// Run every check and test: fmt, clippy, unit/integration tests, CRD drift, fuzzing.
+    Test(test::Options),
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let root = repository_root();
+    match cli.command {
+        Command::Crdgen { check } => crdgen::run(&root, check),
+        Command::Test(options) => test::run(&root, &options),
+    }
+}
+
+/// The workspace root: xtask lives one level below it.
+fn repository_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask sits inside the workspace")
+        .to_path_buf()
+}

@@ -1,1 +1,23 @@
-pub fn x(){}
+//! The kmm-fleet hub API: `ManagedClusterModule` (`hub.kmm.sigs.x-k8s.io/v1beta1`).
+//!
+//! Wire-compatible with upstream Kernel Module Management: `spec.moduleSpec` is upstream's
+//! `Module` spec, field for field; kmm-fleet only adds fields, never renames them.
+
+mod crd;
+pub mod labels;
+mod managed_cluster_module;
+mod module_spec;
+mod schema;
+mod status;
+
+pub use crd::{CRD_PATH, managed_cluster_module_crd_yaml};
+pub use managed_cluster_module::{ManagedClusterModule, ManagedClusterModuleSpec};
+pub use module_spec::{
+    Build, BuildArg, DEFAULT_DIR_NAME, DevicePluginContainerSpec, DevicePluginSpec, KanikoParams,
+    KernelMapping, ModprobeArgs, ModprobeSpec, ModuleLoaderContainerSpec, ModuleLoaderSpec,
+    ModuleSpec, Sign, TlsOptions,
+};
+pub use status::{
+    ClusterCounts, FailureSample, KernelCounts, MAX_FAILURE_SAMPLES, ManagedClusterModuleStatus,
+    NodeCounts,
+};

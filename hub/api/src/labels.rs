@@ -1,0 +1,52 @@
+//! Node labels that tell workloads a module is loaded (upstream KMM's label contract).
+
+/// Prefix of every label kmm-fleet sets on nodes.
+pub const NODE_LABEL_DOMAIN: &str = "kmm.node.kubernetes.io";
+
+/// Longest `namespace + name` a module may have. Same bound as upstream KMM, whose
+/// longest node label for a module must stay within the 63-character name segment of a
+/// label key; an MCM valid here is therefore valid upstream too.
+pub const MAX_COMBINED_NAME_LENGTH: usize = 41;
+
+/// `kmm.node.kubernetes.io/<namespace>.<name>.ready`: set once the module is loaded.
+pub fn ready_label(namespace: &str, name: &str) -> String {
+    format!("{NODE_LABEL_DOMAIN}/{namespace}.{name}.ready")
+}
+
+/// `kmm.node.kubernetes.io/<namespace>.<name>.version.ready`: the loaded module's version.
+pub fn version_ready_label(namespace: &str, name: &str) -> String {
+    format!("{NODE_LABEL_DOMAIN}/{namespace}.{name}.version.ready")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn labels_follow_upstream_format() {
+        assert_eq!(
+            ready_label("ns", "mod"),
+            "kmm.node.kubernetes.io/ns.mod.ready"
+        );
+        assert_eq!(
+            version_ready_label("ns", "mod"),
+            "kmm.node.kubernetes.io/ns.mod.version.ready"
+        );
+    }
+
+    #[test]
+    fn longest_allowed_names_fit_a_label_key() {
+        let namespace = "n".repeat(20);
+        let name = "m".repeat(MAX_COMBINED_NAME_LENGTH - 20);
+        for label in [
+            ready_label(&namespace, &name),
+            version_ready_label(&namespace, &name),
+        ] {
+            let (_, key_name) = label.split_once('/').expect("label has a prefix");
+            assert!(
+                key_name.len() <= 63,
+                "{label} has a name segment over 63 characters"
+            );
+        }
+    }
+}

@@ -1,0 +1,93 @@
+//! The observed state of a ManagedClusterModule: concrete counts, bounded in size.
+//!
+//! Counts say where the fleet is without reading a condition's prose (seed 000, "Conditions
+//! vs concrete data"); failure samples say why, and there are never more than
+//! [`MAX_FAILURE_SAMPLES`] of them whatever the fleet size.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::KubeSchema;
+use serde::{Deserialize, Serialize};
+
+/// Most failure samples kept in status; the counts still cover every failure.
+pub const MAX_FAILURE_SAMPLES: usize = 10;
+
+/// Observed state of a ManagedClusterModule.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ManagedClusterModuleStatus {
+    /// The `metadata.generation` these counts were computed for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+
+    /// Managed clusters, by state.
+    #[serde(default)]
+    pub clusters: ClusterCounts,
+
+    /// Nodes of the selected clusters, by state.
+    #[serde(default)]
+    pub nodes: NodeCounts,
+
+    /// Distinct kernel releases seen on matching nodes, by resolution outcome.
+    #[serde(default)]
+    pub kernels: KernelCounts,
+
+    /// A bounded sample of failures, newest first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 10))]
+    pub failures: Vec<FailureSample>,
+
+    /// Standard conditions summarising the counts (`Ready`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}
+
+/// Managed clusters by state.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterCounts {
+    /// Clusters whose labels match `spec.selector`.
+    pub selected: i32,
+    /// Selected clusters whose spoke proxy is connected to the hub.
+    pub connected: i32,
+    /// Selected clusters on which every matching node runs the desired module version.
+    pub converged: i32,
+}
+
+/// Nodes by state.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeCounts {
+    /// Nodes matching the module's node selector and tolerations.
+    pub matching: i32,
+    /// Matching nodes on which the module is loaded at the desired version.
+    pub loaded: i32,
+    /// Matching nodes where loading failed or no image resolves for their kernel.
+    pub failed: i32,
+}
+
+/// Kernel releases by resolution outcome.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct KernelCounts {
+    /// Kernel releases for which an image was resolved.
+    pub resolved: i32,
+    /// Kernel releases no mapping matches, or whose image could not be resolved.
+    pub unresolved: i32,
+}
+
+/// One failure, precise enough to act on.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FailureSample {
+    /// Managed cluster name.
+    pub cluster: String,
+    /// Node name, when the failure is a node's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    /// Kernel release involved.
+    pub kernel: String,
+    /// Machine-readable reason, e.g. `NoKernelMapping`, `ImageNotFound`, `LoadFailed`.
+    pub reason: String,
+    /// Human-readable detail, e.g. the node agent's full error text.
+    pub message: String,
+}

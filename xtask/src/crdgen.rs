@@ -1,0 +1,26 @@
+//! Writes (or checks) the CRD YAML generated from `kmm-api`.
+
+use std::{fs, path::Path};
+
+use anyhow::{Context, bail};
+
+pub fn run(root: &Path, check: bool) -> anyhow::Result<()> {
+    let path = root.join(kmm_api::CRD_PATH);
+    let generated = kmm_api::managed_cluster_module_crd_yaml();
+    if check {
+        let committed =
+            fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        if committed != generated {
+            bail!(
+                "{} is out of date with the Rust types in hub/api; run `cargo xtask crdgen`",
+                path.display()
+            );
+        }
+        println!("{} is up to date", path.display());
+        return Ok(());
+    }
+    fs::create_dir_all(path.parent().expect("CRD_PATH has a directory"))?;
+    fs::write(&path, generated).with_context(|| format!("writing {}", path.display()))?;
+    println!("wrote {}", path.display());
+    Ok(())
+}
