@@ -8,6 +8,8 @@ use serde::{Deserialize, Serialize};
 use crate::{ManagedClusterModuleStatus, ModuleSpec};
 
 /// The desired state of a ManagedClusterModule.
+// Each printcolumn(...) repeats the same keys, which clippy mistakes for duplicates.
+#[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[kube(
     group = "hub.kmm.sigs.x-k8s.io",

@@ -98,6 +98,7 @@ pub struct ModuleLoaderContainerSpec {
 
     /// TLS settings for the kmod image registry.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(rename = "registryTLS")]
     pub registry_tls: Option<TlsOptions>,
 
     /// Deprecated upstream in favour of `inTreeModulesToRemove`.
@@ -134,6 +135,7 @@ pub struct KernelMapping {
 
     /// TLS settings for this mapping's registry; replaces the container's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(rename = "registryTLS")]
     pub registry_tls: Option<TlsOptions>,
 
     /// Regular expression (RE2 syntax, unanchored) matched against the kernel release.
@@ -226,6 +228,7 @@ pub struct TlsOptions {
 
     /// HTTPS without verifying the registry's certificate.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(rename = "insecureSkipTLSVerify")]
     pub insecure_skip_tls_verify: Option<bool>,
 }
 
@@ -259,6 +262,7 @@ pub struct Build {
 
     /// TLS settings for the registries of the Dockerfile's base images.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(rename = "baseImageRegistryTLS")]
     pub base_image_registry_tls: Option<TlsOptions>,
 
     /// Secrets made available to the build; a mapping's are appended to the container's.
@@ -284,6 +288,7 @@ pub struct Sign {
 
     /// TLS settings for the unsigned image's registry.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(rename = "unsignedImageRegistryTLS")]
     pub unsigned_image_registry_tls: Option<TlsOptions>,
 
     /// Secret holding the private signing key.

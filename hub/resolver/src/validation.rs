@@ -146,24 +146,24 @@ fn validate_container(c: &mut Collector, path: &str, container: &ModuleLoaderCon
     if let Some(image) = non_empty(&container.container_image) {
         validate_image_template(c, &format!("{path}.containerImage"), image);
     }
-    if let Some(policy) = container.image_pull_policy.as_deref() {
-        if !matches!(policy, "Always" | "Never" | "IfNotPresent") {
-            c.error(
-                format!("{path}.imagePullPolicy"),
-                Some(policy),
-                "must be one of Always, Never, IfNotPresent",
-            );
-        }
+    if let Some(policy) = container.image_pull_policy.as_deref()
+        && !matches!(policy, "Always" | "Never" | "IfNotPresent")
+    {
+        c.error(
+            format!("{path}.imagePullPolicy"),
+            Some(policy),
+            "must be one of Always, Never, IfNotPresent",
+        );
     }
-    if let Some(version) = container.version.as_deref() {
-        if !is_label_value(version) {
-            c.error(
-                format!("{path}.version"),
-                Some(version),
-                "must be a valid label value (it becomes the value of the version.ready node label): \
-                 at most 63 characters, alphanumerics and '-', '_', '.', starting and ending with an alphanumeric",
-            );
-        }
+    if let Some(version) = container.version.as_deref()
+        && !is_label_value(version)
+    {
+        c.error(
+            format!("{path}.version"),
+            Some(version),
+            "must be a valid label value (it becomes the value of the version.ready node label): \
+             at most 63 characters, alphanumerics and '-', '_', '.', starting and ending with an alphanumeric",
+        );
     }
     if non_empty(&container.in_tree_module_to_remove).is_some()
         && container.in_tree_modules_to_remove.is_some()
