@@ -208,10 +208,15 @@ fn validate_mapping(
         ),
         (None, Some(pattern)) => {
             if let Err(e) = go_regexp::compile(pattern) {
+                // The engine's message draws a caret diagram over several lines; its last
+                // line names the problem, which is what fits in an admission response.
+                let text = e.to_string();
+                let problem = text.lines().last().unwrap_or_default().trim();
+                let problem = problem.strip_prefix("error: ").unwrap_or(problem);
                 c.error(
                     format!("{path}.regexp"),
                     Some(pattern),
-                    format!("does not compile: {e}"),
+                    format!("does not compile: {problem}"),
                 );
             }
         }
