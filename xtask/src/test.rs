@@ -1,6 +1,10 @@
 //! The one command that runs every check and test, in the order CI relies on.
 
-use std::{path::Path, process::Command};
+use std::{
+    io::{BufRead, BufReader},
+    path::Path,
+    process::{Command, Stdio},
+};
 
 use anyhow::{Context, bail};
 
@@ -31,8 +35,53 @@ pub fn run(root: &Path, options: &Options) -> anyhow::Result<()> {
     for target in FUZZ_TARGETS {
         fuzz(root, target, options.fuzz_seconds)?;
     }
-    // Last, so that the test runner's summary closes the output.
-    cargo(root, &["test", "--workspace"])
+    tests(root)
+}
+
+/// Runs the workspace's tests and closes the output with one summary line over all of
+/// them: cargo prints a summary per test binary, the last of which is often an empty one.
+fn tests(root: &Path) -> anyhow::Result<()> {
+    let args = ["test", "--workspace"];
+    eprintln!("==> cargo {}", args.join(" "));
+    let mut child = Command::new(env!("CARGO"))
+        .args(args)
+        .current_dir(root)
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("running cargo test")?;
+    let (mut passed, mut failed) = (0u64, 0u64);
+    let stdout = child.stdout.take().expect("stdout is piped");
+    for line in BufReader::new(stdout).lines() {
+        let line = line.context("reading cargo test output")?;
+        println!("{line}");
+        if let Some((p, f)) = parse_summary(&line) {
+            passed += p;
+            failed += f;
+        }
+    }
+    let status = child.wait().context("waiting for cargo test")?;
+    println!("tests: {passed} passed, {failed} failed");
+    if !status.success() {
+        bail!("cargo test failed ({status})");
+    }
+    Ok(())
+}
+
+/// Reads `test result: ok. 12 passed; 0 failed; ...`.
+fn parse_summary(line: &str) -> Option<(u64, u64)> {
+    let rest = line.strip_prefix("test result: ")?;
+    let count = |word: &str| {
+        rest.split(';').find_map(|part| {
+            part.trim()
+                .strip_suffix(word)?
+                .trim()
+                .rsplit(' ')
+                .next()?
+                .parse()
+                .ok()
+        })
+    };
+    Some((count(" passed")?, count(" failed")?))
 }
 
 fn cargo(root: &Path, args: &[&str]) -> anyhow::Result<()> {
@@ -67,4 +116,24 @@ fn fuzz(root: &Path, target: &str, seconds: u32) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_summary;
+
+    #[test]
+    fn reads_cargo_test_summaries() {
+        assert_eq!(
+            parse_summary(
+                "test result: ok. 26 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.2s"
+            ),
+            Some((26, 0))
+        );
+        assert_eq!(
+            parse_summary("test result: FAILED. 5 passed; 1 failed; 0 ignored"),
+            Some((5, 1))
+        );
+        assert_eq!(parse_summary("running 3 tests"), None);
+    }
 }
