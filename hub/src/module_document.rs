@@ -93,11 +93,30 @@ fn kube_name(name: Option<String>) -> Result<String, String> {
         .ok_or_else(|| "metadata.name: required".to_owned())
 }
 
+/// Deserializes strictly, as `kubectl apply` does by default: a field the API does not
+/// have is an error naming it, rather than a setting silently dropped.
 fn from_value<T: serde::de::DeserializeOwned>(value: serde_json::Value) -> Result<T, String> {
-    serde_path_to_error::deserialize(value).map_err(|e| {
-        let path = e.path().to_string();
-        format!("{path}: {}", e.into_inner())
-    })
+    let mut unknown = Vec::new();
+    let mut track = serde_path_to_error::Track::new();
+    let tracked = serde_path_to_error::Deserializer::new(value, &mut track);
+    let parsed = serde_ignored::deserialize(tracked, |path| {
+        // serde_ignored marks each `Option` it passes through with a `?` segment.
+        let path = path.to_string().replace(".?", "");
+        // Type metadata was checked before deserializing; the derived types skip it.
+        if path != "apiVersion" && path != "kind" {
+            unknown.push(path);
+        }
+    });
+    let parsed = parsed.map_err(|e| format!("{}: {e}", track.path()))?;
+    unknown.sort();
+    match unknown.as_slice() {
+        [] => Ok(parsed),
+        fields => Err(format!(
+            "unknown field{} {}",
+            if fields.len() == 1 { "" } else { "s" },
+            fields.join(", ")
+        )),
+    }
 }
 
 #[cfg(test)]
@@ -128,6 +147,30 @@ spec:
                 "spec.moduleSpec.moduleLoader.container.kernelMappings[0].containerImage:"
             ),
             "{err}"
+        );
+    }
+
+    #[test]
+    fn unknown_fields_are_refused_by_path() {
+        let doc = r#"
+apiVersion: hub.kmm.sigs.x-k8s.io/v1beta1
+kind: ManagedClusterModule
+metadata: {name: m}
+spec:
+  spokeNamespace: ns
+  selector: {}
+  moduleSpec:
+    selector: {}
+    moduleLoader:
+      container:
+        modprobe: {moduleName: m, dirname: /srv}
+        kernelMapping: []
+        kernelMappings: [{literal: 6.1.0, containerImage: r/x:v1}]
+"#;
+        assert_eq!(
+            parse(doc).unwrap_err(),
+            "unknown fields spec.moduleSpec.moduleLoader.container.kernelMapping, \
+             spec.moduleSpec.moduleLoader.container.modprobe.dirname"
         );
     }
 
