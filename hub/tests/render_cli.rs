@@ -235,3 +235,36 @@ fn text_output_is_a_readable_summary() {
     );
     assert!(text.contains("remove first hello_legacy"), "{text}");
 }
+
+#[test]
+fn an_upstream_mcm_with_every_field_renders() {
+    let fixture = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/api/tests/fixtures/upstream-every-field.yaml"
+    );
+    let output = render(&[
+        "-f",
+        fixture,
+        "-k",
+        "4.18.0-513.24.1.el8_9.x86_64",
+        "-o",
+        "jsonl",
+    ]);
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let resolved = &stdout_objects(&output)[0];
+    assert_eq!(resolved["mappingIndex"], 1);
+    assert_eq!(
+        resolved["build"]["dockerfileConfigMap"]["name"],
+        "dockerfile-el8"
+    );
+    assert_eq!(resolved["sign"]["keySecret"]["name"], "el8-key");
+    assert_eq!(
+        resolved["inTreeModulesToRemove"],
+        serde_json::json!(["nouveau"])
+    );
+}
