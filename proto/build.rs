@@ -1,0 +1,15 @@
+//! Compiles kmm/v1/*.proto with protox (pure Rust), so no system `protoc` is needed.
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let files = [
+        "kmm/v1/module.proto",
+        "kmm/v1/hub.proto",
+        "kmm/v1/agent.proto",
+    ];
+    for file in files {
+        println!("cargo:rerun-if-changed={file}");
+    }
+    let descriptors = protox::compile(files, ["."])?;
+    tonic_prost_build::configure().compile_fds(descriptors)?;
+    Ok(())
+}

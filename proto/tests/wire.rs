@@ -1,0 +1,82 @@
+//! The wire format is a contract between binaries of different versions: field numbers
+//! must never change. These golden encodings fail if one does.
+
+use kmm_proto::v1::{
+    AgentHello, IntentSnapshot, KernelTarget, LoadedModule, Modprobe, ModuleIntent, ModuleKey,
+    ModuleLoad, PullCredential, kernel_target::Target, pull_credential::Content,
+};
+use prost::Message;
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn key() -> ModuleKey {
+    ModuleKey {
+        namespace: "ns".into(),
+        name: "m".into(),
+    }
+}
+
+#[test]
+fn intent_snapshot_encoding_is_stable() {
+    let snapshot = IntentSnapshot {
+        revision: 7,
+        modules: vec![ModuleIntent {
+            key: Some(key()),
+            generation: 3,
+            kernels: vec![KernelTarget {
+                kernel: "6.1.0".into(),
+                target: Some(Target::Load(ModuleLoad {
+                    image: "r/x:v1".into(),
+                    modprobe: Some(Modprobe {
+                        module_name: "m".into(),
+                        dir_name: "/opt".into(),
+                        ..Modprobe::default()
+                    }),
+                    version: "1".into(),
+                    pull_credential_id: "c".into(),
+                    ..ModuleLoad::default()
+                })),
+            }],
+            unload: true,
+            ..ModuleIntent::default()
+        }],
+        credentials: vec![PullCredential {
+            id: "c".into(),
+            content: Some(Content::DockerConfigJson(b"{}".to_vec())),
+        }],
+    };
+    let bytes = snapshot.encode_to_vec();
+    assert_eq!(
+        hex(&bytes),
+        // revision 7; modules[0]: key, generation 3, kernels[0] (kernel, load: image,
+        // modprobe, version, credential id), unload; credentials[0].
+        "080712310a070a026e7312016d10032a220a05362e312e3012190a06722f783a7631\
+         1a090a016d1a042f6f70742a0131320163\
+         3001\
+         1a070a016312027b7d"
+    );
+    assert_eq!(IntentSnapshot::decode(bytes.as_slice()).unwrap(), snapshot);
+}
+
+#[test]
+fn agent_hello_encoding_is_stable() {
+    let hello = AgentHello {
+        node_name: "n".into(),
+        boot_id: "b".into(),
+        kernel_release: "k".into(),
+        agent_version: "v".into(),
+        loaded: vec![LoadedModule {
+            key: Some(key()),
+            version: "1".into(),
+            image_digest: "d".into(),
+        }],
+    };
+    let bytes = hello.encode_to_vec();
+    assert_eq!(
+        hex(&bytes),
+        "0a016e1201621a016b2201762a0f0a070a026e7312016d1201311a0164"
+    );
+    assert_eq!(AgentHello::decode(bytes.as_slice()).unwrap(), hello);
+}
