@@ -2,8 +2,8 @@
 //!
 //! Field names, nesting and optionality follow upstream exactly so that a spec written for
 //! upstream deserializes here and serializes back unchanged. Every optional field is an
-//! `Option` skipped when absent: a round trip never adds `""`, `false` or `[]` that the
-//! author did not write.
+//! `Option` skipped when absent (`skip_serializing_none`): a round trip never adds `""`,
+//! `false` or `[]` that the author did not write.
 
 use std::collections::BTreeMap;
 
@@ -12,45 +12,44 @@ use k8s_openapi::api::core::v1::{
 };
 use kube::KubeSchema;
 use serde::{Deserialize, Serialize};
+use serde_with::skip_serializing_none;
 
 /// Default root directory for modules inside a kmod image (`modprobe -d`).
 pub const DEFAULT_DIR_NAME: &str = "/opt";
 
 /// How the KMM add-on should deploy one out-of-tree kernel module on the nodes that need it.
+#[skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ModuleSpec {
     /// Overrides for the container that deploys the device plugin on the node.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_plugin: Option<DevicePluginSpec>,
 
     /// Dynamic Resource Allocation driver settings (upstream `spec.dra`). Kept verbatim so
     /// that upstream specs round-trip; kmm-fleet does not deploy DRA drivers.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    // `default` tells schemars the field is optional, which `schema_with` hides from it.
+    #[serde(default)]
     #[schemars(schema_with = "crate::schema::preserve_unknown_object")]
     pub dra: Option<serde_json::Value>,
 
     /// How the module is loaded on the node.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub module_loader: Option<ModuleLoaderSpec>,
 
     /// Secret (in the hub's namespace) used to pull the kmod images and to push built ones.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_repo_secret: Option<LocalObjectReference>,
 
     /// Node labels that select the nodes on which the module is loaded.
     pub selector: BTreeMap<String, String>,
 
     /// Node taints the module tolerates; nodes with other NoSchedule/NoExecute taints are skipped.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tolerations: Option<Vec<Toleration>>,
 
     /// Counter that triggers a rebuild of the module images when incremented.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_rebuild_trigger_generation: Option<i64>,
 }
 
 /// The module loader: which images hold the module and how modprobe loads it.
+#[skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ModuleLoaderSpec {
@@ -58,11 +57,11 @@ pub struct ModuleLoaderSpec {
     pub container: ModuleLoaderContainerSpec,
 
     /// Accepted for upstream compatibility; the node agent never runs user pods.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub service_account_name: Option<String>,
 }
 
 /// Image, build, sign and modprobe settings shared by all kernel mappings.
+#[skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = kube::core::Rule::new(
@@ -70,23 +69,18 @@ pub struct ModuleLoaderSpec {
 ).message("only one of inTreeModuleToRemove or inTreeModulesToRemove may be set"))]
 pub struct ModuleLoaderContainerSpec {
     /// Default build settings, merged with each mapping's.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub build: Option<Build>,
 
     /// Default signing settings, merged with each mapping's.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sign: Option<Sign>,
 
     /// Version of the module; changing it unloads the old module and loads the new one.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub version: Option<String>,
 
     /// Default kmod image, used by mappings that do not set their own. May use kernel variables.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub container_image: Option<String>,
 
     /// One of Always, Never, IfNotPresent.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_pull_policy: Option<String>,
 
     /// Kernel mappings, tried in order: the first that matches a node's kernel wins.
@@ -97,20 +91,18 @@ pub struct ModuleLoaderContainerSpec {
     pub modprobe: ModprobeSpec,
 
     /// TLS settings for the kmod image registry.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[serde(rename = "registryTLS")]
     pub registry_tls: Option<TlsOptions>,
 
     /// Deprecated upstream in favour of `inTreeModulesToRemove`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub in_tree_module_to_remove: Option<String>,
 
     /// In-tree modules removed (if present) before the module is loaded.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub in_tree_modules_to_remove: Option<Vec<String>>,
 }
 
 /// Pairs kernel releases, matched literally or by regular expression, with a kmod image.
+#[skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = kube::core::Rule::new(
@@ -118,40 +110,33 @@ pub struct ModuleLoaderContainerSpec {
 ).message("exactly one of literal or regexp must be set"))]
 pub struct KernelMapping {
     /// Build settings for this mapping, merged over the container's.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub build: Option<Build>,
 
     /// Signing settings for this mapping, merged over the container's.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sign: Option<Sign>,
 
     /// kmod image for kernels matching this mapping. May use kernel variables.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub container_image: Option<String>,
 
     /// Kernel release matched exactly.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub literal: Option<String>,
 
     /// TLS settings for this mapping's registry; replaces the container's.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[serde(rename = "registryTLS")]
     pub registry_tls: Option<TlsOptions>,
 
     /// Regular expression (RE2 syntax, unanchored) matched against the kernel release.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub regexp: Option<String>,
 
     /// Deprecated upstream in favour of `inTreeModulesToRemove`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub in_tree_module_to_remove: Option<String>,
 
     /// In-tree modules removed before loading; replaces the container's list when set.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub in_tree_modules_to_remove: Option<Vec<String>>,
 }
 
 /// Settings that customise modprobe.
+#[skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = kube::core::Rule::new(
@@ -163,32 +148,25 @@ pub struct KernelMapping {
 pub struct ModprobeSpec {
     /// Name of the module to load. May be empty only when `rawArgs` is set.
     #[schemars(length(max = 64))]
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub module_name: Option<String>,
 
     /// Module parameters (`key=value`) appended to the load command.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parameters: Option<Vec<String>>,
 
     /// Root directory of the modules in the image (`modprobe -d`); `/opt` when unset.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dir_name: Option<String>,
 
     /// Extra modprobe arguments placed before the module name.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub args: Option<ModprobeArgs>,
 
     /// Complete modprobe arguments; all other settings here are then ignored.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub raw_args: Option<ModprobeArgs>,
 
     /// Directory in the image whose files are copied to the host's firmware directory.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub firmware_path: Option<String>,
 
     /// Load order for modules without depmod dependencies: `moduleName` first, then the
     /// module it depends on, and so on.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 2), inner(length(max = 64)), extend("x-kubernetes-list-type" = "set"))]
     pub modules_loading_order: Option<Vec<String>>,
 }
@@ -204,35 +182,34 @@ impl ModprobeSpec {
 }
 
 /// modprobe arguments for loading and unloading.
+#[skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ModprobeArgs {
     /// Arguments used when loading.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1))]
     pub load: Option<Vec<String>>,
 
     /// Arguments used when unloading.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1))]
     pub unload: Option<Vec<String>>,
 }
 
 /// How to reach a registry.
+#[skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct TlsOptions {
     /// Plain HTTP.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub insecure: Option<bool>,
 
     /// HTTPS without verifying the registry's certificate.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[serde(rename = "insecureSkipTLSVerify")]
     pub insecure_skip_tls_verify: Option<bool>,
 }
 
 /// A build argument given to the image build.
+#[skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
 pub struct BuildArg {
     /// Argument name.
@@ -242,52 +219,47 @@ pub struct BuildArg {
 }
 
 /// Kaniko settings.
+#[skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
 pub struct KanikoParams {
     /// Kaniko image tag.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tag: Option<String>,
 }
 
 /// How to build a kmod image when it does not exist.
+#[skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Build {
     /// Build arguments; a mapping's argument replaces the container's of the same name.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub build_args: Option<Vec<BuildArg>>,
 
     /// ConfigMap holding the Dockerfile.
     pub dockerfile_config_map: LocalObjectReference,
 
     /// TLS settings for the registries of the Dockerfile's base images.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[serde(rename = "baseImageRegistryTLS")]
     pub base_image_registry_tls: Option<TlsOptions>,
 
     /// Secrets made available to the build; a mapping's are appended to the container's.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secrets: Option<Vec<LocalObjectReference>>,
 
     /// Kaniko settings.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kaniko_params: Option<KanikoParams>,
 
     /// Labels of the nodes the build may run on.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub selector: Option<BTreeMap<String, String>>,
 }
 
 /// How to sign the modules of a kmod image for Secure Boot.
+#[skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Sign {
     /// Image to sign; ignored when a build is configured. May use kernel variables.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unsigned_image: Option<String>,
 
     /// TLS settings for the unsigned image's registry.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[serde(rename = "unsignedImageRegistryTLS")]
     pub unsigned_image_registry_tls: Option<TlsOptions>,
 
@@ -298,11 +270,11 @@ pub struct Sign {
     pub cert_secret: LocalObjectReference,
 
     /// Paths of the module files to sign, under `modprobe.dirName`. May use kernel variables.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub files_to_sign: Option<Vec<String>>,
 }
 
 /// The device plugin deployed next to the module.
+#[skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct DevicePluginSpec {
@@ -310,50 +282,41 @@ pub struct DevicePluginSpec {
     pub container: DevicePluginContainerSpec,
 
     /// An init container run before the device plugin.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub init_container: Option<DevicePluginContainerSpec>,
 
     /// ServiceAccount of the device plugin pod.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub service_account_name: Option<String>,
 
     /// Extra volumes of the device plugin pod.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub volumes: Option<Vec<Volume>>,
 
     /// Whether the pod mounts its ServiceAccount token.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub automount_service_account_token: Option<bool>,
 }
 
 /// A device plugin container.
+#[skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct DevicePluginContainerSpec {
     /// Entrypoint array.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub command: Option<Vec<String>>,
 
     /// Arguments to the entrypoint.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub args: Option<Vec<String>>,
 
     /// Environment variables.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub env: Option<Vec<EnvVar>>,
 
     /// Image of the device plugin.
     pub image: String,
 
     /// One of Always, Never, IfNotPresent.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_pull_policy: Option<String>,
 
     /// Compute resources.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<ResourceRequirements>,
 
     /// Volume mounts appended to the default ones.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub volume_mounts: Option<Vec<VolumeMount>>,
 }

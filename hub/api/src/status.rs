@@ -7,16 +7,17 @@
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::KubeSchema;
 use serde::{Deserialize, Serialize};
+use serde_with::skip_serializing_none;
 
 /// Most failure samples kept in status; the counts still cover every failure.
 pub const MAX_FAILURE_SAMPLES: usize = 10;
 
 /// Observed state of a ManagedClusterModule.
+#[skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ManagedClusterModuleStatus {
     /// The `metadata.generation` these counts were computed for.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
 
     /// Managed clusters, by state.
@@ -76,13 +77,13 @@ pub struct KernelCounts {
 }
 
 /// One failure, precise enough to act on.
+#[skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct FailureSample {
     /// Managed cluster name.
     pub cluster: String,
     /// Node name, when the failure is a node's.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node: Option<String>,
     /// Kernel release involved.
     pub kernel: String,
