@@ -1,0 +1,337 @@
+//! What one managed cluster must run: every selected module resolved for every kernel the
+//! cluster reported, as the IntentSnapshot streamed to its spoke proxy. Pure.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use kmm_api::ManagedClusterModule;
+use kmm_proto::v1::{
+    IntentSnapshot, KernelTarget, Modprobe, ModprobeArgs, ModuleIntent, ModuleKey, ModuleLoad,
+    PullCredential, RegistryTls, Toleration, Unresolved, kernel_target::Target,
+};
+use kmm_resolver::{ModuleIdentity, Resolution, Resolver};
+use kube::ResourceExt;
+
+/// A module as the hub sees it for one cluster.
+#[derive(Clone, Copy, Debug)]
+pub struct ModuleInput<'a> {
+    pub module: &'a ManagedClusterModule,
+    /// Unload everywhere in the cluster: the module is being deleted, or the cluster is no
+    /// longer selected. Unloading is always explicit, never inferred from absence.
+    pub unload: bool,
+}
+
+/// Whether `selector` (matchLabels semantics; empty selects every cluster, as upstream)
+/// selects a cluster with `labels`.
+pub fn selects(selector: &BTreeMap<String, String>, labels: &BTreeMap<String, String>) -> bool {
+    selector
+        .iter()
+        .all(|(key, value)| labels.get(key) == Some(value))
+}
+
+/// Builds the cluster's snapshot (revision left at 0 for the caller to stamp).
+/// `credentials` maps pull Secret names in the hub's namespace to their content; only the
+/// credentials an image of this snapshot needs are included.
+pub fn cluster_intents(
+    modules: &[ModuleInput<'_>],
+    kernels: &BTreeSet<String>,
+    credentials: &BTreeMap<String, PullCredential>,
+) -> IntentSnapshot {
+    let mut needed = BTreeSet::new();
+    let intents = modules
+        .iter()
+        .map(|input| module_intent(input, kernels, credentials, &mut needed))
+        .collect();
+    IntentSnapshot {
+        revision: 0,
+        modules: intents,
+        credentials: needed
+            .into_iter()
+            .filter_map(|id| credentials.get(&id).cloned())
+            .collect(),
+    }
+}
+
+fn module_intent(
+    input: &ModuleInput<'_>,
+    kernels: &BTreeSet<String>,
+    credentials: &BTreeMap<String, PullCredential>,
+    needed: &mut BTreeSet<String>,
+) -> ModuleIntent {
+    let mcm = input.module;
+    let name = mcm.name_any();
+    let spec = &mcm.spec.module_spec;
+    let identity = ModuleIdentity {
+        name: &name,
+        namespace: &mcm.spec.spoke_namespace,
+        spec_path: "spec.moduleSpec",
+    };
+    let resolver = Resolver::new(spec, identity);
+    let secret = spec
+        .image_repo_secret
+        .as_ref()
+        .map(|s| s.name.clone())
+        .filter(|n| !n.is_empty());
+    let targets = kernels
+        .iter()
+        .map(|kernel| {
+            let target = match &resolver {
+                Err(errors) => unresolved("InvalidSpec", errors.to_string()),
+                Ok(resolver) => match resolver.resolve(kernel) {
+                    Err(e) => unresolved(e.kind.reason(), e.to_string()),
+                    Ok(resolution) => match &secret {
+                        Some(secret) if !credentials.contains_key(secret) => unresolved(
+                            "PullSecretNotFound",
+                            format!("spec.moduleSpec.imageRepoSecret: Secret {secret:?} not found in the hub's namespace"),
+                        ),
+                        _ => {
+                            needed.extend(secret.clone());
+                            Target::Load(module_load(&resolution, secret.as_deref()))
+                        }
+                    },
+                },
+            };
+            KernelTarget { kernel: kernel.clone(), target: Some(target) }
+        })
+        .collect();
+    ModuleIntent {
+        key: Some(ModuleKey {
+            namespace: mcm.spec.spoke_namespace.clone(),
+            name,
+        }),
+        generation: mcm.metadata.generation.unwrap_or_default(),
+        node_selector: spec.selector.clone().into_iter().collect(),
+        tolerations: spec.tolerations.iter().flatten().map(toleration).collect(),
+        kernels: targets,
+        unload: input.unload,
+    }
+}
+
+fn unresolved(reason: &str, message: String) -> Target {
+    Target::Unresolved(Unresolved {
+        reason: reason.to_owned(),
+        message,
+    })
+}
+
+fn module_load(r: &Resolution, credential: Option<&str>) -> ModuleLoad {
+    let m = &r.modprobe;
+    let args = |a: &Option<kmm_api::ModprobeArgs>| {
+        a.as_ref().map(|a| ModprobeArgs {
+            load: a.load.clone().unwrap_or_default(),
+            unload: a.unload.clone().unwrap_or_default(),
+        })
+    };
+    ModuleLoad {
+        image: r.container_image.clone(),
+        registry_tls: r.registry_tls.as_ref().map(|tls| RegistryTls {
+            insecure: tls.insecure.unwrap_or_default(),
+            insecure_skip_tls_verify: tls.insecure_skip_tls_verify.unwrap_or_default(),
+        }),
+        modprobe: Some(Modprobe {
+            module_name: m.module_name.clone().unwrap_or_default(),
+            parameters: m.parameters.clone().unwrap_or_default(),
+            dir_name: m.dir_name_or_default().to_owned(),
+            args: args(&m.args),
+            raw_args: args(&m.raw_args),
+            firmware_path: m.firmware_path.clone().unwrap_or_default(),
+            modules_loading_order: m.modules_loading_order.clone().unwrap_or_default(),
+        }),
+        in_tree_modules_to_remove: r.in_tree_modules_to_remove.clone(),
+        version: r.version.clone().unwrap_or_default(),
+        pull_credential_id: credential.unwrap_or_default().to_owned(),
+    }
+}
+
+fn toleration(t: &k8s_openapi::api::core::v1::Toleration) -> Toleration {
+    Toleration {
+        key: t.key.clone().unwrap_or_default(),
+        operator: t.operator.clone().unwrap_or_default(),
+        value: t.value.clone().unwrap_or_default(),
+        effect: t.effect.clone().unwrap_or_default(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kmm_proto::v1::pull_credential::Content;
+
+    use super::*;
+
+    fn mcm(name: &str, yaml_module_spec: &str) -> ManagedClusterModule {
+        let doc = format!(
+            "apiVersion: hub.kmm.sigs.x-k8s.io/v1beta1\nkind: ManagedClusterModule\n\
+             metadata: {{name: {name}, generation: 4}}\n\
+             spec:\n  spokeNamespace: drivers\n  selector: {{fleet: a}}\n  moduleSpec:\n{yaml_module_spec}"
+        );
+        serde_yaml_ng::from_str(&doc).expect("test MCM parses")
+    }
+
+    const HELLO: &str = r#"    selector: {role: worker}
+    imageRepoSecret: {name: pull}
+    tolerations: [{key: gpu, operator: Exists, effect: NoSchedule}]
+    moduleLoader:
+      container:
+        version: "1"
+        modprobe: {moduleName: hello, parameters: [a=1]}
+        kernelMappings:
+          - {regexp: 'amd64$', containerImage: 'r.example/hello:${KERNEL_FULL_VERSION}'}
+"#;
+
+    fn kernels(list: &[&str]) -> BTreeSet<String> {
+        list.iter().map(|k| k.to_string()).collect()
+    }
+
+    fn creds(names: &[&str]) -> BTreeMap<String, PullCredential> {
+        names
+            .iter()
+            .map(|n| {
+                let content = Some(Content::DockerConfigJson(
+                    format!("{{\"auths\":{{\"{n}\":{{}}}}}}").into_bytes(),
+                ));
+                (
+                    n.to_string(),
+                    PullCredential {
+                        id: n.to_string(),
+                        content,
+                    },
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn selection_is_match_labels_and_empty_selects_all() {
+        let labels = BTreeMap::from([
+            ("fleet".to_string(), "a".to_string()),
+            ("zone".to_string(), "x".to_string()),
+        ]);
+        assert!(selects(&BTreeMap::new(), &labels));
+        assert!(selects(
+            &BTreeMap::from([("fleet".into(), "a".into())]),
+            &labels
+        ));
+        assert!(!selects(
+            &BTreeMap::from([("fleet".into(), "b".into())]),
+            &labels
+        ));
+        assert!(!selects(
+            &BTreeMap::from([("other".into(), "a".into())]),
+            &labels
+        ));
+    }
+
+    #[test]
+    fn every_kernel_is_resolved_or_explained() {
+        let module = mcm("hello", HELLO);
+        let snapshot = cluster_intents(
+            &[ModuleInput {
+                module: &module,
+                unload: false,
+            }],
+            &kernels(&["6.1.0-13-amd64", "5.14.0-427.el9.x86_64"]),
+            &creds(&["pull", "unrelated"]),
+        );
+        let intent = &snapshot.modules[0];
+        assert_eq!(
+            intent.key,
+            Some(ModuleKey {
+                namespace: "drivers".into(),
+                name: "hello".into()
+            })
+        );
+        assert_eq!(intent.generation, 4);
+        assert_eq!(
+            intent.node_selector.get("role").map(String::as_str),
+            Some("worker")
+        );
+        assert_eq!(intent.tolerations[0].key, "gpu");
+        let by_kernel: BTreeMap<_, _> = intent
+            .kernels
+            .iter()
+            .map(|k| (k.kernel.as_str(), k.target.clone().unwrap()))
+            .collect();
+        let Target::Load(load) = &by_kernel["6.1.0-13-amd64"] else {
+            panic!("amd64 resolves")
+        };
+        assert_eq!(load.image, "r.example/hello:6.1.0-13-amd64");
+        assert_eq!(load.modprobe.as_ref().unwrap().dir_name, "/opt");
+        assert_eq!(load.pull_credential_id, "pull");
+        let Target::Unresolved(why) = &by_kernel["5.14.0-427.el9.x86_64"] else {
+            panic!("el9 has no mapping")
+        };
+        assert_eq!(why.reason, "NoKernelMapping");
+        assert!(
+            why.message.contains("5.14.0-427.el9.x86_64"),
+            "{}",
+            why.message
+        );
+        // Only the credential an image needs travels to the cluster.
+        assert_eq!(
+            snapshot
+                .credentials
+                .iter()
+                .map(|c| c.id.as_str())
+                .collect::<Vec<_>>(),
+            ["pull"]
+        );
+    }
+
+    #[test]
+    fn missing_pull_secret_is_a_reason_not_silence() {
+        let module = mcm("hello", HELLO);
+        let snapshot = cluster_intents(
+            &[ModuleInput {
+                module: &module,
+                unload: false,
+            }],
+            &kernels(&["6.1.0-13-amd64"]),
+            &BTreeMap::new(),
+        );
+        let Some(Target::Unresolved(why)) = &snapshot.modules[0].kernels[0].target else {
+            panic!("no secret, no load")
+        };
+        assert_eq!(why.reason, "PullSecretNotFound");
+        assert!(snapshot.credentials.is_empty());
+    }
+
+    #[test]
+    fn no_credentials_travel_when_no_kernel_resolves() {
+        let module = mcm("hello", HELLO);
+        let snapshot = cluster_intents(
+            &[ModuleInput {
+                module: &module,
+                unload: false,
+            }],
+            &kernels(&["5.14.0-427.el9.x86_64"]),
+            &creds(&["pull"]),
+        );
+        assert!(snapshot.credentials.is_empty());
+    }
+
+    #[test]
+    fn invalid_specs_are_reported_per_kernel_and_unload_is_explicit() {
+        let broken = mcm(
+            "broken",
+            "    selector: {}\n    moduleLoader:\n      container:\n        modprobe: {}\n        kernelMappings: [{regexp: '('}]\n",
+        );
+        let snapshot = cluster_intents(
+            &[ModuleInput {
+                module: &broken,
+                unload: true,
+            }],
+            &kernels(&["6.1.0"]),
+            &BTreeMap::new(),
+        );
+        let intent = &snapshot.modules[0];
+        assert!(intent.unload);
+        let Some(Target::Unresolved(why)) = &intent.kernels[0].target else {
+            panic!("invalid spec")
+        };
+        assert_eq!(why.reason, "InvalidSpec");
+        assert!(
+            why.message.contains("kernelMappings[0].regexp"),
+            "{}",
+            why.message
+        );
+    }
+}

@@ -1,0 +1,220 @@
+//! A ManagedClusterModule's status from what its clusters report: counts over the whole
+//! fleet and a bounded, deterministic sample of failures. Pure.
+
+use std::collections::BTreeSet;
+
+use kmm_api::{
+    ClusterCounts, FailureSample, KernelCounts, MAX_FAILURE_SAMPLES, ManagedClusterModuleStatus,
+    NodeCounts,
+};
+use kmm_proto::v1::{KernelTarget, ModuleNodeStatus, ModuleState, kernel_target::Target};
+
+/// What one selected cluster says about one module.
+#[derive(Clone, Copy, Debug)]
+pub struct ClusterReport<'a> {
+    pub cluster: &'a str,
+    /// Whether the cluster's spoke proxy is connected now.
+    pub connected: bool,
+    /// The module's per-kernel resolution for this cluster.
+    pub kernels: &'a [KernelTarget],
+    /// The module's per-node status in this cluster.
+    pub nodes: &'a [ModuleNodeStatus],
+}
+
+/// Aggregates the reports of every selected cluster.
+pub fn module_status(
+    generation: Option<i64>,
+    reports: &[ClusterReport<'_>],
+) -> ManagedClusterModuleStatus {
+    let mut clusters = ClusterCounts {
+        selected: count(reports.len()),
+        ..ClusterCounts::default()
+    };
+    let mut nodes = NodeCounts::default();
+    let mut resolved = BTreeSet::new();
+    let mut unresolved = BTreeSet::new();
+    let mut failures = Vec::new();
+    for report in reports {
+        let state = |s: &ModuleNodeStatus| ModuleState::try_from(s.state).unwrap_or_default();
+        let matching: Vec<&ModuleNodeStatus> = report
+            .nodes
+            .iter()
+            .filter(|s| {
+                matches!(
+                    state(s),
+                    ModuleState::Pending | ModuleState::Loaded | ModuleState::Failed
+                )
+            })
+            .collect();
+        let loaded = matching
+            .iter()
+            .filter(|s| state(s) == ModuleState::Loaded)
+            .count();
+        nodes.matching += count(matching.len());
+        nodes.loaded += count(loaded);
+        if report.connected {
+            clusters.connected += 1;
+            if loaded == matching.len() {
+                clusters.converged += 1;
+            }
+        }
+        for status in matching.iter().filter(|s| state(s) == ModuleState::Failed) {
+            nodes.failed += 1;
+            failures.push(FailureSample {
+                cluster: report.cluster.to_owned(),
+                node: status.key.as_ref().map(|k| k.node.clone()),
+                kernel: status.kernel.clone(),
+                reason: status.reason.clone(),
+                message: status.message.clone(),
+            });
+        }
+        for target in report.kernels {
+            match target.target {
+                Some(Target::Load(_)) => resolved.insert(target.kernel.clone()),
+                _ => unresolved.insert(target.kernel.clone()),
+            };
+        }
+    }
+    failures
+        .sort_by(|a, b| (&a.cluster, &a.node, &a.kernel).cmp(&(&b.cluster, &b.node, &b.kernel)));
+    failures.truncate(MAX_FAILURE_SAMPLES);
+    ManagedClusterModuleStatus {
+        observed_generation: generation,
+        clusters,
+        nodes,
+        kernels: KernelCounts {
+            resolved: count(resolved.len()),
+            unresolved: count(unresolved.len()),
+        },
+        failures,
+        conditions: Vec::new(),
+    }
+}
+
+fn count(n: usize) -> i32 {
+    i32::try_from(n).unwrap_or(i32::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use kmm_proto::v1::{ModuleKey, ModuleLoad, ModuleNodeKey, Unresolved};
+
+    use super::*;
+
+    fn node(name: &str, state: ModuleState, reason: &str) -> ModuleNodeStatus {
+        ModuleNodeStatus {
+            key: Some(ModuleNodeKey {
+                module: Some(ModuleKey::default()),
+                node: name.into(),
+            }),
+            kernel: "6.1.0-13-amd64".into(),
+            state: state.into(),
+            reason: reason.into(),
+            message: format!("{reason} on {name}"),
+            ..ModuleNodeStatus::default()
+        }
+    }
+
+    fn targets() -> Vec<KernelTarget> {
+        vec![
+            KernelTarget {
+                kernel: "6.1.0-13-amd64".into(),
+                target: Some(Target::Load(ModuleLoad::default())),
+            },
+            KernelTarget {
+                kernel: "6.6.54-flatcar".into(),
+                target: Some(Target::Unresolved(Unresolved::default())),
+            },
+        ]
+    }
+
+    #[test]
+    fn counts_cover_every_cluster_and_node() {
+        let kernels = targets();
+        let a = [
+            node("a1", ModuleState::Loaded, ""),
+            node("a2", ModuleState::Loaded, ""),
+            node("a3", ModuleState::Unloaded, ""),
+        ];
+        let b = [
+            node("b1", ModuleState::Loaded, ""),
+            node("b2", ModuleState::Failed, "LoadFailed"),
+            node("b3", ModuleState::Pending, ""),
+        ];
+        let c: [ModuleNodeStatus; 0] = [];
+        let status = module_status(
+            Some(5),
+            &[
+                ClusterReport {
+                    cluster: "a",
+                    connected: true,
+                    kernels: &kernels,
+                    nodes: &a,
+                },
+                ClusterReport {
+                    cluster: "b",
+                    connected: true,
+                    kernels: &kernels,
+                    nodes: &b,
+                },
+                ClusterReport {
+                    cluster: "c",
+                    connected: false,
+                    kernels: &[],
+                    nodes: &c,
+                },
+            ],
+        );
+        assert_eq!(status.observed_generation, Some(5));
+        assert_eq!(
+            status.clusters,
+            ClusterCounts {
+                selected: 3,
+                connected: 2,
+                converged: 1
+            }
+        );
+        assert_eq!(
+            status.nodes,
+            NodeCounts {
+                matching: 5,
+                loaded: 3,
+                failed: 1
+            }
+        );
+        assert_eq!(
+            status.kernels,
+            KernelCounts {
+                resolved: 1,
+                unresolved: 1
+            }
+        );
+        assert_eq!(status.failures.len(), 1);
+        assert_eq!(status.failures[0].node.as_deref(), Some("b2"));
+        assert_eq!(status.failures[0].reason, "LoadFailed");
+    }
+
+    #[test]
+    fn failure_samples_stay_bounded_and_deterministic() {
+        let many: Vec<ModuleNodeStatus> = (0..500)
+            .rev()
+            .map(|i| node(&format!("n{i:03}"), ModuleState::Failed, "NoKernelMapping"))
+            .collect();
+        let report = [ClusterReport {
+            cluster: "big",
+            connected: true,
+            kernels: &[],
+            nodes: &many,
+        }];
+        let status = module_status(None, &report);
+        assert_eq!(status.nodes.failed, 500);
+        assert_eq!(status.failures.len(), MAX_FAILURE_SAMPLES);
+        assert_eq!(status.failures[0].node.as_deref(), Some("n000"));
+        assert_eq!(
+            status,
+            module_status(None, &report),
+            "same input, same status: no churn"
+        );
+        assert_eq!(status.clusters.converged, 0);
+    }
+}

@@ -1,0 +1,3 @@
+//! The kmm-fleet hub. The binary (`main.rs`) is thin wiring over these modules.
+
+pub mod fleet;
