@@ -1,6 +1,7 @@
 //! `cargo xtask <command>`: project automation, written in Rust so it runs wherever cargo does.
 
 mod crdgen;
+mod env;
 mod test;
 
 use std::path::PathBuf;
@@ -24,6 +25,8 @@ enum Command {
     },
     /// Run every check and test: fmt, clippy, unit/integration tests, CRD drift, fuzzing.
     Test(test::Options),
+    /// The local fleet: real hub and spoke control planes with OCM (see README).
+    Env(env::EnvArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -32,6 +35,7 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Crdgen { check } => crdgen::run(&root, check),
         Command::Test(options) => test::run(&root, &options),
+        Command::Env(args) => env::run(args),
     }
 }
 

@@ -1,0 +1,886 @@
+//! Starting, inspecting and stopping the local fleet.
+//!
+//! Everything runs as processes on 127.0.0.1: one etcd (each cluster under its own key
+//! prefix), a hub control plane with the OCM hub controllers, `N` spoke control planes
+//! each with KWOK and the OCM klusterlet agent, and an OCI registry. The state directory
+//! holds certificates, kubeconfigs, logs and `state.json` (PIDs, ports, nodes).
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+use k8s_openapi::api::core::v1::{Namespace, Node};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Api, Client};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::pki::{self, Ca};
+use crate::process::{Tracked, spawn};
+use crate::toolchain::Toolchain;
+use crate::versions::Versions;
+use crate::{Error, IoContext, Result, cache_dir, kmod};
+
+/// Field manager for everything the environment applies.
+const MANAGER: &str = "kmm-fleet-env";
+/// Namespaces the OCM hub controllers and the klusterlet agent expect.
+const HUB_NAMESPACES: &[&str] = &["open-cluster-management", "open-cluster-management-hub"];
+const SPOKE_NAMESPACES: &[&str] = &["open-cluster-management-agent", "open-cluster-management-agent-addon"];
+/// The add-on CRDs the OCM addon manager serves in two versions through its conversion webhook.
+const CONVERTED_CRDS: &[&str] = &[
+    "clustermanagementaddons.addon.open-cluster-management.io",
+    "managedclusteraddons.addon.open-cluster-management.io",
+];
+/// CRDs the klusterlet agent needs on a managed cluster.
+const SPOKE_CRDS: &[&str] = &[
+    "clusterclaims.cluster.open-cluster-management.io",
+    "appliedmanifestworks.work.open-cluster-management.io",
+];
+/// Annotation by which KWOK recognises the nodes it simulates.
+pub const KWOK_NODE_ANNOTATION: &str = "kwok.x-k8s.io/node";
+/// Node label carrying the simulated kernel (the real one is in `status.nodeInfo`).
+pub const KERNEL_LABEL: &str = "kmm-fleet.dev/kernel";
+
+const STARTUP: Duration = Duration::from_secs(120);
+const POLL: Duration = Duration::from_millis(250);
+
+/// How big a fleet `up` starts.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub spokes: usize,
+    pub nodes_per_spoke: usize,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self { spokes: 2, nodes_per_spoke: 3 }
+    }
+}
+
+/// What `up` started, persisted as `state.json` in the state directory.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct State {
+    pub clusters: Vec<Cluster>,
+    /// `host:port` of the OCI registry.
+    pub registry: String,
+    /// Sample images pushed to the registry, by kernel.
+    pub images: Vec<kmod::SampleImage>,
+    pub processes: Vec<Tracked>,
+}
+
+/// One cluster of the fleet.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Cluster {
+    /// `hub`, `spoke1`, `spoke2`, ...
+    pub name: String,
+    pub kubeconfig: PathBuf,
+    pub server: String,
+    /// Simulated nodes and their kernels (empty on the hub).
+    pub nodes: Vec<SimulatedNode>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SimulatedNode {
+    pub name: String,
+    pub kernel: String,
+}
+
+impl State {
+    pub fn cluster(&self, name: &str) -> Result<&Cluster> {
+        self.clusters
+            .iter()
+            .find(|c| c.name == name)
+            .ok_or_else(|| Error::Invalid(format!("no cluster {name} in the running fleet")))
+    }
+
+    pub fn spokes(&self) -> impl Iterator<Item = &Cluster> {
+        self.clusters.iter().filter(|c| c.name != "hub")
+    }
+
+    pub fn load(dir: &Path) -> Result<Option<Self>> {
+        let path = dir.join("state.json");
+        match std::fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map(Some)
+                .map_err(|e| Error::Invalid(format!("{}: {e}", path.display()))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(Error::Io { context: format!("reading {}", path.display()), source: e }),
+        }
+    }
+
+    fn save(&self, dir: &Path) -> Result<()> {
+        let path = dir.join("state.json");
+        let text = serde_json::to_vec_pretty(self).map_err(|e| Error::Invalid(e.to_string()))?;
+        std::fs::write(&path, text).context(|| format!("writing {}", path.display()))
+    }
+}
+
+/// The state directory: `$KMM_FLEET_STATE_DIR`, else `<cache>/env`.
+pub fn state_dir() -> PathBuf {
+    std::env::var_os("KMM_FLEET_STATE_DIR").map_or_else(|| cache_dir().join("env"), PathBuf::from)
+}
+
+/// The running fleet's state; an error if none is running.
+pub fn running() -> Result<State> {
+    let dir = state_dir();
+    match State::load(&dir)? {
+        Some(state) if state.processes.iter().all(Tracked::alive) => Ok(state),
+        Some(state) => {
+            let dead: Vec<_> = state
+                .processes
+                .iter()
+                .filter(|p| !p.alive())
+                .map(|p| format!("{} (log: {})", p.name, p.log.display()))
+                .collect();
+            Err(Error::Invalid(format!("the fleet in {} is degraded; not running: {}", dir.display(), dead.join(", "))))
+        }
+        None => Err(Error::Invalid(format!(
+            "no fleet is running (no state in {}); start one with `cargo xtask env up`",
+            dir.display()
+        ))),
+    }
+}
+
+/// Ports, all on 127.0.0.1: `$KMM_FLEET_BASE_PORT` (default 16000) plus fixed offsets;
+/// cluster `i` (hub = 0, spokeN = N) gets the block `base + 100 * i`.
+#[derive(Debug, Clone, Copy)]
+struct Ports {
+    base: u16,
+}
+
+impl Ports {
+    fn from_env() -> Result<Self> {
+        let base = match std::env::var("KMM_FLEET_BASE_PORT") {
+            Ok(v) => v.parse().map_err(|e| Error::Invalid(format!("KMM_FLEET_BASE_PORT={v}: {e}")))?,
+            Err(_) => 16000,
+        };
+        Ok(Self { base })
+    }
+    fn etcd_client(self) -> u16 {
+        self.base + 1
+    }
+    fn etcd_peer(self) -> u16 {
+        self.base + 2
+    }
+    fn registry(self) -> u16 {
+        self.base + 5
+    }
+    fn cluster(self, index: usize, offset: u16) -> u16 {
+        self.base + 100 * u16::try_from(index).unwrap_or(u16::MAX / 200) + offset
+    }
+}
+
+const APISERVER: u16 = 43;
+const CONTROLLER_MANAGER: u16 = 57;
+const SCHEDULER: u16 = 59;
+const KWOK: u16 = 47;
+const OCM_AGENT: u16 = 80;
+const OCM_REGISTRATION: u16 = 81;
+const OCM_ADDON_MANAGER: u16 = 82;
+const OCM_PLACEMENT: u16 = 83;
+const OCM_ADDON_WEBHOOK: u16 = 84;
+
+/// Start a fleet. Fails if one is already running; on failure stops what it started
+/// and names the component that did not come up and its log.
+pub async fn up(opts: &Options) -> Result<State> {
+    let dir = state_dir();
+    if let Some(state) = State::load(&dir)? {
+        if state.processes.iter().any(Tracked::alive) {
+            return Err(Error::Invalid(format!(
+                "a fleet is already running from {}; `cargo xtask env down` first",
+                dir.display()
+            )));
+        }
+    }
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).context(|| format!("removing stale {}", dir.display()))?;
+    }
+    std::fs::create_dir_all(&dir).context(|| format!("creating {}", dir.display()))?;
+    let versions = Versions::pinned();
+    let toolchain = Toolchain::ensure(&versions)?;
+    let mut starting = Starting {
+        dir: dir.clone(),
+        toolchain,
+        versions,
+        ports: Ports::from_env()?,
+        state: State { clusters: vec![], registry: String::new(), images: vec![], processes: vec![] },
+    };
+    let started = Instant::now();
+    match starting.run(opts).await {
+        Ok(()) => {
+            eprintln!("fleet: up in {:.1}s", started.elapsed().as_secs_f64());
+            Ok(starting.state)
+        }
+        Err(e) => {
+            for p in starting.state.processes.iter().rev() {
+                p.stop(Duration::from_secs(5));
+            }
+            starting.state.processes.clear();
+            starting.state.save(&dir)?;
+            Err(e)
+        }
+    }
+}
+
+/// Stop every process of the fleet and remove its state directory.
+pub fn down() -> Result<()> {
+    let dir = state_dir();
+    if let Some(state) = State::load(&dir)? {
+        for p in state.processes.iter().rev() {
+            p.stop(Duration::from_secs(10));
+        }
+    }
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).context(|| format!("removing {}", dir.display()))?;
+    }
+    Ok(())
+}
+
+/// One line per component: name, PID, whether it runs, and its log.
+pub fn status() -> Result<Vec<String>> {
+    let dir = state_dir();
+    let Some(state) = State::load(&dir)? else {
+        return Ok(vec![format!("no fleet (no state in {})", dir.display())]);
+    };
+    let mut lines = vec![format!("state: {}  registry: {}", dir.display(), state.registry)];
+    for p in &state.processes {
+        let health = if p.alive() { "running" } else { "NOT RUNNING" };
+        lines.push(format!("{:<40} pid {:<8} {:<12} {}", p.name, p.pid, health, p.log.display()));
+    }
+    Ok(lines)
+}
+
+struct Starting {
+    dir: PathBuf,
+    toolchain: Toolchain,
+    versions: Versions,
+    ports: Ports,
+    state: State,
+}
+
+/// A cluster's control plane while it is being started.
+struct ControlPlane {
+    name: String,
+    index: usize,
+    dir: PathBuf,
+    ca: Ca,
+    kubeconfig: PathBuf,
+    client: Client,
+}
+
+impl Starting {
+    async fn run(&mut self, opts: &Options) -> Result<()> {
+        let api_dir = go_module_dir(&format!("open-cluster-management.io/api@{}", self.versions.ocm.api_version))?;
+        let crds = ocm_crds(&api_dir)?;
+        let kwok_dir = go_module_dir(&format!("sigs.k8s.io/kwok@{}", self.versions.kwok.version))?;
+
+        self.etcd().await?;
+        let hub = self.control_plane("hub", 0, false).await?;
+        self.ocm_hub(&hub, &crds).await?;
+
+        let kernels = self.versions.kernels.all();
+        let mut spokes = vec![];
+        for s in 1..=opts.spokes {
+            let spoke = self.control_plane(&format!("spoke{s}"), s, true).await?;
+            let nodes: Vec<SimulatedNode> = (0..opts.nodes_per_spoke)
+                .map(|n| SimulatedNode {
+                    name: format!("spoke{s}-node{}", n + 1),
+                    kernel: kernels[((s - 1) * opts.nodes_per_spoke + n) % kernels.len()].clone(),
+                })
+                .collect();
+            self.simulated_nodes(&spoke, &nodes, &kwok_dir).await?;
+            self.ocm_agent(&spoke, &hub, &crds).await?;
+            self.cluster_mut(&spoke.name).nodes = nodes;
+            self.state.save(&self.dir)?;
+            spokes.push(spoke);
+        }
+        for spoke in &spokes {
+            self.accept(&hub, &spoke.name).await?;
+        }
+        self.registry().await?;
+        Ok(())
+    }
+
+    fn cluster_mut(&mut self, name: &str) -> &mut Cluster {
+        self.state
+            .clusters
+            .iter_mut()
+            .find(|c| c.name == name)
+            .expect("clusters are recorded when their control plane starts")
+    }
+
+    fn start(&mut self, name: &str, bin: &str, args: Vec<String>, env: &[(&str, String)]) -> Result<Tracked> {
+        let logs = self.dir.join("logs");
+        std::fs::create_dir_all(&logs).context(|| format!("creating {}", logs.display()))?;
+        let log = logs.join(format!("{}.log", name.replace('/', "-")));
+        let program = self.toolchain.bin(bin).to_path_buf();
+        let tracked = spawn(name, &program, &args, env, &log)?;
+        self.state.processes.push(tracked.clone());
+        self.state.save(&self.dir)?;
+        Ok(tracked)
+    }
+
+    async fn etcd(&mut self) -> Result<()> {
+        let data = self.dir.join("etcd");
+        let (client, peer) = (self.ports.etcd_client(), self.ports.etcd_peer());
+        let args = vec![
+            "--name=kmm-fleet".into(),
+            format!("--data-dir={}", data.display()),
+            format!("--listen-client-urls=http://127.0.0.1:{client}"),
+            format!("--advertise-client-urls=http://127.0.0.1:{client}"),
+            format!("--listen-peer-urls=http://127.0.0.1:{peer}"),
+            format!("--initial-advertise-peer-urls=http://127.0.0.1:{peer}"),
+            format!("--initial-cluster=kmm-fleet=http://127.0.0.1:{peer}"),
+            // A throwaway test store: durability across power loss is not needed.
+            "--unsafe-no-fsync=true".into(),
+            "--log-level=warn".into(),
+        ];
+        let etcd = self.start("etcd", "etcd", args, &[])?;
+        wait_for(&etcd, "etcd /health", || async move {
+            http_get_plain(client, "/health").await.is_some_and(|body| body.contains("\"health\":\"true\""))
+        })
+        .await
+    }
+
+    async fn control_plane(&mut self, name: &str, index: usize, scheduler: bool) -> Result<ControlPlane> {
+        let dir = self.dir.join(name);
+        let pki_dir = dir.join("pki");
+        std::fs::create_dir_all(&pki_dir).context(|| format!("creating {}", pki_dir.display()))?;
+        let ca = Ca::create(&pki_dir, "ca", &format!("kmm-fleet {name} CA"))?;
+        let serving = ca.serving(
+            &pki_dir,
+            "apiserver",
+            &["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc", "kubernetes.default.svc.cluster.local"],
+            &["127.0.0.1", "10.0.0.1"],
+        )?;
+        let admin = ca.client(&pki_dir, "admin", "kmm-fleet-admin", "system:masters")?;
+        let sa_key = pki::key(&pki_dir, "service-account.key")?;
+        let port = self.ports.cluster(index, APISERVER);
+        let server = format!("https://127.0.0.1:{port}");
+        let kubeconfig = dir.join("admin.kubeconfig");
+        write_kubeconfig(&kubeconfig, name, &server, &ca.pem, &admin)?;
+
+        let p = |path: &Path| path.display().to_string();
+        let apiserver = self.start(
+            &format!("{name}/kube-apiserver"),
+            "kube-apiserver",
+            vec![
+                format!("--etcd-servers=http://127.0.0.1:{}", self.ports.etcd_client()),
+                format!("--etcd-prefix=/kmm-fleet/{name}"),
+                "--bind-address=127.0.0.1".into(),
+                "--advertise-address=127.0.0.1".into(),
+                format!("--secure-port={port}"),
+                format!("--cert-dir={}", p(&dir.join("apiserver-certs"))),
+                format!("--tls-cert-file={}", p(&serving.cert)),
+                format!("--tls-private-key-file={}", p(&serving.key)),
+                format!("--client-ca-file={}", p(&ca.cert)),
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local".into(),
+                format!("--service-account-key-file={}", p(&sa_key)),
+                format!("--service-account-signing-key-file={}", p(&sa_key)),
+                "--service-cluster-ip-range=10.0.0.0/24".into(),
+                "--authorization-mode=RBAC".into(),
+                "--allow-privileged=true".into(),
+            ],
+            &[],
+        )?;
+        let client = client_for(&kubeconfig).await?;
+        let probe = client.clone();
+        wait_for(&apiserver, "kube-apiserver /readyz", || {
+            let probe = probe.clone();
+            async move { get_text(&probe, "/readyz").await.is_some_and(|t| t.trim() == "ok") }
+        })
+        .await?;
+        self.state.clusters.push(Cluster { name: name.into(), kubeconfig: kubeconfig.clone(), server, nodes: vec![] });
+        self.state.save(&self.dir)?;
+
+        let kc = p(&kubeconfig);
+        let kcm_port = self.ports.cluster(index, CONTROLLER_MANAGER);
+        let kcm = self.start(
+            &format!("{name}/kube-controller-manager"),
+            "kube-controller-manager",
+            vec![
+                format!("--kubeconfig={kc}"),
+                format!("--authentication-kubeconfig={kc}"),
+                format!("--authorization-kubeconfig={kc}"),
+                "--bind-address=127.0.0.1".into(),
+                format!("--secure-port={kcm_port}"),
+                format!("--cert-dir={}", p(&dir.join("kcm-certs"))),
+                "--leader-elect=false".into(),
+                format!("--cluster-name={name}"),
+                // Signs kubernetes.io/kube-apiserver-client CSRs, e.g. OCM's cluster registration.
+                format!("--cluster-signing-cert-file={}", p(&ca.cert)),
+                format!("--cluster-signing-key-file={}", p(&ca.key)),
+                format!("--root-ca-file={}", p(&ca.cert)),
+                format!("--service-account-private-key-file={}", p(&sa_key)),
+            ],
+            &[],
+        )?;
+        wait_healthz(&kcm, kcm_port, "/healthz").await?;
+        if scheduler {
+            let sched_port = self.ports.cluster(index, SCHEDULER);
+            let sched = self.start(
+                &format!("{name}/kube-scheduler"),
+                "kube-scheduler",
+                vec![
+                    format!("--kubeconfig={kc}"),
+                    format!("--authentication-kubeconfig={kc}"),
+                    format!("--authorization-kubeconfig={kc}"),
+                    "--bind-address=127.0.0.1".into(),
+                    format!("--secure-port={sched_port}"),
+                    "--leader-elect=false".into(),
+                ],
+                &[],
+            )?;
+            wait_healthz(&sched, sched_port, "/healthz").await?;
+        }
+        Ok(ControlPlane { name: name.into(), index, dir, ca, kubeconfig, client })
+    }
+
+    async fn ocm_hub(&mut self, hub: &ControlPlane, crds: &[Value]) -> Result<()> {
+        ensure_namespaces(&hub.client, HUB_NAMESPACES).await?;
+        let webhook_port = self.ports.cluster(hub.index, OCM_ADDON_WEBHOOK);
+        let webhook_dir = hub.dir.join("addon-webhook");
+        std::fs::create_dir_all(&webhook_dir).context(|| format!("creating {}", webhook_dir.display()))?;
+        let serving = hub.ca.serving(&webhook_dir, "tls", &["localhost"], &["127.0.0.1"])?;
+        // controller-runtime expects tls.crt/tls.key, which is what `serving` wrote.
+        debug_assert!(serving.cert.ends_with("tls.crt"));
+        let ca_bundle = base64::engine::general_purpose::STANDARD.encode(&hub.ca.pem);
+        for crd in crds {
+            let mut crd = crd.clone();
+            if CONVERTED_CRDS.contains(&crd_name(&crd)) {
+                crd["spec"]["conversion"] = json!({
+                    "strategy": "Webhook",
+                    "webhook": {
+                        "clientConfig": {
+                            "url": format!("https://127.0.0.1:{webhook_port}/convert"),
+                            "caBundle": ca_bundle,
+                        },
+                        "conversionReviewVersions": ["v1", "v1beta1"],
+                    },
+                });
+            }
+            apply_crd(&hub.client, &crd).await?;
+        }
+        let kc = hub.kubeconfig.display().to_string();
+        let webhook = self.start(
+            "hub/ocm-addon-webhook",
+            "addon",
+            vec![
+                "webhook-server".into(),
+                format!("--port={webhook_port}"),
+                format!("--certdir={}", webhook_dir.display()),
+            ],
+            &[("KUBECONFIG", kc.clone())],
+        )?;
+        wait_for(&webhook, "OCM addon conversion webhook to listen", || async move {
+            tokio::net::TcpStream::connect(("127.0.0.1", webhook_port)).await.is_ok()
+        })
+        .await?;
+        for (component, bin, subcommand, offset) in [
+            ("hub/ocm-registration", "registration", "controller", OCM_REGISTRATION),
+            ("hub/ocm-addon-manager", "addon", "manager", OCM_ADDON_MANAGER),
+            ("hub/ocm-placement", "placement", "controller", OCM_PLACEMENT),
+        ] {
+            let port = self.ports.cluster(hub.index, offset);
+            let tracked = self.start(
+                component,
+                bin,
+                vec![
+                    subcommand.into(),
+                    format!("--kubeconfig={kc}"),
+                    "--namespace=open-cluster-management-hub".into(),
+                    format!("--listen=127.0.0.1:{port}"),
+                    "--disable-leader-election".into(),
+                ],
+                &[],
+            )?;
+            wait_healthz(&tracked, port, "/healthz").await?;
+        }
+        Ok(())
+    }
+
+    async fn simulated_nodes(&mut self, spoke: &ControlPlane, nodes: &[SimulatedNode], kwok_dir: &Path) -> Result<()> {
+        let api: Api<Node> = Api::all(spoke.client.clone());
+        for node in nodes {
+            let object = json!({
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {
+                    "name": node.name,
+                    "annotations": { KWOK_NODE_ANNOTATION: "fake" },
+                    "labels": {
+                        "kubernetes.io/hostname": node.name,
+                        "kubernetes.io/os": "linux",
+                        "kubernetes.io/arch": "amd64",
+                        "type": "kwok",
+                        KERNEL_LABEL: node.kernel,
+                    },
+                },
+            });
+            api.patch(&node.name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(&object)).await?;
+            // Set before KWOK starts: its node-initialize stage keeps an existing nodeInfo.
+            let status = json!({
+                "apiVersion": "v1",
+                "kind": "Node",
+                "status": { "nodeInfo": {
+                    "kernelVersion": node.kernel,
+                    "osImage": self.versions.kernels.os_image,
+                    "operatingSystem": "linux",
+                    "architecture": "amd64",
+                    "kubeletVersion": self.versions.kubernetes.version,
+                    "containerRuntimeVersion": "kwok",
+                    "machineID": "", "systemUUID": "", "bootID": "", "kubeProxyVersion": "",
+                }},
+            });
+            api.patch_status(&node.name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(&status))
+                .await?;
+        }
+        let stages = kwok_dir.join("kustomize/stage");
+        let mut args = vec![
+            format!("--kubeconfig={}", spoke.kubeconfig.display()),
+            "--manage-all-nodes=false".into(),
+            format!("--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake"),
+            format!("--server-address=127.0.0.1:{}", self.ports.cluster(spoke.index, KWOK)),
+            "--node-ip=127.0.0.1".into(),
+            format!("--cidr=10.{}.0.0/16", 100 + spoke.index),
+        ];
+        for stage in [
+            "node/fast/node-initialize.yaml",
+            "node/heartbeat/node-heartbeat.yaml",
+            "pod/fast/pod-ready.yaml",
+            "pod/fast/pod-complete.yaml",
+            "pod/fast/pod-delete.yaml",
+        ] {
+            args.push(format!("--config={}", stages.join(stage).display()));
+        }
+        let kwok = self.start(&format!("{}/kwok", spoke.name), "kwok", args, &[])?;
+        let names: Vec<String> = nodes.iter().map(|n| n.name.clone()).collect();
+        wait_for(&kwok, "KWOK nodes to become Ready", || {
+            let api = api.clone();
+            let names = names.clone();
+            async move {
+                for name in &names {
+                    let Ok(node) = api.get(name).await else { return false };
+                    if !node_ready(&node) {
+                        return false;
+                    }
+                }
+                true
+            }
+        })
+        .await
+    }
+
+    async fn ocm_agent(&mut self, spoke: &ControlPlane, hub: &ControlPlane, crds: &[Value]) -> Result<()> {
+        ensure_namespaces(&spoke.client, SPOKE_NAMESPACES).await?;
+        for crd in crds.iter().filter(|c| SPOKE_CRDS.contains(&crd_name(c))) {
+            apply_crd(&spoke.client, crd).await?;
+        }
+        let hub_kubeconfig_dir = spoke.dir.join("hub-kubeconfig");
+        std::fs::create_dir_all(&hub_kubeconfig_dir).context(|| format!("creating {}", hub_kubeconfig_dir.display()))?;
+        let kc = spoke.kubeconfig.display().to_string();
+        let port = self.ports.cluster(spoke.index, OCM_AGENT);
+        let agent = self.start(
+            &format!("{}/ocm-agent", spoke.name),
+            "registration-operator",
+            vec![
+                "agent".into(),
+                format!("--spoke-cluster-name={}", spoke.name),
+                // The bootstrap identity only creates the cluster's CSR; the agent then
+                // runs with the certificate the hub signs for it.
+                format!("--bootstrap-kubeconfig={}", hub.kubeconfig.display()),
+                format!("--hub-kubeconfig-dir={}", hub_kubeconfig_dir.display()),
+                format!("--spoke-kubeconfig={kc}"),
+                format!("--kubeconfig={kc}"),
+                "--namespace=open-cluster-management-agent".into(),
+                format!("--listen=127.0.0.1:{port}"),
+                "--disable-leader-election".into(),
+            ],
+            &[],
+        )?;
+        let clusters = managed_clusters(&hub.client);
+        let name = spoke.name.clone();
+        wait_for(&agent, "the agent to register its ManagedCluster on the hub", || {
+            let clusters = clusters.clone();
+            let name = name.clone();
+            async move { clusters.get_opt(&name).await.ok().flatten().is_some() }
+        })
+        .await
+    }
+
+    /// `clusteradm accept` until the hub has approved the cluster, then wait for it to
+    /// be joined and available.
+    async fn accept(&mut self, hub: &ControlPlane, spoke: &str) -> Result<()> {
+        let agent = self
+            .state
+            .processes
+            .iter()
+            .find(|p| p.name == format!("{spoke}/ocm-agent"))
+            .cloned()
+            .expect("the agent was started before accepting");
+        let clusteradm = self.toolchain.bin("clusteradm").to_path_buf();
+        let log = self.dir.join("logs").join(format!("{spoke}-clusteradm-accept.log"));
+        let kubeconfig = hub.kubeconfig.clone();
+        let spoke_name = spoke.to_string();
+        let log_for_wait = log.clone();
+        wait_for(&agent, "`clusteradm accept` to succeed", || {
+            let (clusteradm, kubeconfig, spoke, log) =
+                (clusteradm.clone(), kubeconfig.clone(), spoke_name.clone(), log_for_wait.clone());
+            async move {
+                let Ok(out) = tokio::process::Command::new(&clusteradm)
+                    .args(["accept", "--clusters", &spoke, "--kubeconfig"])
+                    .arg(&kubeconfig)
+                    .output()
+                    .await
+                else {
+                    return false;
+                };
+                let mut text = out.stdout;
+                text.extend_from_slice(&out.stderr);
+                let _ = std::fs::write(&log, &text);
+                out.status.success() && !String::from_utf8_lossy(&text).contains("no CSR")
+            }
+        })
+        .await?;
+        let clusters = managed_clusters(&hub.client);
+        let name = spoke.to_string();
+        wait_for(&agent, "ManagedCluster to be joined and available", || {
+            let clusters = clusters.clone();
+            let name = name.clone();
+            async move {
+                let Ok(Some(mc)) = clusters.get_opt(&name).await else { return false };
+                condition_true(&mc.data, "ManagedClusterJoined")
+                    && condition_true(&mc.data, "ManagedClusterConditionAvailable")
+            }
+        })
+        .await
+    }
+
+    async fn registry(&mut self) -> Result<()> {
+        let port = self.ports.registry();
+        let dir = self.dir.join("registry");
+        let config = kmod::registry_config(&dir, port)?;
+        let registry = {
+            let logs = self.dir.join("logs");
+            let log = logs.join("registry.log");
+            let program = kmod::registry_binary()?;
+            let tracked = spawn("registry", &program, &["serve".into(), config.display().to_string()], &[], &log)?;
+            self.state.processes.push(tracked.clone());
+            self.state.save(&self.dir)?;
+            tracked
+        };
+        wait_for(&registry, "the OCI registry /v2/", || async move {
+            http_get_plain(port, "/v2/").await.is_some()
+        })
+        .await?;
+        self.state.registry = format!("127.0.0.1:{port}");
+        self.state.images = kmod::push_samples(&self.state.registry, &self.versions.kernels.with_image).await?;
+        self.state.save(&self.dir)
+    }
+}
+
+/// Poll `check` every 250ms until it holds, failing at once if `process` exits and
+/// after [`STARTUP`] otherwise; both failures name the process and its log.
+pub(crate) async fn wait_for<F, Fut>(process: &Tracked, what: &str, mut check: F) -> Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + STARTUP;
+    loop {
+        if check().await {
+            return Ok(());
+        }
+        if !process.alive() {
+            return Err(Error::Component {
+                component: process.name.clone(),
+                reason: format!("exited while waiting for {what}:\n{}", process.log_tail(15)),
+                log: process.log.clone(),
+            });
+        }
+        if Instant::now() >= deadline {
+            return Err(Error::Component {
+                component: process.name.clone(),
+                reason: format!("no {what} within {}s:\n{}", STARTUP.as_secs(), process.log_tail(15)),
+                log: process.log.clone(),
+            });
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+async fn wait_healthz(process: &Tracked, port: u16, path: &'static str) -> Result<()> {
+    let client = insecure_client(port)?;
+    wait_for(process, &format!("{path} on port {port}"), || {
+        let client = client.clone();
+        async move { get_text(&client, path).await.is_some_and(|t| t.trim() == "ok") }
+    })
+    .await
+}
+
+/// A client for a component's own serving endpoint (self-signed, no credentials).
+fn insecure_client(port: u16) -> Result<Client> {
+    let url = format!("https://127.0.0.1:{port}")
+        .parse()
+        .map_err(|e| Error::Invalid(format!("url: {e}")))?;
+    let mut config = kube::Config::new(url);
+    config.accept_invalid_certs = true;
+    Ok(Client::try_from(config)?)
+}
+
+async fn get_text(client: &Client, path: &str) -> Option<String> {
+    let request = http::Request::get(path).body(Vec::new()).ok()?;
+    client.request_text(request).await.ok()
+}
+
+/// A plain-HTTP GET on loopback, for etcd and the registry; `None` unless 200 OK.
+async fn http_get_plain(port: u16, path: &str) -> Option<String> {
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.ok()?;
+    let request = format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.ok()?;
+    let (head, body) = response.split_once("\r\n\r\n")?;
+    let status_line = head.lines().next()?;
+    status_line.split_whitespace().nth(1).is_some_and(|code| code == "200").then(|| body.to_string())
+}
+
+/// A client from a kubeconfig file written by the fleet.
+pub async fn client_for(kubeconfig: &Path) -> Result<Client> {
+    let kc = Kubeconfig::read_from(kubeconfig)?;
+    let config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?;
+    Ok(Client::try_from(config)?)
+}
+
+fn write_kubeconfig(path: &Path, cluster: &str, server: &str, ca_pem: &str, user: &pki::Pair) -> Result<()> {
+    let b64 = |s: &[u8]| base64::engine::general_purpose::STANDARD.encode(s);
+    let read = |p: &Path| std::fs::read(p).context(|| format!("reading {}", p.display()));
+    let config = json!({
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{ "name": cluster, "cluster": {
+            "server": server,
+            "certificate-authority-data": b64(ca_pem.as_bytes()),
+        }}],
+        "users": [{ "name": "admin", "user": {
+            "client-certificate-data": b64(&read(&user.cert)?),
+            "client-key-data": b64(&read(&user.key)?),
+        }}],
+        "contexts": [{ "name": cluster, "context": { "cluster": cluster, "user": "admin" } }],
+        "current-context": cluster,
+    });
+    let text = serde_yaml_ng::to_string(&config).map_err(|e| Error::Invalid(e.to_string()))?;
+    std::fs::write(path, text).context(|| format!("writing {}", path.display()))
+}
+
+/// The directory of a module in the Go module cache, downloading it if needed.
+fn go_module_dir(module_at_version: &str) -> Result<PathBuf> {
+    let mut cmd = std::process::Command::new("go");
+    cmd.args(["mod", "download", "-json", module_at_version]).current_dir(cache_dir());
+    if std::env::var_os("GOSUMDB").is_none() {
+        cmd.env("GOSUMDB", "off");
+    }
+    std::fs::create_dir_all(cache_dir()).context(|| format!("creating {}", cache_dir().display()))?;
+    let out = cmd.output().context(|| format!("go mod download {module_at_version}"))?;
+    let info: Value = serde_json::from_slice(&out.stdout).map_err(|e| {
+        Error::Invalid(format!("go mod download {module_at_version}: {e}: {}", String::from_utf8_lossy(&out.stderr)))
+    })?;
+    info["Dir"]
+        .as_str()
+        .map(PathBuf::from)
+        .ok_or_else(|| Error::Invalid(format!("go mod download {module_at_version}: {info}")))
+}
+
+/// The OCM CRDs of the api module (operator CRDs excluded). The module ships some CRDs
+/// twice (a single-version file and a multi-version one); the file with the most
+/// versions wins.
+fn ocm_crds(api_dir: &Path) -> Result<Vec<Value>> {
+    let mut files = vec![];
+    for group in ["addon", "cluster", "work"] {
+        collect_crd_files(&api_dir.join(group), &mut files)?;
+    }
+    files.sort();
+    let mut crds: Vec<Value> = vec![];
+    for file in files {
+        let text = std::fs::read_to_string(&file).context(|| format!("reading {}", file.display()))?;
+        let crd: Value = serde_yaml_ng::from_str(&text).map_err(|e| Error::Invalid(format!("{}: {e}", file.display())))?;
+        let versions = |c: &Value| c["spec"]["versions"].as_array().map_or(0, Vec::len);
+        match crds.iter_mut().find(|c| crd_name(c) == crd_name(&crd)) {
+            Some(existing) if versions(existing) < versions(&crd) => *existing = crd,
+            Some(_) => {}
+            None => crds.push(crd),
+        }
+    }
+    Ok(crds)
+}
+
+fn collect_crd_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
+    for entry in std::fs::read_dir(dir).context(|| format!("reading {}", dir.display()))? {
+        let path = entry.context(|| format!("reading {}", dir.display()))?.path();
+        if path.is_dir() {
+            collect_crd_files(&path, out)?;
+        } else if path.to_string_lossy().ends_with(".crd.yaml") {
+            out.push(path);
+        }
+    }
+    Ok(())
+}
+
+fn crd_name(crd: &Value) -> &str {
+    crd["metadata"]["name"].as_str().unwrap_or_default()
+}
+
+/// Server-side apply a CRD and wait until it is established.
+pub async fn apply_crd(client: &Client, crd: &Value) -> Result<()> {
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let name = crd_name(crd).to_string();
+    api.patch(&name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(crd)).await?;
+    let deadline = Instant::now() + STARTUP;
+    loop {
+        let current = api.get(&name).await?;
+        let established = current
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Established" && c.status == "True"));
+        if established {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(Error::Timeout { what: format!("CRD {name} to be established"), seconds: STARTUP.as_secs() });
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+async fn ensure_namespaces(client: &Client, names: &[&str]) -> Result<()> {
+    let api: Api<Namespace> = Api::all(client.clone());
+    for name in names {
+        let ns = json!({ "apiVersion": "v1", "kind": "Namespace", "metadata": { "name": name } });
+        api.patch(name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(&ns)).await?;
+    }
+    Ok(())
+}
+
+/// `ManagedCluster`s on the hub, as dynamic objects.
+pub fn managed_clusters(hub: &Client) -> Api<DynamicObject> {
+    let gvk = GroupVersionKind::gvk("cluster.open-cluster-management.io", "v1", "ManagedCluster");
+    Api::all_with(hub.clone(), &ApiResource::from_gvk_with_plural(&gvk, "managedclusters"))
+}
+
+/// Whether `status.conditions` of a dynamic object has `type` with status True.
+pub fn condition_true(data: &Value, type_: &str) -> bool {
+    data["status"]["conditions"]
+        .as_array()
+        .is_some_and(|cs| cs.iter().any(|c| c["type"] == type_ && c["status"] == "True"))
+}
+
+pub fn node_ready(node: &Node) -> bool {
+    node.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}

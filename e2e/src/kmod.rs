@@ -1,0 +1,186 @@
+//! Sample kmod images: real out-of-tree modules (`e2e/kmod/`) built with gcc against
+//! Debian's linux-headers for each sample kernel, laid out as KMM expects
+//! (`/opt/lib/modules/<kernel>/` with `modules.dep` from `depmod -b`), and pushed to
+//! the fleet's registry (Debian's `docker-registry`) as `samples/kmm-hello:<kernel>`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use flate2::Compression;
+use flate2::write::GzEncoder;
+use oci_client::client::{ClientConfig, ClientProtocol, Config, ImageLayer};
+use oci_client::manifest::{IMAGE_CONFIG_MEDIA_TYPE, IMAGE_LAYER_GZIP_MEDIA_TYPE, OciImageManifest};
+use oci_client::secrets::RegistryAuth;
+use oci_client::{Client, Reference};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use sha2::{Digest, Sha256};
+
+use crate::{Error, IoContext, Result, cache_dir};
+
+const SOURCES: &[(&str, &str)] = &[
+    ("Kbuild", include_str!("../kmod/Kbuild")),
+    ("kmm_hello.c", include_str!("../kmod/kmm_hello.c")),
+    ("kmm_hello_dep.c", include_str!("../kmod/kmm_hello_dep.c")),
+];
+/// The modules every sample image holds, in load order.
+pub const MODULES: &[&str] = &["kmm_hello", "kmm_hello_dep"];
+pub const REPOSITORY: &str = "samples/kmm-hello";
+
+/// A pushed sample image.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SampleImage {
+    pub kernel: String,
+    /// `<registry>/samples/kmm-hello:<kernel>`
+    pub image: String,
+    pub digest: String,
+}
+
+/// Debian packages the samples need (besides gcc, make and kmod).
+pub fn header_packages(kernels: &[String]) -> Vec<String> {
+    kernels.iter().map(|k| format!("linux-headers-{k}")).collect()
+}
+
+/// The registry program from Debian's `docker-registry` package.
+pub fn registry_binary() -> Result<PathBuf> {
+    let path = PathBuf::from("/usr/bin/docker-registry");
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(Error::Invalid(
+            "/usr/bin/docker-registry is missing: run `cargo xtask env setup` (apt package docker-registry)".into(),
+        ))
+    }
+}
+
+/// Write the registry's configuration: plain HTTP on loopback, storage under `dir`.
+pub fn registry_config(dir: &Path, port: u16) -> Result<PathBuf> {
+    let storage = dir.join("storage");
+    std::fs::create_dir_all(&storage).context(|| format!("creating {}", storage.display()))?;
+    let config = json!({
+        "version": 0.1,
+        "log": { "level": "info" },
+        "storage": { "filesystem": { "rootdirectory": storage }, "delete": { "enabled": true } },
+        "http": { "addr": format!("127.0.0.1:{port}") },
+    });
+    let path = dir.join("config.yml");
+    let text = serde_yaml_ng::to_string(&config).map_err(|e| Error::Invalid(e.to_string()))?;
+    std::fs::write(&path, text).context(|| format!("writing {}", path.display()))?;
+    Ok(path)
+}
+
+/// Build (or reuse) the modules for every kernel and push one image per kernel.
+pub async fn push_samples(registry: &str, kernels: &[String]) -> Result<Vec<SampleImage>> {
+    let client = Client::new(ClientConfig { protocol: ClientProtocol::Http, ..Default::default() });
+    let mut images = vec![];
+    for kernel in kernels {
+        let root = build(kernel)?;
+        let layer = layer(&root)?;
+        images.push(push(&client, registry, kernel, layer).await?);
+    }
+    Ok(images)
+}
+
+/// Build the modules for `kernel` into `<cache>/kmod/<source hash>/<kernel>/root`,
+/// whose `opt/lib/modules/<kernel>/` is the image content; cached by source hash.
+pub fn build(kernel: &str) -> Result<PathBuf> {
+    let mut hash = Sha256::new();
+    for (name, text) in SOURCES {
+        hash.update(name.as_bytes());
+        hash.update(text.as_bytes());
+    }
+    let digest = format!("{:x}", hash.finalize());
+    let base = cache_dir().join("kmod").join(&digest[..16]).join(kernel);
+    let root = base.join("root");
+    let modules = root.join("opt/lib/modules").join(kernel);
+    if modules.join("modules.dep").is_file() {
+        return Ok(root);
+    }
+    let headers = PathBuf::from(format!("/usr/src/linux-headers-{kernel}"));
+    if !headers.is_dir() {
+        return Err(Error::Invalid(format!(
+            "{} is missing: run `cargo xtask env setup` (apt package linux-headers-{kernel})",
+            headers.display()
+        )));
+    }
+    let src = base.join("src");
+    std::fs::create_dir_all(&src).context(|| format!("creating {}", src.display()))?;
+    for (name, text) in SOURCES {
+        std::fs::write(src.join(name), text).context(|| format!("writing {name}"))?;
+    }
+    run(Command::new("make")
+        .arg("-C")
+        .arg(&headers)
+        .arg(format!("M={}", src.display()))
+        .arg("modules"))?;
+    let extra = modules.join("extra");
+    std::fs::create_dir_all(&extra).context(|| format!("creating {}", extra.display()))?;
+    for module in MODULES {
+        let ko = format!("{module}.ko");
+        std::fs::copy(src.join(&ko), extra.join(&ko)).context(|| format!("copying {ko}"))?;
+    }
+    run(Command::new("depmod").arg("-b").arg(root.join("opt")).arg(kernel))?;
+    Ok(root)
+}
+
+fn run(cmd: &mut Command) -> Result<()> {
+    let describe = format!("{cmd:?}");
+    let out = cmd.output().context(|| format!("running {describe}"))?;
+    if !out.status.success() {
+        return Err(Error::Command {
+            command: describe,
+            status: format!("{}: {}", out.status, String::from_utf8_lossy(&out.stderr).trim()),
+            log: None,
+        });
+    }
+    Ok(())
+}
+
+/// The image's single layer: `opt/` of `root` as an uncompressed tar (for the
+/// config's diff_id) and gzip-compressed (the blob).
+struct Layer {
+    gzip: Vec<u8>,
+    diff_id: String,
+}
+
+fn layer(root: &Path) -> Result<Layer> {
+    let mut tar = tar::Builder::new(Vec::new());
+    tar.mode(tar::HeaderMode::Deterministic);
+    tar.append_dir_all("opt", root.join("opt")).context(|| format!("archiving {}", root.display()))?;
+    let tar = tar.into_inner().context(|| "finishing the layer tar".into())?;
+    let diff_id = format!("sha256:{:x}", Sha256::digest(&tar));
+    let mut gz = GzEncoder::new(Vec::new(), Compression::default());
+    std::io::Write::write_all(&mut gz, &tar).context(|| "compressing the layer".into())?;
+    let gzip = gz.finish().context(|| "compressing the layer".into())?;
+    Ok(Layer { gzip, diff_id })
+}
+
+async fn push(client: &Client, registry: &str, kernel: &str, layer: Layer) -> Result<SampleImage> {
+    let image = format!("{registry}/{REPOSITORY}:{kernel}");
+    let reference: Reference = image
+        .parse()
+        .map_err(|e| Error::Invalid(format!("image reference {image}: {e}")))?;
+    let config = json!({
+        "architecture": "amd64",
+        "os": "linux",
+        "config": { "Labels": { "kmm-fleet.dev/kernel": kernel } },
+        "rootfs": { "type": "layers", "diff_ids": [layer.diff_id] },
+    });
+    let config = Config::new(
+        serde_json::to_vec(&config).map_err(|e| Error::Invalid(e.to_string()))?,
+        IMAGE_CONFIG_MEDIA_TYPE.to_string(),
+        None,
+    );
+    let layers = vec![ImageLayer::new(layer.gzip, IMAGE_LAYER_GZIP_MEDIA_TYPE.to_string(), None)];
+    let manifest = OciImageManifest::build(&layers, &config, None);
+    let response = client
+        .push(&reference, &layers, config, &RegistryAuth::Anonymous, Some(manifest))
+        .await?;
+    let digest = response
+        .manifest_url
+        .rsplit('/')
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    Ok(SampleImage { kernel: kernel.to_string(), image, digest })
+}

@@ -1,0 +1,81 @@
+//! The kmm-fleet local fleet: real hub and spoke control planes (kube-apiserver, etcd,
+//! kube-controller-manager, kube-scheduler, KWOK, Open Cluster Management) running as
+//! processes on 127.0.0.1, a real OCI registry with sample kmod images, and the test
+//! fixture the end-to-end tests use.
+//!
+//! * [`toolchain`] builds the pinned upstream programs from the Go module proxy.
+//! * [`fleet`] starts, inspects and stops the environment (`cargo xtask env ...`).
+//! * [`fixture`] attaches tests to a running environment (or starts one).
+
+pub mod fixture;
+pub mod fleet;
+pub mod kmod;
+mod pki;
+mod process;
+pub mod toolchain;
+pub mod versions;
+
+use std::path::PathBuf;
+
+/// Why an operation on the local fleet failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("`{command}` failed ({status}){}", log.as_ref().map(|l| format!("; log: {}", l.display())).unwrap_or_default())]
+    Command {
+        command: String,
+        status: String,
+        log: Option<PathBuf>,
+    },
+    #[error("{component} failed to start: {reason}; log: {}", log.display())]
+    Component {
+        component: String,
+        reason: String,
+        log: PathBuf,
+    },
+    #[error("timed out after {seconds}s waiting for {what}")]
+    Timeout { what: String, seconds: u64 },
+    #[error("kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("kubeconfig: {0}")]
+    Kubeconfig(#[from] kube::config::KubeconfigError),
+    #[error("certificates: {0}")]
+    Pki(#[from] rcgen::Error),
+    #[error("OCI registry: {0}")]
+    Oci(#[from] oci_client::errors::OciDistributionError),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Attach a description to an I/O error.
+pub(crate) trait IoContext<T> {
+    fn context(self, context: impl FnOnce() -> String) -> Result<T>;
+}
+
+impl<T> IoContext<T> for std::io::Result<T> {
+    fn context(self, context: impl FnOnce() -> String) -> Result<T> {
+        self.map_err(|source| Error::Io {
+            context: context(),
+            source,
+        })
+    }
+}
+
+/// Root of everything cached across runs: `$KMM_FLEET_CACHE`, else `~/.cache/kmm-fleet`.
+pub fn cache_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("KMM_FLEET_CACHE") {
+        return PathBuf::from(dir);
+    }
+    home().join(".cache").join("kmm-fleet")
+}
+
+fn home() -> PathBuf {
+    std::env::var_os("HOME").map_or_else(|| PathBuf::from("/root"), PathBuf::from)
+}

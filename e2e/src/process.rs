@@ -1,0 +1,103 @@
+//! Background processes of the local fleet: started in their own process group with
+//! output to a log file, tracked by PID so a later `cargo xtask env` can find them.
+
+use std::fs::File;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, IoContext, Result};
+
+/// A process started by the fleet, as recorded in the state directory.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Tracked {
+    /// `<cluster>/<component>`, e.g. `spoke1/kube-apiserver`.
+    pub name: String,
+    pub pid: i32,
+    pub program: PathBuf,
+    pub log: PathBuf,
+}
+
+impl Tracked {
+    /// Whether the PID is still this program (a recycled PID is not).
+    pub fn alive(&self) -> bool {
+        let Ok(exe) = std::fs::read_link(format!("/proc/{}/exe", self.pid)) else {
+            return false;
+        };
+        let alive = kill(Pid::from_raw(self.pid), None).is_ok();
+        let zombie = std::fs::read_to_string(format!("/proc/{}/stat", self.pid))
+            .map(|s| s.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('Z')))
+            .unwrap_or(true);
+        alive && !zombie && same_file(&exe, &self.program)
+    }
+
+    /// SIGTERM, then SIGKILL if it has not exited within `grace`.
+    pub fn stop(&self, grace: Duration) {
+        if !self.alive() {
+            return;
+        }
+        let pid = Pid::from_raw(self.pid);
+        // The process leads its own group, so this also reaches anything it forked.
+        let group = Pid::from_raw(-self.pid);
+        let _ = kill(group, Signal::SIGTERM);
+        let deadline = Instant::now() + grace;
+        while self.alive() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if self.alive() {
+            let _ = kill(group, Signal::SIGKILL);
+            let _ = kill(pid, Signal::SIGKILL);
+        }
+    }
+
+    /// The last lines of the log, to explain a failure.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let all: Vec<&str> = text.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+}
+
+fn same_file(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    }
+}
+
+/// Start `program args...` detached from the caller (its own process group, stdin
+/// closed, stdout+stderr appended to `log`), so it outlives `cargo xtask env up`.
+pub fn spawn(name: &str, program: &Path, args: &[String], env: &[(&str, String)], log: &Path) -> Result<Tracked> {
+    let out = File::options()
+        .create(true)
+        .append(true)
+        .open(log)
+        .context(|| format!("opening {}", log.display()))?;
+    let err = out.try_clone().context(|| format!("opening {}", log.display()))?;
+    let mut cmd = Command::new(program);
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .process_group(0);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let child = cmd.spawn().map_err(|e| Error::Component {
+        component: name.to_string(),
+        reason: format!("cannot execute {}: {e}", program.display()),
+        log: log.to_path_buf(),
+    })?;
+    let program = program.canonicalize().unwrap_or_else(|_| program.to_path_buf());
+    Ok(Tracked {
+        name: name.to_string(),
+        pid: i32::try_from(child.id()).map_err(|e| Error::Invalid(format!("pid: {e}")))?,
+        program,
+        log: log.to_path_buf(),
+    })
+}

@@ -1,0 +1,88 @@
+//! `cargo xtask env`: the local fleet (real hub and spoke control planes with OCM).
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Subcommand};
+use kmm_e2e::fleet::{self, Options};
+use kmm_e2e::kmod;
+use kmm_e2e::toolchain::Toolchain;
+use kmm_e2e::versions::Versions;
+
+#[derive(Debug, Args)]
+pub struct EnvArgs {
+    #[command(subcommand)]
+    command: EnvCommand,
+}
+
+#[derive(Debug, Subcommand)]
+enum EnvCommand {
+    /// Install the Debian packages the fleet needs (apt-get; run as root).
+    Setup,
+    /// Build the pinned upstream programs from the Go module proxy (cached by version).
+    Build,
+    /// Start a hub and N spokes on 127.0.0.1 (builds first if needed).
+    Up {
+        #[arg(long, default_value_t = 2)]
+        spokes: usize,
+        #[arg(long, default_value_t = 3)]
+        nodes_per_spoke: usize,
+    },
+    /// Stop every process of the fleet and remove its state.
+    Down,
+    /// Show each component, its PID, whether it runs, and its log.
+    Status,
+    /// Print the admin kubeconfig path of `hub`, `spoke1`, ...
+    Kubeconfig { cluster: String },
+    /// Print the address of the fleet's OCI registry.
+    Registry,
+}
+
+pub fn run(args: EnvArgs) -> Result<()> {
+    match args.command {
+        EnvCommand::Setup => setup(),
+        EnvCommand::Build => {
+            Toolchain::ensure(&Versions::pinned())?;
+            Ok(())
+        }
+        EnvCommand::Up { spokes, nodes_per_spoke } => {
+            let rt = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
+            let state = rt.block_on(fleet::up(&Options { spokes, nodes_per_spoke }))?;
+            for cluster in &state.clusters {
+                println!("{:<8} {}  kubeconfig: {}", cluster.name, cluster.server, cluster.kubeconfig.display());
+            }
+            println!("registry {}", state.registry);
+            Ok(())
+        }
+        EnvCommand::Down => Ok(fleet::down()?),
+        EnvCommand::Status => {
+            for line in fleet::status()? {
+                println!("{line}");
+            }
+            Ok(())
+        }
+        EnvCommand::Kubeconfig { cluster } => {
+            println!("{}", fleet::running()?.cluster(&cluster)?.kubeconfig.display());
+            Ok(())
+        }
+        EnvCommand::Registry => {
+            println!("{}", fleet::running()?.registry);
+            Ok(())
+        }
+    }
+}
+
+fn setup() -> Result<()> {
+    let mut packages: Vec<String> = ["docker-registry", "gcc", "make", "libc6-dev", "kmod"]
+        .map(String::from)
+        .to_vec();
+    packages.extend(kmod::header_packages(&Versions::pinned().kernels.with_image));
+    let status = std::process::Command::new("apt-get")
+        .args(["install", "-y", "--no-install-recommends"])
+        .args(&packages)
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .status()
+        .context("running apt-get")?;
+    if !status.success() {
+        bail!("apt-get install {} failed ({status}); run `apt-get update` first?", packages.join(" "));
+    }
+    Ok(())
+}
