@@ -119,6 +119,11 @@ pub fn build(kernel: &str) -> Result<PathBuf> {
         let ko = format!("{module}.ko");
         std::fs::copy(src.join(&ko), extra.join(&ko)).context(|| format!("copying {ko}"))?;
     }
+    // The index files depmod reads besides the modules; the samples have no built-ins.
+    let order: String = MODULES.iter().map(|m| format!("extra/{m}.ko\n")).collect();
+    for (file, contents) in [("modules.order", order.as_str()), ("modules.builtin", ""), ("modules.builtin.modinfo", "")] {
+        std::fs::write(modules.join(file), contents).context(|| format!("writing {file}"))?;
+    }
     run(Command::new("depmod").arg("-b").arg(root.join("opt")).arg(kernel))?;
     Ok(root)
 }
