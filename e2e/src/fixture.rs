@@ -27,7 +27,9 @@ pub struct Fleet {
 
 impl std::fmt::Debug for Fleet {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Fleet").field("state", &self.state).finish_non_exhaustive()
+        f.debug_struct("Fleet")
+            .field("state", &self.state)
+            .finish_non_exhaustive()
     }
 }
 
@@ -50,7 +52,9 @@ impl Fleet {
                             Ok(state) => Ok(state),
                             Err(not_running) => {
                                 eprintln!("fixture: {not_running}; starting a fleet");
-                                fleet::up(&Options::default()).await.map_err(|e| e.to_string())
+                                fleet::up(&Options::default())
+                                    .await
+                                    .map_err(|e| e.to_string())
                             }
                         }
                     })
@@ -63,16 +67,19 @@ impl Fleet {
         let hub = fleet::client_for(&state.cluster("hub")?.kubeconfig).await?;
         let mut spokes = BTreeMap::new();
         for spoke in state.spokes() {
-            spokes.insert(spoke.name.clone(), fleet::client_for(&spoke.kubeconfig).await?);
+            spokes.insert(
+                spoke.name.clone(),
+                fleet::client_for(&spoke.kubeconfig).await?,
+            );
         }
         Ok(Self { state, hub, spokes })
     }
 
     /// The client of spoke `name` (`spoke1`, ...).
     pub fn spoke(&self, name: &str) -> Result<&Client> {
-        self.spokes
-            .get(name)
-            .ok_or_else(|| Error::Invalid(format!("no spoke {name}; spokes: {:?}", self.spokes.keys())))
+        self.spokes.get(name).ok_or_else(|| {
+            Error::Invalid(format!("no spoke {name}; spokes: {:?}", self.spokes.keys()))
+        })
     }
 
     pub fn spoke_names(&self) -> Vec<String> {
@@ -88,7 +95,9 @@ pub struct TempNamespace {
 
 impl std::fmt::Debug for TempNamespace {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TempNamespace").field("name", &self.name).finish_non_exhaustive()
+        f.debug_struct("TempNamespace")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
     }
 }
 
@@ -96,12 +105,21 @@ impl TempNamespace {
     pub async fn create(client: &Client, prefix: &str) -> Result<Self> {
         let api: Api<Namespace> = Api::all(client.clone());
         let ns = Namespace {
-            metadata: ObjectMeta { generate_name: Some(format!("{prefix}-")), ..Default::default() },
+            metadata: ObjectMeta {
+                generate_name: Some(format!("{prefix}-")),
+                ..Default::default()
+            },
             ..Default::default()
         };
         let created = api.create(&PostParams::default(), &ns).await?;
-        let name = created.metadata.name.ok_or_else(|| Error::Invalid("created namespace has no name".into()))?;
-        Ok(Self { name, client: client.clone() })
+        let name = created
+            .metadata
+            .name
+            .ok_or_else(|| Error::Invalid("created namespace has no name".into()))?;
+        Ok(Self {
+            name,
+            client: client.clone(),
+        })
     }
 
     pub async fn delete(self) -> Result<()> {

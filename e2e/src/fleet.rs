@@ -28,7 +28,10 @@ use crate::{Error, IoContext, Result, cache_dir, kmod};
 const MANAGER: &str = "kmm-fleet-env";
 /// Namespaces the OCM hub controllers and the klusterlet agent expect.
 const HUB_NAMESPACES: &[&str] = &["open-cluster-management", "open-cluster-management-hub"];
-const SPOKE_NAMESPACES: &[&str] = &["open-cluster-management-agent", "open-cluster-management-agent-addon"];
+const SPOKE_NAMESPACES: &[&str] = &[
+    "open-cluster-management-agent",
+    "open-cluster-management-agent-addon",
+];
 /// The add-on CRDs the OCM addon manager serves in two versions through its conversion webhook.
 const CONVERTED_CRDS: &[&str] = &[
     "clustermanagementaddons.addon.open-cluster-management.io",
@@ -56,7 +59,10 @@ pub struct Options {
 
 impl Default for Options {
     fn default() -> Self {
-        Self { spokes: 2, nodes_per_spoke: 3 }
+        Self {
+            spokes: 2,
+            nodes_per_spoke: 3,
+        }
     }
 }
 
@@ -107,7 +113,10 @@ impl State {
                 .map(Some)
                 .map_err(|e| Error::Invalid(format!("{}: {e}", path.display()))),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(Error::Io { context: format!("reading {}", path.display()), source: e }),
+            Err(e) => Err(Error::Io {
+                context: format!("reading {}", path.display()),
+                source: e,
+            }),
         }
     }
 
@@ -135,7 +144,11 @@ pub fn running() -> Result<State> {
                 .filter(|p| !p.alive())
                 .map(|p| format!("{} (log: {})", p.name, p.log.display()))
                 .collect();
-            Err(Error::Invalid(format!("the fleet in {} is degraded; not running: {}", dir.display(), dead.join(", "))))
+            Err(Error::Invalid(format!(
+                "the fleet in {} is degraded; not running: {}",
+                dir.display(),
+                dead.join(", ")
+            )))
         }
         None => Err(Error::Invalid(format!(
             "no fleet is running (no state in {}); start one with `cargo xtask env up`",
@@ -154,7 +167,9 @@ struct Ports {
 impl Ports {
     fn from_env() -> Result<Self> {
         let base = match std::env::var("KMM_FLEET_BASE_PORT") {
-            Ok(v) => v.parse().map_err(|e| Error::Invalid(format!("KMM_FLEET_BASE_PORT={v}: {e}")))?,
+            Ok(v) => v
+                .parse()
+                .map_err(|e| Error::Invalid(format!("KMM_FLEET_BASE_PORT={v}: {e}")))?,
             Err(_) => 16000,
         };
         Ok(Self { base })
@@ -187,13 +202,13 @@ const OCM_ADDON_WEBHOOK: u16 = 84;
 /// and names the component that did not come up and its log.
 pub async fn up(opts: &Options) -> Result<State> {
     let dir = state_dir();
-    if let Some(state) = State::load(&dir)? {
-        if state.processes.iter().any(Tracked::alive) {
-            return Err(Error::Invalid(format!(
-                "a fleet is already running from {}; `cargo xtask env down` first",
-                dir.display()
-            )));
-        }
+    if let Some(state) = State::load(&dir)?
+        && state.processes.iter().any(Tracked::alive)
+    {
+        return Err(Error::Invalid(format!(
+            "a fleet is already running from {}; `cargo xtask env down` first",
+            dir.display()
+        )));
     }
     if dir.exists() {
         std::fs::remove_dir_all(&dir).context(|| format!("removing stale {}", dir.display()))?;
@@ -206,7 +221,12 @@ pub async fn up(opts: &Options) -> Result<State> {
         toolchain,
         versions,
         ports: Ports::from_env()?,
-        state: State { clusters: vec![], registry: String::new(), images: vec![], processes: vec![] },
+        state: State {
+            clusters: vec![],
+            registry: String::new(),
+            images: vec![],
+            processes: vec![],
+        },
     };
     let started = Instant::now();
     match starting.run(opts).await {
@@ -245,10 +265,20 @@ pub fn status() -> Result<Vec<String>> {
     let Some(state) = State::load(&dir)? else {
         return Ok(vec![format!("no fleet (no state in {})", dir.display())]);
     };
-    let mut lines = vec![format!("state: {}  registry: {}", dir.display(), state.registry)];
+    let mut lines = vec![format!(
+        "state: {}  registry: {}",
+        dir.display(),
+        state.registry
+    )];
     for p in &state.processes {
         let health = if p.alive() { "running" } else { "NOT RUNNING" };
-        lines.push(format!("{:<40} pid {:<8} {:<12} {}", p.name, p.pid, health, p.log.display()));
+        lines.push(format!(
+            "{:<40} pid {:<8} {:<12} {}",
+            p.name,
+            p.pid,
+            health,
+            p.log.display()
+        ));
     }
     Ok(lines)
 }
@@ -273,7 +303,10 @@ struct ControlPlane {
 
 impl Starting {
     async fn run(&mut self, opts: &Options) -> Result<()> {
-        let api_dir = go_module_dir(&format!("open-cluster-management.io/api@{}", self.versions.ocm.api_version))?;
+        let api_dir = go_module_dir(&format!(
+            "open-cluster-management.io/api@{}",
+            self.versions.ocm.api_version
+        ))?;
         let crds = ocm_crds(&api_dir)?;
         let kwok_dir = go_module_dir(&format!("sigs.k8s.io/kwok@{}", self.versions.kwok.version))?;
 
@@ -312,7 +345,13 @@ impl Starting {
             .expect("clusters are recorded when their control plane starts")
     }
 
-    fn start(&mut self, name: &str, bin: &str, args: Vec<String>, env: &[(&str, String)]) -> Result<Tracked> {
+    fn start(
+        &mut self,
+        name: &str,
+        bin: &str,
+        args: Vec<String>,
+        env: &[(&str, String)],
+    ) -> Result<Tracked> {
         let logs = self.dir.join("logs");
         std::fs::create_dir_all(&logs).context(|| format!("creating {}", logs.display()))?;
         let log = logs.join(format!("{}.log", name.replace('/', "-")));
@@ -340,12 +379,19 @@ impl Starting {
         ];
         let etcd = self.start("etcd", "etcd", args, &[])?;
         wait_for(&etcd, "etcd /health", || async move {
-            http_get_plain(client, "/health").await.is_some_and(|body| body.contains("\"health\":\"true\""))
+            http_get_plain(client, "/health")
+                .await
+                .is_some_and(|body| body.contains("\"health\":\"true\""))
         })
         .await
     }
 
-    async fn control_plane(&mut self, name: &str, index: usize, scheduler: bool) -> Result<ControlPlane> {
+    async fn control_plane(
+        &mut self,
+        name: &str,
+        index: usize,
+        scheduler: bool,
+    ) -> Result<ControlPlane> {
         let dir = self.dir.join(name);
         let pki_dir = dir.join("pki");
         std::fs::create_dir_all(&pki_dir).context(|| format!("creating {}", pki_dir.display()))?;
@@ -353,7 +399,13 @@ impl Starting {
         let serving = ca.serving(
             &pki_dir,
             "apiserver",
-            &["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc", "kubernetes.default.svc.cluster.local"],
+            &[
+                "localhost",
+                "kubernetes",
+                "kubernetes.default",
+                "kubernetes.default.svc",
+                "kubernetes.default.svc.cluster.local",
+            ],
             &["127.0.0.1", "10.0.0.1"],
         )?;
         let admin = ca.client(&pki_dir, "admin", "kmm-fleet-admin", "system:masters")?;
@@ -368,7 +420,10 @@ impl Starting {
             &format!("{name}/kube-apiserver"),
             "kube-apiserver",
             vec![
-                format!("--etcd-servers=http://127.0.0.1:{}", self.ports.etcd_client()),
+                format!(
+                    "--etcd-servers=http://127.0.0.1:{}",
+                    self.ports.etcd_client()
+                ),
                 format!("--etcd-prefix=/kmm-fleet/{name}"),
                 "--bind-address=127.0.0.1".into(),
                 "--advertise-address=127.0.0.1".into(),
@@ -390,10 +445,19 @@ impl Starting {
         let probe = client.clone();
         wait_for(&apiserver, "kube-apiserver /readyz", || {
             let probe = probe.clone();
-            async move { get_text(&probe, "/readyz").await.is_some_and(|t| t.trim() == "ok") }
+            async move {
+                get_text(&probe, "/readyz")
+                    .await
+                    .is_some_and(|t| t.trim() == "ok")
+            }
         })
         .await?;
-        self.state.clusters.push(Cluster { name: name.into(), kubeconfig: kubeconfig.clone(), server, nodes: vec![] });
+        self.state.clusters.push(Cluster {
+            name: name.into(),
+            kubeconfig: kubeconfig.clone(),
+            server,
+            nodes: vec![],
+        });
         self.state.save(&self.dir)?;
 
         let kc = p(&kubeconfig);
@@ -436,15 +500,25 @@ impl Starting {
             )?;
             wait_healthz(&sched, sched_port, "/healthz").await?;
         }
-        Ok(ControlPlane { name: name.into(), index, dir, ca, kubeconfig, client })
+        Ok(ControlPlane {
+            name: name.into(),
+            index,
+            dir,
+            ca,
+            kubeconfig,
+            client,
+        })
     }
 
     async fn ocm_hub(&mut self, hub: &ControlPlane, crds: &[Value]) -> Result<()> {
         ensure_namespaces(&hub.client, HUB_NAMESPACES).await?;
         let webhook_port = self.ports.cluster(hub.index, OCM_ADDON_WEBHOOK);
         let webhook_dir = hub.dir.join("addon-webhook");
-        std::fs::create_dir_all(&webhook_dir).context(|| format!("creating {}", webhook_dir.display()))?;
-        let serving = hub.ca.serving(&webhook_dir, "tls", &["localhost"], &["127.0.0.1"])?;
+        std::fs::create_dir_all(&webhook_dir)
+            .context(|| format!("creating {}", webhook_dir.display()))?;
+        let serving = hub
+            .ca
+            .serving(&webhook_dir, "tls", &["localhost"], &["127.0.0.1"])?;
         // controller-runtime expects tls.crt/tls.key, which is what `serving` wrote.
         debug_assert!(serving.cert.ends_with("tls.crt"));
         let ca_bundle = base64::engine::general_purpose::STANDARD.encode(&hub.ca.pem);
@@ -475,14 +549,35 @@ impl Starting {
             ],
             &[("KUBECONFIG", kc.clone())],
         )?;
-        wait_for(&webhook, "OCM addon conversion webhook to listen", || async move {
-            tokio::net::TcpStream::connect(("127.0.0.1", webhook_port)).await.is_ok()
-        })
+        wait_for(
+            &webhook,
+            "OCM addon conversion webhook to listen",
+            || async move {
+                tokio::net::TcpStream::connect(("127.0.0.1", webhook_port))
+                    .await
+                    .is_ok()
+            },
+        )
         .await?;
         for (component, bin, subcommand, offset) in [
-            ("hub/ocm-registration", "registration", "controller", OCM_REGISTRATION),
-            ("hub/ocm-addon-manager", "addon", "manager", OCM_ADDON_MANAGER),
-            ("hub/ocm-placement", "placement", "controller", OCM_PLACEMENT),
+            (
+                "hub/ocm-registration",
+                "registration",
+                "controller",
+                OCM_REGISTRATION,
+            ),
+            (
+                "hub/ocm-addon-manager",
+                "addon",
+                "manager",
+                OCM_ADDON_MANAGER,
+            ),
+            (
+                "hub/ocm-placement",
+                "placement",
+                "controller",
+                OCM_PLACEMENT,
+            ),
         ] {
             let port = self.ports.cluster(hub.index, offset);
             let tracked = self.start(
@@ -502,7 +597,12 @@ impl Starting {
         Ok(())
     }
 
-    async fn simulated_nodes(&mut self, spoke: &ControlPlane, nodes: &[SimulatedNode], kwok_dir: &Path) -> Result<()> {
+    async fn simulated_nodes(
+        &mut self,
+        spoke: &ControlPlane,
+        nodes: &[SimulatedNode],
+        kwok_dir: &Path,
+    ) -> Result<()> {
         let api: Api<Node> = Api::all(spoke.client.clone());
         for node in nodes {
             let object = json!({
@@ -520,7 +620,12 @@ impl Starting {
                     },
                 },
             });
-            api.patch(&node.name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(&object)).await?;
+            api.patch(
+                &node.name,
+                &PatchParams::apply(MANAGER).force(),
+                &Patch::Apply(&object),
+            )
+            .await?;
             // Set before KWOK starts: its node-initialize stage keeps an existing nodeInfo.
             let status = json!({
                 "apiVersion": "v1",
@@ -535,15 +640,22 @@ impl Starting {
                     "machineID": "", "systemUUID": "", "bootID": "", "kubeProxyVersion": "",
                 }},
             });
-            api.patch_status(&node.name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(&status))
-                .await?;
+            api.patch_status(
+                &node.name,
+                &PatchParams::apply(MANAGER).force(),
+                &Patch::Apply(&status),
+            )
+            .await?;
         }
         let stages = kwok_dir.join("kustomize/stage");
         let mut args = vec![
             format!("--kubeconfig={}", spoke.kubeconfig.display()),
             "--manage-all-nodes=false".into(),
             format!("--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake"),
-            format!("--server-address=127.0.0.1:{}", self.ports.cluster(spoke.index, KWOK)),
+            format!(
+                "--server-address=127.0.0.1:{}",
+                self.ports.cluster(spoke.index, KWOK)
+            ),
             "--node-ip=127.0.0.1".into(),
             format!("--cidr=10.{}.0.0/16", 100 + spoke.index),
         ];
@@ -563,7 +675,9 @@ impl Starting {
             let names = names.clone();
             async move {
                 for name in &names {
-                    let Ok(node) = api.get(name).await else { return false };
+                    let Ok(node) = api.get(name).await else {
+                        return false;
+                    };
                     if !node_ready(&node) {
                         return false;
                     }
@@ -574,13 +688,19 @@ impl Starting {
         .await
     }
 
-    async fn ocm_agent(&mut self, spoke: &ControlPlane, hub: &ControlPlane, crds: &[Value]) -> Result<()> {
+    async fn ocm_agent(
+        &mut self,
+        spoke: &ControlPlane,
+        hub: &ControlPlane,
+        crds: &[Value],
+    ) -> Result<()> {
         ensure_namespaces(&spoke.client, SPOKE_NAMESPACES).await?;
         for crd in crds.iter().filter(|c| SPOKE_CRDS.contains(&crd_name(c))) {
             apply_crd(&spoke.client, crd).await?;
         }
         let hub_kubeconfig_dir = spoke.dir.join("hub-kubeconfig");
-        std::fs::create_dir_all(&hub_kubeconfig_dir).context(|| format!("creating {}", hub_kubeconfig_dir.display()))?;
+        std::fs::create_dir_all(&hub_kubeconfig_dir)
+            .context(|| format!("creating {}", hub_kubeconfig_dir.display()))?;
         let kc = spoke.kubeconfig.display().to_string();
         let port = self.ports.cluster(spoke.index, OCM_AGENT);
         let agent = self.start(
@@ -603,11 +723,15 @@ impl Starting {
         )?;
         let clusters = managed_clusters(&hub.client);
         let name = spoke.name.clone();
-        wait_for(&agent, "the agent to register its ManagedCluster on the hub", || {
-            let clusters = clusters.clone();
-            let name = name.clone();
-            async move { clusters.get_opt(&name).await.ok().flatten().is_some() }
-        })
+        wait_for(
+            &agent,
+            "the agent to register its ManagedCluster on the hub",
+            || {
+                let clusters = clusters.clone();
+                let name = name.clone();
+                async move { clusters.get_opt(&name).await.ok().flatten().is_some() }
+            },
+        )
         .await
     }
 
@@ -622,13 +746,20 @@ impl Starting {
             .cloned()
             .expect("the agent was started before accepting");
         let clusteradm = self.toolchain.bin("clusteradm").to_path_buf();
-        let log = self.dir.join("logs").join(format!("{spoke}-clusteradm-accept.log"));
+        let log = self
+            .dir
+            .join("logs")
+            .join(format!("{spoke}-clusteradm-accept.log"));
         let kubeconfig = hub.kubeconfig.clone();
         let spoke_name = spoke.to_string();
         let log_for_wait = log.clone();
         wait_for(&agent, "`clusteradm accept` to succeed", || {
-            let (clusteradm, kubeconfig, spoke, log) =
-                (clusteradm.clone(), kubeconfig.clone(), spoke_name.clone(), log_for_wait.clone());
+            let (clusteradm, kubeconfig, spoke, log) = (
+                clusteradm.clone(),
+                kubeconfig.clone(),
+                spoke_name.clone(),
+                log_for_wait.clone(),
+            );
             async move {
                 let Ok(out) = tokio::process::Command::new(&clusteradm)
                     .args(["accept", "--clusters", &spoke, "--kubeconfig"])
@@ -651,7 +782,9 @@ impl Starting {
             let clusters = clusters.clone();
             let name = name.clone();
             async move {
-                let Ok(Some(mc)) = clusters.get_opt(&name).await else { return false };
+                let Ok(Some(mc)) = clusters.get_opt(&name).await else {
+                    return false;
+                };
                 condition_true(&mc.data, "ManagedClusterJoined")
                     && condition_true(&mc.data, "ManagedClusterConditionAvailable")
             }
@@ -667,7 +800,13 @@ impl Starting {
             let logs = self.dir.join("logs");
             let log = logs.join("registry.log");
             let program = kmod::registry_binary()?;
-            let tracked = spawn("registry", &program, &["serve".into(), config.display().to_string()], &[], &log)?;
+            let tracked = spawn(
+                "registry",
+                &program,
+                &["serve".into(), config.display().to_string()],
+                &[],
+                &log,
+            )?;
             self.state.processes.push(tracked.clone());
             self.state.save(&self.dir)?;
             tracked
@@ -677,7 +816,8 @@ impl Starting {
         })
         .await?;
         self.state.registry = format!("127.0.0.1:{port}");
-        self.state.images = kmod::push_samples(&self.state.registry, &self.versions.kernels.with_image).await?;
+        self.state.images =
+            kmod::push_samples(&self.state.registry, &self.versions.kernels.with_image).await?;
         self.state.save(&self.dir)
     }
 }
@@ -704,7 +844,11 @@ where
         if Instant::now() >= deadline {
             return Err(Error::Component {
                 component: process.name.clone(),
-                reason: format!("no {what} within {}s:\n{}", STARTUP.as_secs(), process.log_tail(15)),
+                reason: format!(
+                    "no {what} within {}s:\n{}",
+                    STARTUP.as_secs(),
+                    process.log_tail(15)
+                ),
                 log: process.log.clone(),
             });
         }
@@ -716,7 +860,11 @@ async fn wait_healthz(process: &Tracked, port: u16, path: &'static str) -> Resul
     let client = insecure_client(port)?;
     wait_for(process, &format!("{path} on port {port}"), || {
         let client = client.clone();
-        async move { get_text(&client, path).await.is_some_and(|t| t.trim() == "ok") }
+        async move {
+            get_text(&client, path)
+                .await
+                .is_some_and(|t| t.trim() == "ok")
+        }
     })
     .await
 }
@@ -738,14 +886,20 @@ async fn get_text(client: &Client, path: &str) -> Option<String> {
 
 /// A plain-HTTP GET on loopback, for etcd and the registry; `None` unless 200 OK.
 async fn http_get_plain(port: u16, path: &str) -> Option<String> {
-    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.ok()?;
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .ok()?;
     let request = format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
     stream.write_all(request.as_bytes()).await.ok()?;
     let mut response = String::new();
     stream.read_to_string(&mut response).await.ok()?;
     let (head, body) = response.split_once("\r\n\r\n")?;
     let status_line = head.lines().next()?;
-    status_line.split_whitespace().nth(1).is_some_and(|code| code == "200").then(|| body.to_string())
+    status_line
+        .split_whitespace()
+        .nth(1)
+        .is_some_and(|code| code == "200")
+        .then(|| body.to_string())
 }
 
 /// A client from a kubeconfig file written by the fleet.
@@ -755,7 +909,13 @@ pub async fn client_for(kubeconfig: &Path) -> Result<Client> {
     Ok(Client::try_from(config)?)
 }
 
-fn write_kubeconfig(path: &Path, cluster: &str, server: &str, ca_pem: &str, user: &pki::Pair) -> Result<()> {
+fn write_kubeconfig(
+    path: &Path,
+    cluster: &str,
+    server: &str,
+    ca_pem: &str,
+    user: &pki::Pair,
+) -> Result<()> {
     let b64 = |s: &[u8]| base64::engine::general_purpose::STANDARD.encode(s);
     let read = |p: &Path| std::fs::read(p).context(|| format!("reading {}", p.display()));
     let config = json!({
@@ -779,14 +939,21 @@ fn write_kubeconfig(path: &Path, cluster: &str, server: &str, ca_pem: &str, user
 /// The directory of a module in the Go module cache, downloading it if needed.
 fn go_module_dir(module_at_version: &str) -> Result<PathBuf> {
     let mut cmd = std::process::Command::new("go");
-    cmd.args(["mod", "download", "-json", module_at_version]).current_dir(cache_dir());
+    cmd.args(["mod", "download", "-json", module_at_version])
+        .current_dir(cache_dir());
     if std::env::var_os("GOSUMDB").is_none() {
         cmd.env("GOSUMDB", "off");
     }
-    std::fs::create_dir_all(cache_dir()).context(|| format!("creating {}", cache_dir().display()))?;
-    let out = cmd.output().context(|| format!("go mod download {module_at_version}"))?;
+    std::fs::create_dir_all(cache_dir())
+        .context(|| format!("creating {}", cache_dir().display()))?;
+    let out = cmd
+        .output()
+        .context(|| format!("go mod download {module_at_version}"))?;
     let info: Value = serde_json::from_slice(&out.stdout).map_err(|e| {
-        Error::Invalid(format!("go mod download {module_at_version}: {e}: {}", String::from_utf8_lossy(&out.stderr)))
+        Error::Invalid(format!(
+            "go mod download {module_at_version}: {e}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ))
     })?;
     info["Dir"]
         .as_str()
@@ -805,8 +972,10 @@ fn ocm_crds(api_dir: &Path) -> Result<Vec<Value>> {
     files.sort();
     let mut crds: Vec<Value> = vec![];
     for file in files {
-        let text = std::fs::read_to_string(&file).context(|| format!("reading {}", file.display()))?;
-        let crd: Value = serde_yaml_ng::from_str(&text).map_err(|e| Error::Invalid(format!("{}: {e}", file.display())))?;
+        let text =
+            std::fs::read_to_string(&file).context(|| format!("reading {}", file.display()))?;
+        let crd: Value = serde_yaml_ng::from_str(&text)
+            .map_err(|e| Error::Invalid(format!("{}: {e}", file.display())))?;
         let versions = |c: &Value| c["spec"]["versions"].as_array().map_or(0, Vec::len);
         match crds.iter_mut().find(|c| crd_name(c) == crd_name(&crd)) {
             Some(existing) if versions(existing) < versions(&crd) => *existing = crd,
@@ -819,7 +988,9 @@ fn ocm_crds(api_dir: &Path) -> Result<Vec<Value>> {
 
 fn collect_crd_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
     for entry in std::fs::read_dir(dir).context(|| format!("reading {}", dir.display()))? {
-        let path = entry.context(|| format!("reading {}", dir.display()))?.path();
+        let path = entry
+            .context(|| format!("reading {}", dir.display()))?
+            .path();
         if path.is_dir() {
             collect_crd_files(&path, out)?;
         } else if path.to_string_lossy().ends_with(".crd.yaml") {
@@ -837,7 +1008,12 @@ fn crd_name(crd: &Value) -> &str {
 pub async fn apply_crd(client: &Client, crd: &Value) -> Result<()> {
     let api: Api<CustomResourceDefinition> = Api::all(client.clone());
     let name = crd_name(crd).to_string();
-    api.patch(&name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(crd)).await?;
+    api.patch(
+        &name,
+        &PatchParams::apply(MANAGER).force(),
+        &Patch::Apply(crd),
+    )
+    .await?;
     let deadline = Instant::now() + STARTUP;
     loop {
         let current = api.get(&name).await?;
@@ -845,12 +1021,18 @@ pub async fn apply_crd(client: &Client, crd: &Value) -> Result<()> {
             .status
             .as_ref()
             .and_then(|s| s.conditions.as_ref())
-            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Established" && c.status == "True"));
+            .is_some_and(|cs| {
+                cs.iter()
+                    .any(|c| c.type_ == "Established" && c.status == "True")
+            });
         if established {
             return Ok(());
         }
         if Instant::now() >= deadline {
-            return Err(Error::Timeout { what: format!("CRD {name} to be established"), seconds: STARTUP.as_secs() });
+            return Err(Error::Timeout {
+                what: format!("CRD {name} to be established"),
+                seconds: STARTUP.as_secs(),
+            });
         }
         tokio::time::sleep(POLL).await;
     }
@@ -860,7 +1042,12 @@ async fn ensure_namespaces(client: &Client, names: &[&str]) -> Result<()> {
     let api: Api<Namespace> = Api::all(client.clone());
     for name in names {
         let ns = json!({ "apiVersion": "v1", "kind": "Namespace", "metadata": { "name": name } });
-        api.patch(name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(&ns)).await?;
+        api.patch(
+            name,
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(&ns),
+        )
+        .await?;
     }
     Ok(())
 }
@@ -868,14 +1055,18 @@ async fn ensure_namespaces(client: &Client, names: &[&str]) -> Result<()> {
 /// `ManagedCluster`s on the hub, as dynamic objects.
 pub fn managed_clusters(hub: &Client) -> Api<DynamicObject> {
     let gvk = GroupVersionKind::gvk("cluster.open-cluster-management.io", "v1", "ManagedCluster");
-    Api::all_with(hub.clone(), &ApiResource::from_gvk_with_plural(&gvk, "managedclusters"))
+    Api::all_with(
+        hub.clone(),
+        &ApiResource::from_gvk_with_plural(&gvk, "managedclusters"),
+    )
 }
 
 /// Whether `status.conditions` of a dynamic object has `type` with status True.
 pub fn condition_true(data: &Value, type_: &str) -> bool {
-    data["status"]["conditions"]
-        .as_array()
-        .is_some_and(|cs| cs.iter().any(|c| c["type"] == type_ && c["status"] == "True"))
+    data["status"]["conditions"].as_array().is_some_and(|cs| {
+        cs.iter()
+            .any(|c| c["type"] == type_ && c["status"] == "True")
+    })
 }
 
 pub fn node_ready(node: &Node) -> bool {

@@ -9,7 +9,9 @@ use std::process::Command;
 use flate2::Compression;
 use flate2::write::GzEncoder;
 use oci_client::client::{ClientConfig, ClientProtocol, Config, ImageLayer};
-use oci_client::manifest::{IMAGE_CONFIG_MEDIA_TYPE, IMAGE_LAYER_GZIP_MEDIA_TYPE, OciImageManifest};
+use oci_client::manifest::{
+    IMAGE_CONFIG_MEDIA_TYPE, IMAGE_LAYER_GZIP_MEDIA_TYPE, OciImageManifest,
+};
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference};
 use serde::{Deserialize, Serialize};
@@ -38,7 +40,10 @@ pub struct SampleImage {
 
 /// Debian packages the samples need (besides gcc, make and kmod).
 pub fn header_packages(kernels: &[String]) -> Vec<String> {
-    kernels.iter().map(|k| format!("linux-headers-{k}")).collect()
+    kernels
+        .iter()
+        .map(|k| format!("linux-headers-{k}"))
+        .collect()
 }
 
 /// The registry program from Debian's `docker-registry` package.
@@ -71,7 +76,10 @@ pub fn registry_config(dir: &Path, port: u16) -> Result<PathBuf> {
 
 /// Build (or reuse) the modules for every kernel and push one image per kernel.
 pub async fn push_samples(registry: &str, kernels: &[String]) -> Result<Vec<SampleImage>> {
-    let client = Client::new(ClientConfig { protocol: ClientProtocol::Http, ..Default::default() });
+    let client = Client::new(ClientConfig {
+        protocol: ClientProtocol::Http,
+        ..Default::default()
+    });
     let mut images = vec![];
     for kernel in kernels {
         let root = build(kernel)?;
@@ -121,10 +129,17 @@ pub fn build(kernel: &str) -> Result<PathBuf> {
     }
     // The index files depmod reads besides the modules; the samples have no built-ins.
     let order: String = MODULES.iter().map(|m| format!("extra/{m}.ko\n")).collect();
-    for (file, contents) in [("modules.order", order.as_str()), ("modules.builtin", ""), ("modules.builtin.modinfo", "")] {
+    for (file, contents) in [
+        ("modules.order", order.as_str()),
+        ("modules.builtin", ""),
+        ("modules.builtin.modinfo", ""),
+    ] {
         std::fs::write(modules.join(file), contents).context(|| format!("writing {file}"))?;
     }
-    run(Command::new("depmod").arg("-b").arg(root.join("opt")).arg(kernel))?;
+    run(Command::new("depmod")
+        .arg("-b")
+        .arg(root.join("opt"))
+        .arg(kernel))?;
     Ok(root)
 }
 
@@ -134,7 +149,11 @@ fn run(cmd: &mut Command) -> Result<()> {
     if !out.status.success() {
         return Err(Error::Command {
             command: describe,
-            status: format!("{}: {}", out.status, String::from_utf8_lossy(&out.stderr).trim()),
+            status: format!(
+                "{}: {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
             log: None,
         });
     }
@@ -151,8 +170,11 @@ struct Layer {
 fn layer(root: &Path) -> Result<Layer> {
     let mut tar = tar::Builder::new(Vec::new());
     tar.mode(tar::HeaderMode::Deterministic);
-    tar.append_dir_all("opt", root.join("opt")).context(|| format!("archiving {}", root.display()))?;
-    let tar = tar.into_inner().context(|| "finishing the layer tar".into())?;
+    tar.append_dir_all("opt", root.join("opt"))
+        .context(|| format!("archiving {}", root.display()))?;
+    let tar = tar
+        .into_inner()
+        .context(|| "finishing the layer tar".into())?;
     let diff_id = format!("sha256:{:x}", Sha256::digest(&tar));
     let mut gz = GzEncoder::new(Vec::new(), Compression::default());
     std::io::Write::write_all(&mut gz, &tar).context(|| "compressing the layer".into())?;
@@ -176,10 +198,20 @@ async fn push(client: &Client, registry: &str, kernel: &str, layer: Layer) -> Re
         IMAGE_CONFIG_MEDIA_TYPE.to_string(),
         None,
     );
-    let layers = vec![ImageLayer::new(layer.gzip, IMAGE_LAYER_GZIP_MEDIA_TYPE.to_string(), None)];
+    let layers = vec![ImageLayer::new(
+        layer.gzip,
+        IMAGE_LAYER_GZIP_MEDIA_TYPE.to_string(),
+        None,
+    )];
     let manifest = OciImageManifest::build(&layers, &config, None);
     let response = client
-        .push(&reference, &layers, config, &RegistryAuth::Anonymous, Some(manifest))
+        .push(
+            &reference,
+            &layers,
+            config,
+            &RegistryAuth::Anonymous,
+            Some(manifest),
+        )
         .await?;
     let digest = response
         .manifest_url
@@ -187,5 +219,9 @@ async fn push(client: &Client, registry: &str, kernel: &str, layer: Layer) -> Re
         .next()
         .unwrap_or_default()
         .to_string();
-    Ok(SampleImage { kernel: kernel.to_string(), image, digest })
+    Ok(SampleImage {
+        kernel: kernel.to_string(),
+        image,
+        digest,
+    })
 }

@@ -5,8 +5,8 @@
 use std::path::{Path, PathBuf};
 
 use rcgen::{
-    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose,
-    IsCa, Issuer, KeyPair, KeyUsagePurpose, SanType,
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    Issuer, KeyPair, KeyUsagePurpose, SanType,
 };
 
 use crate::{IoContext, Result};
@@ -82,7 +82,13 @@ impl Ca {
     }
 
     /// A client certificate for `common_name` in `organization` (a Kubernetes group).
-    pub fn client(&self, dir: &Path, file: &str, common_name: &str, organization: &str) -> Result<Pair> {
+    pub fn client(
+        &self,
+        dir: &Path,
+        file: &str,
+        common_name: &str,
+        organization: &str,
+    ) -> Result<Pair> {
         let mut params = CertificateParams::default();
         params.distinguished_name = name(common_name, Some(organization));
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
@@ -90,7 +96,10 @@ impl Ca {
     }
 
     fn sign(&self, dir: &Path, file: &str, mut params: CertificateParams) -> Result<Pair> {
-        params.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment];
+        params.key_usages = vec![
+            KeyUsagePurpose::DigitalSignature,
+            KeyUsagePurpose::KeyEncipherment,
+        ];
         let key = KeyPair::generate()?;
         let cert = params.signed_by(&key, &self.issuer)?;
         Ok(Pair {

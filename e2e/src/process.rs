@@ -31,7 +31,11 @@ impl Tracked {
         };
         let alive = kill(Pid::from_raw(self.pid), None).is_ok();
         let zombie = std::fs::read_to_string(format!("/proc/{}/stat", self.pid))
-            .map(|s| s.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('Z')))
+            .map(|s| {
+                s.rsplit(')')
+                    .next()
+                    .is_some_and(|rest| rest.trim_start().starts_with('Z'))
+            })
             .unwrap_or(true);
         alive && !zombie && same_file(&exe, &self.program)
     }
@@ -72,13 +76,21 @@ fn same_file(a: &Path, b: &Path) -> bool {
 
 /// Start `program args...` detached from the caller (its own process group, stdin
 /// closed, stdout+stderr appended to `log`), so it outlives `cargo xtask env up`.
-pub fn spawn(name: &str, program: &Path, args: &[String], env: &[(&str, String)], log: &Path) -> Result<Tracked> {
+pub fn spawn(
+    name: &str,
+    program: &Path,
+    args: &[String],
+    env: &[(&str, String)],
+    log: &Path,
+) -> Result<Tracked> {
     let out = File::options()
         .create(true)
         .append(true)
         .open(log)
         .context(|| format!("opening {}", log.display()))?;
-    let err = out.try_clone().context(|| format!("opening {}", log.display()))?;
+    let err = out
+        .try_clone()
+        .context(|| format!("opening {}", log.display()))?;
     let mut cmd = Command::new(program);
     cmd.args(args)
         .stdin(Stdio::null())
@@ -93,7 +105,9 @@ pub fn spawn(name: &str, program: &Path, args: &[String], env: &[(&str, String)]
         reason: format!("cannot execute {}: {e}", program.display()),
         log: log.to_path_buf(),
     })?;
-    let program = program.canonicalize().unwrap_or_else(|_| program.to_path_buf());
+    let program = program
+        .canonicalize()
+        .unwrap_or_else(|_| program.to_path_buf());
     Ok(Tracked {
         name: name.to_string(),
         pid: i32::try_from(child.id()).map_err(|e| Error::Invalid(format!("pid: {e}")))?,

@@ -34,16 +34,26 @@ impl Component {
     pub fn binaries(&self) -> Vec<&'static str> {
         self.packages
             .iter()
-            .map(|p| if *p == "." { self.name } else { p.rsplit('/').next().unwrap_or(p) })
+            .map(|p| {
+                if *p == "." {
+                    self.name
+                } else {
+                    p.rsplit('/').next().unwrap_or(p)
+                }
+            })
             .collect()
     }
 
     fn out_dir(&self) -> PathBuf {
-        cache_dir().join("bin").join(format!("{}-{}", self.name, self.version))
+        cache_dir()
+            .join("bin")
+            .join(format!("{}-{}", self.name, self.version))
     }
 
     fn src_dir(&self) -> PathBuf {
-        cache_dir().join("src").join(format!("{}-{}", self.name, self.version))
+        cache_dir()
+            .join("src")
+            .join(format!("{}-{}", self.name, self.version))
     }
 
     fn is_built(&self) -> bool {
@@ -138,7 +148,12 @@ impl Toolchain {
             let total = Instant::now();
             for c in components(v) {
                 if c.is_built() {
-                    eprintln!("toolchain: {} {} cached at {}", c.name, c.version, c.out_dir().display());
+                    eprintln!(
+                        "toolchain: {} {} cached at {}",
+                        c.name,
+                        c.version,
+                        c.out_dir().display()
+                    );
                     continue;
                 }
                 let started = Instant::now();
@@ -173,15 +188,19 @@ fn build(c: &Component) -> Result<()> {
     let src = c.src_dir();
     std::fs::create_dir_all(&src).context(|| format!("creating {}", src.display()))?;
     let template_dir = Path::new(TEMPLATES).join(c.name);
-    for entry in std::fs::read_dir(&template_dir).context(|| format!("reading {}", template_dir.display()))? {
+    for entry in std::fs::read_dir(&template_dir)
+        .context(|| format!("reading {}", template_dir.display()))?
+    {
         let entry = entry.context(|| format!("reading {}", template_dir.display()))?;
         let name = entry.file_name().to_string_lossy().into_owned();
-        let text = std::fs::read_to_string(entry.path()).context(|| format!("reading {}", entry.path().display()))?;
+        let text = std::fs::read_to_string(entry.path())
+            .context(|| format!("reading {}", entry.path().display()))?;
         let (target, text) = match name.strip_suffix(".in") {
             Some(target) => (target.to_string(), render(c, &text)?),
             None => (name, text),
         };
-        std::fs::write(src.join(&target), text).context(|| format!("writing {target} in {}", src.display()))?;
+        std::fs::write(src.join(&target), text)
+            .context(|| format!("writing {target} in {}", src.display()))?;
     }
     let partial = c.out_dir().with_extension("partial");
     let mut cmd = go(&src);
@@ -189,7 +208,8 @@ fn build(c: &Component) -> Result<()> {
         .arg(format!("{}/", partial.display()))
         .args(&c.packages);
     run(&mut cmd)?;
-    std::fs::rename(&partial, c.out_dir()).context(|| format!("moving {} into place", partial.display()))
+    std::fs::rename(&partial, c.out_dir())
+        .context(|| format!("moving {} into place", partial.display()))
 }
 
 fn render(c: &Component, template: &str) -> Result<String> {
@@ -208,7 +228,8 @@ fn render(c: &Component, template: &str) -> Result<String> {
 fn staging_replaces(c: &Component) -> Result<String> {
     let published = c.version.replacen("v1.", "v0.", 1);
     let mut cmd = go(&cache_dir());
-    cmd.args(["mod", "download", "-json"]).arg(format!("k8s.io/kubernetes@{}", c.version));
+    cmd.args(["mod", "download", "-json"])
+        .arg(format!("k8s.io/kubernetes@{}", c.version));
     let out = output(&mut cmd)?;
     let info: serde_json::Value = serde_json::from_slice(&out)
         .map_err(|e| Error::Invalid(format!("go mod download output: {e}")))?;
@@ -254,19 +275,31 @@ fn describe(cmd: &Command) -> String {
 }
 
 fn run(cmd: &mut Command) -> Result<()> {
-    let status = cmd.status().context(|| format!("running {}", describe(cmd)))?;
+    let status = cmd
+        .status()
+        .context(|| format!("running {}", describe(cmd)))?;
     if !status.success() {
-        return Err(Error::Command { command: describe(cmd), status: status.to_string(), log: None });
+        return Err(Error::Command {
+            command: describe(cmd),
+            status: status.to_string(),
+            log: None,
+        });
     }
     Ok(())
 }
 
 fn output(cmd: &mut Command) -> Result<Vec<u8>> {
-    let out = cmd.output().context(|| format!("running {}", describe(cmd)))?;
+    let out = cmd
+        .output()
+        .context(|| format!("running {}", describe(cmd)))?;
     if !out.status.success() {
         return Err(Error::Command {
             command: describe(cmd),
-            status: format!("{}: {}", out.status, String::from_utf8_lossy(&out.stderr).trim()),
+            status: format!(
+                "{}: {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
             log: None,
         });
     }
@@ -289,7 +322,10 @@ mod tests {
     #[test]
     fn binaries_are_named_after_packages() {
         let v = Versions::pinned();
-        let names: Vec<_> = components(&v).iter().flat_map(Component::binaries).collect();
+        let names: Vec<_> = components(&v)
+            .iter()
+            .flat_map(Component::binaries)
+            .collect();
         assert!(names.contains(&"kube-apiserver"));
         assert!(names.contains(&"etcd"));
         assert!(names.contains(&"registration-operator"));

@@ -43,11 +43,22 @@ pub fn run(args: EnvArgs) -> Result<()> {
             Toolchain::ensure(&Versions::pinned())?;
             Ok(())
         }
-        EnvCommand::Up { spokes, nodes_per_spoke } => {
+        EnvCommand::Up {
+            spokes,
+            nodes_per_spoke,
+        } => {
             let rt = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
-            let state = rt.block_on(fleet::up(&Options { spokes, nodes_per_spoke }))?;
+            let state = rt.block_on(fleet::up(&Options {
+                spokes,
+                nodes_per_spoke,
+            }))?;
             for cluster in &state.clusters {
-                println!("{:<8} {}  kubeconfig: {}", cluster.name, cluster.server, cluster.kubeconfig.display());
+                println!(
+                    "{:<8} {}  kubeconfig: {}",
+                    cluster.name,
+                    cluster.server,
+                    cluster.kubeconfig.display()
+                );
             }
             println!("registry {}", state.registry);
             Ok(())
@@ -60,7 +71,10 @@ pub fn run(args: EnvArgs) -> Result<()> {
             Ok(())
         }
         EnvCommand::Kubeconfig { cluster } => {
-            println!("{}", fleet::running()?.cluster(&cluster)?.kubeconfig.display());
+            println!(
+                "{}",
+                fleet::running()?.cluster(&cluster)?.kubeconfig.display()
+            );
             Ok(())
         }
         EnvCommand::Registry => {
@@ -74,7 +88,9 @@ fn setup() -> Result<()> {
     let mut packages: Vec<String> = ["docker-registry", "gcc", "make", "libc6-dev", "kmod"]
         .map(String::from)
         .to_vec();
-    packages.extend(kmod::header_packages(&Versions::pinned().kernels.with_image));
+    packages.extend(kmod::header_packages(
+        &Versions::pinned().kernels.with_image,
+    ));
     let status = std::process::Command::new("apt-get")
         .args(["install", "-y", "--no-install-recommends"])
         .args(&packages)
@@ -82,7 +98,10 @@ fn setup() -> Result<()> {
         .status()
         .context("running apt-get")?;
     if !status.success() {
-        bail!("apt-get install {} failed ({status}); run `apt-get update` first?", packages.join(" "));
+        bail!(
+            "apt-get install {} failed ({status}); run `apt-get update` first?",
+            packages.join(" ")
+        );
     }
     Ok(())
 }
