@@ -259,8 +259,10 @@ pub fn down() -> Result<()> {
     Ok(())
 }
 
-/// One line per component: name, PID, whether it runs, and its log.
-pub fn status() -> Result<Vec<String>> {
+/// One line per component: name, PID, health, memory (current RSS and peak), log;
+/// then the fleet's total. An apiserver is healthy when `/readyz` says ok, any other
+/// component while its process runs.
+pub async fn status() -> Result<Vec<String>> {
     let dir = state_dir();
     let Some(state) = State::load(&dir)? else {
         return Ok(vec![format!("no fleet (no state in {})", dir.display())]);
@@ -270,16 +272,38 @@ pub fn status() -> Result<Vec<String>> {
         dir.display(),
         state.registry
     )];
+    let (mut total_rss, mut total_peak) = (0, 0);
     for p in &state.processes {
-        let health = if p.alive() { "running" } else { "NOT RUNNING" };
+        let health = if !p.alive() {
+            "NOT RUNNING".to_string()
+        } else if let Some(cluster) = p.name.strip_suffix("/kube-apiserver") {
+            let client = client_for(&state.cluster(cluster)?.kubeconfig).await?;
+            match get_text(&client, "/readyz").await {
+                Some(text) if text.trim() == "ok" => "ready".into(),
+                _ => "NOT READY".into(),
+            }
+        } else {
+            "running".into()
+        };
+        let (rss, peak) = p.memory_kib().unwrap_or_default();
+        total_rss += rss;
+        total_peak += peak;
         lines.push(format!(
-            "{:<40} pid {:<8} {:<12} {}",
+            "{:<32} pid {:<8} {:<12} rss {:>5} MiB  peak {:>5} MiB  {}",
             p.name,
             p.pid,
             health,
+            rss / 1024,
+            peak / 1024,
             p.log.display()
         ));
     }
+    lines.push(format!(
+        "total: {} processes, rss {} MiB, sum of per-process peaks {} MiB",
+        state.processes.len(),
+        total_rss / 1024,
+        total_peak / 1024
+    ));
     Ok(lines)
 }
 
@@ -772,7 +796,8 @@ impl Starting {
                 let mut text = out.stdout;
                 text.extend_from_slice(&out.stderr);
                 let _ = std::fs::write(&log, &text);
-                out.status.success() && !String::from_utf8_lossy(&text).contains("no CSR")
+                // Fails ("no csr is approved yet") until the agent's CSR exists.
+                out.status.success()
             }
         })
         .await?;

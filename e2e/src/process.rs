@@ -59,6 +59,18 @@ impl Tracked {
         }
     }
 
+    /// Current and peak resident memory in KiB (`VmRSS`, `VmHWM`).
+    pub fn memory_kib(&self) -> Option<(u64, u64)> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid)).ok()?;
+        let field = |name: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        };
+        Some((field("VmRSS:")?, field("VmHWM:")?))
+    }
+
     /// The last lines of the log, to explain a failure.
     pub fn log_tail(&self, lines: usize) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();

@@ -65,7 +65,8 @@ pub fn run(args: EnvArgs) -> Result<()> {
         }
         EnvCommand::Down => Ok(fleet::down()?),
         EnvCommand::Status => {
-            for line in fleet::status()? {
+            let rt = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
+            for line in rt.block_on(fleet::status())? {
                 println!("{line}");
             }
             Ok(())
