@@ -9,9 +9,11 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use base64::Engine as _;
-use k8s_openapi::api::core::v1::{Namespace, Node};
+use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::core::v1::{Namespace, Node, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams};
+use kube::api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client};
 use serde::{Deserialize, Serialize};
@@ -321,6 +323,7 @@ struct ControlPlane {
     index: usize,
     dir: PathBuf,
     ca: Ca,
+    server: String,
     kubeconfig: PathBuf,
     client: Client,
 }
@@ -336,7 +339,7 @@ impl Starting {
 
         self.etcd().await?;
         let hub = self.control_plane("hub", 0, false).await?;
-        self.ocm_hub(&hub, &crds).await?;
+        let bootstrap = self.ocm_hub(&hub, &crds).await?;
 
         let kernels = self.versions.kernels.all();
         let mut spokes = vec![];
@@ -349,7 +352,7 @@ impl Starting {
                 })
                 .collect();
             self.simulated_nodes(&spoke, &nodes, &kwok_dir).await?;
-            self.ocm_agent(&spoke, &hub, &crds).await?;
+            self.ocm_agent(&spoke, &hub, &bootstrap, &crds).await?;
             self.cluster_mut(&spoke.name).nodes = nodes;
             self.state.save(&self.dir)?;
             spokes.push(spoke);
@@ -433,11 +436,17 @@ impl Starting {
             &["127.0.0.1", "10.0.0.1"],
         )?;
         let admin = ca.client(&pki_dir, "admin", "kmm-fleet-admin", "system:masters")?;
-        let sa_key = pki::key(&pki_dir, "service-account.key")?;
+        let sa = pki::key_pair(&pki_dir, "service-account")?;
         let port = self.ports.cluster(index, APISERVER);
         let server = format!("https://127.0.0.1:{port}");
         let kubeconfig = dir.join("admin.kubeconfig");
-        write_kubeconfig(&kubeconfig, name, &server, &ca.pem, &admin)?;
+        write_kubeconfig(
+            &kubeconfig,
+            name,
+            &server,
+            &ca.pem,
+            Credentials::Certificate(&admin),
+        )?;
 
         let p = |path: &Path| path.display().to_string();
         let apiserver = self.start(
@@ -457,11 +466,17 @@ impl Starting {
                 format!("--tls-private-key-file={}", p(&serving.key)),
                 format!("--client-ca-file={}", p(&ca.cert)),
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local".into(),
-                format!("--service-account-key-file={}", p(&sa_key)),
-                format!("--service-account-signing-key-file={}", p(&sa_key)),
+                format!("--service-account-key-file={}", p(&sa.cert)),
+                format!("--service-account-signing-key-file={}", p(&sa.key)),
                 "--service-cluster-ip-range=10.0.0.0/24".into(),
                 "--authorization-mode=RBAC".into(),
                 "--allow-privileged=true".into(),
+                // Only to give aggregated/extension servers a client CA to read.
+                format!("--requestheader-client-ca-file={}", p(&ca.cert)),
+                "--requestheader-allowed-names=front-proxy-client".into(),
+                "--requestheader-username-headers=X-Remote-User".into(),
+                "--requestheader-group-headers=X-Remote-Group".into(),
+                "--requestheader-extra-headers-prefix=X-Remote-Extra-".into(),
             ],
             &[],
         )?;
@@ -479,7 +494,7 @@ impl Starting {
         self.state.clusters.push(Cluster {
             name: name.into(),
             kubeconfig: kubeconfig.clone(),
-            server,
+            server: server.clone(),
             nodes: vec![],
         });
         self.state.save(&self.dir)?;
@@ -502,7 +517,7 @@ impl Starting {
                 format!("--cluster-signing-cert-file={}", p(&ca.cert)),
                 format!("--cluster-signing-key-file={}", p(&ca.key)),
                 format!("--root-ca-file={}", p(&ca.cert)),
-                format!("--service-account-private-key-file={}", p(&sa_key)),
+                format!("--service-account-private-key-file={}", p(&sa.key)),
             ],
             &[],
         )?;
@@ -529,12 +544,14 @@ impl Starting {
             index,
             dir,
             ca,
+            server,
             kubeconfig,
             client,
         })
     }
 
-    async fn ocm_hub(&mut self, hub: &ControlPlane, crds: &[Value]) -> Result<()> {
+    /// The OCM hub controllers; returns the bootstrap kubeconfig for klusterlet agents.
+    async fn ocm_hub(&mut self, hub: &ControlPlane, crds: &[Value]) -> Result<PathBuf> {
         ensure_namespaces(&hub.client, HUB_NAMESPACES).await?;
         let webhook_port = self.ports.cluster(hub.index, OCM_ADDON_WEBHOOK);
         let webhook_dir = hub.dir.join("addon-webhook");
@@ -618,7 +635,7 @@ impl Starting {
             )?;
             wait_healthz(&tracked, port, "/healthz").await?;
         }
-        Ok(())
+        bootstrap_kubeconfig(hub).await
     }
 
     async fn simulated_nodes(
@@ -716,6 +733,7 @@ impl Starting {
         &mut self,
         spoke: &ControlPlane,
         hub: &ControlPlane,
+        bootstrap: &Path,
         crds: &[Value],
     ) -> Result<()> {
         ensure_namespaces(&spoke.client, SPOKE_NAMESPACES).await?;
@@ -733,10 +751,13 @@ impl Starting {
             vec![
                 "agent".into(),
                 format!("--spoke-cluster-name={}", spoke.name),
-                // The bootstrap identity only creates the cluster's CSR; the agent then
-                // runs with the certificate the hub signs for it.
-                format!("--bootstrap-kubeconfig={}", hub.kubeconfig.display()),
+                format!("--bootstrap-kubeconfig={}", bootstrap.display()),
                 format!("--hub-kubeconfig-dir={}", hub_kubeconfig_dir.display()),
+                // The work agent reads the hub kubeconfig the registration agent writes.
+                format!(
+                    "--workload-source-config={}",
+                    hub_kubeconfig_dir.join("kubeconfig").display()
+                ),
                 format!("--spoke-kubeconfig={kc}"),
                 format!("--kubeconfig={kc}"),
                 "--namespace=open-cluster-management-agent".into(),
@@ -759,8 +780,9 @@ impl Starting {
         .await
     }
 
-    /// `clusteradm accept` until the hub has approved the cluster, then wait for it to
-    /// be joined and available.
+    /// Run `clusteradm accept` (approve the agent's CSR, set hubAcceptsClient) until
+    /// the ManagedCluster is joined and available. `accept` fails until the CSR exists
+    /// and again once nothing is left to approve, so its exit status is only logged.
     async fn accept(&mut self, hub: &ControlPlane, spoke: &str) -> Result<()> {
         let agent = self
             .state
@@ -775,45 +797,47 @@ impl Starting {
             .join("logs")
             .join(format!("{spoke}-clusteradm-accept.log"));
         let kubeconfig = hub.kubeconfig.clone();
-        let spoke_name = spoke.to_string();
-        let log_for_wait = log.clone();
-        wait_for(&agent, "`clusteradm accept` to succeed", || {
-            let (clusteradm, kubeconfig, spoke, log) = (
-                clusteradm.clone(),
-                kubeconfig.clone(),
-                spoke_name.clone(),
-                log_for_wait.clone(),
-            );
-            async move {
-                let Ok(out) = tokio::process::Command::new(&clusteradm)
-                    .args(["accept", "--clusters", &spoke, "--kubeconfig"])
-                    .arg(&kubeconfig)
-                    .output()
-                    .await
-                else {
-                    return false;
-                };
-                let mut text = out.stdout;
-                text.extend_from_slice(&out.stderr);
-                let _ = std::fs::write(&log, &text);
-                // Fails ("no csr is approved yet") until the agent's CSR exists.
-                out.status.success()
-            }
-        })
-        .await?;
         let clusters = managed_clusters(&hub.client);
         let name = spoke.to_string();
-        wait_for(&agent, "ManagedCluster to be joined and available", || {
-            let clusters = clusters.clone();
-            let name = name.clone();
-            async move {
-                let Ok(Some(mc)) = clusters.get_opt(&name).await else {
-                    return false;
-                };
-                condition_true(&mc.data, "ManagedClusterJoined")
-                    && condition_true(&mc.data, "ManagedClusterConditionAvailable")
-            }
-        })
+        wait_for(
+            &agent,
+            "the ManagedCluster to be accepted, joined and available",
+            || {
+                let (clusteradm, kubeconfig, clusters, name, log) = (
+                    clusteradm.clone(),
+                    kubeconfig.clone(),
+                    clusters.clone(),
+                    name.clone(),
+                    log.clone(),
+                );
+                async move {
+                    if let Ok(Some(mc)) = clusters.get_opt(&name).await
+                        && condition_true(&mc.data, "ManagedClusterJoined")
+                        && condition_true(&mc.data, "ManagedClusterConditionAvailable")
+                    {
+                        return true;
+                    }
+                    if let Ok(out) = tokio::process::Command::new(&clusteradm)
+                        .args(["accept", "--clusters", &name, "--kubeconfig"])
+                        .arg(&kubeconfig)
+                        .output()
+                        .await
+                    {
+                        use std::io::Write as _;
+                        if let Ok(mut file) = std::fs::File::options()
+                            .create(true)
+                            .append(true)
+                            .open(&log)
+                        {
+                            let _ = writeln!(file, "--- clusteradm accept: {}", out.status);
+                            let _ = file.write_all(&out.stdout);
+                            let _ = file.write_all(&out.stderr);
+                        }
+                    }
+                    false
+                }
+            },
+        )
         .await
     }
 
@@ -845,6 +869,71 @@ impl Starting {
             kmod::push_samples(&self.state.registry, &self.versions.kernels.with_image).await?;
         self.state.save(&self.dir)
     }
+}
+
+/// The identity klusterlet agents bootstrap with, as OCM's cluster-manager sets it up:
+/// the ServiceAccount open-cluster-management/agent-registration-bootstrap, allowed only
+/// to create its ManagedCluster and CSR (`clusteradm accept` approves CSRs from exactly
+/// this requester). Its token goes into `<hub>/bootstrap.kubeconfig`.
+async fn bootstrap_kubeconfig(hub: &ControlPlane) -> Result<PathBuf> {
+    const SA: &str = "agent-registration-bootstrap";
+    const ROLE: &str = "system:open-cluster-management:bootstrap";
+    let apply = PatchParams::apply(MANAGER).force();
+    let sas: Api<ServiceAccount> = Api::namespaced(hub.client.clone(), "open-cluster-management");
+    let sa = json!({ "apiVersion": "v1", "kind": "ServiceAccount", "metadata": { "name": SA } });
+    sas.patch(SA, &apply, &Patch::Apply(&sa)).await?;
+    let role = json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
+        "metadata": { "name": ROLE },
+        "rules": [
+            { "apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"] },
+            { "apiGroups": ["certificates.k8s.io"], "resources": ["certificatesigningrequests"],
+              "verbs": ["create", "get", "list", "watch"] },
+            { "apiGroups": ["cluster.open-cluster-management.io"], "resources": ["managedclusters"],
+              "verbs": ["get", "create", "list", "watch"] },
+            { "apiGroups": ["cluster.open-cluster-management.io"], "resources": ["managedclustersets/join"],
+              "verbs": ["create"] },
+        ],
+    });
+    Api::<ClusterRole>::all(hub.client.clone())
+        .patch(ROLE, &apply, &Patch::Apply(&role))
+        .await?;
+    let binding = json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": { "name": ROLE },
+        "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": ROLE },
+        "subjects": [{ "kind": "ServiceAccount", "name": SA, "namespace": "open-cluster-management" }],
+    });
+    Api::<ClusterRoleBinding>::all(hub.client.clone())
+        .patch(ROLE, &apply, &Patch::Apply(&binding))
+        .await?;
+    let request = TokenRequest {
+        spec: TokenRequestSpec {
+            // Long enough for any test session; agents switch to their signed
+            // certificate right after joining.
+            expiration_seconds: Some(7 * 24 * 3600),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let token = sas
+        .create_token_request(SA, &PostParams::default(), &request)
+        .await?;
+    let token = token
+        .status
+        .map(|s| s.token)
+        .ok_or_else(|| Error::Invalid("the bootstrap TokenRequest returned no token".into()))?;
+    let path = hub.dir.join("bootstrap.kubeconfig");
+    write_kubeconfig(
+        &path,
+        &hub.name,
+        &hub.server,
+        &hub.ca.pem,
+        Credentials::Token(&token),
+    )?;
+    Ok(path)
 }
 
 /// Poll `check` every 250ms until it holds, failing at once if `process` exits and
@@ -934,15 +1023,28 @@ pub async fn client_for(kubeconfig: &Path) -> Result<Client> {
     Ok(Client::try_from(config)?)
 }
 
+/// Who a kubeconfig authenticates as.
+enum Credentials<'a> {
+    Certificate(&'a pki::Pair),
+    Token(&'a str),
+}
+
 fn write_kubeconfig(
     path: &Path,
     cluster: &str,
     server: &str,
     ca_pem: &str,
-    user: &pki::Pair,
+    credentials: Credentials<'_>,
 ) -> Result<()> {
     let b64 = |s: &[u8]| base64::engine::general_purpose::STANDARD.encode(s);
     let read = |p: &Path| std::fs::read(p).context(|| format!("reading {}", p.display()));
+    let user = match credentials {
+        Credentials::Certificate(pair) => json!({
+            "client-certificate-data": b64(&read(&pair.cert)?),
+            "client-key-data": b64(&read(&pair.key)?),
+        }),
+        Credentials::Token(token) => json!({ "token": token }),
+    };
     let config = json!({
         "apiVersion": "v1",
         "kind": "Config",
@@ -950,11 +1052,8 @@ fn write_kubeconfig(
             "server": server,
             "certificate-authority-data": b64(ca_pem.as_bytes()),
         }}],
-        "users": [{ "name": "admin", "user": {
-            "client-certificate-data": b64(&read(&user.cert)?),
-            "client-key-data": b64(&read(&user.key)?),
-        }}],
-        "contexts": [{ "name": cluster, "context": { "cluster": cluster, "user": "admin" } }],
+        "users": [{ "name": "user", "user": user }],
+        "contexts": [{ "name": cluster, "context": { "cluster": cluster, "user": "user" } }],
         "current-context": cluster,
     });
     let text = serde_yaml_ng::to_string(&config).map_err(|e| Error::Invalid(e.to_string()))?;

@@ -20,7 +20,7 @@ pub struct Ca {
     issuer: Issuer<'static, KeyPair>,
 }
 
-/// A certificate and key written as `<name>.crt` / `<name>.key`.
+/// A certificate (or, for a bare key pair, the public key) and its private key.
 #[derive(Debug, Clone)]
 pub struct Pair {
     pub cert: PathBuf,
@@ -109,7 +109,12 @@ impl Ca {
     }
 }
 
-/// A bare key pair (the service-account token signing key).
-pub fn key(dir: &Path, file: &str) -> Result<PathBuf> {
-    write(dir, file, &KeyPair::generate()?.serialize_pem())
+/// A bare key pair (the service-account token signing key), written as
+/// `<file>.key` and `<file>.pub`.
+pub fn key_pair(dir: &Path, file: &str) -> Result<Pair> {
+    let key = KeyPair::generate()?;
+    Ok(Pair {
+        cert: write(dir, &format!("{file}.pub"), &key.public_key_pem())?,
+        key: write(dir, &format!("{file}.key"), &key.serialize_pem())?,
+    })
 }

@@ -28,6 +28,8 @@ pub struct Component {
     packages: Vec<&'static str>,
     /// Placeholder substitutions for `go.mod.in` besides `@VERSION@`.
     substitutions: Vec<(&'static str, String)>,
+    /// `-X` linker settings: upstream stamps its version this way in its release builds.
+    version_vars: Vec<String>,
 }
 
 impl Component {
@@ -70,6 +72,7 @@ pub fn components(v: &Versions) -> Vec<Component> {
             version: v.etcd.version.clone(),
             packages: vec!["."],
             substitutions: vec![],
+            version_vars: vec![],
         },
         Component {
             name: "kubernetes",
@@ -80,6 +83,7 @@ pub fn components(v: &Versions) -> Vec<Component> {
                 "k8s.io/kubernetes/cmd/kube-scheduler",
             ],
             substitutions: vec![],
+            version_vars: kubernetes_version_vars(&v.kubernetes.version),
         },
         Component {
             name: "ocm",
@@ -91,18 +95,24 @@ pub fn components(v: &Versions) -> Vec<Component> {
                 "open-cluster-management.io/ocm/cmd/registration-operator",
             ],
             substitutions: vec![],
+            version_vars: vec![],
         },
         Component {
             name: "clusteradm",
             version: v.clusteradm.version.clone(),
             packages: vec!["open-cluster-management.io/clusteradm/cmd/clusteradm"],
             substitutions: vec![("@OCM_VERSION@", v.ocm.version.clone())],
+            version_vars: vec![],
         },
         Component {
             name: "kwok",
             version: v.kwok.version.clone(),
             packages: vec!["sigs.k8s.io/kwok/cmd/kwok"],
             substitutions: vec![],
+            version_vars: vec![format!(
+                "sigs.k8s.io/kwok/pkg/consts.Version={}",
+                v.kwok.version.trim_start_matches('v')
+            )],
         },
     ]
 }
@@ -179,6 +189,30 @@ impl Toolchain {
     }
 }
 
+/// What Kubernetes' release build stamps, so that the components report their real
+/// version (`/version`, skew checks) instead of `v0.0.0-master`.
+fn kubernetes_version_vars(version: &str) -> Vec<String> {
+    let mut parts = version.trim_start_matches('v').split('.');
+    let (major, minor) = (
+        parts.next().unwrap_or_default(),
+        parts.next().unwrap_or_default(),
+    );
+    [
+        "k8s.io/component-base/version",
+        "k8s.io/client-go/pkg/version",
+    ]
+    .iter()
+    .flat_map(|pkg| {
+        [
+            format!("{pkg}.gitVersion={version}"),
+            format!("{pkg}.gitMajor={major}"),
+            format!("{pkg}.gitMinor={minor}"),
+            format!("{pkg}.gitTreeState=clean"),
+        ]
+    })
+    .collect()
+}
+
 fn human(d: Duration) -> String {
     let s = d.as_secs();
     format!("{}m{:02}s", s / 60, s % 60)
@@ -204,7 +238,14 @@ fn build(c: &Component) -> Result<()> {
     }
     let partial = c.out_dir().with_extension("partial");
     let mut cmd = go(&src);
-    cmd.args(["build", "-mod=mod", "-trimpath", "-ldflags=-s -w", "-o"])
+    let mut ldflags = String::from("-s -w");
+    for var in &c.version_vars {
+        ldflags.push_str(" -X ");
+        ldflags.push_str(var);
+    }
+    cmd.args(["build", "-mod=mod", "-trimpath"])
+        .arg(format!("-ldflags={ldflags}"))
+        .arg("-o")
         .arg(format!("{}/", partial.display()))
         .args(&c.packages);
     run(&mut cmd)?;
