@@ -386,3 +386,124 @@ async fn the_generated_mcm_crd_is_structural_and_an_mcm_round_trips() -> Result<
     }
     Ok(())
 }
+
+#[tokio::test]
+async fn the_addon_apis_convert_between_versions_through_the_webhook() -> Result<()> {
+    let fleet = Fleet::get().await?;
+    let name = unique("kmm-e2e-addon");
+    let resource = |version: &str| {
+        let gvk = GroupVersionKind::gvk(
+            "addon.open-cluster-management.io",
+            version,
+            "ClusterManagementAddOn",
+        );
+        Api::<DynamicObject>::all_with(
+            fleet.hub.clone(),
+            &ApiResource::from_gvk_with_plural(&gvk, "clustermanagementaddons"),
+        )
+    };
+    let (v1alpha1, v1beta1) = (resource("v1alpha1"), resource("v1beta1"));
+    let addon: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+        "kind": "ClusterManagementAddOn",
+        "metadata": { "name": name },
+        "spec": {
+            "addOnMeta": { "displayName": "e2e conversion probe" },
+            "installStrategy": { "type": "Manual" },
+        },
+    }))?;
+    v1alpha1.create(&PostParams::default(), &addon).await?;
+    // Stored as v1alpha1; reading v1beta1 only works through the conversion webhook.
+    let converted = v1beta1
+        .get(&name)
+        .await
+        .context("reading the add-on as v1beta1")?;
+    v1alpha1.delete(&name, &DeleteParams::default()).await?;
+    ensure!(
+        converted.types.as_ref().map(|t| t.api_version.as_str())
+            == Some("addon.open-cluster-management.io/v1beta1"),
+        "not converted: {:?}",
+        converted.types
+    );
+    ensure!(
+        converted.data["spec"]["addOnMeta"]["displayName"] == "e2e conversion probe",
+        "lost in conversion: {}",
+        converted.data["spec"]
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_placement_selects_every_spoke() -> Result<()> {
+    let fleet = Fleet::get().await?;
+    let ns = TempNamespace::create(&fleet.hub, "kmm-e2e-placement").await?;
+    let api = |group: &str, version: &str, kind: &str, plural: &str| {
+        let gvk = GroupVersionKind::gvk(group, version, kind);
+        Api::<DynamicObject>::namespaced_with(
+            fleet.hub.clone(),
+            &ns.name,
+            &ApiResource::from_gvk_with_plural(&gvk, plural),
+        )
+    };
+    let group = "cluster.open-cluster-management.io";
+    let bindings = api(
+        group,
+        "v1beta2",
+        "ManagedClusterSetBinding",
+        "managedclustersetbindings",
+    );
+    let binding: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": format!("{group}/v1beta2"),
+        "kind": "ManagedClusterSetBinding",
+        "metadata": { "name": "global" },
+        "spec": { "clusterSet": "global" },
+    }))?;
+    bindings.create(&PostParams::default(), &binding).await?;
+    let placements = api(group, "v1beta1", "Placement", "placements");
+    let placement: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": format!("{group}/v1beta1"),
+        "kind": "Placement",
+        "metadata": { "name": "all" },
+        "spec": { "clusterSets": ["global"] },
+    }))?;
+    placements
+        .create(&PostParams::default(), &placement)
+        .await?;
+    let decisions = api(group, "v1beta1", "PlacementDecision", "placementdecisions");
+    let mut expected = fleet.spoke_names();
+    expected.sort();
+    let chosen = wait_until("a PlacementDecision naming every spoke", WAIT, || {
+        let decisions = decisions.clone();
+        let expected = expected.clone();
+        async move {
+            let list = decisions
+                .list(
+                    &kube::api::ListParams::default()
+                        .labels("cluster.open-cluster-management.io/placement=all"),
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+            let mut chosen: Vec<String> = list
+                .items
+                .iter()
+                .flat_map(|d| {
+                    d.data["status"]["decisions"]
+                        .as_array()
+                        .cloned()
+                        .unwrap_or_default()
+                })
+                .filter_map(|d| d["clusterName"].as_str().map(String::from))
+                .collect();
+            chosen.sort();
+            if chosen == expected {
+                Ok(chosen)
+            } else {
+                Err(format!("decisions {chosen:?}"))
+            }
+        }
+    })
+    .await?;
+    eprintln!("placement chose {chosen:?}");
+    ns.delete().await?;
+    Ok(())
+}
