@@ -14,7 +14,7 @@ use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{DeleteParams, ObjectMeta, PostParams};
 use kube::{Api, Client};
 
-use crate::fleet::{self, Options, State};
+use crate::fleet::{self, Options, Settings, State};
 use crate::{Error, Result};
 
 /// Clients for every cluster of a running fleet.
@@ -48,11 +48,12 @@ impl Fleet {
                         .build()
                         .map_err(|e| e.to_string())?;
                     rt.block_on(async {
-                        match fleet::running() {
+                        let settings = Settings::from_env().map_err(|e| e.to_string())?;
+                        match fleet::running(&settings) {
                             Ok(state) => Ok(state),
                             Err(not_running) => {
                                 eprintln!("fixture: {not_running}; starting a fleet");
-                                fleet::up(&Options::default())
+                                fleet::up(&settings, &Options::default())
                                     .await
                                     .map_err(|e| e.to_string())
                             }

@@ -22,7 +22,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::pki::{self, Ca};
 use crate::process::{Tracked, spawn};
-use crate::toolchain::Toolchain;
+use crate::toolchain::{BIN_DIR_ENV, Toolchain};
 use crate::versions::Versions;
 use crate::{Error, IoContext, Result, cache_dir, kmod};
 
@@ -129,15 +129,40 @@ impl State {
     }
 }
 
-/// The state directory: `$KMM_FLEET_STATE_DIR`, else `<cache>/env`.
-pub fn state_dir() -> PathBuf {
-    std::env::var_os("KMM_FLEET_STATE_DIR").map_or_else(|| cache_dir().join("env"), PathBuf::from)
+/// Where a fleet lives: its state directory, its ports, and the binaries it runs.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Certificates, kubeconfigs, logs and `state.json`.
+    pub state_dir: PathBuf,
+    /// Every port is `base_port` plus a fixed offset (see README).
+    pub base_port: u16,
+    /// Prebuilt upstream binaries instead of the built, cached toolchain.
+    pub bin_dir: Option<PathBuf>,
+}
+
+impl Settings {
+    /// `$KMM_FLEET_STATE_DIR` (default `<cache>/env`), `$KMM_FLEET_BASE_PORT` (default
+    /// 16000) and `$KMM_FLEET_BIN_DIR`.
+    pub fn from_env() -> Result<Self> {
+        let base_port = match std::env::var("KMM_FLEET_BASE_PORT") {
+            Ok(v) => v
+                .parse()
+                .map_err(|e| Error::Invalid(format!("KMM_FLEET_BASE_PORT={v}: {e}")))?,
+            Err(_) => 16000,
+        };
+        Ok(Self {
+            state_dir: std::env::var_os("KMM_FLEET_STATE_DIR")
+                .map_or_else(|| cache_dir().join("env"), PathBuf::from),
+            base_port,
+            bin_dir: std::env::var_os(BIN_DIR_ENV).map(PathBuf::from),
+        })
+    }
 }
 
 /// The running fleet's state; an error if none is running.
-pub fn running() -> Result<State> {
-    let dir = state_dir();
-    match State::load(&dir)? {
+pub fn running(settings: &Settings) -> Result<State> {
+    let dir = &settings.state_dir;
+    match State::load(dir)? {
         Some(state) if state.processes.iter().all(Tracked::alive) => Ok(state),
         Some(state) => {
             let dead: Vec<_> = state
@@ -159,23 +184,14 @@ pub fn running() -> Result<State> {
     }
 }
 
-/// Ports, all on 127.0.0.1: `$KMM_FLEET_BASE_PORT` (default 16000) plus fixed offsets;
-/// cluster `i` (hub = 0, spokeN = N) gets the block `base + 100 * i`.
+/// Ports, all on 127.0.0.1: the base port plus fixed offsets; cluster `i` (hub = 0,
+/// spokeN = N) gets the block `base + 100 * i`.
 #[derive(Debug, Clone, Copy)]
 struct Ports {
     base: u16,
 }
 
 impl Ports {
-    fn from_env() -> Result<Self> {
-        let base = match std::env::var("KMM_FLEET_BASE_PORT") {
-            Ok(v) => v
-                .parse()
-                .map_err(|e| Error::Invalid(format!("KMM_FLEET_BASE_PORT={v}: {e}")))?,
-            Err(_) => 16000,
-        };
-        Ok(Self { base })
-    }
     fn etcd_client(self) -> u16 {
         self.base + 1
     }
@@ -202,8 +218,8 @@ const OCM_ADDON_WEBHOOK: u16 = 84;
 
 /// Start a fleet. Fails if one is already running; on failure stops what it started
 /// and names the component that did not come up and its log.
-pub async fn up(opts: &Options) -> Result<State> {
-    let dir = state_dir();
+pub async fn up(settings: &Settings, opts: &Options) -> Result<State> {
+    let dir = settings.state_dir.clone();
     if let Some(state) = State::load(&dir)?
         && state.processes.iter().any(Tracked::alive)
     {
@@ -217,12 +233,14 @@ pub async fn up(opts: &Options) -> Result<State> {
     }
     std::fs::create_dir_all(&dir).context(|| format!("creating {}", dir.display()))?;
     let versions = Versions::pinned();
-    let toolchain = Toolchain::ensure(&versions)?;
+    let toolchain = Toolchain::ensure(&versions, settings.bin_dir.as_deref())?;
     let mut starting = Starting {
         dir: dir.clone(),
         toolchain,
         versions,
-        ports: Ports::from_env()?,
+        ports: Ports {
+            base: settings.base_port,
+        },
         state: State {
             clusters: vec![],
             registry: String::new(),
@@ -248,15 +266,15 @@ pub async fn up(opts: &Options) -> Result<State> {
 }
 
 /// Stop every process of the fleet and remove its state directory.
-pub fn down() -> Result<()> {
-    let dir = state_dir();
-    if let Some(state) = State::load(&dir)? {
+pub fn down(settings: &Settings) -> Result<()> {
+    let dir = &settings.state_dir;
+    if let Some(state) = State::load(dir)? {
         for p in state.processes.iter().rev() {
             p.stop(Duration::from_secs(10));
         }
     }
     if dir.exists() {
-        std::fs::remove_dir_all(&dir).context(|| format!("removing {}", dir.display()))?;
+        std::fs::remove_dir_all(dir).context(|| format!("removing {}", dir.display()))?;
     }
     Ok(())
 }
@@ -264,9 +282,9 @@ pub fn down() -> Result<()> {
 /// One line per component: name, PID, health, memory (current RSS and peak), log;
 /// then the fleet's total. An apiserver is healthy when `/readyz` says ok, any other
 /// component while its process runs.
-pub async fn status() -> Result<Vec<String>> {
-    let dir = state_dir();
-    let Some(state) = State::load(&dir)? else {
+pub async fn status(settings: &Settings) -> Result<Vec<String>> {
+    let dir = &settings.state_dir;
+    let Some(state) = State::load(dir)? else {
         return Ok(vec![format!("no fleet (no state in {})", dir.display())]);
     };
     let mut lines = vec![format!(

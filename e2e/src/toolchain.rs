@@ -124,12 +124,12 @@ pub struct Toolchain {
 }
 
 impl Toolchain {
-    /// Locate every binary without building; fails naming the first one missing.
-    pub fn locate(v: &Versions) -> Result<Self> {
-        let prebuilt = std::env::var_os(BIN_DIR_ENV).map(PathBuf::from);
+    /// Locate every binary without building, in `prebuilt` if given, else in the
+    /// cache; fails naming the first one missing.
+    pub fn locate(v: &Versions, prebuilt: Option<&Path>) -> Result<Self> {
         let mut bins = BTreeMap::new();
         for c in components(v) {
-            let dir = prebuilt.clone().unwrap_or_else(|| c.out_dir());
+            let dir = prebuilt.map_or_else(|| c.out_dir(), Path::to_path_buf);
             for b in c.binaries() {
                 let path = dir.join(b);
                 if !path.is_file() {
@@ -151,10 +151,10 @@ impl Toolchain {
         Ok(Self { bins })
     }
 
-    /// Build every component that is not cached yet (unless `KMM_FLEET_BIN_DIR` is set),
-    /// then locate them. Prints one line per component with the time it took.
-    pub fn ensure(v: &Versions) -> Result<Self> {
-        if std::env::var_os(BIN_DIR_ENV).is_none() {
+    /// Build every component that is not cached yet (unless `prebuilt` binaries are
+    /// given), then locate them. Prints one line per component with the time it took.
+    pub fn ensure(v: &Versions, prebuilt: Option<&Path>) -> Result<Self> {
+        if prebuilt.is_none() {
             let total = Instant::now();
             for c in components(v) {
                 if c.is_built() {
@@ -177,7 +177,7 @@ impl Toolchain {
             }
             eprintln!("toolchain: ready in {}", human(total.elapsed()));
         }
-        Self::locate(v)
+        Self::locate(v, prebuilt)
     }
 
     /// Path of one binary; panics on a name that is not part of the toolchain, which is

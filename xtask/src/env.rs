@@ -2,7 +2,7 @@
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
-use kmm_e2e::fleet::{self, Options};
+use kmm_e2e::fleet::{self, Options, Settings};
 use kmm_e2e::kmod;
 use kmm_e2e::toolchain::Toolchain;
 use kmm_e2e::versions::Versions;
@@ -37,10 +37,11 @@ enum EnvCommand {
 }
 
 pub fn run(args: EnvArgs) -> Result<()> {
+    let settings = Settings::from_env()?;
     match args.command {
         EnvCommand::Setup => setup(),
         EnvCommand::Build => {
-            Toolchain::ensure(&Versions::pinned())?;
+            Toolchain::ensure(&Versions::pinned(), settings.bin_dir.as_deref())?;
             Ok(())
         }
         EnvCommand::Up {
@@ -48,10 +49,13 @@ pub fn run(args: EnvArgs) -> Result<()> {
             nodes_per_spoke,
         } => {
             let rt = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
-            let state = rt.block_on(fleet::up(&Options {
-                spokes,
-                nodes_per_spoke,
-            }))?;
+            let state = rt.block_on(fleet::up(
+                &settings,
+                &Options {
+                    spokes,
+                    nodes_per_spoke,
+                },
+            ))?;
             for cluster in &state.clusters {
                 println!(
                     "{:<8} {}  kubeconfig: {}",
@@ -63,10 +67,10 @@ pub fn run(args: EnvArgs) -> Result<()> {
             println!("registry {}", state.registry);
             Ok(())
         }
-        EnvCommand::Down => Ok(fleet::down()?),
+        EnvCommand::Down => Ok(fleet::down(&settings)?),
         EnvCommand::Status => {
             let rt = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
-            for line in rt.block_on(fleet::status())? {
+            for line in rt.block_on(fleet::status(&settings))? {
                 println!("{line}");
             }
             Ok(())
@@ -74,12 +78,15 @@ pub fn run(args: EnvArgs) -> Result<()> {
         EnvCommand::Kubeconfig { cluster } => {
             println!(
                 "{}",
-                fleet::running()?.cluster(&cluster)?.kubeconfig.display()
+                fleet::running(&settings)?
+                    .cluster(&cluster)?
+                    .kubeconfig
+                    .display()
             );
             Ok(())
         }
         EnvCommand::Registry => {
-            println!("{}", fleet::running()?.registry);
+            println!("{}", fleet::running(&settings)?.registry);
             Ok(())
         }
     }
