@@ -44,6 +44,8 @@ const SPOKE_CRDS: &[&str] = &[
     "clusterclaims.cluster.open-cluster-management.io",
     "appliedmanifestworks.work.open-cluster-management.io",
 ];
+/// ManagedCluster label naming its ManagedClusterSet.
+pub const CLUSTER_SET_LABEL: &str = "cluster.open-cluster-management.io/clusterset";
 /// Annotation by which KWOK recognises the nodes it simulates.
 pub const KWOK_NODE_ANNOTATION: &str = "kwok.x-k8s.io/node";
 /// Node label carrying the simulated kernel (the real one is in `status.nodeInfo`).
@@ -769,6 +771,7 @@ impl Starting {
             vec![
                 "agent".into(),
                 format!("--spoke-cluster-name={}", spoke.name),
+                format!("--spoke-external-server-urls={}", spoke.server),
                 format!("--bootstrap-kubeconfig={}", bootstrap.display()),
                 format!("--hub-kubeconfig-dir={}", hub_kubeconfig_dir.display()),
                 // The work agent reads the hub kubeconfig the registration agent writes.
@@ -856,7 +859,15 @@ impl Starting {
                 }
             },
         )
-        .await
+        .await?;
+        // What OCM's registration webhook would do on creation. Its webhook-server is
+        // not run: OCM hard-codes the health probe of every webhook-server to :8000, so
+        // only one (the add-on conversion webhook, which is required) fits on a host.
+        let label = json!({ "metadata": { "labels": { CLUSTER_SET_LABEL: "default" } } });
+        clusters
+            .patch(spoke, &PatchParams::default(), &Patch::Merge(&label))
+            .await?;
+        Ok(())
     }
 
     async fn registry(&mut self) -> Result<()> {
