@@ -392,6 +392,7 @@ impl Starting {
             .expect("clusters are recorded when their control plane starts")
     }
 
+    /// Start a toolchain binary as component `name`.
     fn start(
         &mut self,
         name: &str,
@@ -399,11 +400,22 @@ impl Starting {
         args: Vec<String>,
         env: &[(&str, String)],
     ) -> Result<Tracked> {
+        let program = self.toolchain.bin(bin).to_path_buf();
+        self.start_program(name, &program, args, env)
+    }
+
+    /// Start `program` as component `name`, logging to `logs/<name>.log`, and record it.
+    fn start_program(
+        &mut self,
+        name: &str,
+        program: &Path,
+        args: Vec<String>,
+        env: &[(&str, String)],
+    ) -> Result<Tracked> {
         let logs = self.dir.join("logs");
         std::fs::create_dir_all(&logs).context(|| format!("creating {}", logs.display()))?;
         let log = logs.join(format!("{}.log", name.replace('/', "-")));
-        let program = self.toolchain.bin(bin).to_path_buf();
-        let tracked = spawn(name, &program, &args, env, &log)?;
+        let tracked = spawn(name, program, &args, env, &log)?;
         self.state.processes.push(tracked.clone());
         self.state.save(&self.dir)?;
         Ok(tracked)
@@ -577,11 +589,9 @@ impl Starting {
         let webhook_dir = hub.dir.join("addon-webhook");
         std::fs::create_dir_all(&webhook_dir)
             .context(|| format!("creating {}", webhook_dir.display()))?;
-        let serving = hub
-            .ca
+        // Named tls.crt/tls.key: the file names controller-runtime's webhook server reads.
+        hub.ca
             .serving(&webhook_dir, "tls", &["localhost"], &["127.0.0.1"])?;
-        // controller-runtime expects tls.crt/tls.key, which is what `serving` wrote.
-        debug_assert!(serving.cert.ends_with("tls.crt"));
         let ca_bundle = base64::engine::general_purpose::STANDARD.encode(&hub.ca.pem);
         for crd in crds {
             let mut crd = crd.clone();
@@ -874,21 +884,13 @@ impl Starting {
         let port = self.ports.registry();
         let dir = self.dir.join("registry");
         let config = kmod::registry_config(&dir, port)?;
-        let registry = {
-            let logs = self.dir.join("logs");
-            let log = logs.join("registry.log");
-            let program = kmod::registry_binary()?;
-            let tracked = spawn(
-                "registry",
-                &program,
-                &["serve".into(), config.display().to_string()],
-                &[],
-                &log,
-            )?;
-            self.state.processes.push(tracked.clone());
-            self.state.save(&self.dir)?;
-            tracked
-        };
+        let program = kmod::registry_binary()?;
+        let registry = self.start_program(
+            "registry",
+            &program,
+            vec!["serve".into(), config.display().to_string()],
+            &[],
+        )?;
         wait_for(&registry, "the OCI registry /v2/", || async move {
             http_get_plain(port, "/v2/").await.is_some()
         })
