@@ -249,8 +249,12 @@ fn build(c: &Component) -> Result<()> {
         .arg(format!("{}/", partial.display()))
         .args(&c.packages);
     run(&mut cmd)?;
-    std::fs::rename(&partial, c.out_dir())
-        .context(|| format!("moving {} into place", partial.display()))
+    let out = c.out_dir();
+    // A directory missing some binary (e.g. one added to the component) is rebuilt whole.
+    if out.exists() {
+        std::fs::remove_dir_all(&out).context(|| format!("removing {}", out.display()))?;
+    }
+    std::fs::rename(&partial, &out).context(|| format!("moving {} into place", partial.display()))
 }
 
 fn render(c: &Component, template: &str) -> Result<String> {

@@ -15,7 +15,7 @@ pub struct EnvArgs {
 
 #[derive(Debug, Subcommand)]
 enum EnvCommand {
-    /// Install the Debian packages the fleet needs (apt-get; run as root).
+    /// Install the Debian packages the fleet needs (apt-get update + install; as root).
     Setup,
     /// Build the pinned upstream programs from the Go module proxy (cached by version).
     Build,
@@ -99,6 +99,13 @@ fn setup() -> Result<()> {
     packages.extend(kmod::header_packages(
         &Versions::pinned().kernels.with_image,
     ));
+    let updated = std::process::Command::new("apt-get")
+        .args(["update", "-qq"])
+        .status()
+        .context("running apt-get update")?;
+    if !updated.success() {
+        bail!("apt-get update failed ({updated})");
+    }
     let status = std::process::Command::new("apt-get")
         .args(["install", "-y", "--no-install-recommends"])
         .args(&packages)
@@ -106,10 +113,7 @@ fn setup() -> Result<()> {
         .status()
         .context("running apt-get")?;
     if !status.success() {
-        bail!(
-            "apt-get install {} failed ({status}); run `apt-get update` first?",
-            packages.join(" ")
-        );
+        bail!("apt-get install {} failed ({status})", packages.join(" "));
     }
     Ok(())
 }
