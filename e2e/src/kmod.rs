@@ -154,7 +154,6 @@ fn run(cmd: &mut Command) -> Result<()> {
                 out.status,
                 String::from_utf8_lossy(&out.stderr).trim()
             ),
-            log: None,
         });
     }
     Ok(())

@@ -26,12 +26,8 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
-    #[error("`{command}` failed ({status}){}", log.as_ref().map(|l| format!("; log: {}", l.display())).unwrap_or_default())]
-    Command {
-        command: String,
-        status: String,
-        log: Option<PathBuf>,
-    },
+    #[error("`{command}` failed ({status})")]
+    Command { command: String, status: String },
     #[error("{component} failed to start: {reason}; log: {}", log.display())]
     Component {
         component: String,

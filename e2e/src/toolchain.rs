@@ -327,7 +327,6 @@ fn run(cmd: &mut Command) -> Result<()> {
         return Err(Error::Command {
             command: describe(cmd),
             status: status.to_string(),
-            log: None,
         });
     }
     Ok(())
@@ -345,7 +344,6 @@ fn output(cmd: &mut Command) -> Result<Vec<u8>> {
                 out.status,
                 String::from_utf8_lossy(&out.stderr).trim()
             ),
-            log: None,
         });
     }
     Ok(out.stdout)
