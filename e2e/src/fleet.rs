@@ -365,12 +365,7 @@ impl Starting {
         let mut spokes = vec![];
         for s in 1..=opts.spokes {
             let spoke = self.control_plane(&format!("spoke{s}"), s, true).await?;
-            let nodes: Vec<SimulatedNode> = (0..opts.nodes_per_spoke)
-                .map(|n| SimulatedNode {
-                    name: format!("spoke{s}-node{}", n + 1),
-                    kernel: kernels[((s - 1) * opts.nodes_per_spoke + n) % kernels.len()].clone(),
-                })
-                .collect();
+            let nodes = simulated_nodes_of(s, opts.nodes_per_spoke, &kernels);
             self.simulated_nodes(&spoke, &nodes, &kwok_dir).await?;
             self.ocm_agent(&spoke, &hub, &bootstrap, &crds).await?;
             self.cluster_mut(&spoke.name).nodes = nodes;
@@ -967,6 +962,21 @@ async fn bootstrap_kubeconfig(hub: &ControlPlane) -> Result<PathBuf> {
     Ok(path)
 }
 
+/// The nodes of spoke `spoke` (1-based): kernels are dealt round-robin across the whole
+/// fleet, so that `spokes * nodes_per_spoke >= kernels.len()` covers every kernel.
+fn simulated_nodes_of(
+    spoke: usize,
+    nodes_per_spoke: usize,
+    kernels: &[String],
+) -> Vec<SimulatedNode> {
+    (0..nodes_per_spoke)
+        .map(|n| SimulatedNode {
+            name: format!("spoke{spoke}-node{}", n + 1),
+            kernel: kernels[((spoke - 1) * nodes_per_spoke + n) % kernels.len()].clone(),
+        })
+        .collect()
+}
+
 /// Poll `check` every 250ms until it holds, failing at once if `process` exits and
 /// after [`STARTUP`] otherwise; both failures name the process and its log.
 pub(crate) async fn wait_for<F, Fut>(process: &Tracked, what: &str, mut check: F) -> Result<()>
@@ -1038,6 +1048,11 @@ async fn http_get_plain(port: u16, path: &str) -> Option<String> {
     stream.write_all(request.as_bytes()).await.ok()?;
     let mut response = String::new();
     stream.read_to_string(&mut response).await.ok()?;
+    ok_body(&response)
+}
+
+/// The body of an HTTP/1.x response whose status is 200.
+fn ok_body(response: &str) -> Option<String> {
     let (head, body) = response.split_once("\r\n\r\n")?;
     let status_line = head.lines().next()?;
     status_line
@@ -1125,20 +1140,30 @@ fn ocm_crds(api_dir: &Path) -> Result<Vec<Value>> {
         collect_crd_files(&api_dir.join(group), &mut files)?;
     }
     files.sort();
-    let mut crds: Vec<Value> = vec![];
+    let mut parsed = vec![];
     for file in files {
         let text =
             std::fs::read_to_string(&file).context(|| format!("reading {}", file.display()))?;
-        let crd: Value = serde_yaml_ng::from_str(&text)
-            .map_err(|e| Error::Invalid(format!("{}: {e}", file.display())))?;
-        let versions = |c: &Value| c["spec"]["versions"].as_array().map_or(0, Vec::len);
+        parsed.push(
+            serde_yaml_ng::from_str(&text)
+                .map_err(|e| Error::Invalid(format!("{}: {e}", file.display())))?,
+        );
+    }
+    Ok(most_versions_per_crd(parsed))
+}
+
+/// One CRD per name: the one serving the most versions.
+fn most_versions_per_crd(all: Vec<Value>) -> Vec<Value> {
+    let versions = |c: &Value| c["spec"]["versions"].as_array().map_or(0, Vec::len);
+    let mut crds: Vec<Value> = vec![];
+    for crd in all {
         match crds.iter_mut().find(|c| crd_name(c) == crd_name(&crd)) {
             Some(existing) if versions(existing) < versions(&crd) => *existing = crd,
             Some(_) => {}
             None => crds.push(crd),
         }
     }
-    Ok(crds)
+    crds
 }
 
 fn collect_crd_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
@@ -1229,4 +1254,55 @@ pub fn node_ready(node: &Node) -> bool {
         .as_ref()
         .and_then(|s| s.conditions.as_ref())
         .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_fleet_runs_every_kernel_and_several_per_spoke() {
+        let kernels = Versions::pinned().kernels.all();
+        let defaults = Options::default();
+        let mut seen = vec![];
+        for spoke in 1..=defaults.spokes {
+            let nodes = simulated_nodes_of(spoke, defaults.nodes_per_spoke, &kernels);
+            let mut distinct: Vec<_> = nodes.iter().map(|n| &n.kernel).collect();
+            distinct.dedup();
+            assert!(distinct.len() > 1, "spoke{spoke} is homogeneous: {nodes:?}");
+            seen.extend(nodes.into_iter().map(|n| n.kernel));
+        }
+        for kernel in &kernels {
+            assert!(seen.contains(kernel), "no node runs {kernel}");
+        }
+    }
+
+    #[test]
+    fn only_200_responses_have_a_body() {
+        assert_eq!(
+            ok_body("HTTP/1.0 200 OK\r\nA: b\r\n\r\n{}"),
+            Some("{}".into())
+        );
+        assert_eq!(ok_body("HTTP/1.1 404 Not Found\r\n\r\nno"), None);
+        assert_eq!(ok_body("garbage"), None);
+    }
+
+    #[test]
+    fn the_multi_version_copy_of_a_crd_wins() {
+        let crd = |versions: &[&str]| {
+            json!({
+                "metadata": { "name": "things.example.io" },
+                "spec": { "versions": versions.iter().map(|v| json!({ "name": v })).collect::<Vec<_>>() },
+            })
+        };
+        let other =
+            json!({ "metadata": { "name": "others.example.io" }, "spec": { "versions": [] } });
+        let merged = most_versions_per_crd(vec![
+            crd(&["v1alpha1"]),
+            other.clone(),
+            crd(&["v1alpha1", "v1beta1"]),
+            crd(&["v1beta1"]),
+        ]);
+        assert_eq!(merged, vec![crd(&["v1alpha1", "v1beta1"]), other]);
+    }
 }
