@@ -8,10 +8,13 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
 use kmm_e2e::fixture::{Fleet, TempNamespace, wait_until};
-use kmm_e2e::fleet::{KERNEL_LABEL, apply_crd, condition_true, managed_clusters, node_ready};
+use kmm_e2e::fleet::{
+    KERNEL_LABEL, Settings, apply_crd, condition_true, managed_clusters, node_ready,
+};
 use kmm_e2e::kmod::{MODULES, REPOSITORY};
+use kmm_e2e::toolchain::Toolchain;
 use kmm_e2e::versions::Versions;
 use kube::Api;
 use kube::api::{ApiResource, DeleteParams, DynamicObject, GroupVersionKind, PostParams};
@@ -505,5 +508,156 @@ async fn a_placement_selects_every_spoke() -> Result<()> {
     .await?;
     eprintln!("placement chose {chosen:?}");
     ns.delete().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn clusteradm_addon_enable_deploys_an_addon_template_to_the_chosen_spoke() -> Result<()> {
+    let fleet = Fleet::get().await?;
+    let names = fleet.spoke_names();
+    let (target, other) = (&names[0], &names[1]);
+    let name = unique("e2e-probe");
+    let addon_api = |kind: &str, plural: &str| {
+        let gvk = GroupVersionKind::gvk("addon.open-cluster-management.io", "v1alpha1", kind);
+        Api::<DynamicObject>::all_with(
+            fleet.hub.clone(),
+            &ApiResource::from_gvk_with_plural(&gvk, plural),
+        )
+    };
+    let templates = addon_api("AddOnTemplate", "addontemplates");
+    let cmas = addon_api("ClusterManagementAddOn", "clustermanagementaddons");
+    let template: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+        "kind": "AddOnTemplate",
+        "metadata": { "name": name },
+        "spec": {
+            "addonName": name,
+            "agentSpec": { "workload": { "manifests": [{
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": { "name": name, "namespace": "open-cluster-management-agent-addon" },
+                "data": { "cluster": "{{CLUSTER_NAME}}" },
+            }]}},
+        },
+    }))?;
+    templates.create(&PostParams::default(), &template).await?;
+    let cma: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+        "kind": "ClusterManagementAddOn",
+        "metadata": {
+            "name": name,
+            "annotations": { "addon.open-cluster-management.io/lifecycle": "addon-manager" },
+        },
+        "spec": {
+            "addOnMeta": { "displayName": "e2e probe" },
+            "supportedConfigs": [{
+                "group": "addon.open-cluster-management.io",
+                "resource": "addontemplates",
+                "defaultConfig": { "name": name },
+            }],
+            "installStrategy": { "type": "Manual" },
+        },
+    }))?;
+    cmas.create(&PostParams::default(), &cma).await?;
+
+    let toolchain = Toolchain::locate(
+        &Versions::pinned(),
+        Settings::from_env()?.bin_dir.as_deref(),
+    )?;
+    let hub_kubeconfig = &fleet.state.cluster("hub")?.kubeconfig;
+    let out = tokio::process::Command::new(toolchain.bin("clusteradm"))
+        .args([
+            "addon",
+            "enable",
+            "--names",
+            &name,
+            "--clusters",
+            target,
+            "--kubeconfig",
+        ])
+        .arg(hub_kubeconfig)
+        .output()
+        .await?;
+    ensure!(
+        out.status.success(),
+        "clusteradm addon enable: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let configmaps: Api<ConfigMap> = Api::namespaced(
+        fleet.spoke(target)?.clone(),
+        "open-cluster-management-agent-addon",
+    );
+    wait_until(
+        "the add-on's ConfigMap, rendered for its cluster, on the spoke",
+        WAIT,
+        || {
+            let configmaps = configmaps.clone();
+            let name = name.clone();
+            let target = target.clone();
+            async move {
+                let cm = configmaps.get_opt(&name).await.map_err(|e| e.to_string())?;
+                let cluster = cm
+                    .and_then(|cm| cm.data)
+                    .and_then(|d| d.get("cluster").cloned());
+                if cluster.as_ref() == Some(&target) {
+                    Ok(())
+                } else {
+                    Err(format!("data.cluster {cluster:?}"))
+                }
+            }
+        },
+    )
+    .await?;
+    let gvk = GroupVersionKind::gvk(
+        "addon.open-cluster-management.io",
+        "v1alpha1",
+        "ManagedClusterAddOn",
+    );
+    let mcas: Api<DynamicObject> = Api::namespaced_with(
+        fleet.hub.clone(),
+        target,
+        &ApiResource::from_gvk_with_plural(&gvk, "managedclusteraddons"),
+    );
+    wait_until("the ManagedClusterAddOn to be Available", WAIT, || {
+        let mcas = mcas.clone();
+        let name = name.clone();
+        async move {
+            let mca = mcas.get(&name).await.map_err(|e| e.to_string())?;
+            if condition_true(&mca.data, "Available") {
+                Ok(())
+            } else {
+                Err(format!("status {}", mca.data["status"]))
+            }
+        }
+    })
+    .await?;
+    let elsewhere: Api<ConfigMap> = Api::namespaced(
+        fleet.spoke(other)?.clone(),
+        "open-cluster-management-agent-addon",
+    );
+    ensure!(
+        elsewhere.get_opt(&name).await?.is_none(),
+        "the add-on also landed on {other}"
+    );
+
+    cmas.delete(&name, &DeleteParams::default()).await?;
+    wait_until(
+        "the add-on's objects to be removed from the spoke",
+        WAIT,
+        || {
+            let configmaps = configmaps.clone();
+            let name = name.clone();
+            async move {
+                match configmaps.get_opt(&name).await {
+                    Ok(None) => Ok(()),
+                    Ok(Some(_)) => Err("ConfigMap still present".into()),
+                    Err(e) => Err(e.to_string()),
+                }
+            }
+        },
+    )
+    .await?;
+    templates.delete(&name, &DeleteParams::default()).await?;
     Ok(())
 }
