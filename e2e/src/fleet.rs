@@ -613,6 +613,7 @@ impl Starting {
                 format!("--port={webhook_port}"),
                 format!("--certdir={}", webhook_dir.display()),
             ],
+            // This subcommand has no --kubeconfig; controller-runtime reads $KUBECONFIG.
             &[("KUBECONFIG", kc.clone())],
         )?;
         wait_for(
