@@ -84,7 +84,9 @@ pub struct ModuleLoaderContainerSpec {
     pub image_pull_policy: Option<String>,
 
     /// Kernel mappings, tried in order: the first that matches a node's kernel wins.
-    #[schemars(length(min = 1))]
+    // The bound (absent upstream) keeps the per-mapping CEL rule within the apiserver's
+    // estimated cost budget, which an unbounded list exceeds; no real spec comes close.
+    #[schemars(length(min = 1, max = 1024))]
     pub kernel_mappings: Vec<KernelMapping>,
 
     /// Which module modprobe loads and how.
