@@ -15,11 +15,11 @@ pub struct EnvArgs {
 
 #[derive(Debug, Subcommand)]
 enum EnvCommand {
-    /// Install the Debian packages the fleet needs (apt-get update + install; as root).
+    /// Install the Debian packages the fleet needs that are missing (apt-get; as root).
     Setup,
     /// Build the pinned upstream programs from the Go module proxy (cached by version).
     Build,
-    /// Start a hub and N spokes on 127.0.0.1 (builds first if needed).
+    /// Start a hub and N spokes on 127.0.0.1 (installs and builds first if needed).
     Up {
         #[arg(long, default_value_t = 2)]
         spokes: usize,
@@ -40,14 +40,12 @@ pub fn run(args: EnvArgs) -> Result<()> {
     let settings = Settings::from_env()?;
     match args.command {
         EnvCommand::Setup => setup(),
-        EnvCommand::Build => {
-            Toolchain::ensure(&Versions::pinned(), settings.bin_dir.as_deref())?;
-            Ok(())
-        }
+        EnvCommand::Build => build(&settings),
         EnvCommand::Up {
             spokes,
             nodes_per_spoke,
         } => {
+            setup()?;
             let rt = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
             let state = rt.block_on(fleet::up(
                 &settings,
@@ -92,6 +90,18 @@ pub fn run(args: EnvArgs) -> Result<()> {
     }
 }
 
+/// Everything the fleet needs before it can start: Debian packages and upstream builds.
+pub fn prepare() -> Result<()> {
+    setup()?;
+    build(&Settings::from_env()?)
+}
+
+fn build(settings: &Settings) -> Result<()> {
+    Toolchain::ensure(&Versions::pinned(), settings.bin_dir.as_deref())?;
+    Ok(())
+}
+
+/// Installs the Debian packages the fleet needs that are not installed yet (as root).
 fn setup() -> Result<()> {
     let mut packages: Vec<String> = ["docker-registry", "gcc", "make", "libc6-dev", "kmod"]
         .map(String::from)
@@ -99,6 +109,18 @@ fn setup() -> Result<()> {
     packages.extend(kmod::header_packages(
         &Versions::pinned().kernels.with_image,
     ));
+    let missing: Vec<&String> = packages.iter().filter(|p| !installed(p)).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    eprintln!(
+        "installing {}",
+        missing
+            .iter()
+            .map(|p| p.as_str())
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
     let updated = std::process::Command::new("apt-get")
         .args(["update", "-qq"])
         .status()
@@ -108,12 +130,19 @@ fn setup() -> Result<()> {
     }
     let status = std::process::Command::new("apt-get")
         .args(["install", "-y", "--no-install-recommends"])
-        .args(&packages)
+        .args(&missing)
         .env("DEBIAN_FRONTEND", "noninteractive")
         .status()
         .context("running apt-get")?;
     if !status.success() {
-        bail!("apt-get install {} failed ({status})", packages.join(" "));
+        bail!("apt-get install failed ({status})");
     }
     Ok(())
+}
+
+fn installed(package: &str) -> bool {
+    std::process::Command::new("dpkg-query")
+        .args(["-W", "-f=${Status}", package])
+        .output()
+        .is_ok_and(|out| out.status.success() && out.stdout.ends_with(b"install ok installed"))
 }

@@ -35,6 +35,8 @@ pub fn run(root: &Path, options: &Options) -> anyhow::Result<()> {
     for target in FUZZ_TARGETS {
         fuzz(root, target, options.fuzz_seconds)?;
     }
+    eprintln!("==> local fleet prerequisites (Debian packages, upstream builds; cached)");
+    crate::env::prepare()?;
     tests(root)
 }
 
