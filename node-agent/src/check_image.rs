@@ -109,19 +109,21 @@ impl From<ImageError> for CheckError {
     }
 }
 
-/// Names of the modules `modules.dep` lists.
-fn modules_in_image(module_dir: &Path, kernel: &str) -> Result<BTreeSet<String>, CheckError> {
-    let dep = module_dir
-        .join("lib/modules")
-        .join(kernel)
-        .join("modules.dep");
-    let text = std::fs::read_to_string(&dep).map_err(local)?;
-    Ok(text
-        .lines()
-        .filter_map(|l| l.split(':').next())
-        .filter(|p| !p.is_empty())
-        .map(|p| module_name_of(Path::new(p)))
-        .collect())
+/// Names of the module files the image holds for the kernel.
+fn modules_in_image(module_dir: &Path, kernel: &str) -> BTreeSet<String> {
+    fn walk(dir: &Path, out: &mut BTreeSet<String>) {
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                walk(&path, out);
+            } else if path.to_string_lossy().contains(".ko") {
+                out.insert(module_name_of(&path));
+            }
+        }
+    }
+    let mut out = BTreeSet::new();
+    walk(&module_dir.join("lib/modules").join(kernel), &mut out);
+    out
 }
 
 pub async fn check_image(options: &CheckOptions) -> Result<CheckReport, CheckError> {
@@ -169,7 +171,7 @@ pub async fn check_image(options: &CheckOptions) -> Result<CheckReport, CheckErr
             }
             Err(e) => return Err(local(e)),
         };
-    let in_image = modules_in_image(&module_dir, &options.kernel)?;
+    let in_image = modules_in_image(&module_dir, &options.kernel);
     let mut modules = vec![];
     for insmod in &chain {
         if !insmod.path.is_file() {

@@ -27,6 +27,10 @@ pub enum StepError {
     Tool(#[from] ToolError),
     #[error("nothing to load: neither moduleName nor rawArgs.load is set")]
     NothingToLoad,
+    #[error(
+        "the image has no {dir_name}/lib/modules/{kernel}: it holds no modules for this node's kernel"
+    )]
+    NoModulesForKernel { dir_name: String, kernel: String },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -309,6 +313,13 @@ impl LoadJob {
             if firmware::needs_firmware_class_path(&self.firmware_dir) {
                 kernel.set_firmware_class_path(&self.firmware_dir)?;
             }
+        }
+        if !module_dir.join("lib/modules").join(&self.release).is_dir() {
+            let _ = firmware::remove(&firmware_files, &self.firmware_dir);
+            return Err(StepError::NoModulesForKernel {
+                dir_name: settings.dir_name().trim_end_matches('/').to_string(),
+                kernel: self.release.clone(),
+            });
         }
         modprobe::depmod_if_needed(&module_dir, &self.release)?;
         if modprobe::uses_raw_load(settings) {

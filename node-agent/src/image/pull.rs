@@ -195,6 +195,9 @@ impl Puller {
         let mut downloaded = false;
         let client = Self::client(request.tls);
         let auth = Self::auth(request, &reference)?;
+        client
+            .store_auth_if_needed(reference.resolve_registry(), &auth)
+            .await;
         let manifest = match self.cache.manifest(digest)? {
             Some(manifest) => manifest,
             None => {
