@@ -275,3 +275,63 @@ async fn broken_images_fail_as_on_a_node_and_are_retried() {
     assert_success(&events, &[EventAction::Load]);
     assert_eq!(node.loaded(), [MODULE, DEP_MODULE]);
 }
+
+/// The agent loop through the control seam: nothing happens before the first
+/// snapshot, failures are retried until they succeed, and losing the control plane
+/// unloads nothing.
+#[tokio::test]
+async fn agent_loop_retries_and_keeps_the_last_intent_on_silence() {
+    use kmm_node_agent::agent::{self, LoopTiming};
+    use kmm_node_agent::control;
+    use std::time::Duration;
+
+    let k = kernel();
+    let registry = Registry::plain();
+    let node = Node::new(k);
+    let ((intents, intent_rx), (event_tx, mut events)) = control::channels();
+    let timing = LoopTiming {
+        retry_initial: Duration::from_millis(50),
+        retry_max: Duration::from_millis(200),
+        resync: Duration::from_secs(3600),
+    };
+    let task = tokio::spawn(agent::run(node.agent(), intent_rx, event_tx, timing));
+    // The image does not exist yet: the load fails, and is retried.
+    intents
+        .send(Some(vec![desired(registry.image("late/hello:v1"), "1")]))
+        .unwrap();
+    let failed = next(&mut events).await;
+    let Outcome::Failure(error) = &failed.outcome else {
+        panic!("{failed:?}")
+    };
+    assert!(error.contains("not found"), "{error}");
+    registry
+        .push_sample("late/hello:v1", &Sample::good(k))
+        .await;
+    let loaded = loop {
+        let event = next(&mut events).await;
+        if event.is_success() {
+            break event;
+        }
+    };
+    assert_eq!(loaded.action, EventAction::Load);
+    assert_eq!(node.loaded(), [MODULE, DEP_MODULE]);
+
+    // The control plane goes away: the loop keeps running and unloads nothing.
+    drop(intents);
+    assert!(!task.is_finished());
+    assert_eq!(node.loaded(), [MODULE, DEP_MODULE]);
+    task.abort();
+    assert!(task.await.unwrap_err().is_cancelled());
+    assert_eq!(
+        node.loaded(),
+        [MODULE, DEP_MODULE],
+        "stopping the agent unloaded modules"
+    );
+}
+
+async fn next(events: &mut kmm_node_agent::control::EventReceiver) -> AgentEvent {
+    tokio::time::timeout(std::time::Duration::from_secs(60), events.recv())
+        .await
+        .expect("an event within the deadline")
+        .expect("the agent is running")
+}

@@ -126,6 +126,8 @@ pub struct Sample {
     pub firmware: Vec<(String, Vec<u8>)>,
     /// Modules deleted after depmod ran (listed in modules.dep, not shipped).
     pub removed_after_depmod: Vec<&'static str>,
+    /// Sign the modules with a throw-away key (`sign-file` from the headers).
+    pub signed: bool,
 }
 
 impl Sample {
@@ -137,6 +139,7 @@ impl Sample {
             depmod: true,
             firmware: vec![("kmm/hello.bin".into(), b"firmware v1".to_vec())],
             removed_after_depmod: vec![],
+            signed: false,
         }
     }
 
