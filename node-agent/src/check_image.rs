@@ -114,7 +114,7 @@ fn modules_in_image(module_dir: &Path, kernel: &str) -> BTreeSet<String> {
     fn walk(dir: &Path, out: &mut BTreeSet<String>) {
         for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
             let path = entry.path();
-            if path.is_dir() {
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
                 walk(&path, out);
             } else if path.to_string_lossy().contains(".ko") {
                 out.insert(module_name_of(&path));

@@ -30,8 +30,9 @@ pub fn needs_firmware_class_path(host_dir: &Path) -> bool {
 }
 
 /// Copies every regular file below `source` to the same relative place below
-/// `host_dir`; returns the files written. Links in the extracted image are followed
-/// (extraction guarantees they stay inside it).
+/// `host_dir`; returns the files written. Links to files are followed (extraction
+/// guarantees they stay inside the image); links to directories are not, so a link
+/// loop cannot make the copy endless.
 pub fn install(source: &Path, host_dir: &Path) -> Result<Vec<PathBuf>, FirmwareError> {
     let mut written = vec![];
     if !source.is_dir() {
@@ -48,10 +49,15 @@ fn copy_tree(from: &Path, to: &Path, written: &mut Vec<PathBuf>) -> Result<(), F
         let entry = entry.map_err(err("reading", from))?;
         let src = entry.path();
         let dst = to.join(entry.file_name());
-        let meta = std::fs::metadata(&src).map_err(err("inspecting", &src))?;
-        if meta.is_dir() {
+        let kind = entry.file_type().map_err(err("inspecting", &src))?;
+        let is_file = if kind.is_symlink() {
+            std::fs::metadata(&src).is_ok_and(|m| m.is_file())
+        } else {
+            kind.is_file()
+        };
+        if kind.is_dir() {
             copy_tree(&src, &dst, written)?;
-        } else if meta.is_file() {
+        } else if is_file {
             let tmp = to.join(format!(".{}.kmm-tmp", entry.file_name().to_string_lossy()));
             std::fs::copy(&src, &tmp).map_err(err("copying to", &tmp))?;
             std::fs::rename(&tmp, &dst).map_err(err("renaming", &tmp))?;
@@ -92,11 +98,21 @@ mod tests {
         std::fs::create_dir_all(src.join("vendor")).unwrap();
         std::fs::write(src.join("a.bin"), b"a").unwrap();
         std::fs::write(src.join("vendor/b.bin"), b"b").unwrap();
+        std::os::unix::fs::symlink("..", src.join("vendor/loop")).unwrap();
+        std::os::unix::fs::symlink("../a.bin", src.join("vendor/alias.bin")).unwrap();
         let host = dir.path().join("host-fw");
         std::fs::create_dir_all(&host).unwrap();
         std::fs::write(host.join("other.bin"), b"keep").unwrap();
         let files = install(&src, &host).unwrap();
-        assert_eq!(files, [host.join("a.bin"), host.join("vendor/b.bin")]);
+        assert_eq!(
+            files,
+            [
+                host.join("a.bin"),
+                host.join("vendor/alias.bin"),
+                host.join("vendor/b.bin")
+            ]
+        );
+        assert!(!host.join("vendor/loop").exists());
         assert_eq!(std::fs::read(host.join("vendor/b.bin")).unwrap(), b"b");
         remove(&files, &host).unwrap();
         assert!(!host.join("a.bin").exists());

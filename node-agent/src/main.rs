@@ -85,6 +85,7 @@ struct RunArgs {
     /// firmware_class search path is set to it.
     #[arg(long, default_value = kmm_node_agent::firmware::DEFAULT_FIRMWARE_DIR)]
     firmware_dir: PathBuf,
+    /// Which kernel to act on.
     #[arg(long, value_enum, default_value = "host")]
     kernel_backend: Backend,
     /// Simulated backend: the node's kernel state directory.
@@ -93,7 +94,11 @@ struct RunArgs {
     /// Simulated backend: the node's kernel release.
     #[arg(long, required_if_eq("kernel_backend", "simulated"))]
     simulated_kernel: Option<String>,
-    /// JSON file with the desired modules (a stand-in for the proxy connection).
+    /// JSON file with the desired modules (a stand-in for the proxy connection): an
+    /// array of {key, version?, image, digest?, modprobe: {moduleName, parameters,
+    /// dirName, args: {load, unload}, rawArgs, firmwarePath, modulesLoadingOrder},
+    /// inTreeModulesToRemove, registryTls: {insecure, insecureSkipTLSVerify},
+    /// pullSecret?: {dockerConfigJson | dockerCfg: "<content>"}}.
     #[arg(long)]
     desired_file: PathBuf,
     /// How often --desired-file is checked for changes, in milliseconds.
@@ -375,4 +380,30 @@ fn tempfile_dir() -> std::io::Result<TempDir> {
         }
     }
     Err(std::io::Error::other("no free temporary directory name"))
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+        let cli = Cli::try_parse_from([
+            "kmm-node-agent",
+            "run",
+            "--node-name",
+            "n",
+            "--desired-file",
+            "d.json",
+            "--kernel-backend",
+            "simulated",
+        ]);
+        assert!(
+            cli.is_err(),
+            "the simulated backend needs its directory and kernel"
+        );
+    }
 }
