@@ -62,7 +62,16 @@ impl Reconciler {
     ) -> Result<Self, ReconcileError> {
         let boot_id = kernel.boot_id()?;
         let release = kernel.release()?;
-        let saved = store.load()?;
+        let saved = match store.load() {
+            Ok(saved) => saved,
+            // Unreadable state: start over. Loading what is loaded is a no-op for
+            // modprobe, so this costs time, not correctness.
+            Err(e @ StateError::Invalid { .. }) => {
+                tracing::warn!(error = %error_chain(&e), "discarding invalid agent state");
+                None
+            }
+            Err(e) => return Err(e.into()),
+        };
         let rebooted = saved.as_ref().is_some_and(|s| s.boot_id != boot_id);
         let state = State {
             modules: plan::records_for_boot(saved, &boot_id),
