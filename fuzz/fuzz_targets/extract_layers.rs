@@ -136,6 +136,7 @@ fuzz_target!(|data: &[u8]| {
         max_file_bytes: 200,
         max_image_bytes: 1000,
         max_entries: 64,
+        max_layer_read_bytes: 1 << 20,
     };
     let result = extract_image(
         layers.into_iter().map(|(compression, data)| Layer {

@@ -63,6 +63,9 @@ pub struct Limits {
     pub max_image_bytes: u64,
     /// Most entries (files, directories, links) written.
     pub max_entries: u64,
+    /// Most bytes read from one decompressed layer, written or skipped (a bound on
+    /// the work a decompression bomb can cause).
+    pub max_layer_read_bytes: u64,
 }
 
 impl Default for Limits {
@@ -71,6 +74,7 @@ impl Default for Limits {
             max_file_bytes: 256 << 20,
             max_image_bytes: 1 << 30,
             max_entries: 100_000,
+            max_layer_read_bytes: 8 << 30,
         }
     }
 }
@@ -175,6 +179,8 @@ pub enum ExtractError {
         path: String,
         limit: u64,
     },
+    #[error("layer {layer} decompresses to more than {limit} bytes; refused")]
+    LayerTooLarge { layer: usize, limit: u64 },
     #[error("layer {layer}: more than {limit} entries to extract")]
     TooManyEntries { layer: usize, limit: u64 },
     #[error(
@@ -340,6 +346,21 @@ impl Extractor {
     }
 
     fn tar<R: Read>(&mut self, layer: usize, reader: R) -> Result<(), ExtractError> {
+        let exceeded = std::rc::Rc::new(std::cell::Cell::new(false));
+        let limit = self.limits.max_layer_read_bytes;
+        let reader = Bounded {
+            inner: reader,
+            remaining: limit,
+            exceeded: exceeded.clone(),
+        };
+        let result = self.tar_entries(layer, reader);
+        if exceeded.get() {
+            return Err(ExtractError::LayerTooLarge { layer, limit });
+        }
+        result
+    }
+
+    fn tar_entries<R: Read>(&mut self, layer: usize, reader: R) -> Result<(), ExtractError> {
         let corrupt = |source| ExtractError::Corrupt { layer, source };
         let mut archive = tar::Archive::new(reader);
         let entries = archive.entries().map_err(corrupt)?;
@@ -805,6 +826,35 @@ impl Extractor {
             self.remove(&child)?;
         }
         Ok(())
+    }
+}
+
+/// Fails reads past `remaining` bytes, and says so in `exceeded`.
+struct Bounded<R> {
+    inner: R,
+    remaining: u64,
+    exceeded: std::rc::Rc<std::cell::Cell<bool>>,
+}
+
+impl<R: Read> Read for Bounded<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.remaining == 0 {
+            // One more byte would exceed the limit: look without consuming meaningfully.
+            let mut probe = [0u8; 1];
+            return match self.inner.read(&mut probe)? {
+                0 => Ok(0),
+                _ => {
+                    self.exceeded.set(true);
+                    Err(io::Error::other("layer read limit exceeded"))
+                }
+            };
+        }
+        let max = usize::try_from(self.remaining)
+            .unwrap_or(usize::MAX)
+            .min(buf.len());
+        let n = self.inner.read(&mut buf[..max])?;
+        self.remaining -= n as u64;
+        Ok(n)
     }
 }
 

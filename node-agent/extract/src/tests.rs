@@ -322,6 +322,7 @@ fn size_limits() {
         max_file_bytes: 10,
         max_image_bytes: 15,
         max_entries: 5,
+        max_layer_read_bytes: 64 << 10,
     };
     let sandbox = Sandbox::new();
     let before = sandbox.outside_state();
@@ -354,6 +355,14 @@ fn size_limits() {
         .extract_with(vec![(Compression::None, tar(&many))], &limits)
         .unwrap_err();
     assert!(matches!(err, ExtractError::TooManyEntries { .. }), "{err}");
+    sandbox.assert_refused_cleanly(&before);
+
+    // A layer that decompresses to more than the read limit, even if skipped.
+    let bomb: Vec<E> = vec![file("usr/zeros", &vec![0; 128 << 10])];
+    let err = sandbox
+        .extract_with(vec![(Compression::Gzip, gzip(&tar(&bomb)))], &limits)
+        .unwrap_err();
+    assert!(matches!(err, ExtractError::LayerTooLarge { .. }), "{err}");
     sandbox.assert_refused_cleanly(&before);
 
     // Skipped entries do not count.
