@@ -50,12 +50,15 @@ impl Agent {
             .recv_timeout(Duration::from_secs(300))
             .expect("agent output")
     }
-    fn next_event(&self) -> serde_json::Value {
+    /// The next event for `key` and `action` ("load"/"unload"); others are skipped.
+    fn wait_for(&self, key: &str, action: &str) -> serde_json::Value {
         loop {
             let line = self.next();
             if let Some(event) = line.get("event") {
                 assert_eq!(event["outcome"]["result"], "success", "{event}");
-                return event.clone();
+                if event["key"] == key && event["action"] == action {
+                    return event.clone();
+                }
             }
         }
     }
@@ -82,7 +85,7 @@ fn start(node: &Path, kernel: &str, desired: &Path) -> Agent {
         .arg(desired)
         .args(["--desired-poll-ms", "5"])
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(std::fs::File::create(node.join("agent.log")).unwrap())
         .spawn()
         .unwrap();
     let stdout = child.stdout.take().unwrap();
@@ -157,6 +160,7 @@ async fn main() {
     registry.push_sample("bench/big:v1", &big).await;
 
     let node = tempfile::tempdir().unwrap();
+    eprintln!("agent log: {}", node.path().join("agent.log").display());
     let desired = node.path().join("desired.json");
     write(&desired, &[]);
     let agent = start(node.path(), k, &desired);
@@ -179,57 +183,55 @@ async fn main() {
         })
     };
     let started = write(&desired, &[module("bench/big", &big_image, MODULE, true)]);
-    let event = agent.next_event();
+    let event = agent.wait_for("bench/big", "load");
     let big_wall = started.elapsed();
     done.store(true, Ordering::Relaxed);
     sampler.join().unwrap();
     let hwm = status_kib(pid, "VmHWM:");
     let after = status_kib(pid, "VmRSS:");
     write(&desired, &[]);
-    agent.next_event();
+    agent.wait_for("bench/big", "unload");
 
-    // Intent to loaded, image already in the cache (kept by an anchor module).
-    let anchor = module("bench/anchor", &small, MODULE, false);
-    write(&desired, std::slice::from_ref(&anchor));
-    let first = agent.next_event();
-    let mut cached = vec![];
-    let mut cached_kernel = vec![];
-    for _ in 0..ITERATIONS {
-        let started = write(
-            &desired,
-            &[
-                anchor.clone(),
-                module("bench/dep", &small, DEP_MODULE, false),
-            ],
-        );
-        let event = agent.next_event();
-        cached.push(started.elapsed().as_secs_f64() * 1000.0 - event["pullMs"].as_f64().unwrap());
-        cached_kernel.push(event["durationMs"].as_f64().unwrap());
-        write(&desired, std::slice::from_ref(&anchor));
-        agent.next_event();
-    }
-    // Intent to loaded with a fresh pull each time, download time subtracted.
-    write(&desired, &[]);
-    agent.next_event();
+    // Intent to loaded, excluding the download: each load pulls afresh (the previous
+    // unload let the cache collect the image) and its reported pull time is subtracted.
     let mut fresh = vec![];
+    let mut kernel_side = vec![];
+    let mut first = None;
     for _ in 0..ITERATIONS {
-        let started = write(&desired, &[module("bench/fresh", &small, DEP_MODULE, true)]);
-        let event = agent.next_event();
+        let started = write(&desired, &[module("bench/hello", &small, DEP_MODULE, true)]);
+        let event = agent.wait_for("bench/hello", "load");
         fresh.push(started.elapsed().as_secs_f64() * 1000.0 - event["pullMs"].as_f64().unwrap());
+        kernel_side.push(event["durationMs"].as_f64().unwrap());
+        first.get_or_insert(event);
         write(&desired, &[]);
-        agent.next_event();
+        agent.wait_for("bench/hello", "unload");
     }
+    let first = first.unwrap();
+
+    // A version change with the image cached: intent to the new version loaded
+    // (the old one is unloaded first).
+    let mut upgrade = vec![];
+    let mut m = module("bench/hello", &small, DEP_MODULE, true);
+    m.version = Some("0".into());
+    write(&desired, std::slice::from_ref(&m));
+    agent.wait_for("bench/hello", "load");
+    for i in 1..=ITERATIONS {
+        m.version = Some(i.to_string());
+        let started = write(&desired, std::slice::from_ref(&m));
+        let event = agent.wait_for("bench/hello", "load");
+        assert_eq!(event["pullMs"], 0, "{event}");
+        upgrade.push(started.elapsed().as_secs_f64() * 1000.0);
+    }
+    let idle_after = status_kib(pid, "VmRSS:");
 
     println!("kmm-node-agent figures (simulated kernel {k}, registry on 127.0.0.1)");
-    println!("  RSS idle:                         {:>7} KiB", idle);
+    println!("  RSS idle: {idle} KiB");
     println!(
-        "  RSS during a {BIG_FIRMWARE_MIB} MiB pull+extract: peak sampled {:>7} KiB, VmHWM {} KiB, after {} KiB",
-        peak.load(Ordering::Relaxed),
-        hwm,
-        after
+        "  RSS during a {BIG_FIRMWARE_MIB} MiB pull+extract+firmware copy: peak sampled {} KiB, VmHWM {hwm} KiB, after {after} KiB",
+        peak.load(Ordering::Relaxed)
     );
     println!(
-        "  big image: pull+extract {} ms, kernel side {} ms, wall {} ms",
+        "  that load: pull+extract {} ms, kernel side {} ms, intent to loaded {} ms",
         event["pullMs"],
         event["durationMs"],
         big_wall.as_millis()
@@ -238,17 +240,15 @@ async fn main() {
         "  first load of the sample image: pull+extract {} ms, kernel side {} ms",
         first["pullMs"], first["durationMs"]
     );
+    println!("  intent -> loaded, download excluded: {}", stats(fresh));
     println!(
-        "  intent -> loaded, image cached:            {}",
-        stats(cached)
+        "    of which kernel side (firmware, depmod check, modprobe dry run, modinfo): {}",
+        stats(kernel_side)
     );
     println!(
-        "    of which kernel side (in-tree, firmware, depmod, modprobe dry run, modinfo): {}",
-        stats(cached_kernel)
+        "  version change, image cached, intent -> new version loaded: {}",
+        stats(upgrade)
     );
-    println!(
-        "  intent -> loaded, fresh pull, minus pull:  {}",
-        stats(fresh)
-    );
+    println!("  RSS idle after the runs: {idle_after} KiB");
     println!("  (intents are fed by polling --desired-file every 5 ms, which is included)");
 }
