@@ -130,12 +130,33 @@ impl Reconciler {
         let actions = plan::plan(desired, &self.state.modules, &loaded);
         let mut events = Vec::with_capacity(actions.len());
         let mut keep: BTreeSet<String> = BTreeSet::new();
+        // Keys whose previous version could not be unloaded: loading the new one now
+        // would be a no-op for modprobe while the old code keeps running.
+        let mut blocked = BTreeSet::new();
         for action in actions {
             let event = match action {
                 Action::Unload { record, reason } => {
                     tracing::info!(key = %record.key, ?reason, "unloading");
-                    self.unload(*record).await
+                    let event = self.unload(*record).await;
+                    if !event.is_success() {
+                        blocked.insert(event.key.clone());
+                    }
+                    event
                 }
+                Action::Load { desired, .. } if blocked.contains(&desired.key) => AgentEvent {
+                    key: desired.key.clone(),
+                    version: desired.version.clone(),
+                    action: EventAction::Load,
+                    outcome: Outcome::Failure(
+                        "not loaded: unloading the previous version failed (see its unload event)"
+                            .into(),
+                    ),
+                    image: desired.image.clone(),
+                    digest: desired.digest.clone(),
+                    pull_ms: 0,
+                    duration_ms: 0,
+                    at_unix_ms: now_unix_ms(),
+                },
                 Action::Load { desired, reason } => {
                     tracing::info!(key = %desired.key, ?reason, image = %desired.image, "loading");
                     self.load(&desired, &mut keep).await

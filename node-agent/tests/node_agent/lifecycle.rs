@@ -335,3 +335,58 @@ async fn next(events: &mut kmm_node_agent::control::EventReceiver) -> AgentEvent
         .expect("an event within the deadline")
         .expect("the agent is running")
 }
+
+/// When the old version cannot be unloaded (in use), the new one is not "loaded" on
+/// top of it; both succeed once the module is free.
+#[tokio::test]
+async fn a_version_change_waits_for_the_old_version_to_unload() {
+    let k = kernel();
+    let registry = Registry::plain();
+    registry
+        .push_sample("samples/hello:v1", &Sample::good(k))
+        .await;
+    let mut second = Sample::good(k);
+    second.firmware = vec![("kmm/hello.bin".into(), b"firmware v2".to_vec())];
+    registry.push_sample("samples/hello:v2", &second).await;
+    let node = Node::new(k);
+    let mut agent = node.agent();
+    let one = desired(registry.image("samples/hello:v1"), "1");
+    assert_success(
+        &agent.reconcile(std::slice::from_ref(&one)).await,
+        &[EventAction::Load],
+    );
+
+    // Something else on the node holds the module.
+    let holder = node.dir.path().join("kernel/modules/holder.json");
+    std::fs::write(
+        &holder,
+        serde_json::json!({ "name": "holder", "depends": [DEP_MODULE], "inTree": true })
+            .to_string(),
+    )
+    .unwrap();
+    let two = desired(registry.image("samples/hello:v2"), "2");
+    let events = agent.reconcile(std::slice::from_ref(&two)).await;
+    assert_eq!(
+        summary(&events),
+        [(EventAction::Unload, false), (EventAction::Load, false)]
+    );
+    let Outcome::Failure(error) = &events[0].outcome else {
+        unreachable!()
+    };
+    assert!(error.contains("in use"), "{error}");
+    assert_eq!(
+        agent.state().modules["kmm-ops/hello"].version.as_deref(),
+        Some("1")
+    );
+    let firmware = node.firmware_dir().join("kmm/hello.bin");
+    assert_eq!(std::fs::read(&firmware).unwrap(), b"firmware v1");
+
+    std::fs::remove_file(&holder).unwrap();
+    let events = agent.reconcile(std::slice::from_ref(&two)).await;
+    assert_success(&events, &[EventAction::Unload, EventAction::Load]);
+    assert_eq!(
+        agent.state().modules["kmm-ops/hello"].version.as_deref(),
+        Some("2")
+    );
+    assert_eq!(std::fs::read(&firmware).unwrap(), b"firmware v2");
+}
