@@ -233,9 +233,9 @@ pub fn parse_dry_run(output: &str) -> Vec<Insmod> {
         .collect()
 }
 
-/// Real `modprobe --dry-run -v --ignore-install? -d <dir> -S <kernel> <module>`: the
-/// modules, dependencies first, that loading `module` would insert. The host's loaded
-/// modules are not consulted beyond what modprobe itself does.
+/// Real `modprobe --dry-run -v --show-depends -d <dir> -S <kernel> <module>`: the
+/// modules, dependencies first, that loading `module` would insert, whether or not the
+/// running kernel has them loaded.
 pub fn resolve_with_dry_run(
     module_dir: &Path,
     kernel: &str,

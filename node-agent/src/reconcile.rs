@@ -226,7 +226,7 @@ impl Reconciler {
         };
         keep.insert(fetched.digest.clone());
         event.digest = Some(fetched.digest.clone());
-        event.pull_ms = if fresh_pull(&fetched) {
+        event.pull_ms = if fetched.fresh {
             millis(fetched.elapsed)
         } else {
             0
@@ -306,10 +306,6 @@ impl Reconciler {
         }
         event
     }
-}
-
-fn fresh_pull(fetched: &crate::image::Fetched) -> bool {
-    fetched.fresh
 }
 
 /// `<root>/<dirName>`.
