@@ -90,7 +90,8 @@ pub(crate) fn now_unix_ms() -> u64 {
 }
 
 /// The latest desired snapshot; `None` until the control plane sent one, so that the
-/// agent never acts (and never unloads) on silence.
+/// agent never acts (and never unloads) on silence. Send only complete snapshots: an
+/// empty list means "unload everything this agent loaded".
 pub type IntentReceiver = watch::Receiver<Option<Vec<DesiredModule>>>;
 pub type IntentSender = watch::Sender<Option<Vec<DesiredModule>>>;
 pub type EventSender = mpsc::UnboundedSender<AgentEvent>;
