@@ -1,21 +1,409 @@
 //! `kmm-node-agent`: the one kmm-fleet pod on every node.
 
-use clap::Parser;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use kmm_node_agent::agent::{self, LoopTiming};
+use kmm_node_agent::check_image::{self, CheckOptions, EXIT_CODES};
+use kmm_node_agent::control::{self, IntentSender};
+use kmm_node_agent::desired::{DesiredModule, PullSecret, RegistryTls};
+use kmm_node_agent::image::cache::Cache;
+use kmm_node_agent::image::{ImageStore, Limits};
+use kmm_node_agent::kernel::{HostKernel, Kernel, SimulatedKernel};
+use kmm_node_agent::reconcile::Reconciler;
+use kmm_node_agent::state::StateStore;
+use tracing_subscriber::EnvFilter;
 
 /// The kmm-fleet agent that runs once on every node (one DaemonSet pod).
 ///
-/// It receives its node's desired kernel modules from kmm-spoke-proxy, pulls
-/// the kmod images, extracts only the module and firmware files, runs
-/// modprobe, and reports every load and unload with its outcome. It keeps
-/// its state under /run/kmm so that a restart never reloads what is loaded
-/// and a reboot loads again. It has no Kubernetes API access at all.
+/// It receives its node's desired kernel modules, pulls the kmod images, extracts
+/// only the module and firmware files (refusing hostile images), runs modprobe, and
+/// reports every load and unload with its outcome. It keeps its state under /run/kmm
+/// so that a restart never reloads what is loaded and a reboot loads again. It has no
+/// Kubernetes API access at all, and SIGTERM never unloads anything.
 #[derive(Debug, Parser)]
 #[command(name = "kmm-node-agent", version)]
-struct Cli {}
+struct Cli {
+    /// Log format on standard error.
+    #[arg(long, value_enum, default_value = "text", global = true)]
+    log_format: LogFormat,
+    /// More logs: -v debug, -vv trace (RUST_LOG overrides).
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+    #[command(subcommand)]
+    command: Command,
+}
 
-fn main() -> anyhow::Result<()> {
-    Cli::parse();
-    anyhow::bail!(
-        "kmm-node-agent: the agent runtime is not part of this build yet; only --help and --version work"
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the agent: reconcile the node's kernel modules with the desired ones.
+    ///
+    /// Until the connection to kmm-spoke-proxy lands, the desired modules come from
+    /// --desired-file (a JSON array of modules, re-read when it changes) and every
+    /// event is written to standard output as one JSON line, after a first `hello` line.
+    Run(RunArgs),
+    /// Check a kmod image the way a node would, without loading anything.
+    ///
+    /// Pulls the image, extracts <dir-name>/lib/modules/<kernel>/, checks each module's
+    /// vermagic against the kernel, resolves dependencies with `modprobe --dry-run` and
+    /// reports OK or the precise problem.
+    #[command(after_help = EXIT_CODES)]
+    CheckImage(CheckArgs),
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Backend {
+    /// The node's real kernel (/proc, /sys, modprobe).
+    Host,
+    /// A simulated node's kernel kept in --simulated-dir, with real modprobe dry runs
+    /// and modinfo checks.
+    Simulated,
+}
+
+#[derive(Debug, Args)]
+struct RunArgs {
+    /// Node name (from the downward API).
+    #[arg(long, env = "NODE_NAME")]
+    node_name: String,
+    /// State directory; must survive agent restarts and be emptied by reboots.
+    #[arg(long, default_value = "/run/kmm")]
+    state_dir: PathBuf,
+    /// Image cache (content-addressed, garbage-collected).
+    #[arg(long, default_value = "/var/cache/kmm")]
+    cache_dir: PathBuf,
+    /// Host directory firmware is copied to; when it is not /lib/firmware the kernel's
+    /// firmware_class search path is set to it.
+    #[arg(long, default_value = kmm_node_agent::firmware::DEFAULT_FIRMWARE_DIR)]
+    firmware_dir: PathBuf,
+    /// Which kernel to act on.
+    #[arg(long, value_enum, default_value = "host")]
+    kernel_backend: Backend,
+    /// Simulated backend: the node's kernel state directory.
+    #[arg(long, required_if_eq("kernel_backend", "simulated"))]
+    simulated_dir: Option<PathBuf>,
+    /// Simulated backend: the node's kernel release.
+    #[arg(long, required_if_eq("kernel_backend", "simulated"))]
+    simulated_kernel: Option<String>,
+    /// JSON file with the desired modules (a stand-in for the proxy connection): an
+    /// array of {key, version?, image, digest?, modprobe: {moduleName, parameters,
+    /// dirName, args: {load, unload}, rawArgs, firmwarePath, modulesLoadingOrder},
+    /// inTreeModulesToRemove, registryTls: {insecure, insecureSkipTLSVerify},
+    /// pullSecret?: {dockerConfigJson | dockerCfg: "<content>"}}.
+    #[arg(long)]
+    desired_file: PathBuf,
+    /// How often --desired-file is checked for changes, in milliseconds.
+    #[arg(long, default_value_t = 500)]
+    desired_poll_ms: u64,
+    #[command(flatten)]
+    limits: LimitArgs,
+    /// First retry delay after a failure, in seconds (doubles up to 120).
+    #[arg(long, default_value_t = 2)]
+    retry_seconds: u64,
+}
+
+#[derive(Debug, Args)]
+struct LimitArgs {
+    /// Largest file extracted from an image, in bytes.
+    #[arg(long, default_value_t = Limits::default().max_file_bytes)]
+    max_file_bytes: u64,
+    /// Largest total extracted from one image, in bytes.
+    #[arg(long, default_value_t = Limits::default().max_image_bytes)]
+    max_image_bytes: u64,
+}
+
+impl LimitArgs {
+    fn limits(&self) -> Limits {
+        Limits {
+            max_file_bytes: self.max_file_bytes,
+            max_image_bytes: self.max_image_bytes,
+            ..Limits::default()
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+struct CheckArgs {
+    /// Image reference (tag or digest).
+    #[arg(long)]
+    image: String,
+    /// Kernel release the module must load on (`uname -r` of the target nodes).
+    #[arg(long)]
+    kernel: String,
+    /// Module name as given to modprobe.
+    #[arg(long)]
+    module: String,
+    /// Directory of lib/modules inside the image (upstream's dirName).
+    #[arg(long, default_value = kmm_node_agent::desired::DEFAULT_DIR_NAME)]
+    dir_name: String,
+    /// Firmware directory inside the image, extracted too.
+    #[arg(long)]
+    firmware_path: Option<String>,
+    /// Plain HTTP registry.
+    #[arg(long)]
+    insecure: bool,
+    /// HTTPS without verifying the registry's certificate.
+    #[arg(long)]
+    insecure_skip_tls_verify: bool,
+    /// A docker config.json (`{"auths": ...}`) with credentials for the registry.
+    #[arg(long)]
+    registry_config: Option<PathBuf>,
+    /// Fail (exit 9) when a module carries no signature.
+    #[arg(long)]
+    require_signature: bool,
+    /// Image cache; a temporary directory by default.
+    #[arg(long)]
+    cache_dir: Option<PathBuf>,
+    #[command(flatten)]
+    limits: LimitArgs,
+}
+
+fn init_logging(cli: &Cli) {
+    let default = match cli.verbose {
+        0 => "info",
+        1 => "debug",
+        _ => "trace",
+    };
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(&cli);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kmm-node-agent: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let code = match cli.command {
+        Command::Run(args) => match runtime.block_on(run(args)) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                tracing::error!(error = format!("{e:#}"), "agent failed");
+                ExitCode::FAILURE
+            }
+        },
+        Command::CheckImage(args) => runtime.block_on(check(args)),
+    };
+    // Blocking work still running (a modprobe) is not waited for: state is saved
+    // atomically after each step, so exiting now is safe.
+    runtime.shutdown_background();
+    code
+}
+
+async fn run(args: RunArgs) -> anyhow::Result<()> {
+    let kernel: Arc<dyn Kernel> = match args.kernel_backend {
+        Backend::Host => Arc::new(HostKernel::default()),
+        Backend::Simulated => Arc::new(
+            SimulatedKernel::open(
+                args.simulated_dir.clone().context("--simulated-dir")?,
+                args.simulated_kernel
+                    .clone()
+                    .context("--simulated-kernel")?,
+            )
+            .context("opening the simulated kernel")?,
+        ),
+    };
+    let cache = Cache::open(&args.cache_dir).context("opening the image cache")?;
+    let images = ImageStore::new(cache, args.limits.limits());
+    let reconciler = Reconciler::new(
+        kernel,
+        images,
+        StateStore::new(&args.state_dir),
+        args.firmware_dir.clone(),
     )
+    .context("loading the agent state")?;
+    let hello = reconciler.hello(&args.node_name);
+    tracing::info!(
+        node = %hello.node_name,
+        kernel = %hello.kernel_release,
+        backend = reconciler.kernel().backend(),
+        loaded = hello.loaded.len(),
+        "agent started"
+    );
+    println!("{}", serde_json::json!({ "hello": hello }));
+
+    let ((intent_tx, intent_rx), (event_tx, mut event_rx)) = control::channels();
+    let printer = tokio::spawn(async move {
+        while let Some(event) = event_rx.recv().await {
+            println!("{}", serde_json::json!({ "event": event }));
+        }
+    });
+    let watcher = tokio::spawn(watch_desired_file(
+        args.desired_file.clone(),
+        Duration::from_millis(args.desired_poll_ms),
+        intent_tx,
+    ));
+    let timing = LoopTiming {
+        retry_initial: Duration::from_secs(args.retry_seconds.max(1)),
+        ..LoopTiming::default()
+    };
+    let agent = agent::run(reconciler, intent_rx, event_tx, timing);
+
+    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("installing the SIGTERM handler")?;
+    tokio::select! {
+        () = agent => {}
+        _ = sigterm.recv() => tracing::info!("SIGTERM: exiting without unloading anything"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("interrupted: exiting without unloading anything"),
+    }
+    watcher.abort();
+    printer.abort();
+    Ok(())
+}
+
+/// Feeds the desired-module snapshots from a JSON file, re-read when it changes.
+async fn watch_desired_file(path: PathBuf, every: Duration, intents: IntentSender) {
+    let mut last: Option<Vec<u8>> = None;
+    loop {
+        match tokio::fs::read(&path).await {
+            Ok(bytes) if last.as_deref() != Some(&bytes[..]) => {
+                match serde_json::from_slice::<Vec<DesiredModule>>(&bytes) {
+                    Ok(desired) => {
+                        tracing::info!(modules = desired.len(), "new desired modules");
+                        let _ = intents.send(Some(desired));
+                    }
+                    Err(e) => {
+                        tracing::warn!(path = %path.display(), error = %e, "invalid desired-modules file")
+                    }
+                }
+                last = Some(bytes);
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "cannot read the desired-modules file")
+            }
+        }
+        tokio::time::sleep(every).await;
+    }
+}
+
+async fn check(args: CheckArgs) -> ExitCode {
+    let secret = match &args.registry_config {
+        Some(path) => match std::fs::read_to_string(path) {
+            Ok(text) => Some(PullSecret::DockerConfigJson(text)),
+            Err(e) => {
+                eprintln!("cannot read {}: {e}", path.display());
+                return ExitCode::FAILURE;
+            }
+        },
+        None => None,
+    };
+    let temp;
+    let cache_dir = match &args.cache_dir {
+        Some(dir) => dir.clone(),
+        None => match tempfile_dir() {
+            Ok(dir) => {
+                temp = dir;
+                temp.0.clone()
+            }
+            Err(e) => {
+                eprintln!("cannot create a temporary directory: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+    };
+    let options = CheckOptions {
+        image: args.image.clone(),
+        kernel: args.kernel.clone(),
+        module: args.module.clone(),
+        dir_name: args.dir_name.clone(),
+        firmware_path: args.firmware_path.clone(),
+        tls: RegistryTls {
+            insecure: args.insecure,
+            insecure_skip_tls_verify: args.insecure_skip_tls_verify,
+        },
+        secret,
+        require_signature: args.require_signature,
+        cache_dir,
+        limits: args.limits.limits(),
+    };
+    match check_image::check_image(&options).await {
+        Ok(report) => {
+            println!(
+                "OK: {} ({}) loads on kernel {}",
+                args.image, report.digest, args.kernel
+            );
+            for module in &report.modules {
+                let signer = module.signer.as_deref().unwrap_or("unsigned");
+                println!("  {} ({signer})", module.name);
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            println!("FAIL: {e}");
+            ExitCode::from(e.exit_code())
+        }
+    }
+}
+
+/// A temporary directory removed on drop.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn tempfile_dir() -> std::io::Result<TempDir> {
+    let base = std::env::temp_dir();
+    for n in 0..1000u32 {
+        let dir = base.join(format!("kmm-check-image-{}-{n}", std::process::id()));
+        match std::fs::create_dir(&dir) {
+            Ok(()) => return Ok(TempDir(dir)),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(std::io::Error::other("no free temporary directory name"))
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+        let cli = Cli::try_parse_from([
+            "kmm-node-agent",
+            "run",
+            "--node-name",
+            "n",
+            "--desired-file",
+            "d.json",
+            "--kernel-backend",
+            "simulated",
+        ]);
+        assert!(
+            cli.is_err(),
+            "the simulated backend needs its directory and kernel"
+        );
+    }
 }

@@ -9,7 +9,7 @@ use std::{
 use anyhow::{Context, bail};
 
 /// Fuzz targets run for a bounded time by `cargo xtask test`.
-const FUZZ_TARGETS: &[&str] = &["kernel_template"];
+const FUZZ_TARGETS: &[&str] = &["kernel_template", "extract_layers"];
 
 #[derive(Debug, clap::Args)]
 pub struct Options {

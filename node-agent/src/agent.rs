@@ -1,0 +1,78 @@
+//! The agent's main loop: reconcile on every new desired snapshot, retry failures
+//! with backoff, resync periodically. It never acts before the first snapshot and
+//! never unloads because the control plane went quiet.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::control::{EventSender, IntentReceiver};
+use crate::desired::DesiredModule;
+use crate::reconcile::Reconciler;
+
+/// Timing of the loop.
+#[derive(Clone, Copy, Debug)]
+pub struct LoopTiming {
+    /// First retry delay after a failure; doubles up to `retry_max`.
+    pub retry_initial: Duration,
+    pub retry_max: Duration,
+    /// Reconcile this often anyway (a module removed behind the agent's back is
+    /// loaded again).
+    pub resync: Duration,
+}
+
+impl Default for LoopTiming {
+    fn default() -> Self {
+        Self {
+            retry_initial: Duration::from_secs(2),
+            retry_max: Duration::from_secs(120),
+            resync: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Runs until the task is dropped (SIGTERM handling is the caller's: dropping this
+/// future never unloads anything).
+pub async fn run(
+    mut reconciler: Reconciler,
+    mut intents: IntentReceiver,
+    events: EventSender,
+    timing: LoopTiming,
+) {
+    let mut desired: Option<Vec<DesiredModule>> = intents.borrow_and_update().clone();
+    let mut intents_open = true;
+    let mut backoff = timing.retry_initial;
+    loop {
+        let next;
+        if desired.is_some() {
+            let snapshot = desired.as_deref().unwrap_or_default();
+            let results = reconciler.reconcile(snapshot).await;
+            let failed = results.iter().any(|e| !e.is_success());
+            for event in results {
+                let _ = events.send(event);
+            }
+            if failed {
+                next = Instant::now() + backoff;
+                backoff = (backoff * 2).min(timing.retry_max);
+            } else {
+                next = Instant::now() + timing.resync;
+                backoff = timing.retry_initial;
+            }
+        } else {
+            next = Instant::now() + timing.resync;
+        }
+        tokio::select! {
+            changed = intents.changed(), if intents_open => {
+                match changed {
+                    Ok(()) => {
+                        desired = intents.borrow_and_update().clone();
+                        backoff = timing.retry_initial;
+                    }
+                    // The control plane is gone: keep the last intent in force.
+                    Err(_) => intents_open = false,
+                }
+            }
+            () = tokio::time::sleep_until(next) => {}
+        }
+    }
+}

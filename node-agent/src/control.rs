@@ -1,0 +1,103 @@
+//! The seam to the control plane (kmm-spoke-proxy). The gRPC client, once `kmm-proto`
+//! exists, plugs in here: it sends the [`Hello`], feeds desired-module snapshots into
+//! an [`IntentSender`] and forwards every [`AgentEvent`] it receives.
+//!
+//! Until then `kmm-node-agent run --desired-file` feeds snapshots from a file and writes
+//! events to stdout as JSON lines.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, watch};
+
+use crate::desired::DesiredModule;
+
+/// Sent first on every connection.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Hello {
+    pub node_name: String,
+    pub boot_id: String,
+    pub kernel_release: String,
+    /// What this agent has loaded (from its state), so the proxy can resync.
+    pub loaded: Vec<LoadedModule>,
+}
+
+/// One loaded module entry, as reported in [`Hello`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LoadedModule {
+    pub key: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
+    pub image: String,
+    pub digest: String,
+}
+
+/// What happened.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum EventAction {
+    Load,
+    Unload,
+}
+
+/// How it ended; failures carry the full error text.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", tag = "result", content = "error")]
+pub enum Outcome {
+    Success,
+    Failure(String),
+}
+
+/// One load or unload attempt.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentEvent {
+    pub key: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
+    pub action: EventAction,
+    pub outcome: Outcome,
+    /// Image and digest concerned (the digest once it is known).
+    pub image: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+    /// Time spent pulling and extracting (loads only; zero when cached).
+    pub pull_ms: u64,
+    /// Time spent on the kernel side: in-tree removals, firmware, modprobe.
+    pub duration_ms: u64,
+    /// When the attempt ended, in milliseconds since the Unix epoch.
+    pub at_unix_ms: u64,
+}
+
+impl AgentEvent {
+    pub fn is_success(&self) -> bool {
+        self.outcome == Outcome::Success
+    }
+}
+
+pub(crate) fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+pub(crate) fn now_unix_ms() -> u64 {
+    millis(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default(),
+    )
+}
+
+/// The latest desired snapshot; `None` until the control plane sent one, so that the
+/// agent never acts (and never unloads) on silence. Send only complete snapshots: an
+/// empty list means "unload everything this agent loaded".
+pub type IntentReceiver = watch::Receiver<Option<Vec<DesiredModule>>>;
+pub type IntentSender = watch::Sender<Option<Vec<DesiredModule>>>;
+pub type EventSender = mpsc::UnboundedSender<AgentEvent>;
+pub type EventReceiver = mpsc::UnboundedReceiver<AgentEvent>;
+
+/// The two channels between the agent and a control-plane client.
+pub fn channels() -> ((IntentSender, IntentReceiver), (EventSender, EventReceiver)) {
+    (watch::channel(None), mpsc::unbounded_channel())
+}

@@ -1,0 +1,196 @@
+//! The content-addressed image cache on the node: layer blobs and manifests by
+//! digest, and extracted module trees by manifest digest and selection. Garbage
+//! collection removes everything not reachable from the digests in use.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use oci_client::manifest::OciImageManifest;
+use sha2::{Digest, Sha256};
+
+#[derive(Debug, thiserror::Error)]
+pub enum CacheError {
+    #[error("{0:?} is not a sha256 digest")]
+    BadDigest(String),
+    #[error("{action} {path}: {source}")]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+pub(crate) fn io(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> CacheError {
+    let path = path.to_path_buf();
+    move |source| CacheError::Io {
+        action,
+        path,
+        source,
+    }
+}
+
+/// The hex part of a `sha256:` digest, validated (it becomes a file name).
+pub fn digest_hex(digest: &str) -> Result<&str, CacheError> {
+    match digest.strip_prefix("sha256:") {
+        Some(hex)
+            if hex.len() == 64 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) =>
+        {
+            Ok(hex)
+        }
+        _ => Err(CacheError::BadDigest(digest.to_string())),
+    }
+}
+
+/// What a garbage collection removed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GcReport {
+    pub manifests: usize,
+    pub blobs: usize,
+    pub extracted: usize,
+}
+
+#[derive(Clone, Debug)]
+pub struct Cache {
+    dir: PathBuf,
+}
+
+impl Cache {
+    pub fn open(dir: impl Into<PathBuf>) -> Result<Self, CacheError> {
+        let cache = Self { dir: dir.into() };
+        for sub in ["blobs/sha256", "manifests/sha256", "extracted", "tmp"] {
+            let path = cache.dir.join(sub);
+            std::fs::create_dir_all(&path).map_err(io("creating", &path))?;
+        }
+        // Leftovers of interrupted downloads and extractions.
+        let tmp = cache.dir.join("tmp");
+        for entry in std::fs::read_dir(&tmp)
+            .map_err(io("reading", &tmp))?
+            .flatten()
+        {
+            let path = entry.path();
+            let _ = std::fs::remove_dir_all(&path).or_else(|_| std::fs::remove_file(&path));
+        }
+        Ok(cache)
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn blob_path(&self, digest: &str) -> Result<PathBuf, CacheError> {
+        Ok(self.dir.join("blobs/sha256").join(digest_hex(digest)?))
+    }
+
+    fn manifest_path(&self, digest: &str) -> Result<PathBuf, CacheError> {
+        Ok(self
+            .dir
+            .join("manifests/sha256")
+            .join(format!("{}.json", digest_hex(digest)?)))
+    }
+
+    /// A fresh path for a download or extraction in progress.
+    pub fn tmp_path(&self, what: &str) -> PathBuf {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.dir
+            .join("tmp")
+            .join(format!("{what}-{}-{n}", std::process::id()))
+    }
+
+    pub fn manifest(&self, digest: &str) -> Result<Option<OciImageManifest>, CacheError> {
+        let path = self.manifest_path(digest)?;
+        match std::fs::read(&path) {
+            Ok(bytes) => Ok(serde_json::from_slice(&bytes).ok()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(io("reading", &path)(e)),
+        }
+    }
+
+    pub fn store_manifest(
+        &self,
+        digest: &str,
+        manifest: &OciImageManifest,
+    ) -> Result<(), CacheError> {
+        let path = self.manifest_path(digest)?;
+        let tmp = self.tmp_path("manifest");
+        let bytes = serde_json::to_vec(manifest).expect("manifest serialises");
+        std::fs::write(&tmp, bytes).map_err(io("writing", &tmp))?;
+        std::fs::rename(&tmp, &path).map_err(io("renaming", &tmp))
+    }
+
+    /// Where the image `digest` is extracted for one kernel and selection.
+    pub fn extracted_dir(
+        &self,
+        digest: &str,
+        selection: &kmm_extract::Selection,
+    ) -> Result<PathBuf, CacheError> {
+        let hex = digest_hex(digest)?;
+        let mut hash = Sha256::new();
+        for part in [
+            selection.kernel.as_str(),
+            selection.dir_name.as_str(),
+            selection.firmware_path.as_deref().unwrap_or(""),
+        ] {
+            hash.update(part.as_bytes());
+            hash.update([0]);
+        }
+        let key = format!("{:x}", hash.finalize());
+        Ok(self
+            .dir
+            .join("extracted")
+            .join(format!("{hex}-{}", &key[..16])))
+    }
+
+    /// Removes manifests, blobs and extracted trees not reachable from `keep`
+    /// (manifest digests in use or about to be used).
+    pub fn gc(&self, keep: &BTreeSet<String>) -> Result<GcReport, CacheError> {
+        let keep_hex: BTreeSet<&str> = keep.iter().filter_map(|d| digest_hex(d).ok()).collect();
+        let mut report = GcReport::default();
+        let mut blobs_in_use = BTreeSet::new();
+        let manifests = self.dir.join("manifests/sha256");
+        for entry in std::fs::read_dir(&manifests)
+            .map_err(io("reading", &manifests))?
+            .flatten()
+        {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let hex = name.trim_end_matches(".json");
+            if keep_hex.contains(hex) {
+                if let Some(manifest) = self.manifest(&format!("sha256:{hex}"))? {
+                    blobs_in_use.insert(manifest.config.digest.clone());
+                    blobs_in_use.extend(manifest.layers.iter().map(|l| l.digest.clone()));
+                }
+            } else {
+                std::fs::remove_file(entry.path()).map_err(io("removing", &entry.path()))?;
+                report.manifests += 1;
+            }
+        }
+        let blobs_in_use: BTreeSet<&str> = blobs_in_use
+            .iter()
+            .filter_map(|d| digest_hex(d).ok())
+            .collect();
+        let blobs = self.dir.join("blobs/sha256");
+        for entry in std::fs::read_dir(&blobs)
+            .map_err(io("reading", &blobs))?
+            .flatten()
+        {
+            if !blobs_in_use.contains(entry.file_name().to_string_lossy().as_ref()) {
+                std::fs::remove_file(entry.path()).map_err(io("removing", &entry.path()))?;
+                report.blobs += 1;
+            }
+        }
+        let extracted = self.dir.join("extracted");
+        for entry in std::fs::read_dir(&extracted)
+            .map_err(io("reading", &extracted))?
+            .flatten()
+        {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let hex = name.split('-').next().unwrap_or_default();
+            if !keep_hex.contains(hex) {
+                std::fs::remove_dir_all(entry.path()).map_err(io("removing", &entry.path()))?;
+                report.extracted += 1;
+            }
+        }
+        Ok(report)
+    }
+}

@@ -1,0 +1,18 @@
+//! `kmm-node-agent`: pulls kmod images, extracts them safely, loads and unloads kernel
+//! modules, and keeps its state across restarts (but not reboots).
+//!
+//! The control-plane connection (gRPC to kmm-spoke-proxy) plugs in through
+//! [`control`]: desired modules come in as [`desired::DesiredModule`] snapshots and
+//! results go out as [`control::AgentEvent`]s.
+
+pub mod agent;
+pub mod check_image;
+pub mod control;
+pub mod desired;
+pub mod firmware;
+pub mod image;
+pub mod kernel;
+pub mod modprobe;
+pub mod plan;
+pub mod reconcile;
+pub mod state;

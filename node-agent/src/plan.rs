@@ -1,0 +1,343 @@
+//! Pure decisions: desired modules + recorded state + what the kernel has loaded =>
+//! the actions to take. No I/O here.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::desired::DesiredModule;
+use crate::state::{ModuleRecord, State};
+
+/// Why an entry is (re)loaded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LoadReason {
+    /// Not loaded by this agent during this boot.
+    New,
+    /// The recorded entry differs (version, image, settings); the old one is unloaded first.
+    Changed,
+    /// Recorded as loaded, but the kernel no longer has it (removed behind our back).
+    Missing,
+}
+
+/// Why an entry is unloaded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UnloadReason {
+    /// No longer desired.
+    Removed,
+    /// Replaced by a different version or settings.
+    Changed,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    Unload {
+        record: Box<ModuleRecord>,
+        reason: UnloadReason,
+    },
+    Load {
+        desired: Box<DesiredModule>,
+        reason: LoadReason,
+    },
+}
+
+/// The records valid for the running boot: a different boot ID means the node
+/// rebooted and everything recorded is gone from the kernel.
+pub fn records_for_boot(state: Option<State>, boot_id: &str) -> BTreeMap<String, ModuleRecord> {
+    match state {
+        Some(state) if state.boot_id == boot_id => state.modules,
+        _ => BTreeMap::new(),
+    }
+}
+
+/// Kernel module names compare with `-` and `_` as the same character.
+pub fn normalize_module_name(name: &str) -> String {
+    name.replace('-', "_")
+}
+
+/// Whether a record still satisfies a desired entry. A tag is resolved once: the
+/// same image reference keeps the recorded digest even if the tag has moved since.
+pub fn satisfies(record: &ModuleRecord, desired: &DesiredModule) -> bool {
+    record.version == desired.version
+        && record.image == desired.image
+        && desired.digest.as_ref().is_none_or(|d| *d == record.digest)
+        && record.modprobe == desired.modprobe
+        && record.in_tree_modules_to_remove == desired.in_tree_modules_to_remove
+}
+
+fn still_loaded(record: &ModuleRecord, loaded: &BTreeSet<String>) -> bool {
+    record
+        .loaded
+        .iter()
+        .all(|m| loaded.contains(&normalize_module_name(m)))
+}
+
+/// Unloads first (entries no longer desired, then entries being replaced), then loads
+/// in the desired order. Desired entries with a duplicate key after the first are
+/// ignored.
+pub fn plan(
+    desired: &[DesiredModule],
+    records: &BTreeMap<String, ModuleRecord>,
+    loaded: &BTreeSet<String>,
+) -> Vec<Action> {
+    let mut seen = BTreeSet::new();
+    let desired: Vec<&DesiredModule> = desired
+        .iter()
+        .filter(|d| seen.insert(d.key.as_str()))
+        .collect();
+    let wanted: BTreeSet<&str> = desired.iter().map(|d| d.key.as_str()).collect();
+
+    let mut unloads = Vec::new();
+    let mut loads = Vec::new();
+    for record in records.values() {
+        if !wanted.contains(record.key.as_str()) {
+            unloads.push(Action::Unload {
+                record: Box::new(record.clone()),
+                reason: UnloadReason::Removed,
+            });
+        }
+    }
+    for d in desired {
+        let reason = match records.get(&d.key) {
+            None => Some(LoadReason::New),
+            Some(record) if !satisfies(record, d) => {
+                unloads.push(Action::Unload {
+                    record: Box::new(record.clone()),
+                    reason: UnloadReason::Changed,
+                });
+                Some(LoadReason::Changed)
+            }
+            Some(record) if !still_loaded(record, loaded) => Some(LoadReason::Missing),
+            Some(_) => None,
+        };
+        if let Some(reason) = reason {
+            loads.push(Action::Load {
+                desired: Box::new(d.clone()),
+                reason,
+            });
+        }
+    }
+    unloads.extend(loads);
+    unloads
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::desired::{Modprobe, ModprobeArgs};
+
+    fn desired(key: &str, version: Option<&str>) -> DesiredModule {
+        DesiredModule {
+            key: key.into(),
+            version: version.map(Into::into),
+            image: format!("registry/{key}:tag"),
+            digest: None,
+            modprobe: Modprobe {
+                module_name: Some(key.replace('/', "_")),
+                ..Default::default()
+            },
+            in_tree_modules_to_remove: vec![],
+            registry_tls: Default::default(),
+            pull_secret: None,
+        }
+    }
+
+    fn record_of(d: &DesiredModule) -> ModuleRecord {
+        ModuleRecord {
+            key: d.key.clone(),
+            version: d.version.clone(),
+            image: d.image.clone(),
+            digest: "sha256:aa".into(),
+            kernel: "k".into(),
+            module_dir: "/cache/x/opt".into(),
+            modprobe: d.modprobe.clone(),
+            in_tree_modules_to_remove: d.in_tree_modules_to_remove.clone(),
+            loaded: d.load_order(),
+            firmware_files: vec![],
+            loaded_at_unix_ms: 0,
+        }
+    }
+
+    fn records(ds: &[&DesiredModule]) -> BTreeMap<String, ModuleRecord> {
+        ds.iter().map(|d| (d.key.clone(), record_of(d))).collect()
+    }
+
+    fn loaded(names: &[&str]) -> BTreeSet<String> {
+        names.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn summary(actions: &[Action]) -> Vec<String> {
+        actions
+            .iter()
+            .map(|a| match a {
+                Action::Unload { record, reason } => format!("unload {} {reason:?}", record.key),
+                Action::Load { desired, reason } => format!("load {} {reason:?}", desired.key),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn nothing_desired_nothing_recorded() {
+        assert!(plan(&[], &BTreeMap::new(), &loaded(&[])).is_empty());
+    }
+
+    #[test]
+    fn new_module_is_loaded() {
+        let a = desired("ns/a", None);
+        assert_eq!(
+            summary(&plan(&[a], &BTreeMap::new(), &loaded(&[]))),
+            ["load ns/a New"]
+        );
+    }
+
+    #[test]
+    fn loaded_module_is_left_alone_after_restart() {
+        let a = desired("ns/a", Some("1"));
+        assert!(
+            plan(
+                std::slice::from_ref(&a),
+                &records(&[&a]),
+                &loaded(&["ns_a"])
+            )
+            .is_empty()
+        );
+    }
+
+    #[test]
+    fn module_removed_behind_our_back_is_loaded_again() {
+        let a = desired("ns/a", Some("1"));
+        assert_eq!(
+            summary(&plan(
+                std::slice::from_ref(&a),
+                &records(&[&a]),
+                &loaded(&[])
+            )),
+            ["load ns/a Missing"]
+        );
+    }
+
+    #[test]
+    fn hyphens_and_underscores_are_the_same_module() {
+        let mut a = desired("ns/a", None);
+        a.modprobe.module_name = Some("my-mod".into());
+        assert!(
+            plan(
+                std::slice::from_ref(&a),
+                &records(&[&a]),
+                &loaded(&["my_mod"])
+            )
+            .is_empty()
+        );
+    }
+
+    #[test]
+    fn version_change_unloads_then_loads() {
+        let old = desired("ns/a", Some("1"));
+        let new = desired("ns/a", Some("2"));
+        assert_eq!(
+            summary(&plan(&[new], &records(&[&old]), &loaded(&["ns_a"]))),
+            ["unload ns/a Changed", "load ns/a Changed"]
+        );
+    }
+
+    #[test]
+    fn settings_or_image_changes_reload() {
+        let old = desired("ns/a", None);
+        let mut changes = vec![];
+        let mut d = old.clone();
+        d.image = "registry/other:tag".into();
+        changes.push(d);
+        let mut d = old.clone();
+        d.modprobe.parameters = vec!["x=1".into()];
+        changes.push(d);
+        let mut d = old.clone();
+        d.modprobe.args = Some(ModprobeArgs {
+            load: vec!["-v".into()],
+            unload: vec![],
+        });
+        changes.push(d);
+        let mut d = old.clone();
+        d.in_tree_modules_to_remove = vec!["intree".into()];
+        changes.push(d);
+        let mut d = old.clone();
+        d.digest = Some("sha256:bb".into());
+        changes.push(d);
+        for d in changes {
+            assert_eq!(
+                summary(&plan(
+                    std::slice::from_ref(&d),
+                    &records(&[&old]),
+                    &loaded(&["ns_a"])
+                )),
+                ["unload ns/a Changed", "load ns/a Changed"],
+                "{d:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn same_digest_or_same_tag_is_not_a_change() {
+        let old = desired("ns/a", None);
+        let mut d = old.clone();
+        d.digest = Some("sha256:aa".into());
+        assert!(plan(&[d], &records(&[&old]), &loaded(&["ns_a"])).is_empty());
+        // Registry TLS and credentials do not change what runs.
+        let mut d = old.clone();
+        d.registry_tls.insecure = true;
+        assert!(plan(&[d], &records(&[&old]), &loaded(&["ns_a"])).is_empty());
+    }
+
+    #[test]
+    fn removed_module_is_unloaded_before_loads() {
+        let a = desired("ns/a", None);
+        let b = desired("ns/b", None);
+        assert_eq!(
+            summary(&plan(&[b], &records(&[&a]), &loaded(&["ns_a"]))),
+            ["unload ns/a Removed", "load ns/b New"]
+        );
+    }
+
+    #[test]
+    fn duplicate_keys_use_the_first() {
+        let a1 = desired("ns/a", Some("1"));
+        let a2 = desired("ns/a", Some("2"));
+        assert_eq!(
+            summary(&plan(&[a1, a2], &BTreeMap::new(), &loaded(&[]))),
+            ["load ns/a New"]
+        );
+    }
+
+    #[test]
+    fn loading_order_modules_must_all_be_loaded() {
+        let mut a = desired("ns/a", None);
+        a.modprobe.modules_loading_order = vec!["ns_a".into(), "dep".into()];
+        let recs = records(&[&a]);
+        assert!(plan(std::slice::from_ref(&a), &recs, &loaded(&["ns_a", "dep"])).is_empty());
+        assert_eq!(
+            summary(&plan(&[a], &recs, &loaded(&["ns_a"]))),
+            ["load ns/a Missing"]
+        );
+    }
+
+    #[test]
+    fn reboot_discards_records() {
+        let a = desired("ns/a", None);
+        let state = State {
+            boot_id: "one".into(),
+            modules: records(&[&a]),
+        };
+        assert_eq!(records_for_boot(Some(state.clone()), "one").len(), 1);
+        assert!(records_for_boot(Some(state), "two").is_empty());
+        assert!(records_for_boot(None, "one").is_empty());
+        // After a reboot the module is loaded again, nothing is unloaded.
+        let recs = records_for_boot(None, "two");
+        assert_eq!(summary(&plan(&[a], &recs, &loaded(&[]))), ["load ns/a New"]);
+    }
+
+    #[test]
+    fn empty_snapshot_unloads_everything_recorded() {
+        let a = desired("ns/a", None);
+        let b = desired("ns/b", None);
+        assert_eq!(
+            summary(&plan(&[], &records(&[&a, &b]), &loaded(&["ns_a", "ns_b"]))),
+            ["unload ns/a Removed", "unload ns/b Removed"]
+        );
+    }
+}

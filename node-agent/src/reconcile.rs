@@ -1,0 +1,421 @@
+//! Carries out the plan: fetches images, removes in-tree modules, installs firmware,
+//! runs modprobe through the kernel backend, records the result and reports an event
+//! for every load and unload.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::control::{AgentEvent, EventAction, Hello, LoadedModule, Outcome, millis, now_unix_ms};
+use crate::desired::DesiredModule;
+use crate::firmware::{self, FirmwareError};
+use crate::image::pull::{PullRequest, error_chain};
+use crate::image::{FetchRequest, ImageStore};
+use crate::kernel::{Kernel, KernelError};
+use crate::modprobe::{self, ToolError};
+use crate::plan::{self, Action, normalize_module_name};
+use crate::state::{ModuleRecord, State, StateError, StateStore};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    #[error(transparent)]
+    Firmware(#[from] FirmwareError),
+    #[error(transparent)]
+    Tool(#[from] ToolError),
+    #[error("nothing to load: neither moduleName nor rawArgs.load is set")]
+    NothingToLoad,
+    #[error(
+        "the image has no {dir_name}/lib/modules/{kernel}: it holds no modules for this node's kernel"
+    )]
+    NoModulesForKernel { dir_name: String, kernel: String },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    #[error(transparent)]
+    State(#[from] StateError),
+}
+
+/// The agent's executor: owns the state for the running boot.
+#[derive(Debug)]
+pub struct Reconciler {
+    kernel: Arc<dyn Kernel>,
+    images: ImageStore,
+    store: StateStore,
+    state: State,
+    firmware_dir: PathBuf,
+    release: String,
+}
+
+impl Reconciler {
+    /// Loads the saved state; a different boot ID (a reboot) discards it.
+    pub fn new(
+        kernel: Arc<dyn Kernel>,
+        images: ImageStore,
+        store: StateStore,
+        firmware_dir: PathBuf,
+    ) -> Result<Self, ReconcileError> {
+        let boot_id = kernel.boot_id()?;
+        let release = kernel.release()?;
+        let saved = match store.load() {
+            Ok(saved) => saved,
+            // Unreadable state: start over. Loading what is loaded is a no-op for
+            // modprobe, so this costs time, not correctness.
+            Err(e @ StateError::Invalid { .. }) => {
+                tracing::warn!(error = %error_chain(&e), "discarding invalid agent state");
+                None
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let rebooted = saved.as_ref().is_some_and(|s| s.boot_id != boot_id);
+        let state = State {
+            modules: plan::records_for_boot(saved, &boot_id),
+            boot_id,
+        };
+        if rebooted {
+            tracing::info!("boot ID changed since the state was saved: everything loads again");
+        }
+        store.save(&state)?;
+        Ok(Self {
+            kernel,
+            images,
+            store,
+            state,
+            firmware_dir,
+            release,
+        })
+    }
+
+    pub fn state(&self) -> &State {
+        &self.state
+    }
+
+    pub fn kernel(&self) -> &Arc<dyn Kernel> {
+        &self.kernel
+    }
+
+    pub fn hello(&self, node_name: &str) -> Hello {
+        Hello {
+            node_name: node_name.to_string(),
+            boot_id: self.state.boot_id.clone(),
+            kernel_release: self.release.clone(),
+            loaded: self
+                .state
+                .modules
+                .values()
+                .map(|r| LoadedModule {
+                    key: r.key.clone(),
+                    version: r.version.clone(),
+                    image: r.image.clone(),
+                    digest: r.digest.clone(),
+                })
+                .collect(),
+        }
+    }
+
+    /// One pass: plan against the kernel's loaded modules, act, report.
+    pub async fn reconcile(&mut self, desired: &[DesiredModule]) -> Vec<AgentEvent> {
+        let loaded = match self.kernel.loaded_modules() {
+            Ok(loaded) => loaded,
+            Err(e) => {
+                tracing::error!(error = %error_chain(&e), "cannot read the loaded modules");
+                return vec![];
+            }
+        };
+        let actions = plan::plan(desired, &self.state.modules, &loaded);
+        let mut events = Vec::with_capacity(actions.len());
+        let mut keep: BTreeSet<String> = BTreeSet::new();
+        // Keys whose previous version could not be unloaded: loading the new one now
+        // would be a no-op for modprobe while the old code keeps running.
+        let mut blocked = BTreeSet::new();
+        for action in actions {
+            let event = match action {
+                Action::Unload { record, reason } => {
+                    tracing::info!(key = %record.key, ?reason, "unloading");
+                    let event = self.unload(*record).await;
+                    if !event.is_success() {
+                        blocked.insert(event.key.clone());
+                    }
+                    event
+                }
+                Action::Load { desired, .. } if blocked.contains(&desired.key) => AgentEvent {
+                    key: desired.key.clone(),
+                    version: desired.version.clone(),
+                    action: EventAction::Load,
+                    outcome: Outcome::Failure(
+                        "not loaded: unloading the previous version failed (see its unload event)"
+                            .into(),
+                    ),
+                    image: desired.image.clone(),
+                    digest: desired.digest.clone(),
+                    pull_ms: 0,
+                    duration_ms: 0,
+                    at_unix_ms: now_unix_ms(),
+                },
+                Action::Load { desired, reason } => {
+                    tracing::info!(key = %desired.key, ?reason, image = %desired.image, "loading");
+                    self.load(&desired, &mut keep).await
+                }
+            };
+            match &event.outcome {
+                Outcome::Success => {
+                    tracing::info!(key = %event.key, action = ?event.action, "done")
+                }
+                Outcome::Failure(error) => {
+                    tracing::warn!(key = %event.key, action = ?event.action, %error, "failed")
+                }
+            }
+            events.push(event);
+        }
+        keep.extend(self.state.modules.values().map(|r| r.digest.clone()));
+        match self.images.gc(&keep) {
+            Ok(report) if report != Default::default() => {
+                tracing::info!(?report, "cache collected")
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %error_chain(&e), "cache garbage collection failed"),
+        }
+        events
+    }
+
+    fn save(&self) -> Result<(), String> {
+        self.store.save(&self.state).map_err(|e| error_chain(&e))
+    }
+
+    async fn load(&mut self, desired: &DesiredModule, keep: &mut BTreeSet<String>) -> AgentEvent {
+        let mut event = AgentEvent {
+            key: desired.key.clone(),
+            version: desired.version.clone(),
+            action: EventAction::Load,
+            outcome: Outcome::Success,
+            image: desired.image.clone(),
+            digest: desired.digest.clone(),
+            pull_ms: 0,
+            duration_ms: 0,
+            at_unix_ms: 0,
+        };
+        let request = FetchRequest {
+            pull: PullRequest {
+                image: &desired.image,
+                tls: desired.registry_tls,
+                secret: desired.pull_secret.as_ref(),
+            },
+            digest: desired.digest.as_deref(),
+            selection: kmm_extract::Selection {
+                dir_name: desired.modprobe.dir_name().to_string(),
+                kernel: self.release.clone(),
+                firmware_path: desired.modprobe.firmware_path.clone(),
+            },
+        };
+        let fetched = self.images.fetch(&request).await;
+        let fetched = match fetched {
+            Ok(f) => f,
+            Err(e) => {
+                if let Ok(digest) = self.images.resolve(&request).await {
+                    keep.insert(digest);
+                }
+                event.outcome = Outcome::Failure(error_chain(&e));
+                event.at_unix_ms = now_unix_ms();
+                return event;
+            }
+        };
+        keep.insert(fetched.digest.clone());
+        event.digest = Some(fetched.digest.clone());
+        event.pull_ms = if fetched.fresh {
+            millis(fetched.elapsed)
+        } else {
+            0
+        };
+
+        let started = Instant::now();
+        let kernel = self.kernel.clone();
+        let job = LoadJob {
+            desired: desired.clone(),
+            root: fetched.root.clone(),
+            release: self.release.clone(),
+            firmware_dir: self.firmware_dir.clone(),
+        };
+        let result = tokio::task::spawn_blocking(move || job.run(kernel.as_ref()))
+            .await
+            .expect("load does not panic");
+        event.duration_ms = millis(started.elapsed());
+        event.at_unix_ms = now_unix_ms();
+        match result {
+            Ok((loaded, firmware_files)) => {
+                let module_dir = module_dir(&fetched.root, desired.modprobe.dir_name());
+                self.state.modules.insert(
+                    desired.key.clone(),
+                    ModuleRecord {
+                        key: desired.key.clone(),
+                        version: desired.version.clone(),
+                        image: desired.image.clone(),
+                        digest: fetched.digest,
+                        kernel: self.release.clone(),
+                        module_dir,
+                        modprobe: desired.modprobe.clone(),
+                        in_tree_modules_to_remove: desired.in_tree_modules_to_remove.clone(),
+                        loaded,
+                        firmware_files,
+                        loaded_at_unix_ms: event.at_unix_ms,
+                    },
+                );
+                if let Err(e) = self.save() {
+                    event.outcome =
+                        Outcome::Failure(format!("loaded, but saving the state failed: {e}"));
+                }
+            }
+            Err(e) => event.outcome = Outcome::Failure(error_chain(&e)),
+        }
+        event
+    }
+
+    async fn unload(&mut self, record: ModuleRecord) -> AgentEvent {
+        let started = Instant::now();
+        let kernel = self.kernel.clone();
+        let firmware_dir = self.firmware_dir.clone();
+        let job = record.clone();
+        let result =
+            tokio::task::spawn_blocking(move || unload(kernel.as_ref(), &job, &firmware_dir))
+                .await
+                .expect("unload does not panic");
+        let mut event = AgentEvent {
+            key: record.key.clone(),
+            version: record.version.clone(),
+            action: EventAction::Unload,
+            outcome: Outcome::Success,
+            image: record.image.clone(),
+            digest: Some(record.digest.clone()),
+            pull_ms: 0,
+            duration_ms: millis(started.elapsed()),
+            at_unix_ms: now_unix_ms(),
+        };
+        match result {
+            Ok(()) => {
+                self.state.modules.remove(&record.key);
+                if let Err(e) = self.save() {
+                    event.outcome =
+                        Outcome::Failure(format!("unloaded, but saving the state failed: {e}"));
+                }
+            }
+            Err(e) => event.outcome = Outcome::Failure(error_chain(&e)),
+        }
+        event
+    }
+}
+
+/// `<root>/<dirName>`.
+pub fn module_dir(root: &Path, dir_name: &str) -> PathBuf {
+    root.join(dir_name.trim_start_matches('/'))
+}
+
+struct LoadJob {
+    desired: DesiredModule,
+    root: PathBuf,
+    release: String,
+    firmware_dir: PathBuf,
+}
+
+impl LoadJob {
+    /// In-tree removals, firmware, depmod, modprobe in order; on failure what this
+    /// attempt loaded is unloaded again.
+    fn run(&self, kernel: &dyn Kernel) -> Result<(Vec<String>, Vec<PathBuf>), StepError> {
+        let settings = &self.desired.modprobe;
+        let module_dir = module_dir(&self.root, settings.dir_name());
+        let loaded_now = kernel.loaded_modules()?;
+        for module in &self.desired.in_tree_modules_to_remove {
+            if loaded_now.contains(&normalize_module_name(module)) {
+                kernel.remove_in_tree(module)?;
+            }
+        }
+        let mut firmware_files = vec![];
+        if let Some(path) = &settings.firmware_path {
+            let source = self.root.join(path.trim_start_matches('/'));
+            firmware_files = firmware::install(&source, &self.firmware_dir)?;
+            if firmware::needs_firmware_class_path(&self.firmware_dir) {
+                kernel.set_firmware_class_path(&self.firmware_dir)?;
+            }
+        }
+        if !module_dir.join("lib/modules").join(&self.release).is_dir() {
+            let _ = firmware::remove(&firmware_files, &self.firmware_dir);
+            return Err(StepError::NoModulesForKernel {
+                dir_name: settings.dir_name().trim_end_matches('/').to_string(),
+                kernel: self.release.clone(),
+            });
+        }
+        modprobe::depmod_if_needed(&module_dir, &self.release)?;
+        if modprobe::uses_raw_load(settings) {
+            let command = modprobe::load_command(settings, &module_dir, &self.root, "");
+            if let Err(e) = kernel.modprobe(&command) {
+                let _ = firmware::remove(&firmware_files, &self.firmware_dir);
+                return Err(e.into());
+            }
+            return Ok((self.desired.load_order(), firmware_files));
+        }
+        let order = self.desired.load_order();
+        if order.is_empty() {
+            return Err(StepError::NothingToLoad);
+        }
+        let mut loaded: Vec<String> = vec![];
+        for module in &order {
+            let command = modprobe::load_command(settings, &module_dir, &self.root, module);
+            if let Err(e) = kernel.modprobe(&command) {
+                for done in loaded.iter().rev() {
+                    let undo = modprobe::unload_command(settings, &module_dir, &self.root, done);
+                    let _ = kernel.modprobe(&undo);
+                }
+                let _ = firmware::remove(&firmware_files, &self.firmware_dir);
+                return Err(e.into());
+            }
+            loaded.push(module.clone());
+        }
+        Ok((loaded, firmware_files))
+    }
+}
+
+/// Unloads in reverse load order (skipping what is already gone), then removes the
+/// firmware files that were installed.
+fn unload(
+    kernel: &dyn Kernel,
+    record: &ModuleRecord,
+    firmware_dir: &Path,
+) -> Result<(), StepError> {
+    let settings = &record.modprobe;
+    let root = record
+        .module_dir
+        .ancestors()
+        .nth(
+            Path::new(settings.dir_name().trim_start_matches('/'))
+                .components()
+                .count(),
+        )
+        .unwrap_or(&record.module_dir)
+        .to_path_buf();
+    if settings
+        .raw_args
+        .as_ref()
+        .is_some_and(|r| !r.unload.is_empty())
+    {
+        let command = modprobe::unload_command(settings, &record.module_dir, &root, "");
+        kernel.modprobe(&command)?;
+    } else {
+        let loaded = kernel.loaded_modules()?;
+        for module in record.loaded.iter().rev() {
+            if !loaded.contains(&normalize_module_name(module)) {
+                continue;
+            }
+            let still = kernel.loaded_modules()?;
+            if !still.contains(&normalize_module_name(module)) {
+                continue; // removed with a module unloaded before it
+            }
+            let command = modprobe::unload_command(settings, &record.module_dir, &root, module);
+            kernel.modprobe(&command)?;
+        }
+    }
+    firmware::remove(&record.firmware_files, firmware_dir)?;
+    Ok(())
+}

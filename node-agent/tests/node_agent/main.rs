@@ -1,0 +1,11 @@
+//! Integration tests of the node agent against a real registry (Debian's
+//! `docker-registry`), real modules built with gcc, and real kmod tools. The kernel
+//! boundary is the simulated backend.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod check_image;
+mod lifecycle;
+mod process;
+mod registry;
