@@ -24,9 +24,12 @@ pub const MODULE: &str = "kmm_hello";
 pub const DEP_MODULE: &str = "kmm_hello_dep";
 
 const SOURCES: &[(&str, &str)] = &[
-    ("Kbuild", include_str!("../kmod/Kbuild")),
-    ("kmm_hello.c", include_str!("../kmod/kmm_hello.c")),
-    ("kmm_hello_dep.c", include_str!("../kmod/kmm_hello_dep.c")),
+    ("Kbuild", include_str!("../../../e2e/kmod/Kbuild")),
+    ("kmm_hello.c", include_str!("../../../e2e/kmod/kmm_hello.c")),
+    (
+        "kmm_hello_dep.c",
+        include_str!("../../../e2e/kmod/kmm_hello_dep.c"),
+    ),
 ];
 
 /// Polls `ready` until it returns `Some` or the deadline passes.
