@@ -678,6 +678,12 @@ impl Extractor {
         let mode = (mode & 0o755) | 0o400;
         fs::set_permissions(&path, fs::Permissions::from_mode(mode))
             .map_err(io_err("setting permissions of", path))?;
+        self.record_file(layer, real, size);
+        Ok(())
+    }
+
+    /// Tracks a regular file written at `real` (by content or as a hard link) and counts it.
+    fn record_file(&mut self, layer: usize, real: &[OsString], size: u64) {
         self.nodes.insert(
             real.to_vec(),
             Tracked {
@@ -687,7 +693,6 @@ impl Extractor {
         );
         self.report.files += 1;
         self.report.bytes += size;
-        Ok(())
     }
 
     fn symlink(
@@ -783,15 +788,7 @@ impl Extractor {
         self.remove(real)?;
         let path = self.path_of(real);
         fs::hard_link(self.path_of(&resolved), &path).map_err(io_err("linking", path))?;
-        self.nodes.insert(
-            real.to_vec(),
-            Tracked {
-                node: Node::File,
-                layer,
-            },
-        );
-        self.report.files += 1;
-        self.report.bytes += size;
+        self.record_file(layer, real, size);
         Ok(())
     }
 
