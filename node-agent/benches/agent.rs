@@ -7,9 +7,8 @@
 #[path = "../tests/support/mod.rs"]
 mod support;
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::{Child, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
@@ -19,10 +18,6 @@ use support::*;
 
 const ITERATIONS: usize = 10;
 const BIG_FIRMWARE_MIB: usize = 64;
-
-fn agent_binary() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_kmm-node-agent"))
-}
 
 fn status_kib(pid: u32, field: &str) -> u64 {
     let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
@@ -65,38 +60,8 @@ impl Agent {
 }
 
 fn start(node: &Path, kernel: &str, desired: &Path) -> Agent {
-    let mut child = Command::new(agent_binary())
-        .args(["--log-format", "json", "run", "--node-name", "bench"])
-        .arg("--state-dir")
-        .arg(node.join("run"))
-        .arg("--cache-dir")
-        .arg(node.join("cache"))
-        .arg("--firmware-dir")
-        .arg(node.join("firmware"))
-        .args([
-            "--kernel-backend",
-            "simulated",
-            "--simulated-kernel",
-            kernel,
-        ])
-        .arg("--simulated-dir")
-        .arg(node.join("kernel"))
-        .arg("--desired-file")
-        .arg(desired)
-        .args(["--desired-poll-ms", "5"])
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(node.join("agent.log")).unwrap())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let (tx, lines) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if tx.send(serde_json::from_str(&line).unwrap()).is_err() {
-                break;
-            }
-        }
-    });
+    let log = std::fs::File::create(node.join("agent.log")).unwrap();
+    let (child, lines) = spawn_simulated_agent(node, kernel, desired, 5, Stdio::from(log));
     Agent { child, lines }
 }
 

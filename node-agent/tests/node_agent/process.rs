@@ -1,7 +1,6 @@
 //! The agent binary with the simulated backend: SIGTERM exits promptly without
 //! unloading, and a restarted agent does not reload what is loaded.
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -27,41 +26,7 @@ impl Drop for AgentProcess {
 
 impl AgentProcess {
     pub fn start(node: &Path, kernel: &str, desired_file: &Path) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kmm-node-agent"))
-            .args(["--log-format", "json", "run", "--node-name", "node-1"])
-            .arg("--state-dir")
-            .arg(node.join("run-kmm"))
-            .arg("--cache-dir")
-            .arg(node.join("cache"))
-            .arg("--firmware-dir")
-            .arg(node.join("firmware"))
-            .args([
-                "--kernel-backend",
-                "simulated",
-                "--simulated-kernel",
-                kernel,
-            ])
-            .arg("--simulated-dir")
-            .arg(node.join("kernel"))
-            .arg("--desired-file")
-            .arg(desired_file)
-            .args(["--desired-poll-ms", "20"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let stdout = child.stdout.take().unwrap();
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                let value = serde_json::from_str(&line)
-                    .unwrap_or_else(|e| panic!("not JSON on stdout: {line}: {e}"));
-                if tx.send(value).is_err() {
-                    break;
-                }
-            }
-        });
+        let (child, lines) = spawn_simulated_agent(node, kernel, desired_file, 20, Stdio::null());
         Self { child, lines }
     }
 

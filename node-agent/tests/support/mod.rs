@@ -458,3 +458,51 @@ pub fn tree(dir: &Path) -> Vec<PathBuf> {
     out.sort();
     out
 }
+
+/// Starts the real agent binary on a simulated node under `node`, reading its desired
+/// modules from `desired_file`, and streams its JSON stdout lines into the receiver.
+pub fn spawn_simulated_agent(
+    node: &Path,
+    kernel: &str,
+    desired_file: &Path,
+    poll_ms: u64,
+    stderr: Stdio,
+) -> (Child, std::sync::mpsc::Receiver<serde_json::Value>) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kmm-node-agent"))
+        .args(["--log-format", "json", "run", "--node-name", "node-1"])
+        .arg("--state-dir")
+        .arg(node.join("run-kmm"))
+        .arg("--cache-dir")
+        .arg(node.join("cache"))
+        .arg("--firmware-dir")
+        .arg(node.join("firmware"))
+        .args([
+            "--kernel-backend",
+            "simulated",
+            "--simulated-kernel",
+            kernel,
+        ])
+        .arg("--simulated-dir")
+        .arg(node.join("kernel"))
+        .arg("--desired-file")
+        .arg(desired_file)
+        .args(["--desired-poll-ms", &poll_ms.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(stderr)
+        .spawn()
+        .expect("the kmm-node-agent binary starts");
+    let stdout = child.stdout.take().expect("stdout is piped");
+    let (tx, lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            let value = serde_json::from_str(&line)
+                .unwrap_or_else(|e| panic!("not JSON on stdout: {line}: {e}"));
+            if tx.send(value).is_err() {
+                break;
+            }
+        }
+    });
+    (child, lines)
+}
