@@ -1,0 +1,185 @@
+//! `/metrics`, `/healthz` and `/readyz` on one small HTTP/1 listener.
+//!
+//! Liveness answers as long as the process serves requests; readiness is what the
+//! component declares through [`Health::set_ready`] (e.g. "connected and synced").
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode, header};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+
+const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Readiness shared between the component and its endpoint; clones share the flag.
+#[derive(Clone, Debug, Default)]
+pub struct Health {
+    ready: Arc<AtomicBool>,
+}
+
+impl Health {
+    pub fn set_ready(&self, ready: bool) {
+        self.ready.store(ready, Ordering::Relaxed);
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Relaxed)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("cannot listen on --metrics-addr {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+}
+
+/// Binds `addr` and serves until `shutdown` resolves.
+pub async fn serve(
+    addr: SocketAddr,
+    registry: Registry,
+    health: Health,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), Error> {
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|source| Error::Bind { addr, source })?;
+    serve_on(listener, registry, health, shutdown).await;
+    Ok(())
+}
+
+/// Serves on a bound listener until `shutdown` resolves (tests bind port 0).
+pub async fn serve_on(
+    listener: TcpListener,
+    registry: Registry,
+    health: Health,
+    shutdown: impl Future<Output = ()>,
+) {
+    let registry = Arc::new(registry);
+    tokio::pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            () = &mut shutdown => return,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(error) => {
+                    tracing::warn!(%error, "metrics endpoint: accept failed");
+                    continue;
+                }
+            },
+        };
+        let registry = Arc::clone(&registry);
+        let health = health.clone();
+        tokio::spawn(async move {
+            let service = service_fn(move |request: Request<Incoming>| {
+                let response = respond(&request, &registry, &health);
+                async move { Ok::<_, Infallible>(response) }
+            });
+            if let Err(error) = http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await
+            {
+                tracing::debug!(%error, "metrics endpoint: connection ended");
+            }
+        });
+    }
+}
+
+fn respond<B>(request: &Request<B>, registry: &Registry, health: &Health) -> Response<Full<Bytes>> {
+    if request.method() != Method::GET {
+        return text(StatusCode::METHOD_NOT_ALLOWED, "only GET\n");
+    }
+    match request.uri().path() {
+        "/healthz" => text(StatusCode::OK, "ok\n"),
+        "/readyz" if health.is_ready() => text(StatusCode::OK, "ok\n"),
+        "/readyz" => text(StatusCode::SERVICE_UNAVAILABLE, "not ready\n"),
+        "/metrics" => {
+            let mut body = String::new();
+            match encode(&mut body, registry) {
+                Ok(()) => Response::builder()
+                    .header(header::CONTENT_TYPE, OPENMETRICS)
+                    .body(Full::new(Bytes::from(body)))
+                    .unwrap_or_else(|_| text(StatusCode::INTERNAL_SERVER_ERROR, "encoding\n")),
+                Err(_) => text(StatusCode::INTERNAL_SERVER_ERROR, "cannot encode metrics\n"),
+            }
+        }
+        _ => text(StatusCode::NOT_FOUND, "not found\n"),
+    }
+}
+
+fn text(status: StatusCode, body: &'static str) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from_static(body.as_bytes())));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("text/plain"),
+    );
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use prometheus_client::metrics::counter::Counter;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::sync::oneshot;
+
+    use super::*;
+
+    async fn get(addr: SocketAddr, path: &str) -> String {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.unwrap();
+        response
+    }
+
+    #[tokio::test]
+    async fn answers_health_readiness_and_metrics() {
+        let mut registry = Registry::default();
+        let counter = Counter::<u64>::default();
+        registry.register("kmm_test_events", "Events seen", counter.clone());
+        counter.inc_by(3);
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let health = Health::default();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let server = tokio::spawn(serve_on(listener, registry, health.clone(), async {
+            let _ = stopped.await;
+        }));
+
+        assert!(get(addr, "/healthz").await.starts_with("HTTP/1.1 200"));
+        assert!(get(addr, "/readyz").await.starts_with("HTTP/1.1 503"));
+        health.set_ready(true);
+        assert!(get(addr, "/readyz").await.starts_with("HTTP/1.1 200"));
+        let metrics = get(addr, "/metrics").await;
+        assert!(metrics.contains("kmm_test_events_total 3"), "{metrics}");
+        assert!(get(addr, "/nothing").await.starts_with("HTTP/1.1 404"));
+
+        stop.send(()).unwrap();
+        server.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_taken_address_is_named_in_the_error() {
+        let taken = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = taken.local_addr().unwrap();
+        let error = serve(addr, Registry::default(), Health::default(), async {})
+            .await
+            .unwrap_err();
+        assert!(error.to_string().contains(&addr.to_string()), "{error}");
+    }
+}

@@ -1,0 +1,9 @@
+//! What every kmm-fleet binary shares at runtime: command-line conventions, logging,
+//! the `/metrics` `/healthz` `/readyz` endpoint, shutdown on SIGTERM, and the
+//! certificates the components issue to each other.
+
+pub mod cli;
+pub mod health;
+pub mod logging;
+pub mod pki;
+pub mod shutdown;
