@@ -1,0 +1,183 @@
+//! Which modules a cluster's snapshot carries, and which of them it must unload. Pure.
+//!
+//! A selected module is loaded; a module being deleted is unloaded wherever it is selected
+//! or still reported; a cluster no longer selected unloads the module while any of its
+//! nodes still reports it not unloaded, after which the module leaves the snapshot (absent
+//! means forgotten, never unloaded).
+
+use std::collections::BTreeMap;
+
+use kmm_api::ManagedClusterModule;
+
+use super::intents::{ModuleInput, selects};
+use super::node_statuses::NodeStatuses;
+
+/// Whether a ManagedClusterModule selects a cluster with `labels` (`None`: the
+/// ManagedCluster does not exist, so nothing selects it).
+pub fn is_selected(
+    module: &ManagedClusterModule,
+    labels: Option<&BTreeMap<String, String>>,
+) -> bool {
+    labels.is_some_and(|labels| selects(&module.spec.selector, labels))
+}
+
+/// Whether the module is being deleted.
+pub fn is_deleting(module: &ManagedClusterModule) -> bool {
+    module.metadata.deletion_timestamp.is_some()
+}
+
+/// The modules of one cluster's snapshot.
+pub fn cluster_modules<'a>(
+    modules: &[&'a ManagedClusterModule],
+    labels: Option<&BTreeMap<String, String>>,
+    reported: &NodeStatuses,
+) -> Vec<ModuleInput<'a>> {
+    modules
+        .iter()
+        .filter_map(|&module| {
+            let selected = is_selected(module, labels);
+            let name = module.metadata.name.as_deref().unwrap_or_default();
+            let lingering = !reported
+                .not_unloaded(&module.spec.spoke_namespace, name)
+                .is_empty();
+            let unload = is_deleting(module) || !selected;
+            (selected || lingering).then_some(ModuleInput { module, unload })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    use kmm_proto::v1::{
+        ModuleKey, ModuleNodeKey, ModuleNodeStatus, ModuleState, NodeStatusReport,
+    };
+
+    use super::*;
+
+    fn mcm(name: &str, selector: &str) -> ManagedClusterModule {
+        let doc = format!(
+            "apiVersion: hub.kmm.sigs.x-k8s.io/v1beta1\nkind: ManagedClusterModule\n\
+             metadata: {{name: {name}}}\n\
+             spec:\n  spokeNamespace: drivers\n  selector: {selector}\n  moduleSpec:\n    selector: {{}}\n    moduleLoader:\n      container:\n        modprobe: {{moduleName: {name}}}\n        kernelMappings: [{{literal: '6.1', containerImage: 'r/x:1'}}]\n"
+        );
+        serde_yaml_ng::from_str(&doc).expect("test MCM parses")
+    }
+
+    fn deleting(mut module: ManagedClusterModule) -> ManagedClusterModule {
+        module.metadata.deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
+        module
+    }
+
+    fn reported(entries: &[(&str, ModuleState)]) -> NodeStatuses {
+        let mut statuses = NodeStatuses::default();
+        statuses.apply(NodeStatusReport {
+            full: true,
+            statuses: entries
+                .iter()
+                .map(|(name, state)| ModuleNodeStatus {
+                    key: Some(ModuleNodeKey {
+                        module: Some(ModuleKey {
+                            namespace: "drivers".into(),
+                            name: (*name).into(),
+                        }),
+                        node: "n1".into(),
+                    }),
+                    state: (*state).into(),
+                    ..ModuleNodeStatus::default()
+                })
+                .collect(),
+            removed: vec![],
+        });
+        statuses
+    }
+
+    fn plan(
+        modules: &[&ManagedClusterModule],
+        labels: Option<&BTreeMap<String, String>>,
+        statuses: &NodeStatuses,
+    ) -> Vec<(String, bool)> {
+        cluster_modules(modules, labels, statuses)
+            .iter()
+            .map(|input| (input.module.metadata.name.clone().unwrap(), input.unload))
+            .collect()
+    }
+
+    fn labels() -> BTreeMap<String, String> {
+        BTreeMap::from([("fleet".to_string(), "a".to_string())])
+    }
+
+    #[test]
+    fn selected_modules_load_and_unselected_unreported_ones_are_absent() {
+        let a = mcm("a", "{fleet: a}");
+        let b = mcm("b", "{fleet: b}");
+        let all = mcm("all", "{}");
+        assert_eq!(
+            plan(&[&a, &b, &all], Some(&labels()), &NodeStatuses::default()),
+            [("a".to_string(), false), ("all".to_string(), false)]
+        );
+    }
+
+    #[test]
+    fn a_missing_managed_cluster_is_selected_by_nothing() {
+        let all = mcm("all", "{}");
+        assert!(plan(&[&all], None, &NodeStatuses::default()).is_empty());
+        assert_eq!(
+            plan(&[&all], None, &reported(&[("all", ModuleState::Loaded)])),
+            [("all".to_string(), true)]
+        );
+    }
+
+    #[test]
+    fn deselection_unloads_until_every_node_confirms() {
+        let b = mcm("b", "{fleet: b}");
+        for state in [
+            ModuleState::Loaded,
+            ModuleState::Pending,
+            ModuleState::Failed,
+        ] {
+            assert_eq!(
+                plan(&[&b], Some(&labels()), &reported(&[("b", state)])),
+                [("b".to_string(), true)],
+                "{state:?} may still be loaded"
+            );
+        }
+        assert!(
+            plan(
+                &[&b],
+                Some(&labels()),
+                &reported(&[("b", ModuleState::Unloaded)])
+            )
+            .is_empty(),
+            "confirmed unloaded: forgotten"
+        );
+    }
+
+    #[test]
+    fn deletion_unloads_where_selected_or_still_reported() {
+        let a = deleting(mcm("a", "{fleet: a}"));
+        let b = deleting(mcm("b", "{fleet: b}"));
+        let none = NodeStatuses::default();
+        assert_eq!(
+            plan(&[&a, &b], Some(&labels()), &none),
+            [("a".to_string(), true)]
+        );
+        assert_eq!(
+            plan(
+                &[&a],
+                Some(&labels()),
+                &reported(&[("a", ModuleState::Unloaded)])
+            ),
+            [("a".to_string(), true)],
+            "still selected: the unload stays explicit until the finalizer goes"
+        );
+        assert_eq!(
+            plan(
+                &[&b],
+                Some(&labels()),
+                &reported(&[("b", ModuleState::Loaded)])
+            ),
+            [("b".to_string(), true)]
+        );
+    }
+}

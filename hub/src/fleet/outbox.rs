@@ -1,0 +1,128 @@
+//! Revisioning of a cluster's intent snapshots: a snapshot goes out only when its content
+//! differs from the last one sent, or when the current stream has not received it yet;
+//! revisions only ever increase, also past what a proxy applied from an earlier hub. Pure.
+
+use kmm_proto::v1::IntentSnapshot;
+
+/// The snapshots sent to one cluster, kept across its reconnects.
+#[derive(Clone, Debug, Default)]
+pub struct Outbox {
+    last: Option<IntentSnapshot>,
+    /// The highest revision the proxy said it applied (its hello).
+    applied: u64,
+    delivered_on_stream: bool,
+}
+
+impl Outbox {
+    /// A new stream opened; `applied` is the revision its hello reports.
+    pub fn new_stream(&mut self, applied: u64) {
+        self.applied = self.applied.max(applied);
+        self.delivered_on_stream = false;
+    }
+
+    /// The snapshot to send for freshly computed `content` (its revision is ignored),
+    /// stamped with its revision, or `None` when the stream already has it.
+    pub fn offer(&mut self, mut content: IntentSnapshot) -> Option<IntentSnapshot> {
+        let last_revision = self.last.as_ref().map_or(0, |s| s.revision);
+        content.revision = last_revision;
+        let unchanged = self.last.as_ref() == Some(&content);
+        if unchanged && self.delivered_on_stream {
+            return None;
+        }
+        if !unchanged || self.applied > last_revision || last_revision == 0 {
+            content.revision = last_revision.max(self.applied) + 1;
+        }
+        self.last = Some(content.clone());
+        self.delivered_on_stream = true;
+        Some(content)
+    }
+
+    /// The last snapshot sent, if any.
+    pub fn last(&self) -> Option<&IntentSnapshot> {
+        self.last.as_ref()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kmm_proto::v1::{ModuleIntent, ModuleKey};
+
+    use super::*;
+
+    fn snapshot(modules: &[&str]) -> IntentSnapshot {
+        IntentSnapshot {
+            revision: 99,
+            modules: modules
+                .iter()
+                .map(|name| ModuleIntent {
+                    key: Some(ModuleKey {
+                        namespace: "drivers".into(),
+                        name: (*name).into(),
+                    }),
+                    ..ModuleIntent::default()
+                })
+                .collect(),
+            credentials: vec![],
+        }
+    }
+
+    #[test]
+    fn sends_only_changes_with_increasing_revisions() {
+        let mut outbox = Outbox::default();
+        outbox.new_stream(0);
+        let first = outbox
+            .offer(snapshot(&["a"]))
+            .expect("first snapshot goes out");
+        assert_eq!(first.revision, 1);
+        assert_eq!(
+            outbox.offer(snapshot(&["a"])),
+            None,
+            "same content, same stream"
+        );
+        let second = outbox
+            .offer(snapshot(&["a", "b"]))
+            .expect("a change goes out");
+        assert_eq!(second.revision, 2);
+        assert_eq!(outbox.last(), Some(&second));
+    }
+
+    #[test]
+    fn an_empty_snapshot_is_sent_too() {
+        let mut outbox = Outbox::default();
+        outbox.new_stream(0);
+        let empty = outbox
+            .offer(snapshot(&[]))
+            .expect("the proxy learns there is nothing");
+        assert_eq!(empty.revision, 1);
+        assert!(empty.modules.is_empty());
+    }
+
+    #[test]
+    fn a_reconnect_resends_the_same_revision_when_nothing_changed() {
+        let mut outbox = Outbox::default();
+        outbox.new_stream(0);
+        outbox.offer(snapshot(&["a"])).unwrap();
+        outbox.new_stream(1);
+        let again = outbox
+            .offer(snapshot(&["a"]))
+            .expect("new stream gets the state");
+        assert_eq!(again.revision, 1);
+        assert_eq!(outbox.offer(snapshot(&["a"])), None);
+    }
+
+    #[test]
+    fn revisions_continue_past_what_the_proxy_applied_from_an_earlier_hub() {
+        let mut outbox = Outbox::default();
+        outbox.new_stream(41);
+        assert_eq!(outbox.offer(snapshot(&["a"])).unwrap().revision, 42);
+        // The proxy reconnects claiming more than this hub sent (e.g. another replica).
+        outbox.new_stream(50);
+        assert_eq!(outbox.offer(snapshot(&["a"])).unwrap().revision, 51);
+        outbox.new_stream(3);
+        assert_eq!(
+            outbox.offer(snapshot(&["b"])).unwrap().revision,
+            52,
+            "an older applied revision never lowers the counter"
+        );
+    }
+}
