@@ -26,6 +26,8 @@ use crate::toolchain::{BIN_DIR_ENV, Toolchain};
 use crate::versions::Versions;
 use crate::{Error, IoContext, Result, cache_dir, kmod};
 
+pub mod kmm;
+
 /// Field manager for everything the environment applies.
 const MANAGER: &str = "kmm-fleet-env";
 /// Namespaces the OCM hub controllers and the klusterlet agent expect.
@@ -59,6 +61,8 @@ const POLL: Duration = Duration::from_millis(250);
 pub struct Options {
     pub spokes: usize,
     pub nodes_per_spoke: usize,
+    /// Also start kmm-fleet's own components (hub, proxies, node agents).
+    pub kmm: bool,
 }
 
 impl Default for Options {
@@ -66,6 +70,7 @@ impl Default for Options {
         Self {
             spokes: 2,
             nodes_per_spoke: 3,
+            kmm: true,
         }
     }
 }
@@ -79,6 +84,9 @@ pub struct State {
     /// Sample images pushed to the registry, by kernel.
     pub images: Vec<kmod::SampleImage>,
     pub processes: Vec<Tracked>,
+    /// kmm-fleet's components, unless started with `--no-kmm`.
+    #[serde(default)]
+    pub kmm: Option<kmm::Kmm>,
 }
 
 /// One cluster of the fleet.
@@ -248,6 +256,7 @@ pub async fn up(settings: &Settings, opts: &Options) -> Result<State> {
             registry: String::new(),
             images: vec![],
             processes: vec![],
+            kmm: None,
         },
     };
     let started = Instant::now();
@@ -279,6 +288,49 @@ pub fn down(settings: &Settings) -> Result<()> {
         std::fs::remove_dir_all(dir).context(|| format!("removing {}", dir.display()))?;
     }
     Ok(())
+}
+
+/// Stops process `name` of the running fleet (SIGTERM, then SIGKILL after `grace`); it
+/// stays in the state, so [`start_process`] can start it again.
+pub fn stop_process(settings: &Settings, name: &str, grace: Duration) -> Result<Tracked> {
+    let state = State::load(&settings.state_dir)?
+        .ok_or_else(|| Error::Invalid("no fleet is running".into()))?;
+    let process = state
+        .processes
+        .iter()
+        .find(|p| p.name == name)
+        .ok_or_else(|| Error::Invalid(format!("the fleet has no process {name}")))?;
+    process.stop(grace);
+    Ok(process.clone())
+}
+
+/// (Re)starts process `name` of the running fleet with its recorded command line, or
+/// with `args` instead (recorded for later restarts); a running one is stopped first.
+pub fn start_process(
+    settings: &Settings,
+    name: &str,
+    args: Option<Vec<String>>,
+) -> Result<Tracked> {
+    let dir = &settings.state_dir;
+    let mut state =
+        State::load(dir)?.ok_or_else(|| Error::Invalid("no fleet is running".into()))?;
+    let process = state
+        .processes
+        .iter_mut()
+        .find(|p| p.name == name)
+        .ok_or_else(|| Error::Invalid(format!("the fleet has no process {name}")))?;
+    process.stop(Duration::from_secs(10));
+    let previous = process.clone();
+    let args = args.unwrap_or(previous.args);
+    let env: Vec<(&str, String)> = previous
+        .env
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.clone()))
+        .collect();
+    *process = spawn(name, &previous.program, &args, &env, &previous.log)?;
+    let started = process.clone();
+    state.save(dir)?;
+    Ok(started)
 }
 
 /// One line per component: name, PID, health, memory (current RSS and peak), log;
@@ -376,6 +428,9 @@ impl Starting {
             self.accept(&hub, &spoke.name).await?;
         }
         self.registry().await?;
+        if opts.kmm {
+            self.kmm(&hub, &spokes).await?;
+        }
         Ok(())
     }
 

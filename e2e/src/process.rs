@@ -21,6 +21,11 @@ pub struct Tracked {
     pub pid: i32,
     pub program: PathBuf,
     pub log: PathBuf,
+    /// The command line and environment it was started with, to restart it.
+    #[serde(default)]
+    pub args: Vec<String>,
+    #[serde(default)]
+    pub env: Vec<(String, String)>,
 }
 
 impl Tracked {
@@ -125,5 +130,10 @@ pub fn spawn(
         pid: i32::try_from(child.id()).map_err(|e| Error::Invalid(format!("pid: {e}")))?,
         program,
         log: log.to_path_buf(),
+        args: args.to_vec(),
+        env: env
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), v.clone()))
+            .collect(),
     })
 }

@@ -43,6 +43,7 @@ async fn up_names_the_component_that_failed_and_its_log_and_stops_the_rest() -> 
         &Options {
             spokes: 1,
             nodes_per_spoke: 1,
+            kmm: false,
         },
     )
     .await;

@@ -25,6 +25,9 @@ enum EnvCommand {
         spokes: usize,
         #[arg(long, default_value_t = 3)]
         nodes_per_spoke: usize,
+        /// Only the clusters and the registry: no kmm-hub, spoke proxies or node agents.
+        #[arg(long)]
+        no_kmm: bool,
     },
     /// Stop every process of the fleet and remove its state.
     Down,
@@ -44,14 +47,19 @@ pub fn run(args: EnvArgs) -> Result<()> {
         EnvCommand::Up {
             spokes,
             nodes_per_spoke,
+            no_kmm,
         } => {
             setup()?;
+            if !no_kmm {
+                build_kmm()?;
+            }
             let rt = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
             let state = rt.block_on(fleet::up(
                 &settings,
                 &Options {
                     spokes,
                     nodes_per_spoke,
+                    kmm: !no_kmm,
                 },
             ))?;
             for cluster in &state.clusters {
@@ -145,4 +153,28 @@ fn installed(package: &str) -> bool {
         .args(["-W", "-f=${Status}", package])
         .output()
         .is_ok_and(|out| out.status.success() && out.stdout.ends_with(b"install ok installed"))
+}
+
+/// Builds the kmm-fleet binaries the fleet runs (the tests' `cargo test` builds them too).
+pub fn build_kmm() -> Result<()> {
+    let root = crate::repository_root();
+    eprintln!("==> cargo build --bins (kmm-hub, kmm-spoke-proxy, kmm-node-agent)");
+    let status = std::process::Command::new(env!("CARGO"))
+        .args([
+            "build",
+            "--bins",
+            "-p",
+            "kmm-hub",
+            "-p",
+            "kmm-spoke-proxy",
+            "-p",
+            "kmm-node-agent",
+        ])
+        .current_dir(root)
+        .status()
+        .context("running cargo build")?;
+    if !status.success() {
+        bail!("cargo build of the kmm-fleet binaries failed ({status})");
+    }
+    Ok(())
 }
