@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
-use kmm_node_agent::desired::{DesiredModule, Modprobe, RegistryTls};
+use kmm_node_agent::desired::{DesiredModule, DesiredSnapshot, Modprobe, RegistryTls};
 use support::*;
 
 const ITERATIONS: usize = 10;
@@ -85,9 +85,16 @@ fn module(key: &str, image: &str, name: &str, firmware: bool) -> DesiredModule {
     }
 }
 
-fn write(path: &Path, modules: &[DesiredModule]) -> Instant {
+/// Writes a snapshot loading `modules` and unloading `unload`; returns when it did.
+fn write(path: &Path, modules: &[DesiredModule], unload: &[&str]) -> Instant {
+    static REVISION: AtomicU64 = AtomicU64::new(0);
+    let snapshot = DesiredSnapshot {
+        revision: REVISION.fetch_add(1, Ordering::Relaxed) + 1,
+        modules: modules.to_vec(),
+        unload: unload.iter().map(|k| k.to_string()).collect(),
+    };
     let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, serde_json::to_vec(modules).unwrap()).unwrap();
+    std::fs::write(&tmp, serde_json::to_vec(&snapshot).unwrap()).unwrap();
     std::fs::rename(&tmp, path).unwrap();
     Instant::now()
 }
@@ -127,7 +134,7 @@ async fn main() {
     let node = tempfile::tempdir().unwrap();
     eprintln!("agent log: {}", node.path().join("agent.log").display());
     let desired = node.path().join("desired.json");
-    write(&desired, &[]);
+    write(&desired, &[], &[]);
     let agent = start(node.path(), k, &desired);
     let pid = agent.child.id();
     let hello = agent.next();
@@ -147,14 +154,18 @@ async fn main() {
             }
         })
     };
-    let started = write(&desired, &[module("bench/big", &big_image, MODULE, true)]);
+    let started = write(
+        &desired,
+        &[module("bench/big", &big_image, MODULE, true)],
+        &[],
+    );
     let event = agent.wait_for("bench/big", "load");
     let big_wall = started.elapsed();
     done.store(true, Ordering::Relaxed);
     sampler.join().unwrap();
     let hwm = status_kib(pid, "VmHWM:");
     let after = status_kib(pid, "VmRSS:");
-    write(&desired, &[]);
+    write(&desired, &[], &["bench/big"]);
     agent.wait_for("bench/big", "unload");
 
     // Intent to loaded, excluding the download: each load pulls afresh (the previous
@@ -163,12 +174,16 @@ async fn main() {
     let mut kernel_side = vec![];
     let mut first = None;
     for _ in 0..ITERATIONS {
-        let started = write(&desired, &[module("bench/hello", &small, DEP_MODULE, true)]);
+        let started = write(
+            &desired,
+            &[module("bench/hello", &small, DEP_MODULE, true)],
+            &[],
+        );
         let event = agent.wait_for("bench/hello", "load");
         fresh.push(started.elapsed().as_secs_f64() * 1000.0 - event["pullMs"].as_f64().unwrap());
         kernel_side.push(event["durationMs"].as_f64().unwrap());
         first.get_or_insert(event);
-        write(&desired, &[]);
+        write(&desired, &[], &["bench/hello"]);
         agent.wait_for("bench/hello", "unload");
     }
     let first = first.unwrap();
@@ -178,11 +193,11 @@ async fn main() {
     let mut upgrade = vec![];
     let mut m = module("bench/hello", &small, DEP_MODULE, true);
     m.version = Some("0".into());
-    write(&desired, std::slice::from_ref(&m));
+    write(&desired, std::slice::from_ref(&m), &[]);
     agent.wait_for("bench/hello", "load");
     for i in 1..=ITERATIONS {
         m.version = Some(i.to_string());
-        let started = write(&desired, std::slice::from_ref(&m));
+        let started = write(&desired, std::slice::from_ref(&m), &[]);
         let event = agent.wait_for("bench/hello", "load");
         assert_eq!(event["pullMs"], 0, "{event}");
         upgrade.push(started.elapsed().as_secs_f64() * 1000.0);

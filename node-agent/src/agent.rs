@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::control::{EventSender, IntentReceiver};
-use crate::desired::DesiredModule;
+use crate::desired::DesiredSnapshot;
 use crate::reconcile::Reconciler;
 
 /// Timing of the loop.
@@ -39,13 +39,19 @@ pub async fn run(
     events: EventSender,
     timing: LoopTiming,
 ) {
-    let mut desired: Option<Vec<DesiredModule>> = intents.borrow_and_update().clone();
+    let mut desired: Option<DesiredSnapshot> = intents.borrow_and_update().clone();
+    // Set when a snapshot arrives, cleared after its first pass.
+    let mut fresh = desired.is_some();
     let mut intents_open = true;
     let mut backoff = timing.retry_initial;
     loop {
         let next;
-        if desired.is_some() {
-            let snapshot = desired.as_deref().unwrap_or_default();
+        if let Some(snapshot) = &desired {
+            if std::mem::take(&mut fresh) {
+                for event in reconciler.confirm_already_unloaded(snapshot) {
+                    let _ = events.send(event);
+                }
+            }
             let results = reconciler.reconcile(snapshot).await;
             let failed = results.iter().any(|e| !e.is_success());
             for event in results {
@@ -66,6 +72,7 @@ pub async fn run(
                 match changed {
                     Ok(()) => {
                         desired = intents.borrow_and_update().clone();
+                        fresh = desired.is_some();
                         backoff = timing.retry_initial;
                     }
                     // The control plane is gone: keep the last intent in force.

@@ -1,16 +1,14 @@
-//! The seam to the control plane (kmm-spoke-proxy). The gRPC client, once `kmm-proto`
-//! exists, plugs in here: it sends the [`Hello`], feeds desired-module snapshots into
-//! an [`IntentSender`] and forwards every [`AgentEvent`] it receives.
-//!
-//! Until then `kmm-node-agent run --desired-file` feeds snapshots from a file and writes
-//! events to stdout as JSON lines.
+//! The seam between the agent loop and its control plane: the proxy connection
+//! ([`crate::proxy_connection`]) or, standalone, `run --desired-file`. Either sends
+//! the [`Hello`], feeds [`DesiredSnapshot`]s into an [`IntentSender`] and forwards
+//! every [`AgentEvent`]; the reconciler publishes its [`Progress`].
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
 
-use crate::desired::DesiredModule;
+use crate::desired::DesiredSnapshot;
 
 /// Sent first on every connection.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -69,6 +67,8 @@ pub struct AgentEvent {
     pub duration_ms: u64,
     /// When the attempt ended, in milliseconds since the Unix epoch.
     pub at_unix_ms: u64,
+    /// Revision of the snapshot this attempt acted on.
+    pub revision: u64,
 }
 
 impl AgentEvent {
@@ -90,14 +90,22 @@ pub(crate) fn now_unix_ms() -> u64 {
 }
 
 /// The latest desired snapshot; `None` until the control plane sent one, so that the
-/// agent never acts (and never unloads) on silence. Send only complete snapshots: an
-/// empty list means "unload everything this agent loaded".
-pub type IntentReceiver = watch::Receiver<Option<Vec<DesiredModule>>>;
-pub type IntentSender = watch::Sender<Option<Vec<DesiredModule>>>;
+/// agent never acts on silence.
+pub type IntentReceiver = watch::Receiver<Option<DesiredSnapshot>>;
+pub type IntentSender = watch::Sender<Option<DesiredSnapshot>>;
 pub type EventSender = mpsc::UnboundedSender<AgentEvent>;
 pub type EventReceiver = mpsc::UnboundedReceiver<AgentEvent>;
 
 /// The two channels between the agent and a control-plane client.
 pub fn channels() -> ((IntentSender, IntentReceiver), (EventSender, EventReceiver)) {
     (watch::channel(None), mpsc::unbounded_channel())
+}
+
+/// What the reconciler has done so far: its loaded modules (for a [`Hello`] on every
+/// reconnect and the modules gauge) and the last snapshot revision it acted on (for
+/// readiness).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Progress {
+    pub loaded: Vec<LoadedModule>,
+    pub applied_revision: Option<u64>,
 }

@@ -8,6 +8,49 @@ use serde::{Deserialize, Serialize};
 /// `/opt`: upstream's default `dirName`.
 pub const DEFAULT_DIR_NAME: &str = "/opt";
 
+/// What the control plane asks of this node at one revision. Unloading is always
+/// explicit: a module recorded as loaded but named neither in `modules` nor in
+/// `unload` is left as it is, so a gap in the control plane's knowledge never unloads
+/// anything.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DesiredSnapshot {
+    /// Reported back with every event acting on this snapshot.
+    #[serde(default)]
+    pub revision: u64,
+    /// Modules to have loaded.
+    #[serde(default)]
+    pub modules: Vec<DesiredModule>,
+    /// Keys of modules to unload, with the settings recorded when they were loaded.
+    /// A key listed here is not loaded even if `modules` also names it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unload: Vec<String>,
+}
+
+/// Why a `--desired-file` content is refused.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotFileError {
+    #[error(
+        "expected a JSON object {{\"revision\", \"modules\", \"unload\"}}, found a list: \
+         modules are no longer unloaded by leaving them out, list their keys under \"unload\""
+    )]
+    BareList,
+    #[error("invalid desired modules: {0}")]
+    Invalid(#[from] serde_json::Error),
+}
+
+impl DesiredSnapshot {
+    /// Parses the `--desired-file` format.
+    pub fn from_json(bytes: &[u8]) -> Result<Self, SnapshotFileError> {
+        // serde accepts a sequence for a struct; the former bare-list format must not
+        // silently become an empty snapshot.
+        if bytes.trim_ascii_start().starts_with(b"[") {
+            return Err(SnapshotFileError::BareList);
+        }
+        Ok(serde_json::from_slice(bytes)?)
+    }
+}
+
 /// One module the node must run.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -160,6 +203,32 @@ mod tests {
         assert!(
             !written.contains("c2VjcmV0") && !written.contains("pullSecret"),
             "{written}"
+        );
+    }
+
+    #[test]
+    fn snapshot_format() {
+        let snapshot: DesiredSnapshot = serde_json::from_value(serde_json::json!({
+            "revision": 7,
+            "modules": [{ "key": "ns/a", "image": "r/a:1", "modprobe": { "moduleName": "a" } }],
+            "unload": ["ns/b"]
+        }))
+        .unwrap();
+        assert_eq!(snapshot.revision, 7);
+        assert_eq!(snapshot.modules[0].key, "ns/a");
+        assert_eq!(snapshot.unload, ["ns/b"]);
+        let empty = DesiredSnapshot::from_json(b" {}").unwrap();
+        assert_eq!(empty, DesiredSnapshot::default());
+        // The former bare list (whose absences meant "unload") is refused, not reinterpreted.
+        for list in [&b"[]"[..], b" \n[{\"key\": \"ns/a\"}]"] {
+            let error = DesiredSnapshot::from_json(list).unwrap_err();
+            assert!(matches!(error, SnapshotFileError::BareList), "{error}");
+            assert!(error.to_string().contains("\"unload\""), "{error}");
+        }
+        let error = DesiredSnapshot::from_json(br#"{"unloads": []}"#).unwrap_err();
+        assert!(
+            error.to_string().contains("unknown field `unloads`"),
+            "{error}"
         );
     }
 }

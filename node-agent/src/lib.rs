@@ -1,9 +1,9 @@
 //! `kmm-node-agent`: pulls kmod images, extracts them safely, loads and unloads kernel
 //! modules, and keeps its state across restarts (but not reboots).
 //!
-//! The control-plane connection (gRPC to kmm-spoke-proxy) plugs in through
-//! [`control`]: desired modules come in as [`desired::DesiredModule`] snapshots and
-//! results go out as [`control::AgentEvent`]s.
+//! The control plane (gRPC to kmm-spoke-proxy, or a file) plugs in through
+//! [`control`]: desired modules come in as [`desired::DesiredSnapshot`]s and results go
+//! out as [`control::AgentEvent`]s.
 
 pub mod agent;
 pub mod check_image;
@@ -15,4 +15,5 @@ pub mod kernel;
 pub mod modprobe;
 pub mod plan;
 pub mod reconcile;
+pub mod signature;
 pub mod state;

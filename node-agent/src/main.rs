@@ -10,7 +10,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use kmm_node_agent::agent::{self, LoopTiming};
 use kmm_node_agent::check_image::{self, CheckOptions, EXIT_CODES};
 use kmm_node_agent::control::{self, IntentSender};
-use kmm_node_agent::desired::{DesiredModule, PullSecret, RegistryTls};
+use kmm_node_agent::desired::{DesiredSnapshot, PullSecret, RegistryTls};
 use kmm_node_agent::image::cache::Cache;
 use kmm_node_agent::image::{ImageStore, Limits};
 use kmm_node_agent::kernel::{HostKernel, Kernel, SimulatedKernel};
@@ -94,11 +94,13 @@ struct RunArgs {
     /// Simulated backend: the node's kernel release.
     #[arg(long, required_if_eq("kernel_backend", "simulated"))]
     simulated_kernel: Option<String>,
-    /// JSON file with the desired modules (a stand-in for the proxy connection): an
-    /// array of {key, version?, image, digest?, modprobe: {moduleName, parameters,
-    /// dirName, args: {load, unload}, rawArgs, firmwarePath, modulesLoadingOrder},
-    /// inTreeModulesToRemove, registryTls: {insecure, insecureSkipTLSVerify},
-    /// pullSecret?: {dockerConfigJson | dockerCfg: "<content>"}}.
+    /// JSON file with the desired modules (a stand-in for the proxy connection):
+    /// {revision?, modules: [{key, version?, image, digest?, modprobe: {moduleName,
+    /// parameters, dirName, args: {load, unload}, rawArgs, firmwarePath,
+    /// modulesLoadingOrder}, inTreeModulesToRemove, registryTls: {insecure,
+    /// insecureSkipTLSVerify}, pullSecret?: {dockerConfigJson | dockerCfg: "<content>"}}],
+    /// unload?: ["<namespace>/<name>", ...]}. A module left out is left alone; only
+    /// keys listed under "unload" are unloaded.
     #[arg(long)]
     desired_file: PathBuf,
     /// How often --desired-file is checked for changes, in milliseconds.
@@ -280,9 +282,14 @@ async fn watch_desired_file(path: PathBuf, every: Duration, intents: IntentSende
     loop {
         match tokio::fs::read(&path).await {
             Ok(bytes) if last.as_deref() != Some(&bytes[..]) => {
-                match serde_json::from_slice::<Vec<DesiredModule>>(&bytes) {
+                match DesiredSnapshot::from_json(&bytes) {
                     Ok(desired) => {
-                        tracing::info!(modules = desired.len(), "new desired modules");
+                        tracing::info!(
+                            revision = desired.revision,
+                            modules = desired.modules.len(),
+                            unload = desired.unload.len(),
+                            "new desired modules"
+                        );
                         let _ = intents.send(Some(desired));
                     }
                     Err(e) => {

@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::desired::DesiredModule;
+use crate::desired::{DesiredModule, DesiredSnapshot};
 use crate::state::{ModuleRecord, State};
 
 /// Why an entry is (re)loaded.
@@ -20,8 +20,8 @@ pub enum LoadReason {
 /// Why an entry is unloaded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum UnloadReason {
-    /// No longer desired.
-    Removed,
+    /// The control plane asked for it explicitly.
+    Requested,
     /// Replaced by a different version or settings.
     Changed,
 }
@@ -69,31 +69,32 @@ fn still_loaded(record: &ModuleRecord, loaded: &BTreeSet<String>) -> bool {
         .all(|m| loaded.contains(&normalize_module_name(m)))
 }
 
-/// Unloads first (entries no longer desired, then entries being replaced), then loads
-/// in the desired order. Desired entries with a duplicate key after the first are
-/// ignored.
+/// Unloads first (entries the snapshot asks to unload, then entries being replaced),
+/// then loads in the desired order. Recorded entries the snapshot does not mention are
+/// left alone. An entry both desired and to be unloaded is unloaded; desired entries
+/// with a duplicate key after the first are ignored.
 pub fn plan(
-    desired: &[DesiredModule],
+    snapshot: &DesiredSnapshot,
     records: &BTreeMap<String, ModuleRecord>,
     loaded: &BTreeSet<String>,
 ) -> Vec<Action> {
+    let unload: BTreeSet<&str> = snapshot.unload.iter().map(String::as_str).collect();
     let mut seen = BTreeSet::new();
-    let desired: Vec<&DesiredModule> = desired
+    let desired: Vec<&DesiredModule> = snapshot
+        .modules
         .iter()
-        .filter(|d| seen.insert(d.key.as_str()))
+        .filter(|d| !unload.contains(d.key.as_str()) && seen.insert(d.key.as_str()))
         .collect();
-    let wanted: BTreeSet<&str> = desired.iter().map(|d| d.key.as_str()).collect();
 
-    let mut unloads = Vec::new();
+    let mut unloads: Vec<Action> = unload
+        .iter()
+        .filter_map(|key| records.get(*key))
+        .map(|record| Action::Unload {
+            record: Box::new(record.clone()),
+            reason: UnloadReason::Requested,
+        })
+        .collect();
     let mut loads = Vec::new();
-    for record in records.values() {
-        if !wanted.contains(record.key.as_str()) {
-            unloads.push(Action::Unload {
-                record: Box::new(record.clone()),
-                reason: UnloadReason::Removed,
-            });
-        }
-    }
     for d in desired {
         let reason = match records.get(&d.key) {
             None => Some(LoadReason::New),
@@ -118,6 +119,19 @@ pub fn plan(
     unloads
 }
 
+/// Keys the snapshot asks to unload that this agent has not loaded (in this boot):
+/// already unloaded, which is confirmed to the control plane once per snapshot.
+pub fn already_unloaded<'a>(
+    snapshot: &'a DesiredSnapshot,
+    records: &BTreeMap<String, ModuleRecord>,
+) -> Vec<&'a str> {
+    let unload: BTreeSet<&str> = snapshot.unload.iter().map(String::as_str).collect();
+    unload
+        .into_iter()
+        .filter(|key| !records.contains_key(*key))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -136,6 +150,21 @@ mod tests {
             in_tree_modules_to_remove: vec![],
             registry_tls: Default::default(),
             pull_secret: None,
+        }
+    }
+
+    fn want(modules: &[DesiredModule]) -> DesiredSnapshot {
+        DesiredSnapshot {
+            revision: 1,
+            modules: modules.to_vec(),
+            unload: vec![],
+        }
+    }
+
+    fn unload(modules: &[DesiredModule], keys: &[&str]) -> DesiredSnapshot {
+        DesiredSnapshot {
+            unload: keys.iter().map(|k| k.to_string()).collect(),
+            ..want(modules)
         }
     }
 
@@ -175,14 +204,14 @@ mod tests {
 
     #[test]
     fn nothing_desired_nothing_recorded() {
-        assert!(plan(&[], &BTreeMap::new(), &loaded(&[])).is_empty());
+        assert!(plan(&want(&[]), &BTreeMap::new(), &loaded(&[])).is_empty());
     }
 
     #[test]
     fn new_module_is_loaded() {
         let a = desired("ns/a", None);
         assert_eq!(
-            summary(&plan(&[a], &BTreeMap::new(), &loaded(&[]))),
+            summary(&plan(&want(&[a]), &BTreeMap::new(), &loaded(&[]))),
             ["load ns/a New"]
         );
     }
@@ -192,7 +221,7 @@ mod tests {
         let a = desired("ns/a", Some("1"));
         assert!(
             plan(
-                std::slice::from_ref(&a),
+                &want(std::slice::from_ref(&a)),
                 &records(&[&a]),
                 &loaded(&["ns_a"])
             )
@@ -205,7 +234,7 @@ mod tests {
         let a = desired("ns/a", Some("1"));
         assert_eq!(
             summary(&plan(
-                std::slice::from_ref(&a),
+                &want(std::slice::from_ref(&a)),
                 &records(&[&a]),
                 &loaded(&[])
             )),
@@ -219,7 +248,7 @@ mod tests {
         a.modprobe.module_name = Some("my-mod".into());
         assert!(
             plan(
-                std::slice::from_ref(&a),
+                &want(std::slice::from_ref(&a)),
                 &records(&[&a]),
                 &loaded(&["my_mod"])
             )
@@ -232,7 +261,7 @@ mod tests {
         let old = desired("ns/a", Some("1"));
         let new = desired("ns/a", Some("2"));
         assert_eq!(
-            summary(&plan(&[new], &records(&[&old]), &loaded(&["ns_a"]))),
+            summary(&plan(&want(&[new]), &records(&[&old]), &loaded(&["ns_a"]))),
             ["unload ns/a Changed", "load ns/a Changed"]
         );
     }
@@ -262,7 +291,7 @@ mod tests {
         for d in changes {
             assert_eq!(
                 summary(&plan(
-                    std::slice::from_ref(&d),
+                    &want(std::slice::from_ref(&d)),
                     &records(&[&old]),
                     &loaded(&["ns_a"])
                 )),
@@ -277,21 +306,66 @@ mod tests {
         let old = desired("ns/a", None);
         let mut d = old.clone();
         d.digest = Some("sha256:aa".into());
-        assert!(plan(&[d], &records(&[&old]), &loaded(&["ns_a"])).is_empty());
+        assert!(plan(&want(&[d]), &records(&[&old]), &loaded(&["ns_a"])).is_empty());
         // Registry TLS and credentials do not change what runs.
         let mut d = old.clone();
         d.registry_tls.insecure = true;
-        assert!(plan(&[d], &records(&[&old]), &loaded(&["ns_a"])).is_empty());
+        assert!(plan(&want(&[d]), &records(&[&old]), &loaded(&["ns_a"])).is_empty());
     }
 
     #[test]
-    fn removed_module_is_unloaded_before_loads() {
+    fn requested_unload_comes_before_loads() {
         let a = desired("ns/a", None);
         let b = desired("ns/b", None);
         assert_eq!(
-            summary(&plan(&[b], &records(&[&a]), &loaded(&["ns_a"]))),
-            ["unload ns/a Removed", "load ns/b New"]
+            summary(&plan(
+                &unload(&[b], &["ns/a"]),
+                &records(&[&a]),
+                &loaded(&["ns_a"])
+            )),
+            ["unload ns/a Requested", "load ns/b New"]
         );
+    }
+
+    #[test]
+    fn absent_modules_are_left_alone() {
+        let a = desired("ns/a", None);
+        let b = desired("ns/b", None);
+        // Neither desired nor to unload: nothing happens, even when it went missing.
+        assert!(plan(&want(&[]), &records(&[&a, &b]), &loaded(&["ns_a", "ns_b"])).is_empty());
+        assert!(plan(&want(&[]), &records(&[&a]), &loaded(&[])).is_empty());
+        assert_eq!(
+            summary(&plan(&want(&[b]), &records(&[&a]), &loaded(&["ns_a"]))),
+            ["load ns/b New"]
+        );
+    }
+
+    #[test]
+    fn unload_wins_over_load_of_the_same_key() {
+        let a = desired("ns/a", Some("1"));
+        assert_eq!(
+            summary(&plan(
+                &unload(std::slice::from_ref(&a), &["ns/a"]),
+                &records(&[&a]),
+                &loaded(&["ns_a"])
+            )),
+            ["unload ns/a Requested"]
+        );
+        // Not recorded: nothing to unload, and it is not loaded either.
+        assert!(plan(&unload(&[a], &["ns/a"]), &BTreeMap::new(), &loaded(&[])).is_empty());
+    }
+
+    #[test]
+    fn unloading_something_never_loaded_is_confirmed_not_acted_on() {
+        let a = desired("ns/a", None);
+        let snapshot = unload(&[], &["ns/a", "ns/b", "ns/b"]);
+        let recs = records(&[&a]);
+        assert_eq!(
+            summary(&plan(&snapshot, &recs, &loaded(&["ns_a"]))),
+            ["unload ns/a Requested"]
+        );
+        assert_eq!(already_unloaded(&snapshot, &recs), ["ns/b"]);
+        assert!(already_unloaded(&want(&[a]), &recs).is_empty());
     }
 
     #[test]
@@ -299,7 +373,7 @@ mod tests {
         let a1 = desired("ns/a", Some("1"));
         let a2 = desired("ns/a", Some("2"));
         assert_eq!(
-            summary(&plan(&[a1, a2], &BTreeMap::new(), &loaded(&[]))),
+            summary(&plan(&want(&[a1, a2]), &BTreeMap::new(), &loaded(&[]))),
             ["load ns/a New"]
         );
     }
@@ -309,9 +383,16 @@ mod tests {
         let mut a = desired("ns/a", None);
         a.modprobe.modules_loading_order = vec!["ns_a".into(), "dep".into()];
         let recs = records(&[&a]);
-        assert!(plan(std::slice::from_ref(&a), &recs, &loaded(&["ns_a", "dep"])).is_empty());
+        assert!(
+            plan(
+                &want(std::slice::from_ref(&a)),
+                &recs,
+                &loaded(&["ns_a", "dep"])
+            )
+            .is_empty()
+        );
         assert_eq!(
-            summary(&plan(&[a], &recs, &loaded(&["ns_a"]))),
+            summary(&plan(&want(&[a]), &recs, &loaded(&["ns_a"]))),
             ["load ns/a Missing"]
         );
     }
@@ -328,16 +409,9 @@ mod tests {
         assert!(records_for_boot(None, "one").is_empty());
         // After a reboot the module is loaded again, nothing is unloaded.
         let recs = records_for_boot(None, "two");
-        assert_eq!(summary(&plan(&[a], &recs, &loaded(&[]))), ["load ns/a New"]);
-    }
-
-    #[test]
-    fn empty_snapshot_unloads_everything_recorded() {
-        let a = desired("ns/a", None);
-        let b = desired("ns/b", None);
         assert_eq!(
-            summary(&plan(&[], &records(&[&a, &b]), &loaded(&["ns_a", "ns_b"]))),
-            ["unload ns/a Removed", "unload ns/b Removed"]
+            summary(&plan(&want(&[a]), &recs, &loaded(&[]))),
+            ["load ns/a New"]
         );
     }
 }

@@ -7,14 +7,19 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::control::{AgentEvent, EventAction, Hello, LoadedModule, Outcome, millis, now_unix_ms};
-use crate::desired::DesiredModule;
+use tokio::sync::watch;
+
+use crate::control::{
+    AgentEvent, EventAction, Hello, LoadedModule, Outcome, Progress, millis, now_unix_ms,
+};
+use crate::desired::{DesiredModule, DesiredSnapshot};
 use crate::firmware::{self, FirmwareError};
 use crate::image::pull::{PullRequest, error_chain};
 use crate::image::{FetchRequest, ImageStore};
 use crate::kernel::{Kernel, KernelError};
 use crate::modprobe::{self, ToolError};
 use crate::plan::{self, Action, normalize_module_name};
+use crate::signature;
 use crate::state::{ModuleRecord, State, StateError, StateStore};
 
 #[derive(Debug, thiserror::Error)]
@@ -50,6 +55,7 @@ pub struct Reconciler {
     state: State,
     firmware_dir: PathBuf,
     release: String,
+    progress: watch::Sender<Progress>,
 }
 
 impl Reconciler {
@@ -81,6 +87,10 @@ impl Reconciler {
             tracing::info!("boot ID changed since the state was saved: everything loads again");
         }
         store.save(&state)?;
+        let progress = watch::Sender::new(Progress {
+            loaded: loaded_modules(&state),
+            applied_revision: None,
+        });
         Ok(Self {
             kernel,
             images,
@@ -88,7 +98,13 @@ impl Reconciler {
             state,
             firmware_dir,
             release,
+            progress,
         })
+    }
+
+    /// Follows what this reconciler has loaded and applied.
+    pub fn progress(&self) -> watch::Receiver<Progress> {
+        self.progress.subscribe()
     }
 
     pub fn state(&self) -> &State {
@@ -104,22 +120,42 @@ impl Reconciler {
             node_name: node_name.to_string(),
             boot_id: self.state.boot_id.clone(),
             kernel_release: self.release.clone(),
-            loaded: self
-                .state
-                .modules
-                .values()
-                .map(|r| LoadedModule {
-                    key: r.key.clone(),
-                    version: r.version.clone(),
-                    image: r.image.clone(),
-                    digest: r.digest.clone(),
-                })
-                .collect(),
+            loaded: loaded_modules(&self.state),
         }
     }
 
+    /// Successful unload events for the keys `snapshot` asks to unload that this agent
+    /// has not loaded: the control plane learns they are unloaded without anything
+    /// being run. Meant once per received snapshot, not on every pass.
+    pub fn confirm_already_unloaded(&self, snapshot: &DesiredSnapshot) -> Vec<AgentEvent> {
+        plan::already_unloaded(snapshot, &self.state.modules)
+            .into_iter()
+            .map(|key| AgentEvent {
+                key: key.to_string(),
+                version: None,
+                action: EventAction::Unload,
+                outcome: Outcome::Success,
+                image: String::new(),
+                digest: None,
+                pull_ms: 0,
+                duration_ms: 0,
+                at_unix_ms: now_unix_ms(),
+                revision: snapshot.revision,
+            })
+            .collect()
+    }
+
     /// One pass: plan against the kernel's loaded modules, act, report.
-    pub async fn reconcile(&mut self, desired: &[DesiredModule]) -> Vec<AgentEvent> {
+    pub async fn reconcile(&mut self, snapshot: &DesiredSnapshot) -> Vec<AgentEvent> {
+        let events = self.reconcile_pass(snapshot).await;
+        self.progress.send_modify(|p| {
+            p.loaded = loaded_modules(&self.state);
+            p.applied_revision = Some(snapshot.revision);
+        });
+        events
+    }
+
+    async fn reconcile_pass(&mut self, snapshot: &DesiredSnapshot) -> Vec<AgentEvent> {
         let loaded = match self.kernel.loaded_modules() {
             Ok(loaded) => loaded,
             Err(e) => {
@@ -127,7 +163,7 @@ impl Reconciler {
                 return vec![];
             }
         };
-        let actions = plan::plan(desired, &self.state.modules, &loaded);
+        let actions = plan::plan(snapshot, &self.state.modules, &loaded);
         let mut events = Vec::with_capacity(actions.len());
         let mut keep: BTreeSet<String> = BTreeSet::new();
         // Keys whose previous version could not be unloaded: loading the new one now
@@ -135,14 +171,6 @@ impl Reconciler {
         let mut blocked = BTreeSet::new();
         for action in actions {
             let event = match action {
-                Action::Unload { record, reason } => {
-                    tracing::info!(key = %record.key, ?reason, "unloading");
-                    let event = self.unload(*record).await;
-                    if !event.is_success() {
-                        blocked.insert(event.key.clone());
-                    }
-                    event
-                }
                 Action::Load { desired, .. } if blocked.contains(&desired.key) => AgentEvent {
                     key: desired.key.clone(),
                     version: desired.version.clone(),
@@ -156,10 +184,19 @@ impl Reconciler {
                     pull_ms: 0,
                     duration_ms: 0,
                     at_unix_ms: now_unix_ms(),
+                    revision: snapshot.revision,
                 },
                 Action::Load { desired, reason } => {
                     tracing::info!(key = %desired.key, ?reason, image = %desired.image, "loading");
-                    self.load(&desired, &mut keep).await
+                    self.load(&desired, snapshot.revision, &mut keep).await
+                }
+                Action::Unload { record, reason } => {
+                    tracing::info!(key = %record.key, ?reason, "unloading");
+                    let event = self.unload(*record, snapshot.revision).await;
+                    if !event.is_success() {
+                        blocked.insert(event.key.clone());
+                    }
+                    event
                 }
             };
             match &event.outcome {
@@ -187,7 +224,12 @@ impl Reconciler {
         self.store.save(&self.state).map_err(|e| error_chain(&e))
     }
 
-    async fn load(&mut self, desired: &DesiredModule, keep: &mut BTreeSet<String>) -> AgentEvent {
+    async fn load(
+        &mut self,
+        desired: &DesiredModule,
+        revision: u64,
+        keep: &mut BTreeSet<String>,
+    ) -> AgentEvent {
         let mut event = AgentEvent {
             key: desired.key.clone(),
             version: desired.version.clone(),
@@ -198,6 +240,7 @@ impl Reconciler {
             pull_ms: 0,
             duration_ms: 0,
             at_unix_ms: 0,
+            revision,
         };
         let request = FetchRequest {
             pull: PullRequest {
@@ -269,12 +312,12 @@ impl Reconciler {
                         Outcome::Failure(format!("loaded, but saving the state failed: {e}"));
                 }
             }
-            Err(e) => event.outcome = Outcome::Failure(error_chain(&e)),
+            Err(e) => event.outcome = Outcome::Failure(signature::explain(&error_chain(&e))),
         }
         event
     }
 
-    async fn unload(&mut self, record: ModuleRecord) -> AgentEvent {
+    async fn unload(&mut self, record: ModuleRecord, revision: u64) -> AgentEvent {
         let started = Instant::now();
         let kernel = self.kernel.clone();
         let firmware_dir = self.firmware_dir.clone();
@@ -293,6 +336,7 @@ impl Reconciler {
             pull_ms: 0,
             duration_ms: millis(started.elapsed()),
             at_unix_ms: now_unix_ms(),
+            revision,
         };
         match result {
             Ok(()) => {
@@ -306,6 +350,19 @@ impl Reconciler {
         }
         event
     }
+}
+
+fn loaded_modules(state: &State) -> Vec<LoadedModule> {
+    state
+        .modules
+        .values()
+        .map(|r| LoadedModule {
+            key: r.key.clone(),
+            version: r.version.clone(),
+            image: r.image.clone(),
+            digest: r.digest.clone(),
+        })
+        .collect()
 }
 
 /// `<root>/<dirName>`.

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use kmm_node_agent::control::{AgentEvent, EventAction, Outcome};
-use kmm_node_agent::desired::{DesiredModule, Modprobe, RegistryTls};
+use kmm_node_agent::desired::{DesiredModule, DesiredSnapshot, Modprobe, RegistryTls};
 use kmm_node_agent::image::cache::Cache;
 use kmm_node_agent::image::{ImageStore, Limits};
 use kmm_node_agent::kernel::{Kernel, SimulatedKernel};
@@ -72,6 +72,24 @@ pub fn desired(image: String, version: &str) -> DesiredModule {
     }
 }
 
+/// A snapshot asking for `modules` (revision 1).
+pub fn load(modules: &[DesiredModule]) -> DesiredSnapshot {
+    DesiredSnapshot {
+        revision: 1,
+        modules: modules.to_vec(),
+        unload: vec![],
+    }
+}
+
+/// A snapshot asking to unload `key` (revision 2).
+pub fn unload(key: &str) -> DesiredSnapshot {
+    DesiredSnapshot {
+        revision: 2,
+        modules: vec![],
+        unload: vec![key.into()],
+    }
+}
+
 fn summary(events: &[AgentEvent]) -> Vec<(EventAction, bool)> {
     events.iter().map(|e| (e.action, e.is_success())).collect()
 }
@@ -99,7 +117,7 @@ async fn load_restart_reboot_upgrade_and_unload() {
 
     // First load: the dependency first, the in-tree module removed, firmware installed.
     let mut agent = node.agent();
-    let events = agent.reconcile(std::slice::from_ref(&one)).await;
+    let events = agent.reconcile(&load(std::slice::from_ref(&one))).await;
     assert_success(&events, &[EventAction::Load]);
     assert_eq!(events[0].digest.as_deref(), Some(v1.as_str()));
     assert!(events[0].pull_ms > 0 || events[0].duration_ms > 0);
@@ -119,7 +137,12 @@ async fn load_restart_reboot_upgrade_and_unload() {
     let hello = agent.hello("node-1");
     assert_eq!(hello.loaded.len(), 1);
     assert_eq!(hello.loaded[0].digest, v1);
-    assert!(agent.reconcile(std::slice::from_ref(&one)).await.is_empty());
+    assert!(
+        agent
+            .reconcile(&load(std::slice::from_ref(&one)))
+            .await
+            .is_empty()
+    );
 
     // Removed behind the agent's back: loaded again.
     node.kernel
@@ -129,7 +152,7 @@ async fn load_restart_reboot_upgrade_and_unload() {
         .unwrap();
     assert!(node.loaded().is_empty());
     assert_success(
-        &agent.reconcile(std::slice::from_ref(&one)).await,
+        &agent.reconcile(&load(std::slice::from_ref(&one))).await,
         &[EventAction::Load],
     );
     assert_eq!(node.loaded(), [MODULE, DEP_MODULE]);
@@ -141,22 +164,26 @@ async fn load_restart_reboot_upgrade_and_unload() {
     let mut agent = node.agent();
     assert!(agent.hello("node-1").loaded.is_empty());
     assert_success(
-        &agent.reconcile(std::slice::from_ref(&one)).await,
+        &agent.reconcile(&load(std::slice::from_ref(&one))).await,
         &[EventAction::Load],
     );
     assert_eq!(node.loaded(), [MODULE, DEP_MODULE]);
 
     // Version change: the old one is unloaded, the new one loaded.
     let two = desired(registry.image("samples/hello:v2"), "2");
-    let events = agent.reconcile(std::slice::from_ref(&two)).await;
+    let events = agent.reconcile(&load(std::slice::from_ref(&two))).await;
     assert_success(&events, &[EventAction::Unload, EventAction::Load]);
     assert_eq!(events[0].version.as_deref(), Some("1"));
     assert_eq!(events[1].digest.as_deref(), Some(v2.as_str()));
     assert_eq!(std::fs::read(&firmware).unwrap(), b"firmware v2");
     assert_eq!(node.loaded(), [MODULE, DEP_MODULE]);
 
-    // No longer desired: unloaded in reverse order, firmware removed, cache collected.
-    let events = agent.reconcile(&[]).await;
+    // No longer mentioned: left alone.
+    assert!(agent.reconcile(&load(&[])).await.is_empty());
+    assert_eq!(node.loaded(), [MODULE, DEP_MODULE]);
+
+    // Unload asked for: unloaded in reverse order, firmware removed, cache collected.
+    let events = agent.reconcile(&unload("kmm-ops/hello")).await;
     assert_success(&events, &[EventAction::Unload]);
     assert!(node.loaded().is_empty());
     assert!(!firmware.exists());
@@ -167,6 +194,11 @@ async fn load_restart_reboot_upgrade_and_unload() {
             .all(|p| p.is_dir())
     );
     assert!(agent.state().modules.is_empty());
+    assert_eq!(events[0].revision, 2);
+    // Asked again: nothing left to do.
+    assert!(agent.reconcile(&unload("kmm-ops/hello")).await.is_empty());
+    let confirmed = agent.confirm_already_unloaded(&unload("kmm-ops/hello"));
+    assert_success(&confirmed, &[EventAction::Unload]);
 }
 
 #[tokio::test]
@@ -183,7 +215,7 @@ async fn loading_order_and_depmod_when_modules_dep_is_missing() {
     d.modprobe.module_name = Some(DEP_MODULE.into());
     d.modprobe.modules_loading_order = vec![DEP_MODULE.into(), MODULE.into()];
     let mut agent = node.agent();
-    let events = agent.reconcile(std::slice::from_ref(&d)).await;
+    let events = agent.reconcile(&load(std::slice::from_ref(&d))).await;
     assert_success(&events, &[EventAction::Load]);
     assert_eq!(
         agent.state().modules["kmm-ops/hello"].loaded,
@@ -197,7 +229,10 @@ async fn loading_order_and_depmod_when_modules_dep_is_missing() {
             .join("modules.dep")
             .is_file()
     );
-    assert_success(&agent.reconcile(&[]).await, &[EventAction::Unload]);
+    assert_success(
+        &agent.reconcile(&unload("kmm-ops/hello")).await,
+        &[EventAction::Unload],
+    );
     assert!(node.loaded().is_empty());
 }
 
@@ -222,7 +257,10 @@ async fn broken_images_fail_as_on_a_node_and_are_retried() {
     let wrong_kernel = Node::new("6.1.0-99-amd64");
     let mut agent = wrong_kernel.agent();
     let events = agent
-        .reconcile(&[desired(registry.image("broken/other-kernel:v1"), "1")])
+        .reconcile(&load(&[desired(
+            registry.image("broken/other-kernel:v1"),
+            "1",
+        )]))
         .await;
     assert_eq!(summary(&events), [(EventAction::Load, false)]);
     let Outcome::Failure(error) = &events[0].outcome else {
@@ -237,7 +275,10 @@ async fn broken_images_fail_as_on_a_node_and_are_retried() {
     let node = Node::new(k);
     let mut agent = node.agent();
     let events = agent
-        .reconcile(&[desired(registry.image("broken/other-kernel:v1"), "1")])
+        .reconcile(&load(&[desired(
+            registry.image("broken/other-kernel:v1"),
+            "1",
+        )]))
         .await;
     let Outcome::Failure(error) = &events[0].outcome else {
         panic!("{events:?}")
@@ -248,7 +289,10 @@ async fn broken_images_fail_as_on_a_node_and_are_retried() {
     );
 
     let events = agent
-        .reconcile(&[desired(registry.image("broken/missing-dep:v1"), "1")])
+        .reconcile(&load(&[desired(
+            registry.image("broken/missing-dep:v1"),
+            "1",
+        )]))
         .await;
     let Outcome::Failure(error) = &events[0].outcome else {
         panic!("{events:?}")
@@ -266,11 +310,14 @@ async fn broken_images_fail_as_on_a_node_and_are_retried() {
 
     // The same intent is retried on the next pass; a fixed image loads.
     let events = agent
-        .reconcile(&[desired(registry.image("broken/missing-dep:v1"), "1")])
+        .reconcile(&load(&[desired(
+            registry.image("broken/missing-dep:v1"),
+            "1",
+        )]))
         .await;
     assert_eq!(summary(&events), [(EventAction::Load, false)]);
     let events = agent
-        .reconcile(&[desired(registry.image("samples/hello:v1"), "1")])
+        .reconcile(&load(&[desired(registry.image("samples/hello:v1"), "1")]))
         .await;
     assert_success(&events, &[EventAction::Load]);
     assert_eq!(node.loaded(), [MODULE, DEP_MODULE]);
@@ -297,7 +344,7 @@ async fn agent_loop_retries_and_keeps_the_last_intent_on_silence() {
     let task = tokio::spawn(agent::run(node.agent(), intent_rx, event_tx, timing));
     // The image does not exist yet: the load fails, and is retried.
     intents
-        .send(Some(vec![desired(registry.image("late/hello:v1"), "1")]))
+        .send(Some(load(&[desired(registry.image("late/hello:v1"), "1")])))
         .unwrap();
     let failed = next(&mut events).await;
     let Outcome::Failure(error) = &failed.outcome else {
@@ -352,7 +399,7 @@ async fn a_version_change_waits_for_the_old_version_to_unload() {
     let mut agent = node.agent();
     let one = desired(registry.image("samples/hello:v1"), "1");
     assert_success(
-        &agent.reconcile(std::slice::from_ref(&one)).await,
+        &agent.reconcile(&load(std::slice::from_ref(&one))).await,
         &[EventAction::Load],
     );
 
@@ -365,7 +412,7 @@ async fn a_version_change_waits_for_the_old_version_to_unload() {
     )
     .unwrap();
     let two = desired(registry.image("samples/hello:v2"), "2");
-    let events = agent.reconcile(std::slice::from_ref(&two)).await;
+    let events = agent.reconcile(&load(std::slice::from_ref(&two))).await;
     assert_eq!(
         summary(&events),
         [(EventAction::Unload, false), (EventAction::Load, false)]
@@ -382,7 +429,7 @@ async fn a_version_change_waits_for_the_old_version_to_unload() {
     assert_eq!(std::fs::read(&firmware).unwrap(), b"firmware v1");
 
     std::fs::remove_file(&holder).unwrap();
-    let events = agent.reconcile(std::slice::from_ref(&two)).await;
+    let events = agent.reconcile(&load(std::slice::from_ref(&two))).await;
     assert_success(&events, &[EventAction::Unload, EventAction::Load]);
     assert_eq!(
         agent.state().modules["kmm-ops/hello"].version.as_deref(),

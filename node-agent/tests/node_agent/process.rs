@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 
 use kmm_node_agent::kernel::{Kernel, SimulatedKernel};
 
-use crate::lifecycle::desired;
+use kmm_node_agent::desired::DesiredSnapshot;
+
+use crate::lifecycle::{desired, load};
 use crate::support::*;
 
 /// A running agent process; killed on drop if still running.
@@ -54,9 +56,9 @@ impl AgentProcess {
     }
 }
 
-pub fn write_desired(path: &Path, modules: &[kmm_node_agent::desired::DesiredModule]) {
+pub fn write_desired(path: &Path, snapshot: &DesiredSnapshot) {
     let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, serde_json::to_vec(modules).unwrap()).unwrap();
+    std::fs::write(&tmp, serde_json::to_vec(snapshot).unwrap()).unwrap();
     std::fs::rename(&tmp, path).unwrap();
 }
 
@@ -70,7 +72,7 @@ async fn sigterm_never_unloads_and_a_restart_does_not_reload() {
     let node = tempfile::tempdir().unwrap();
     let desired_file = node.path().join("desired.json");
     let first = desired(registry.image("samples/hello:v1"), "1");
-    write_desired(&desired_file, std::slice::from_ref(&first));
+    write_desired(&desired_file, &load(std::slice::from_ref(&first)));
 
     let mut agent = AgentProcess::start(node.path(), k, &desired_file);
     let hello = agent.next(Duration::from_secs(30));
@@ -104,7 +106,7 @@ async fn sigterm_never_unloads_and_a_restart_does_not_reload() {
     second.key = "kmm-ops/second".into();
     second.modprobe.module_name = Some(MODULE.into());
     second.modprobe.firmware_path = None;
-    write_desired(&desired_file, &[first, second]);
+    write_desired(&desired_file, &load(&[second]));
     let event = agent.next(Duration::from_secs(60));
     assert_eq!(
         event["event"]["key"], "kmm-ops/second",
