@@ -1,0 +1,627 @@
+//! The proxy's whole view of its cluster (nodes, the hub's last intents, what each node
+//! agent proved) and everything derived from it: each node's revisioned
+//! DesiredModules, per module per node status, node label patches and the kernel
+//! inventory. Pure: the I/O tasks feed it and read from it.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use kmm_proto::v1::{
+    AgentHello, DesiredModules, IntentSnapshot, KernelInventory, ModuleEvent, ModuleLoad,
+    ModuleNodeStatus, NodeModule,
+};
+use serde_json::Value;
+
+use crate::agent_view::AgentView;
+use crate::inventory::{Inventory, kernels};
+use crate::labels::{label_intent, merge_patch};
+use crate::module_id::ModuleId;
+use crate::node_facts::NodeFacts;
+use crate::node_status::{StatusKey, assess, to_status};
+use crate::placement::{Placement, place};
+
+/// One node's current work.
+#[derive(Clone, Debug, Default)]
+struct NodeWork {
+    /// Revision of `modules`: the value of the cluster-wide counter when they last changed.
+    revision: u64,
+    modules: Vec<NodeModule>,
+    placements: BTreeMap<ModuleId, Placement>,
+    /// Per module, the revision at which what the agent must do for it last changed.
+    since: BTreeMap<ModuleId, u64>,
+}
+
+/// See the module documentation.
+#[derive(Debug)]
+pub struct ClusterState {
+    nodes: BTreeMap<String, NodeFacts>,
+    intents: Option<IntentSnapshot>,
+    agents: BTreeMap<String, AgentView>,
+    /// (module, node) pairs where the module may be: placed there, or reported loaded.
+    /// Deselecting such a node unloads explicitly; other nodes are left alone.
+    may_have: BTreeSet<StatusKey>,
+    work: BTreeMap<String, NodeWork>,
+    next_revision: u64,
+    inventory: Inventory,
+}
+
+/// What the agent must do for a module, without what it needs to do it (credentials,
+/// registry TLS): a change of those alone changes no outcome, so it must not make the
+/// module pending again while the agent has nothing to report.
+fn same_task(a: Option<&NodeModule>, b: &NodeModule) -> bool {
+    let task = |m: &NodeModule| {
+        (
+            m.unload,
+            m.load.as_ref().map(|l: &ModuleLoad| {
+                (
+                    l.image.clone(),
+                    l.version.clone(),
+                    l.modprobe.clone(),
+                    l.in_tree_modules_to_remove.clone(),
+                )
+            }),
+        )
+    };
+    a.is_some_and(|a| task(a) == task(b))
+}
+
+impl ClusterState {
+    /// `revision_base` starts every revision counter; the caller takes it from the clock
+    /// so revisions of a restarted proxy are above those of the previous one.
+    pub fn new(revision_base: u64) -> Self {
+        Self {
+            nodes: BTreeMap::new(),
+            intents: None,
+            agents: BTreeMap::new(),
+            may_have: BTreeSet::new(),
+            work: BTreeMap::new(),
+            next_revision: revision_base,
+            inventory: Inventory::new(revision_base),
+        }
+    }
+
+    /// Replaces every node (after a full list of the Nodes).
+    pub fn replace_nodes(&mut self, nodes: Vec<NodeFacts>) {
+        self.nodes = nodes.into_iter().map(|n| (n.name.clone(), n)).collect();
+        self.refresh();
+    }
+
+    pub fn upsert_node(&mut self, node: NodeFacts) {
+        if self.nodes.get(&node.name) == Some(&node) {
+            return;
+        }
+        self.nodes.insert(node.name.clone(), node);
+        self.refresh();
+    }
+
+    pub fn remove_node(&mut self, name: &str) {
+        if self.nodes.remove(name).is_some() {
+            self.refresh();
+        }
+    }
+
+    pub fn node(&self, name: &str) -> Option<&NodeFacts> {
+        self.nodes.get(name)
+    }
+
+    /// Applies the hub's complete snapshot. Modules absent from it are forgotten (their
+    /// status entries disappear) but never unloaded.
+    pub fn set_intents(&mut self, snapshot: IntentSnapshot) {
+        self.intents = Some(snapshot);
+        self.refresh();
+    }
+
+    /// Revision of the last applied IntentSnapshot, 0 if none.
+    pub fn applied_intent_revision(&self) -> u64 {
+        self.intents.as_ref().map_or(0, |s| s.revision)
+    }
+
+    pub fn agent_hello(&mut self, node: &str, hello: &AgentHello) {
+        let view = AgentView::from_hello(hello);
+        for id in view.loaded.keys() {
+            self.may_have.insert((id.clone(), node.to_owned()));
+        }
+        self.agents.insert(node.to_owned(), view);
+        self.refresh();
+    }
+
+    pub fn agent_event(&mut self, node: &str, event: &ModuleEvent) {
+        let view = self.agents.entry(node.to_owned()).or_default();
+        view.record(event);
+        for id in view.loaded.keys() {
+            self.may_have.insert((id.clone(), node.to_owned()));
+        }
+        self.refresh();
+    }
+
+    /// The node's DesiredModules (revision 0 and no modules before any intent).
+    pub fn desired_modules(&self, node: &str) -> DesiredModules {
+        self.work
+            .get(node)
+            .map(|w| DesiredModules {
+                revision: w.revision,
+                modules: w.modules.clone(),
+            })
+            .unwrap_or_default()
+    }
+
+    /// Every (module, node) status the hub must know.
+    pub fn statuses(&self) -> BTreeMap<StatusKey, ModuleNodeStatus> {
+        let mut out = BTreeMap::new();
+        for (node, work) in &self.work {
+            let kernel = self.nodes.get(node).map_or("", |n| n.kernel.as_str());
+            for (id, placement) in &work.placements {
+                let since = work.since.get(id).copied().unwrap_or(work.revision);
+                if let Some(a) = assess(placement, self.agents.get(node), id, kernel, since) {
+                    let key = (id.clone(), node.clone());
+                    out.insert(key.clone(), to_status(&key, kernel, a));
+                }
+            }
+        }
+        out
+    }
+
+    /// The label patch the node needs, if any.
+    pub fn label_patch(&self, node: &str) -> Option<Value> {
+        let facts = self.nodes.get(node)?;
+        let work = self.work.get(node)?;
+        let view = self.agents.get(node);
+        let intents: Vec<_> = work
+            .placements
+            .iter()
+            .filter_map(|(id, placement)| {
+                let since = work.since.get(id).copied().unwrap_or(work.revision);
+                let a = assess(placement, view, id, &facts.kernel, since);
+                label_intent(placement, a.as_ref(), view, id).map(|i| (id.clone(), i))
+            })
+            .collect();
+        merge_patch(&facts.labels, &intents)
+    }
+
+    pub fn node_names(&self) -> Vec<String> {
+        self.nodes.keys().cloned().collect()
+    }
+
+    pub fn inventory(&self) -> KernelInventory {
+        self.inventory.message()
+    }
+
+    fn refresh(&mut self) {
+        self.inventory.update(kernels(self.nodes.values()));
+        let Some(snapshot) = &self.intents else {
+            return;
+        };
+        let known: BTreeSet<ModuleId> = snapshot
+            .modules
+            .iter()
+            .map(|m| ModuleId::from_key(m.key.as_ref()))
+            .collect();
+        self.may_have
+            .retain(|(id, node)| known.contains(id) && self.nodes.contains_key(node));
+        self.work.retain(|node, _| self.nodes.contains_key(node));
+        self.agents.retain(|node, _| self.nodes.contains_key(node));
+
+        for (name, facts) in &self.nodes {
+            let mut placements = BTreeMap::new();
+            let mut modules = Vec::new();
+            for intent in &snapshot.modules {
+                let id = ModuleId::from_key(intent.key.as_ref());
+                let key = (id.clone(), name.clone());
+                let placement = place(intent, facts, self.may_have.contains(&key));
+                if placement.is_selected() {
+                    self.may_have.insert(key);
+                }
+                match &placement {
+                    Placement::Load(load) => modules.push(NodeModule {
+                        key: Some(id.key()),
+                        load: Some(load.as_ref().clone()),
+                        credential: snapshot
+                            .credentials
+                            .iter()
+                            .find(|c| {
+                                !load.pull_credential_id.is_empty()
+                                    && c.id == load.pull_credential_id
+                            })
+                            .cloned(),
+                        unload: false,
+                    }),
+                    Placement::Unload => modules.push(NodeModule {
+                        key: Some(id.key()),
+                        load: None,
+                        credential: None,
+                        unload: true,
+                    }),
+                    _ => {}
+                }
+                placements.insert(id, placement);
+            }
+            let work = self.work.entry(name.clone()).or_default();
+            if work.modules != modules || work.revision == 0 {
+                self.next_revision += 1;
+                let revision = self.next_revision;
+                for module in &modules {
+                    let id = ModuleId::from_key(module.key.as_ref());
+                    let old = work
+                        .modules
+                        .iter()
+                        .find(|m| ModuleId::from_key(m.key.as_ref()) == id);
+                    if !same_task(old, module) {
+                        work.since.insert(id, revision);
+                    }
+                }
+                work.revision = revision;
+                work.modules = modules;
+            }
+            work.since.retain(|id, _| placements.contains_key(id));
+            work.placements = placements;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kmm_proto::v1::{
+        Action, KernelTarget, LoadedModule, ModuleIntent, ModuleKey, ModuleState, Outcome,
+        PullCredential, Unresolved, kernel_target::Target, pull_credential::Content,
+    };
+
+    const NODES: [&str; 2] = ["a", "b"];
+
+    fn key(name: &str) -> ModuleKey {
+        ModuleKey {
+            namespace: "ns".into(),
+            name: name.into(),
+        }
+    }
+
+    fn id(name: &str) -> ModuleId {
+        ModuleId::from_key(Some(&key(name)))
+    }
+
+    fn node(name: &str, kernel: &str, role: &str) -> NodeFacts {
+        NodeFacts {
+            name: name.into(),
+            uid: format!("uid-{name}"),
+            kernel: kernel.into(),
+            os_image: "Debian".into(),
+            boot_id: "boot".into(),
+            labels: [("role".to_string(), role.to_string())].into(),
+            taints: vec![],
+        }
+    }
+
+    fn load(kernel: &str, version: &str) -> ModuleLoad {
+        ModuleLoad {
+            image: format!("reg/m:{kernel}-{version}"),
+            version: version.into(),
+            pull_credential_id: "pull".into(),
+            ..Default::default()
+        }
+    }
+
+    fn intent(name: &str, version: &str) -> ModuleIntent {
+        ModuleIntent {
+            key: Some(key(name)),
+            generation: 1,
+            node_selector: [("role".to_string(), "worker".to_string())].into(),
+            tolerations: vec![],
+            kernels: vec![
+                KernelTarget {
+                    kernel: "6.1".into(),
+                    target: Some(Target::Load(load("6.1", version))),
+                },
+                KernelTarget {
+                    kernel: "6.2".into(),
+                    target: Some(Target::Load(load("6.2", version))),
+                },
+                KernelTarget {
+                    kernel: "5.14".into(),
+                    target: Some(Target::Unresolved(Unresolved {
+                        reason: "NoKernelMapping".into(),
+                        message: "nothing for 5.14".into(),
+                    })),
+                },
+            ],
+            unload: false,
+        }
+    }
+
+    fn snapshot(revision: u64, modules: Vec<ModuleIntent>) -> IntentSnapshot {
+        IntentSnapshot {
+            revision,
+            modules,
+            credentials: vec![
+                PullCredential {
+                    id: "pull".into(),
+                    content: Some(Content::DockerConfigJson(b"{\"auths\":{}}".to_vec())),
+                },
+                PullCredential {
+                    id: "unused".into(),
+                    content: Some(Content::DockerConfigJson(b"{}".to_vec())),
+                },
+            ],
+        }
+    }
+
+    fn hello(node: &str, loaded: &[(&str, &str)]) -> AgentHello {
+        AgentHello {
+            node_name: node.into(),
+            boot_id: "boot".into(),
+            kernel_release: "6.1".into(),
+            agent_version: "test".into(),
+            loaded: loaded
+                .iter()
+                .map(|(name, version)| LoadedModule {
+                    key: Some(key(name)),
+                    version: (*version).into(),
+                    image_digest: "sha256:aa".into(),
+                })
+                .collect(),
+        }
+    }
+
+    fn event(name: &str, action: Action, outcome: Outcome, revision: u64) -> ModuleEvent {
+        ModuleEvent {
+            key: Some(key(name)),
+            action: action.into(),
+            outcome: outcome.into(),
+            version: "v1".into(),
+            image_digest: "sha256:aa".into(),
+            error: if outcome == Outcome::Failed {
+                "insmod: ERROR".into()
+            } else {
+                String::new()
+            },
+            duration_ms: 1,
+            desired_revision: revision,
+        }
+    }
+
+    fn state_of(s: &ClusterState, name: &str, node: &str) -> Option<ModuleState> {
+        s.statuses()
+            .get(&(id(name), node.to_string()))
+            .map(|st| ModuleState::try_from(st.state).unwrap())
+    }
+
+    fn cluster() -> ClusterState {
+        let mut s = ClusterState::new(1000);
+        s.replace_nodes(vec![node("a", "6.1", "worker"), node("b", "6.1", "infra")]);
+        s
+    }
+
+    #[test]
+    fn no_intents_means_no_work_but_an_inventory() {
+        let s = cluster();
+        assert_eq!(s.desired_modules("a"), DesiredModules::default());
+        assert!(s.statuses().is_empty());
+        assert_eq!(s.inventory().kernels.len(), 1);
+        assert_eq!(s.inventory().kernels[0].node_count, 2);
+        assert_eq!(s.inventory().revision, 1001);
+        assert_eq!(s.applied_intent_revision(), 0);
+    }
+
+    #[test]
+    fn each_node_gets_only_its_own_work_and_credentials() {
+        let mut s = cluster();
+        s.set_intents(snapshot(3, vec![intent("m", "v1")]));
+        assert_eq!(s.applied_intent_revision(), 3);
+        let a = s.desired_modules("a");
+        assert_eq!(a.modules.len(), 1);
+        let m = &a.modules[0];
+        assert_eq!(m.load.as_ref().unwrap().image, "reg/m:6.1-v1");
+        assert_eq!(m.credential.as_ref().unwrap().id, "pull");
+        assert!(!m.unload);
+        // b is not selected and never had the module: nothing, not even an unload.
+        assert!(s.desired_modules("b").modules.is_empty());
+        assert!(s.desired_modules("b").revision > 0);
+        assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Pending));
+        assert_eq!(state_of(&s, "m", "b"), None);
+        assert_eq!(s.label_patch("a"), None, "nothing proven yet");
+    }
+
+    #[test]
+    fn labels_follow_proof_and_confirmed_unload() {
+        let mut s = cluster();
+        s.set_intents(snapshot(1, vec![intent("m", "v1")]));
+        s.agent_hello("a", &hello("a", &[]));
+        let rev = s.desired_modules("a").revision;
+        assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Pending));
+        assert_eq!(
+            s.label_patch("a"),
+            None,
+            "labels absent and not loaded: nothing to do"
+        );
+
+        s.agent_event("a", &event("m", Action::Load, Outcome::Succeeded, rev));
+        assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Loaded));
+        let patch = s.label_patch("a").unwrap();
+        assert_eq!(
+            patch["metadata"]["labels"]["kmm.node.kubernetes.io/ns.m.version.ready"],
+            "v1"
+        );
+
+        // Deselect node a: explicit unload, labels stay until the agent confirms.
+        let mut facts = node("a", "6.1", "infra");
+        facts
+            .labels
+            .insert("kmm.node.kubernetes.io/ns.m.ready".into(), String::new());
+        facts.labels.insert(
+            "kmm.node.kubernetes.io/ns.m.version.ready".into(),
+            "v1".into(),
+        );
+        s.upsert_node(facts);
+        let desired = s.desired_modules("a");
+        assert_eq!(desired.modules.len(), 1);
+        assert!(desired.modules[0].unload);
+        assert!(desired.modules[0].credential.is_none());
+        assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Loaded));
+        assert_eq!(s.label_patch("a"), None);
+
+        s.agent_event(
+            "a",
+            &event("m", Action::Unload, Outcome::Succeeded, desired.revision),
+        );
+        assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Unloaded));
+        let patch = s.label_patch("a").unwrap();
+        assert!(patch["metadata"]["labels"]["kmm.node.kubernetes.io/ns.m.ready"].is_null());
+    }
+
+    #[test]
+    fn success_for_an_older_revision_does_not_count() {
+        let mut s = cluster();
+        s.set_intents(snapshot(1, vec![intent("m", "v1")]));
+        let old = s.desired_modules("a").revision;
+        s.set_intents(snapshot(2, vec![intent("m", "v2")]));
+        let new = s.desired_modules("a").revision;
+        assert!(new > old);
+        let mut ev = event("m", Action::Load, Outcome::Succeeded, old);
+        ev.version = "v2".into();
+        s.agent_event("a", &ev);
+        assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Pending));
+        ev.desired_revision = new;
+        s.agent_event("a", &ev);
+        assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Loaded));
+    }
+
+    #[test]
+    fn credential_change_alone_keeps_the_module_loaded() {
+        let mut s = cluster();
+        s.set_intents(snapshot(1, vec![intent("m", "v1")]));
+        let rev = s.desired_modules("a").revision;
+        s.agent_event("a", &event("m", Action::Load, Outcome::Succeeded, rev));
+        let mut rotated = snapshot(2, vec![intent("m", "v1")]);
+        rotated.credentials[0].content = Some(Content::DockerConfigJson(b"{\"new\":1}".to_vec()));
+        s.set_intents(rotated);
+        assert!(
+            s.desired_modules("a").revision > rev,
+            "the agent gets the new credential"
+        );
+        assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Loaded));
+    }
+
+    #[test]
+    fn kernel_change_switches_the_image_and_waits_for_proof() {
+        let mut s = cluster();
+        s.set_intents(snapshot(1, vec![intent("m", "v1")]));
+        let rev = s.desired_modules("a").revision;
+        s.agent_event("a", &event("m", Action::Load, Outcome::Succeeded, rev));
+        s.upsert_node(node("a", "6.2", "worker"));
+        let desired = s.desired_modules("a");
+        assert_eq!(
+            desired.modules[0].load.as_ref().unwrap().image,
+            "reg/m:6.2-v1"
+        );
+        assert!(!desired.modules[0].unload);
+        assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Pending));
+        // The rebooted node's agent has nothing loaded: labels go.
+        s.agent_hello("a", &hello("a", &[]));
+        assert!(s.label_patch("a").is_none(), "node a carries no labels yet");
+    }
+
+    #[test]
+    fn unresolved_kernel_is_failed_and_never_labelled() {
+        let mut s = cluster();
+        s.upsert_node(node("a", "5.14", "worker"));
+        s.set_intents(snapshot(1, vec![intent("m", "v1")]));
+        assert!(s.desired_modules("a").modules.is_empty());
+        let st = &s.statuses()[&(id("m"), "a".to_string())];
+        assert_eq!(st.state, ModuleState::Failed as i32);
+        assert_eq!(st.reason, "NoKernelMapping");
+        assert_eq!(st.kernel, "5.14");
+        s.agent_hello("a", &hello("a", &[]));
+        assert_eq!(s.label_patch("a"), None);
+    }
+
+    #[test]
+    fn failed_load_reports_the_agents_error() {
+        let mut s = cluster();
+        s.set_intents(snapshot(1, vec![intent("m", "v1")]));
+        let rev = s.desired_modules("a").revision;
+        s.agent_event("a", &event("m", Action::Load, Outcome::Failed, rev));
+        let st = &s.statuses()[&(id("m"), "a".to_string())];
+        assert_eq!(st.state, ModuleState::Failed as i32);
+        assert_eq!(st.reason, "LoadFailed");
+        assert_eq!(st.message, "insmod: ERROR");
+    }
+
+    #[test]
+    fn absent_module_is_forgotten_not_unloaded() {
+        let mut s = cluster();
+        s.set_intents(snapshot(1, vec![intent("m", "v1"), intent("keep", "v1")]));
+        let rev = s.desired_modules("a").revision;
+        s.agent_event("a", &event("m", Action::Load, Outcome::Succeeded, rev));
+        s.set_intents(snapshot(2, vec![intent("keep", "v1")]));
+        let desired = s.desired_modules("a");
+        assert_eq!(desired.modules.len(), 1);
+        assert_eq!(
+            ModuleId::from_key(desired.modules[0].key.as_ref()),
+            id("keep")
+        );
+        assert!(!desired.modules.iter().any(|m| m.unload));
+        assert_eq!(state_of(&s, "m", "a"), None);
+        let mut facts = node("a", "6.1", "worker");
+        facts
+            .labels
+            .insert("kmm.node.kubernetes.io/ns.m.ready".into(), String::new());
+        s.upsert_node(facts);
+        let patch = s.label_patch("a");
+        assert!(
+            patch.is_none_or(|p| p["metadata"]["labels"]
+                .get("kmm.node.kubernetes.io/ns.m.ready")
+                .is_none()),
+            "labels of a forgotten module are not touched"
+        );
+    }
+
+    #[test]
+    fn explicit_unload_reaches_every_node_and_reports_where_it_was() {
+        let mut s = cluster();
+        s.set_intents(snapshot(1, vec![intent("m", "v1")]));
+        let mut gone = intent("m", "v1");
+        gone.unload = true;
+        s.set_intents(snapshot(2, vec![gone]));
+        for n in NODES {
+            let desired = s.desired_modules(n);
+            assert_eq!(desired.modules.len(), 1, "{n}");
+            assert!(desired.modules[0].unload);
+        }
+        assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Pending));
+        assert_eq!(state_of(&s, "m", "b"), Some(ModuleState::Pending));
+        s.agent_hello("a", &hello("a", &[]));
+        assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Unloaded));
+    }
+
+    #[test]
+    fn hello_with_a_module_on_a_deselected_node_unloads_it() {
+        let mut s = cluster();
+        s.set_intents(snapshot(1, vec![intent("m", "v1")]));
+        assert!(s.desired_modules("b").modules.is_empty());
+        s.agent_hello("b", &hello("b", &[("m", "v1")]));
+        let desired = s.desired_modules("b");
+        assert_eq!(desired.modules.len(), 1);
+        assert!(desired.modules[0].unload);
+    }
+
+    #[test]
+    fn hello_proves_a_module_loaded_before_a_proxy_restart() {
+        let mut s = cluster();
+        s.set_intents(snapshot(1, vec![intent("m", "v1")]));
+        s.agent_hello("a", &hello("a", &[("m", "v1")]));
+        assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Loaded));
+        s.agent_hello("a", &hello("a", &[("m", "v0")]));
+        assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Pending));
+    }
+
+    #[test]
+    fn revision_is_stable_without_change_and_node_removal_drops_entries() {
+        let mut s = cluster();
+        s.set_intents(snapshot(1, vec![intent("m", "v1")]));
+        let rev = s.desired_modules("a").revision;
+        s.set_intents(snapshot(2, vec![intent("m", "v1")]));
+        assert_eq!(s.desired_modules("a").revision, rev);
+        s.remove_node("a");
+        assert_eq!(s.desired_modules("a"), DesiredModules::default());
+        assert!(s.statuses().is_empty());
+        assert_eq!(s.inventory().kernels[0].node_count, 1);
+    }
+}

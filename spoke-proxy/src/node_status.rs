@@ -1,0 +1,393 @@
+//! Per module per node status, from the placement and what the node's agent has
+//! proven, and the full/delta reports the hub receives. Pure.
+
+use std::collections::BTreeMap;
+
+use kmm_proto::v1::{Action, ModuleNodeKey, ModuleNodeStatus, ModuleState, NodeStatusReport};
+
+use crate::agent_view::AgentView;
+use crate::module_id::ModuleId;
+use crate::placement::Placement;
+
+/// Reason for a load the agent reported failed.
+pub const REASON_LOAD_FAILED: &str = "LoadFailed";
+/// Reason for an unload the agent reported failed (the module stays loaded).
+pub const REASON_UNLOAD_FAILED: &str = "UnloadFailed";
+
+/// One module's state on one node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Assessment {
+    pub state: ModuleState,
+    pub loaded_version: String,
+    pub reason: String,
+    pub message: String,
+}
+
+impl Assessment {
+    fn new(state: ModuleState, reason: &str, message: String) -> Self {
+        Self {
+            state,
+            loaded_version: String::new(),
+            reason: reason.to_owned(),
+            message,
+        }
+    }
+}
+
+/// Whether a module loaded from an image with `digest` satisfies `image`: an image
+/// pinned by digest must match it; a tag is resolved by the agent once, so any digest.
+pub fn digest_matches(image: &str, digest: &str) -> bool {
+    image
+        .split_once('@')
+        .is_none_or(|(_, pinned)| pinned == digest)
+}
+
+/// The state of `id` on a node where it is placed as `placement`. `since` is the
+/// DesiredModules revision at which the node's entry for the module last changed: only
+/// the agent's reports acting on that revision or later speak for the current intent.
+/// `None` when the module is not the node's business.
+pub fn assess(
+    placement: &Placement,
+    view: Option<&AgentView>,
+    id: &ModuleId,
+    kernel: &str,
+    since: u64,
+) -> Option<Assessment> {
+    let proof = view.and_then(|v| v.loaded.get(id));
+    let failure = view
+        .and_then(|v| v.failures.get(id))
+        .filter(|f| f.revision >= since);
+    Some(match placement {
+        Placement::NotApplicable => return None,
+        Placement::Unresolved(unresolved) => Assessment::new(
+            ModuleState::Failed,
+            &unresolved.reason,
+            unresolved.message.clone(),
+        ),
+        Placement::AwaitingKernel => Assessment::new(
+            ModuleState::Pending,
+            "",
+            format!("no image resolved yet for kernel {kernel:?}"),
+        ),
+        Placement::Load(load) => {
+            let current = proof.filter(|p| {
+                p.version == load.version
+                    && p.revision.map_or_else(
+                        || digest_matches(&load.image, &p.image_digest),
+                        |r| r >= since,
+                    )
+            });
+            match (current, failure) {
+                (Some(p), _) => Assessment {
+                    state: ModuleState::Loaded,
+                    loaded_version: p.version.clone(),
+                    reason: String::new(),
+                    message: String::new(),
+                },
+                (None, Some(f)) => Assessment::new(
+                    ModuleState::Failed,
+                    if f.action == Action::Unload {
+                        REASON_UNLOAD_FAILED
+                    } else {
+                        REASON_LOAD_FAILED
+                    },
+                    f.error.clone(),
+                ),
+                (None, None) if view.is_none() => Assessment::new(
+                    ModuleState::Pending,
+                    "",
+                    "waiting for the node agent to connect".into(),
+                ),
+                (None, None) => Assessment::new(
+                    ModuleState::Pending,
+                    "",
+                    format!("waiting for the node agent to load {}", load.image),
+                ),
+            }
+        }
+        Placement::Unload => match (view, proof, failure) {
+            (Some(_), None, _) => Assessment::new(ModuleState::Unloaded, "", String::new()),
+            (_, _, Some(f)) if f.action == Action::Unload => {
+                Assessment::new(ModuleState::Failed, REASON_UNLOAD_FAILED, f.error.clone())
+            }
+            (_, Some(p), _) => Assessment {
+                state: ModuleState::Loaded,
+                loaded_version: p.version.clone(),
+                reason: String::new(),
+                message: "unload requested".into(),
+            },
+            (None, None, _) => Assessment::new(
+                ModuleState::Pending,
+                "",
+                "waiting for the node agent to confirm the unload".into(),
+            ),
+        },
+    })
+}
+
+/// A status entry's identity: module and node.
+pub type StatusKey = (ModuleId, String);
+
+/// Builds the wire status of `key`.
+pub fn to_status(key: &StatusKey, kernel: &str, assessment: Assessment) -> ModuleNodeStatus {
+    ModuleNodeStatus {
+        key: Some(wire_key(key)),
+        kernel: kernel.to_owned(),
+        state: assessment.state.into(),
+        loaded_version: assessment.loaded_version,
+        message: assessment.message,
+        reason: assessment.reason,
+    }
+}
+
+fn wire_key((module, node): &StatusKey) -> ModuleNodeKey {
+    ModuleNodeKey {
+        module: Some(module.key()),
+        node: node.clone(),
+    }
+}
+
+/// What the hub was last told, so later reports carry only changes.
+#[derive(Clone, Debug, Default)]
+pub struct StatusReporter {
+    sent: BTreeMap<StatusKey, ModuleNodeStatus>,
+}
+
+impl StatusReporter {
+    /// The complete state, for the first report of a stream.
+    pub fn full(&mut self, current: BTreeMap<StatusKey, ModuleNodeStatus>) -> NodeStatusReport {
+        let statuses = current.values().cloned().collect();
+        self.sent = current;
+        NodeStatusReport {
+            full: true,
+            statuses,
+            removed: Vec::new(),
+        }
+    }
+
+    /// Changed and removed entries since the last report; `None` when nothing changed.
+    pub fn delta(
+        &mut self,
+        current: BTreeMap<StatusKey, ModuleNodeStatus>,
+    ) -> Option<NodeStatusReport> {
+        let statuses: Vec<_> = current
+            .iter()
+            .filter(|(key, status)| self.sent.get(*key) != Some(*status))
+            .map(|(_, status)| status.clone())
+            .collect();
+        let removed: Vec<_> = self
+            .sent
+            .keys()
+            .filter(|key| !current.contains_key(*key))
+            .map(wire_key)
+            .collect();
+        self.sent = current;
+        (!statuses.is_empty() || !removed.is_empty()).then_some(NodeStatusReport {
+            full: false,
+            statuses,
+            removed,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::agent_view::{Failure, LoadedProof};
+    use kmm_proto::v1::{ModuleLoad, Unresolved};
+
+    fn id() -> ModuleId {
+        ModuleId {
+            namespace: "ns".into(),
+            name: "m".into(),
+        }
+    }
+
+    fn load(version: &str, image: &str) -> Placement {
+        Placement::Load(Box::new(ModuleLoad {
+            image: image.into(),
+            version: version.into(),
+            ..Default::default()
+        }))
+    }
+
+    fn view_with(version: &str, revision: Option<u64>) -> AgentView {
+        let mut view = AgentView::default();
+        view.loaded.insert(
+            id(),
+            LoadedProof {
+                version: version.into(),
+                image_digest: "sha256:aa".into(),
+                revision,
+            },
+        );
+        view
+    }
+
+    fn failed(action: Action, revision: u64) -> AgentView {
+        let mut view = AgentView::default();
+        view.failures.insert(
+            id(),
+            Failure {
+                action,
+                revision,
+                error: "modprobe: FATAL: Module m not found".into(),
+            },
+        );
+        view
+    }
+
+    fn state(placement: &Placement, view: Option<&AgentView>, since: u64) -> ModuleState {
+        assess(placement, view, &id(), "6.1", since).unwrap().state
+    }
+
+    #[test]
+    fn pending_until_the_agent_proves_the_current_intent() {
+        let p = load("v1", "reg/m:v1");
+        assert_eq!(state(&p, None, 5), ModuleState::Pending);
+        assert_eq!(
+            state(&p, Some(&AgentView::default()), 5),
+            ModuleState::Pending
+        );
+        // A success acting on an older revision says nothing about the current intent.
+        assert_eq!(
+            state(&p, Some(&view_with("v1", Some(4))), 5),
+            ModuleState::Pending
+        );
+        let loaded = assess(&p, Some(&view_with("v1", Some(5))), &id(), "6.1", 5).unwrap();
+        assert_eq!(loaded.state, ModuleState::Loaded);
+        assert_eq!(loaded.loaded_version, "v1");
+        assert_eq!(
+            state(&p, Some(&view_with("v0", Some(9))), 5),
+            ModuleState::Pending
+        );
+    }
+
+    #[test]
+    fn hello_proof_counts_when_version_and_pinned_digest_match() {
+        assert_eq!(
+            state(&load("v1", "reg/m:v1"), Some(&view_with("v1", None)), 5),
+            ModuleState::Loaded
+        );
+        assert_eq!(
+            state(
+                &load("v1", "reg/m@sha256:aa"),
+                Some(&view_with("v1", None)),
+                5
+            ),
+            ModuleState::Loaded
+        );
+        assert_eq!(
+            state(
+                &load("v1", "reg/m@sha256:bb"),
+                Some(&view_with("v1", None)),
+                5
+            ),
+            ModuleState::Pending
+        );
+        assert_eq!(
+            state(&load("v2", "reg/m:v2"), Some(&view_with("v1", None)), 5),
+            ModuleState::Pending
+        );
+    }
+
+    #[test]
+    fn failure_for_the_current_intent_carries_the_agents_error() {
+        let p = load("v1", "reg/m:v1");
+        let a = assess(&p, Some(&failed(Action::Load, 5)), &id(), "6.1", 5).unwrap();
+        assert_eq!(a.state, ModuleState::Failed);
+        assert_eq!(a.reason, REASON_LOAD_FAILED);
+        assert_eq!(a.message, "modprobe: FATAL: Module m not found");
+        assert_eq!(
+            state(&p, Some(&failed(Action::Load, 4)), 5),
+            ModuleState::Pending
+        );
+        let u = assess(&p, Some(&failed(Action::Unload, 6)), &id(), "6.1", 5).unwrap();
+        assert_eq!(u.reason, REASON_UNLOAD_FAILED);
+    }
+
+    #[test]
+    fn unresolved_kernel_is_failed_with_the_hubs_reason() {
+        let p = Placement::Unresolved(Unresolved {
+            reason: "NoKernelMapping".into(),
+            message: "no kernel mapping matches 5.14".into(),
+        });
+        let a = assess(&p, Some(&view_with("v1", Some(9))), &id(), "5.14", 1).unwrap();
+        assert_eq!(a.state, ModuleState::Failed);
+        assert_eq!(a.reason, "NoKernelMapping");
+        assert_eq!(a.message, "no kernel mapping matches 5.14");
+    }
+
+    #[test]
+    fn awaiting_kernel_is_pending_and_names_it() {
+        let a = assess(&Placement::AwaitingKernel, None, &id(), "6.9", 1).unwrap();
+        assert_eq!(a.state, ModuleState::Pending);
+        assert!(a.message.contains("6.9"));
+    }
+
+    #[test]
+    fn unload_is_confirmed_only_by_the_agent() {
+        let p = Placement::Unload;
+        assert_eq!(state(&p, None, 1), ModuleState::Pending);
+        let still = assess(&p, Some(&view_with("v1", Some(1))), &id(), "6.1", 2).unwrap();
+        assert_eq!(still.state, ModuleState::Loaded);
+        assert_eq!(still.message, "unload requested");
+        assert_eq!(
+            state(&p, Some(&AgentView::default()), 2),
+            ModuleState::Unloaded
+        );
+        let mut stuck = view_with("v1", Some(1));
+        stuck.failures = failed(Action::Unload, 2).failures;
+        let a = assess(&p, Some(&stuck), &id(), "6.1", 2).unwrap();
+        assert_eq!(a.state, ModuleState::Failed);
+        assert_eq!(a.reason, REASON_UNLOAD_FAILED);
+    }
+
+    #[test]
+    fn not_applicable_has_no_status() {
+        assert_eq!(
+            assess(&Placement::NotApplicable, None, &id(), "6.1", 1),
+            None
+        );
+    }
+
+    #[test]
+    fn digest_matching() {
+        assert!(digest_matches("reg/m:tag", "sha256:x"));
+        assert!(digest_matches("reg/m@sha256:x", "sha256:x"));
+        assert!(!digest_matches("reg/m@sha256:x", "sha256:y"));
+    }
+
+    fn entry(node: &str, state: ModuleState) -> (StatusKey, ModuleNodeStatus) {
+        let key = (id(), node.to_string());
+        let status = to_status(&key, "6.1", Assessment::new(state, "", String::new()));
+        (key, status)
+    }
+
+    #[test]
+    fn reporter_sends_full_then_only_changes_and_removals() {
+        let mut reporter = StatusReporter::default();
+        let first: BTreeMap<_, _> = [
+            entry("a", ModuleState::Pending),
+            entry("b", ModuleState::Pending),
+        ]
+        .into();
+        let full = reporter.full(first.clone());
+        assert!(full.full);
+        assert_eq!(full.statuses.len(), 2);
+        assert_eq!(reporter.delta(first), None);
+
+        let second: BTreeMap<_, _> = [entry("a", ModuleState::Loaded)].into();
+        let delta = reporter.delta(second.clone()).unwrap();
+        assert!(!delta.full);
+        assert_eq!(delta.statuses.len(), 1);
+        assert_eq!(delta.statuses[0].state, ModuleState::Loaded as i32);
+        assert_eq!(delta.removed.len(), 1);
+        assert_eq!(delta.removed[0].node, "b");
+
+        // After a reconnect the full report replaces everything again.
+        let again = reporter.full(second);
+        assert!(again.full);
+        assert_eq!(again.statuses.len(), 1);
+    }
+}

@@ -1,0 +1,227 @@
+//! Which intent applies to one node: node selector, tolerations against the node's
+//! taints, then the kernel target for the node's kernel. Pure.
+
+use std::collections::HashMap;
+
+use kmm_proto::v1::{ModuleIntent, ModuleLoad, Unresolved, kernel_target::Target};
+
+use crate::node_facts::NodeFacts;
+use crate::tolerations::blocking_taint;
+
+/// What one module means for one node.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Placement {
+    /// The node must run this load.
+    Load(Box<ModuleLoad>),
+    /// The node is selected but no image resolves for its kernel.
+    Unresolved(Unresolved),
+    /// The node is selected but the hub has not resolved its kernel (yet).
+    AwaitingKernel,
+    /// The module must leave the node: the hub asked for it, or the node is no longer
+    /// selected while the module may still be on it.
+    Unload,
+    /// The module is not for this node and never was: nothing to do or report.
+    NotApplicable,
+}
+
+impl Placement {
+    /// Whether the node is meant to run the module (whatever the kernel target).
+    pub fn is_selected(&self) -> bool {
+        matches!(
+            self,
+            Self::Load(_) | Self::Unresolved(_) | Self::AwaitingKernel
+        )
+    }
+}
+
+/// Whether `selector` (matchLabels semantics; empty selects every node) selects `labels`.
+pub fn selects(
+    selector: &HashMap<String, String>,
+    labels: &std::collections::BTreeMap<String, String>,
+) -> bool {
+    selector
+        .iter()
+        .all(|(key, value)| labels.get(key) == Some(value))
+}
+
+/// Places `intent` on `node`. `may_have_it` says whether the module may be on the node
+/// (placed there earlier, or reported loaded by its agent): a node that stops matching
+/// gets an explicit unload only then, so no unload is sent for a module never there.
+pub fn place(intent: &ModuleIntent, node: &NodeFacts, may_have_it: bool) -> Placement {
+    if intent.unload {
+        return Placement::Unload;
+    }
+    let matches = selects(&intent.node_selector, &node.labels)
+        && blocking_taint(&intent.tolerations, &node.taints).is_none();
+    if !matches {
+        return if may_have_it {
+            Placement::Unload
+        } else {
+            Placement::NotApplicable
+        };
+    }
+    if node.kernel.is_empty() {
+        return Placement::AwaitingKernel;
+    }
+    match intent
+        .kernels
+        .iter()
+        .find(|k| k.kernel == node.kernel)
+        .and_then(|k| k.target.as_ref())
+    {
+        Some(Target::Load(load)) => Placement::Load(Box::new(load.clone())),
+        Some(Target::Unresolved(unresolved)) => Placement::Unresolved(unresolved.clone()),
+        None => Placement::AwaitingKernel,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::node_facts::Taint;
+    use kmm_proto::v1::{KernelTarget, ModuleKey, Toleration};
+
+    fn load(image: &str) -> ModuleLoad {
+        ModuleLoad {
+            image: image.into(),
+            version: "1".into(),
+            ..Default::default()
+        }
+    }
+
+    fn intent() -> ModuleIntent {
+        ModuleIntent {
+            key: Some(ModuleKey {
+                namespace: "ns".into(),
+                name: "m".into(),
+            }),
+            generation: 1,
+            node_selector: [("role".to_string(), "worker".to_string())].into(),
+            tolerations: vec![],
+            kernels: vec![
+                KernelTarget {
+                    kernel: "6.1".into(),
+                    target: Some(Target::Load(load("reg/m:6.1"))),
+                },
+                KernelTarget {
+                    kernel: "6.2".into(),
+                    target: Some(Target::Load(load("reg/m:6.2"))),
+                },
+                KernelTarget {
+                    kernel: "5.14".into(),
+                    target: Some(Target::Unresolved(Unresolved {
+                        reason: "NoKernelMapping".into(),
+                        message: "no mapping matches 5.14".into(),
+                    })),
+                },
+            ],
+            unload: false,
+        }
+    }
+
+    fn node(kernel: &str) -> NodeFacts {
+        NodeFacts {
+            name: "n".into(),
+            kernel: kernel.into(),
+            labels: [("role".to_string(), "worker".to_string())].into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn selected_node_gets_the_image_of_its_kernel() {
+        assert_eq!(
+            place(&intent(), &node("6.1"), false),
+            Placement::Load(Box::new(load("reg/m:6.1")))
+        );
+    }
+
+    #[test]
+    fn kernel_change_switches_the_image() {
+        assert_eq!(
+            place(&intent(), &node("6.2"), true),
+            Placement::Load(Box::new(load("reg/m:6.2")))
+        );
+    }
+
+    #[test]
+    fn unresolved_kernel_carries_the_hubs_reason() {
+        let Placement::Unresolved(u) = place(&intent(), &node("5.14"), false) else {
+            panic!("expected unresolved");
+        };
+        assert_eq!(u.reason, "NoKernelMapping");
+        assert_eq!(u.message, "no mapping matches 5.14");
+    }
+
+    #[test]
+    fn kernel_unknown_to_the_hub_or_unreported_waits() {
+        assert_eq!(
+            place(&intent(), &node("7.0"), false),
+            Placement::AwaitingKernel
+        );
+        assert_eq!(
+            place(&intent(), &node(""), false),
+            Placement::AwaitingKernel
+        );
+        let mut no_target = intent();
+        no_target.kernels[0].target = None;
+        assert_eq!(
+            place(&no_target, &node("6.1"), false),
+            Placement::AwaitingKernel
+        );
+    }
+
+    #[test]
+    fn selector_must_match_every_label() {
+        let mut n = node("6.1");
+        n.labels.insert("role".into(), "infra".into());
+        assert_eq!(place(&intent(), &n, false), Placement::NotApplicable);
+        n.labels.clear();
+        assert_eq!(place(&intent(), &n, false), Placement::NotApplicable);
+        let mut all = intent();
+        all.node_selector.clear();
+        assert!(place(&all, &n, false).is_selected());
+    }
+
+    #[test]
+    fn deselection_unloads_only_where_the_module_may_be() {
+        let mut n = node("6.1");
+        n.labels.clear();
+        assert_eq!(place(&intent(), &n, true), Placement::Unload);
+        assert_eq!(place(&intent(), &n, false), Placement::NotApplicable);
+    }
+
+    #[test]
+    fn untolerated_taint_keeps_the_module_off() {
+        let mut n = node("6.1");
+        n.taints.push(Taint {
+            key: "dedicated".into(),
+            value: "gpu".into(),
+            effect: "NoSchedule".into(),
+        });
+        assert_eq!(place(&intent(), &n, false), Placement::NotApplicable);
+        assert_eq!(place(&intent(), &n, true), Placement::Unload);
+        let mut tolerant = intent();
+        tolerant.tolerations.push(Toleration {
+            key: "dedicated".into(),
+            operator: "Equal".into(),
+            value: "gpu".into(),
+            effect: "NoSchedule".into(),
+        });
+        assert_eq!(
+            place(&tolerant, &n, false),
+            Placement::Load(Box::new(load("reg/m:6.1")))
+        );
+    }
+
+    #[test]
+    fn explicit_unload_applies_to_every_node() {
+        let mut gone = intent();
+        gone.unload = true;
+        assert_eq!(place(&gone, &node("6.1"), false), Placement::Unload);
+        let mut other = node("6.1");
+        other.labels.clear();
+        assert_eq!(place(&gone, &other, false), Placement::Unload);
+        assert!(!Placement::Unload.is_selected());
+    }
+}
