@@ -1,3 +1,4 @@
 //! The kmm-fleet hub. The binary (`main.rs`) is thin wiring over these modules.
 
 pub mod fleet;
+pub mod serve;

@@ -2,6 +2,7 @@
 
 mod module_document;
 mod render;
+mod serve_command;
 
 use std::process::ExitCode;
 
@@ -17,15 +18,22 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+
+    #[command(flatten)]
+    logging: kmm_runtime::cli::LoggingArgs,
 }
 
 #[derive(Debug, Subcommand)]
 enum Command {
     Render(render::Args),
+    Serve(serve_command::Args),
 }
 
 fn main() -> ExitCode {
-    match Cli::parse().command {
+    let cli = Cli::parse();
+    kmm_runtime::logging::init(&cli.logging);
+    match cli.command {
         Command::Render(args) => render::run(&args),
+        Command::Serve(args) => serve_command::run(args),
     }
 }

@@ -1,0 +1,290 @@
+//! The ManagedClusterModule controller: a finalizer guards every module, the spec is
+//! validated, the fleet view recomputes the clusters' snapshots, status (counts, failure
+//! sample, `Ready`) is written by server-side apply, transitions become Events, and a
+//! deleted module's finalizer goes once every affected node confirmed the unload or the
+//! unload timeout elapsed.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kmm_api::{ManagedClusterModule, ManagedClusterModuleStatus};
+use kmm_resolver::{ModuleIdentity, validate};
+use kube::api::{Patch, PatchParams};
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Event, EventType, Recorder};
+use kube::{Api, Resource, ResourceExt};
+use serde_json::json;
+use thiserror::Error;
+
+use crate::fleet::deletion::{Deletion, decide, describe};
+use crate::fleet::readiness::{READY, is_transition, phase, ready_condition, summary};
+
+use super::fleet_state::FleetState;
+use super::metrics::Metrics;
+
+/// Held by every ManagedClusterModule until its unload is confirmed or timed out.
+pub const FINALIZER: &str = "hub.kmm.sigs.x-k8s.io/unload";
+/// Field manager of the hub's status writes.
+pub const FIELD_MANAGER: &str = "kmm-hub";
+/// Level-based safety net: every module is reconciled at least this often.
+const RESYNC: Duration = Duration::from_secs(300);
+/// While unloading, check again at least this often (reports also trigger a check).
+const UNLOAD_RECHECK: Duration = Duration::from_secs(10);
+/// Leftovers named in an Event or log line.
+const LEFTOVERS_SHOWN: usize = 20;
+
+#[derive(Debug, Error)]
+pub enum ReconcileError {
+    #[error("ManagedClusterModule {name}: {action}: {source}")]
+    Api {
+        name: String,
+        action: &'static str,
+        source: kube::Error,
+    },
+}
+
+/// What every reconciliation shares.
+pub struct Context {
+    pub api: Api<ManagedClusterModule>,
+    pub state: Arc<FleetState>,
+    pub recorder: Recorder,
+    pub unload_timeout: Duration,
+    pub metrics: Metrics,
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context")
+            .field("unload_timeout", &self.unload_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+pub async fn reconcile(
+    module: Arc<ManagedClusterModule>,
+    ctx: Arc<Context>,
+) -> Result<Action, ReconcileError> {
+    let name = module.name_any();
+    let has_finalizer = module.finalizers().iter().any(|f| f == FINALIZER);
+    let deleting = module.metadata.deletion_timestamp.is_some();
+    if !deleting && !has_finalizer {
+        // The update it causes reconciles the module again.
+        add_finalizer(&ctx.api, &module).await?;
+        return Ok(Action::await_change());
+    }
+    if deleting && !has_finalizer {
+        return Ok(Action::await_change());
+    }
+    ctx.state.note_module(&module);
+    let invalid = validate(
+        &module.spec.module_spec,
+        ModuleIdentity {
+            name: &name,
+            namespace: &module.spec.spoke_namespace,
+            spec_path: "spec.moduleSpec",
+        },
+    )
+    .err()
+    .map(|errors| errors.to_string());
+    let (mut status, leftovers) = ctx.state.module_view(&module);
+    let mut detail = invalid.clone().unwrap_or_default();
+    let mut requeue = RESYNC;
+    if deleting {
+        let since = module
+            .metadata
+            .deletion_timestamp
+            .as_ref()
+            .map_or(Timestamp::now(), |t| t.0);
+        let elapsed =
+            Duration::try_from(Timestamp::now().duration_since(since)).unwrap_or_default();
+        match decide(leftovers, elapsed, ctx.unload_timeout) {
+            Deletion::Complete => {
+                tracing::info!(
+                    module = name,
+                    "unload confirmed everywhere; releasing the finalizer"
+                );
+                publish(
+                    &ctx,
+                    &module,
+                    EventType::Normal,
+                    "Unloaded",
+                    "the module is unloaded on every affected node".into(),
+                )
+                .await;
+                return release(&ctx, &module).await;
+            }
+            Deletion::TimedOut(leftovers) => {
+                let list = describe(&leftovers, LEFTOVERS_SHOWN);
+                tracing::warn!(module = name, leftovers = %list, timeout = ?ctx.unload_timeout, "unload not confirmed in time; releasing the finalizer");
+                publish(
+                    &ctx,
+                    &module,
+                    EventType::Warning,
+                    "UnloadTimedOut",
+                    format!(
+                        "unload not confirmed within {}s on: {list}",
+                        ctx.unload_timeout.as_secs()
+                    ),
+                )
+                .await;
+                return release(&ctx, &module).await;
+            }
+            Deletion::Waiting(leftovers) => {
+                detail = format!(
+                    "waiting for the unload on: {}",
+                    describe(&leftovers, LEFTOVERS_SHOWN)
+                );
+                requeue = UNLOAD_RECHECK
+                    .min(ctx.unload_timeout.saturating_sub(elapsed) + Duration::from_millis(100));
+            }
+        }
+    }
+    let current = module.status.as_ref();
+    let previous = current.and_then(|s| s.conditions.iter().find(|c| c.type_ == READY));
+    let phase = phase(&status, invalid.is_some(), deleting);
+    let condition = ready_condition(
+        phase,
+        summary(&status, phase, &detail),
+        module.metadata.generation,
+        previous,
+        Time(Timestamp::now()),
+    );
+    let transition = is_transition(previous, &condition);
+    status.conditions = vec![condition.clone()];
+    if current != Some(&status) {
+        write_status(&ctx.api, &name, &status).await?;
+    }
+    if transition {
+        let type_ = if phase.is_warning() {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        };
+        publish(
+            &ctx,
+            &module,
+            type_,
+            phase.reason(),
+            condition.message.clone(),
+        )
+        .await;
+    }
+    Ok(Action::requeue(requeue))
+}
+
+pub fn error_policy(
+    module: Arc<ManagedClusterModule>,
+    error: &ReconcileError,
+    ctx: Arc<Context>,
+) -> Action {
+    ctx.metrics.reconcile_errors.inc();
+    tracing::warn!(module = module.name_any(), %error, "reconcile failed");
+    Action::requeue(Duration::from_secs(5))
+}
+
+async fn add_finalizer(
+    api: &Api<ManagedClusterModule>,
+    module: &ManagedClusterModule,
+) -> Result<(), ReconcileError> {
+    // `test` on resourceVersion: never overwrite finalizers someone changed meanwhile.
+    let mut finalizers = module.finalizers().to_vec();
+    finalizers.push(FINALIZER.to_owned());
+    let patch = json!([
+        {"op": "test", "path": "/metadata/resourceVersion", "value": module.resource_version()},
+        {"op": "add", "path": "/metadata/finalizers", "value": finalizers},
+    ]);
+    patch_json(api, module, patch, "adding the finalizer").await
+}
+
+async fn release(ctx: &Context, module: &ManagedClusterModule) -> Result<Action, ReconcileError> {
+    let Some(index) = module.finalizers().iter().position(|f| f == FINALIZER) else {
+        return Ok(Action::await_change());
+    };
+    let patch = json!([
+        {"op": "test", "path": format!("/metadata/finalizers/{index}"), "value": FINALIZER},
+        {"op": "remove", "path": format!("/metadata/finalizers/{index}")},
+    ]);
+    patch_json(&ctx.api, module, patch, "removing the finalizer").await?;
+    ctx.state.forget_module(module);
+    Ok(Action::await_change())
+}
+
+async fn patch_json(
+    api: &Api<ManagedClusterModule>,
+    module: &ManagedClusterModule,
+    patch: serde_json::Value,
+    action: &'static str,
+) -> Result<(), ReconcileError> {
+    let name = module.name_any();
+    let patch: json_patch::Patch = serde_json::from_value(patch).expect("a well-formed JSON patch");
+    match api
+        .patch(&name, &PatchParams::default(), &Patch::<()>::Json(patch))
+        .await
+    {
+        Ok(_) => Ok(()),
+        // Gone already, or changed meanwhile: the watch brings the newer state.
+        Err(kube::Error::Api(s)) if s.code == 404 || s.code == 422 || s.code == 409 => Ok(()),
+        Err(source) => Err(ReconcileError::Api {
+            name,
+            action,
+            source,
+        }),
+    }
+}
+
+async fn write_status(
+    api: &Api<ManagedClusterModule>,
+    name: &str,
+    status: &ManagedClusterModuleStatus,
+) -> Result<(), ReconcileError> {
+    let patch = json!({
+        "apiVersion": ManagedClusterModule::api_version(&()),
+        "kind": ManagedClusterModule::kind(&()),
+        "status": status,
+    });
+    api.patch_status(
+        name,
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&patch),
+    )
+    .await
+    .map(drop)
+    .map_err(|source| ReconcileError::Api {
+        name: name.to_owned(),
+        action: "writing status",
+        source,
+    })
+}
+
+/// Events are best effort: a failure to record one is logged, never fails reconciliation.
+async fn publish(
+    ctx: &Context,
+    module: &ManagedClusterModule,
+    type_: EventType,
+    reason: &str,
+    note: String,
+) {
+    let event = Event {
+        type_,
+        reason: reason.to_owned(),
+        note: Some(truncate(note, 1024)),
+        action: "Reconcile".to_owned(),
+        secondary: None,
+    };
+    if let Err(error) = ctx.recorder.publish(&event, &module.object_ref(&())).await {
+        tracing::warn!(module = module.name_any(), reason, %error, "cannot record an Event");
+    }
+}
+
+fn truncate(mut text: String, max: usize) -> String {
+    if text.len() > max {
+        let mut end = max;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+    }
+    text
+}

@@ -1,0 +1,203 @@
+//! `kmm-hub serve`: the hub's runtime. Watches feed the fleet view, the gRPC service
+//! streams intents to spoke proxies, the controller writes status and guards deletion.
+
+pub mod ca;
+pub mod controller;
+pub mod fleet_state;
+pub mod metrics;
+pub mod sync_service;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::Secret;
+use kmm_api::ManagedClusterModule;
+use kmm_proto::v1::hub_server::HubServer;
+use kmm_runtime::health::Health;
+use kube::core::DynamicObject;
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::reflector;
+use kube::runtime::{Controller, WatchStreamExt, watcher};
+use kube::{Api, Client};
+use thiserror::Error;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::{TcpListenerStream, WatchStream};
+use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
+
+use self::ca::CaError;
+use self::controller::Context;
+use self::fleet_state::{FleetState, Stores, managed_cluster_resource};
+use self::metrics::Metrics;
+use self::sync_service::SyncService;
+
+/// Everything `serve` needs besides its clients and listeners.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// The hub's namespace: its CA Secret and the modules' pull Secrets.
+    pub namespace: String,
+    /// Subject alternative names of the gRPC serving certificate.
+    pub grpc_sans: Vec<String>,
+    /// How long a deleted module waits for its unload to be confirmed.
+    pub unload_timeout: Duration,
+    /// This replica's name in Events.
+    pub instance: String,
+}
+
+#[derive(Debug, Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Ca(#[from] CaError),
+    #[error("the gRPC server's TLS settings are invalid: {0}")]
+    Tls(tonic::transport::Error),
+    #[error("the gRPC server failed: {0}")]
+    Grpc(tonic::transport::Error),
+}
+
+/// Runs the hub until `shutdown` resolves: the CA is loaded or created first, readiness
+/// turns true once every watch has listed.
+pub async fn run(
+    client: Client,
+    settings: Settings,
+    grpc: TcpListener,
+    health: Health,
+    metrics: Metrics,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    let ca = ca::load_or_create(&client, &settings.namespace).await?;
+    let serving = ca::serving_certificate(&ca, &settings.grpc_sans)?;
+    let tls = ServerTlsConfig::new()
+        .identity(Identity::from_pem(
+            &serving.cert_pem,
+            serving.key_pem.as_bytes(),
+        ))
+        .client_ca_root(Certificate::from_pem(ca.cert_pem()))
+        .timeout(Duration::from_secs(10));
+    drop(ca);
+
+    let modules: Api<ManagedClusterModule> = Api::all(client.clone());
+    let controller = Controller::new(modules.clone(), watcher::Config::default());
+    let cluster_resource = managed_cluster_resource();
+    let clusters_writer = reflector::store::Writer::<DynamicObject>::new(cluster_resource.clone());
+    let secrets_writer = reflector::store::Writer::<Secret>::default();
+    let stores = Stores {
+        modules: controller.store(),
+        clusters: clusters_writer.as_reader(),
+        secrets: secrets_writer.as_reader(),
+    };
+    let state = Arc::new(FleetState::new(stores.clone(), metrics.clone()));
+
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let stop_signal = move || {
+        let mut stopped = stopped.clone();
+        async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        }
+    };
+
+    let clusters_api: Api<DynamicObject> = Api::all_with(client.clone(), &cluster_resource);
+    let clusters = watch_into(
+        state.clone(),
+        clusters_writer,
+        watcher(clusters_api, watcher::Config::default()),
+        "ManagedClusters",
+    );
+    let secrets_api: Api<Secret> = Api::namespaced(client.clone(), &settings.namespace);
+    let secrets = watch_into(
+        state.clone(),
+        secrets_writer,
+        watcher(secrets_api, watcher::Config::default()),
+        "Secrets",
+    );
+    tokio::spawn(wait_synced(stores, state.clone(), health.clone()));
+
+    let context = Arc::new(Context {
+        api: modules,
+        state: state.clone(),
+        recorder: Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: "kmm-hub".into(),
+                instance: Some(settings.instance.clone()),
+            },
+        ),
+        unload_timeout: settings.unload_timeout,
+        metrics: metrics.clone(),
+    });
+    let reconciler = controller
+        .reconcile_all_on(WatchStream::from_changes(state.changes()).map(|_| ()))
+        .with_config(kube::runtime::Config::default().debounce(Duration::from_millis(300)))
+        .graceful_shutdown_on(stop_signal())
+        .run(controller::reconcile, controller::error_policy, context)
+        .for_each(|_| futures::future::ready(()));
+
+    let grpc_server = Server::builder()
+        .tls_config(tls)
+        .map_err(ServeError::Tls)?
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .add_service(HubServer::new(SyncService {
+            state: state.clone(),
+            metrics,
+        }))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), stop_signal());
+    tracing::info!(namespace = settings.namespace, "kmm-hub serving");
+
+    let stopper = async move {
+        shutdown.await;
+        tracing::info!("shutting down");
+        let _ = stop.send(true);
+    };
+    let clusters = abort_on_drop(tokio::spawn(clusters));
+    let secrets = abort_on_drop(tokio::spawn(secrets));
+    let (grpc_result, (), ()) = tokio::join!(grpc_server, reconciler, stopper);
+    drop((clusters, secrets));
+    health.set_ready(false);
+    grpc_result.map_err(ServeError::Grpc)
+}
+
+/// Keeps a reflector store current and recomputes the fleet on every change.
+async fn watch_into<K>(
+    state: Arc<FleetState>,
+    writer: reflector::store::Writer<K>,
+    stream: impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send,
+    what: &'static str,
+) where
+    K: kube::Resource + Clone + std::fmt::Debug + Send + Sync + 'static,
+    K::DynamicType: Clone + Eq + std::hash::Hash,
+{
+    let mut events = std::pin::pin!(reflector::reflector(writer, stream).default_backoff());
+    loop {
+        match events.try_next().await {
+            Ok(Some(watcher::Event::InitApply(_) | watcher::Event::Init)) => {}
+            Ok(Some(_)) => state.recompute_all(),
+            Ok(None) => return,
+            Err(error) => tracing::warn!(what, %error, "watch failed; retrying"),
+        }
+    }
+}
+
+async fn wait_synced(stores: Stores, state: Arc<FleetState>, health: Health) {
+    let ready = async {
+        stores.modules.wait_until_ready().await?;
+        stores.clusters.wait_until_ready().await?;
+        stores.secrets.wait_until_ready().await
+    };
+    if ready.await.is_ok() {
+        tracing::info!("caches synced; intents may go out");
+        state.set_synced();
+        health.set_ready(true);
+    }
+}
+
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+fn abort_on_drop<T>(handle: tokio::task::JoinHandle<T>) -> AbortOnDrop<T> {
+    AbortOnDrop(handle)
+}

@@ -1,0 +1,188 @@
+//! The `Hub.Sync` gRPC service: one stream per managed cluster, identified by the client
+//! certificate's subject (never by a message field), the newest stream of a cluster
+//! replacing any older one.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::{Stream, StreamExt};
+use kmm_proto::v1::{HubMessage, ProxyMessage, hub_message, hub_server::Hub, proxy_message};
+use tokio::sync::watch;
+use tonic::{Code, Request, Response, Status, Streaming};
+use x509_parser::prelude::{FromDer, X509Certificate};
+
+use crate::fleet::cluster_identity::ClusterIdentity;
+
+use super::fleet_state::{FleetState, Outbound};
+use super::metrics::Metrics;
+
+/// How long a new stream may take to say hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The service, sharing the fleet view with the controller.
+#[derive(Debug, Clone)]
+pub struct SyncService {
+    pub state: Arc<FleetState>,
+    pub metrics: Metrics,
+}
+
+type Outgoing = Pin<Box<dyn Stream<Item = Result<HubMessage, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Hub for SyncService {
+    type SyncStream = Outgoing;
+
+    async fn sync(
+        &self,
+        request: Request<Streaming<ProxyMessage>>,
+    ) -> Result<Response<Self::SyncStream>, Status> {
+        let identity = peer_identity(&request).inspect_err(|status| {
+            self.metrics.streams_refused.inc();
+            tracing::warn!(error = status.message(), "refused a proxy stream");
+        })?;
+        let (outbound, receiver) = watch::channel(Outbound::Idle);
+        tokio::spawn(serve_stream(
+            self.state.clone(),
+            self.metrics.clone(),
+            identity,
+            request.into_inner(),
+            outbound,
+        ));
+        Ok(Response::new(outgoing(receiver)))
+    }
+}
+
+/// The cluster named by the verified client certificate's common name.
+fn peer_identity<T>(request: &Request<T>) -> Result<ClusterIdentity, Status> {
+    let certs = request
+        .peer_certs()
+        .ok_or_else(|| Status::unauthenticated("a client certificate is required"))?;
+    let leaf = certs
+        .first()
+        .ok_or_else(|| Status::unauthenticated("a client certificate is required"))?;
+    let (_, cert) = X509Certificate::from_der(leaf.as_ref())
+        .map_err(|e| Status::unauthenticated(format!("unreadable client certificate: {e}")))?;
+    let common_name = cert
+        .subject()
+        .iter_common_name()
+        .next()
+        .and_then(|cn| cn.as_str().ok())
+        .ok_or_else(|| Status::unauthenticated("the client certificate has no common name"))?;
+    ClusterIdentity::from_common_name(common_name)
+        .map_err(|e| Status::permission_denied(e.to_string()))
+}
+
+/// Reads one stream: hello first, then inventories and status reports, until the proxy
+/// ends it or a newer stream of the same cluster replaces it.
+async fn serve_stream(
+    state: Arc<FleetState>,
+    metrics: Metrics,
+    identity: ClusterIdentity,
+    mut inbound: Streaming<ProxyMessage>,
+    outbound: watch::Sender<Outbound>,
+) {
+    let cluster = identity.cluster.as_str();
+    let refuse = |code, message: String| {
+        metrics.streams_refused.inc();
+        tracing::warn!(cluster, %message, "refused a proxy stream");
+        outbound.send_replace(Outbound::End(code, message));
+    };
+    let hello = match tokio::time::timeout(HELLO_TIMEOUT, inbound.message()).await {
+        Ok(Ok(Some(ProxyMessage {
+            message: Some(proxy_message::Message::Hello(hello)),
+        }))) => hello,
+        Ok(Ok(Some(_))) => {
+            return refuse(
+                Code::InvalidArgument,
+                "the first message of a stream must be ProxyHello".into(),
+            );
+        }
+        Ok(Ok(None)) => return,
+        Ok(Err(status)) => {
+            tracing::debug!(cluster, %status, "stream ended before hello");
+            return;
+        }
+        Err(_) => {
+            return refuse(
+                Code::DeadlineExceeded,
+                format!("no ProxyHello within {}s", HELLO_TIMEOUT.as_secs()),
+            );
+        }
+    };
+    let mut ended = outbound.subscribe();
+    let id = state.open_session(cluster, hello.applied_intent_revision, outbound);
+    tracing::info!(
+        cluster,
+        agent = identity.agent,
+        proxy_version = hello.proxy_version,
+        applied_revision = hello.applied_intent_revision,
+        "proxy connected"
+    );
+    loop {
+        let message = tokio::select! {
+            message = inbound.message() => message,
+            _ = ended.wait_for(|o| matches!(o, Outbound::End(..))) => break,
+        };
+        match message {
+            Ok(Some(ProxyMessage {
+                message: Some(message),
+            })) => match message {
+                proxy_message::Message::Hello(_) => {
+                    tracing::warn!(cluster, "ignored a second ProxyHello on the same stream");
+                }
+                proxy_message::Message::Inventory(inventory) => {
+                    tracing::debug!(
+                        cluster,
+                        revision = inventory.revision,
+                        kernels = inventory.kernels.len(),
+                        "inventory"
+                    );
+                    state.inventory(cluster, id, inventory);
+                }
+                proxy_message::Message::Status(report) => {
+                    tracing::debug!(
+                        cluster,
+                        full = report.full,
+                        statuses = report.statuses.len(),
+                        removed = report.removed.len(),
+                        "node status"
+                    );
+                    state.status(cluster, id, report);
+                }
+            },
+            Ok(Some(ProxyMessage { message: None })) => {}
+            Ok(None) => break,
+            Err(status) => {
+                tracing::info!(cluster, %status, "proxy stream failed");
+                break;
+            }
+        }
+    }
+    state.close_session(cluster, id);
+    tracing::info!(cluster, "proxy stream ended");
+}
+
+/// The outbound half: the latest snapshot whenever it changes, then the end.
+fn outgoing(receiver: watch::Receiver<Outbound>) -> Outgoing {
+    futures::stream::unfold(Some(receiver), |receiver| async move {
+        let mut receiver = receiver?;
+        loop {
+            receiver.changed().await.ok()?;
+            let next = receiver.borrow_and_update().clone();
+            match next {
+                Outbound::Idle => {}
+                Outbound::Snapshot(snapshot) => {
+                    let message = HubMessage {
+                        message: Some(hub_message::Message::Intents(snapshot)),
+                    };
+                    return Some((Ok(message), Some(receiver)));
+                }
+                Outbound::End(code, message) => {
+                    return Some((Err(Status::new(code, message)), None));
+                }
+            }
+        }
+    })
+    .boxed()
+}

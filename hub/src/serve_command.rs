@@ -1,0 +1,115 @@
+//! `kmm-hub serve`: flags and process wiring around `kmm_hub::serve::run`.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::Args as ClapArgs;
+use kmm_hub::serve::{self, Settings, metrics::Metrics};
+use kmm_runtime::cli::MetricsArgs;
+use kmm_runtime::health::{self, Health};
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+
+/// Run the hub: reconcile ManagedClusterModules and stream intents to spoke proxies.
+///
+/// Creates the CA Secret `kmm-hub-ca` in --namespace on first start (never overwritten),
+/// serves `Hub.Sync` over TLS on --grpc-addr requiring client certificates signed by that
+/// CA (as OCM's add-on registration issues them), and writes each module's status. Uses
+/// the in-cluster configuration or KUBECONFIG.
+#[derive(Debug, ClapArgs)]
+pub struct Args {
+    /// The hub's namespace: its CA Secret, and the modules' pull Secrets (imageRepoSecret).
+    #[arg(long, default_value = "kmm-hub", env = "KMM_HUB_NAMESPACE")]
+    namespace: String,
+
+    /// Address of the gRPC endpoint spoke proxies connect to.
+    #[arg(long, default_value = "0.0.0.0:7443")]
+    grpc_addr: SocketAddr,
+
+    /// Subject alternative name (DNS name or IP address) of the gRPC serving certificate;
+    /// repeatable. Default: localhost, 127.0.0.1 and kmm-hub.<namespace>.svc.
+    #[arg(long = "grpc-san", value_name = "NAME")]
+    grpc_sans: Vec<String>,
+
+    /// How long a deleted ManagedClusterModule waits for every affected node to confirm
+    /// the unload before its finalizer goes anyway (leftovers are reported in an Event).
+    #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
+    unload_timeout: Duration,
+
+    #[command(flatten)]
+    metrics: MetricsArgs,
+}
+
+pub fn run(args: Args) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            tracing::error!(%error, "cannot start the async runtime");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(serve_main(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            tracing::error!("{error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve_main(args: Args) -> anyhow::Result<()> {
+    let grpc_sans = if args.grpc_sans.is_empty() {
+        vec![
+            "localhost".to_owned(),
+            "127.0.0.1".to_owned(),
+            format!("kmm-hub.{}.svc", args.namespace),
+        ]
+    } else {
+        args.grpc_sans
+    };
+    let client = kube::Client::try_default()
+        .await
+        .context("no Kubernetes configuration (in-cluster or KUBECONFIG)")?;
+    let grpc = TcpListener::bind(args.grpc_addr)
+        .await
+        .with_context(|| format!("cannot listen on --grpc-addr {}", args.grpc_addr))?;
+    let metrics = Metrics::default();
+    let mut registry = Registry::default();
+    metrics.register(&mut registry);
+    let health = Health::default();
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let wait_stop = move || {
+        let mut stopped = stopped.clone();
+        async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        }
+    };
+    let endpoint = tokio::spawn(health::serve(
+        args.metrics.metrics_addr,
+        registry,
+        health.clone(),
+        wait_stop(),
+    ));
+    let settings = Settings {
+        namespace: args.namespace,
+        grpc_sans,
+        unload_timeout: args.unload_timeout,
+        instance: std::env::var("POD_NAME")
+            .or_else(|_| std::env::var("HOSTNAME"))
+            .unwrap_or_else(|_| "kmm-hub".to_owned()),
+    };
+    let shutdown = async move {
+        kmm_runtime::shutdown::signal().await;
+        let _ = stop.send(true);
+    };
+    let served = serve::run(client, settings, grpc, health, metrics, shutdown).await;
+    let endpoint = endpoint.await.context("the metrics endpoint panicked")?;
+    served?;
+    endpoint?;
+    Ok(())
+}
