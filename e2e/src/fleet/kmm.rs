@@ -516,3 +516,22 @@ pub async fn apply_manifests(client: &Client, yaml: &str) -> Result<()> {
     }
     Ok(())
 }
+
+/// The `/metrics` text of a kmm component on loopback.
+pub async fn metrics(port: u16) -> Result<String> {
+    super::http_get_plain(port, "/metrics")
+        .await
+        .ok_or_else(|| Error::Invalid(format!("no /metrics on port {port}")))
+}
+
+/// Waits until the kmm component on `port` answers `/readyz` with ok.
+pub async fn wait_ready_port(port: u16, timeout: Duration) -> Result<()> {
+    crate::fixture::wait_until(&format!("/readyz on port {port}"), timeout, || async move {
+        match super::http_get_plain(port, "/readyz").await {
+            Some(body) if body.trim() == "ok" => Ok(()),
+            Some(body) => Err(body),
+            None => Err("not ready or not answering".to_owned()),
+        }
+    })
+    .await
+}

@@ -1,0 +1,829 @@
+//! The fleet data path end to end: a ManagedClusterModule on the hub becomes modules
+//! loaded (simulated kernels, real images, real modprobe resolution) and labelled on the
+//! right nodes of the right clusters, through the real kmm-hub, kmm-spoke-proxy and
+//! kmm-node-agent processes of the local fleet.
+//!
+//! The tests restart and stop fleet components, so they run one at a time.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail, ensure};
+use k8s_openapi::api::core::v1::Node;
+use kmm_api::ManagedClusterModule;
+use kmm_api::labels::{ready_label, version_ready_label};
+use kmm_e2e::fixture::{Fleet, wait_until};
+use kmm_e2e::fleet::kmm::{self as fleet_kmm, Agent, Kmm};
+use kmm_e2e::fleet::{self, Settings, managed_clusters};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client, ResourceExt};
+use serde_json::{Value, json};
+use tokio::sync::Mutex;
+
+const WAIT: Duration = Duration::from_secs(120);
+const VERSION: &str = "1.0";
+
+/// One disruptive test at a time.
+static SERIAL: Mutex<()> = Mutex::const_new(());
+
+fn unique(prefix: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or_default();
+    format!("{prefix}-{nanos:x}")
+}
+
+fn kmm(fleet: &Fleet) -> Result<&Kmm> {
+    fleet.state.kmm.as_ref().context(
+        "the running fleet was started with --no-kmm; restart it with `cargo xtask env up`",
+    )
+}
+
+/// A node of the fleet with the sample image for its kernel.
+fn nodes_with_images(fleet: &Fleet, cluster: &str) -> Result<Vec<(String, String)>> {
+    let images: BTreeSet<&str> = fleet
+        .state
+        .images
+        .iter()
+        .map(|i| i.kernel.as_str())
+        .collect();
+    Ok(fleet
+        .state
+        .cluster(cluster)?
+        .nodes
+        .iter()
+        .filter(|n| images.contains(n.kernel.as_str()))
+        .map(|n| (n.name.clone(), n.kernel.clone()))
+        .collect())
+}
+
+/// An MCM loading the sample module from the fleet's registry, selecting clusters and
+/// nodes carrying label `selector_key=yes`, with `mappings` as kernelMappings.
+fn module(name: &str, selector_key: &str, mappings: Value) -> Result<ManagedClusterModule> {
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "hub.kmm.sigs.x-k8s.io/v1beta1",
+        "kind": "ManagedClusterModule",
+        "metadata": { "name": name },
+        "spec": {
+            "spokeNamespace": "kmm-e2e",
+            "selector": { selector_key: "yes" },
+            "moduleSpec": {
+                "selector": { selector_key: "yes" },
+                "moduleLoader": { "container": {
+                    "version": VERSION,
+                    "modprobe": {
+                        "moduleName": "kmm_hello_dep",
+                        "modulesLoadingOrder": ["kmm_hello_dep", "kmm_hello"],
+                        "parameters": ["greeting=e2e"],
+                    },
+                    "registryTLS": { "insecure": true },
+                    "kernelMappings": mappings,
+                }},
+            },
+        },
+    }))?)
+}
+
+/// Every kernel maps to the sample image built for it.
+fn sample_mapping(fleet: &Fleet) -> Value {
+    json!([{
+        "regexp": "^.+$",
+        "containerImage": format!("{}/samples/kmm-hello:${{KERNEL_FULL_VERSION}}", fleet.state.registry),
+    }])
+}
+
+async fn label_cluster(hub: &Client, cluster: &str, key: &str, on: bool) -> Result<()> {
+    let value = if on { json!("yes") } else { Value::Null };
+    managed_clusters(hub)
+        .patch(
+            cluster,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "metadata": { "labels": { key: value } } })),
+        )
+        .await
+        .with_context(|| format!("labelling ManagedCluster {cluster}"))?;
+    Ok(())
+}
+
+async fn label_node(spoke: &Client, node: &str, key: &str, on: bool) -> Result<()> {
+    let value = if on { json!("yes") } else { Value::Null };
+    Api::<Node>::all(spoke.clone())
+        .patch(
+            node,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "metadata": { "labels": { key: value } } })),
+        )
+        .await
+        .with_context(|| format!("labelling Node {node}"))?;
+    Ok(())
+}
+
+/// `(cluster, node)` of every simulated node carrying the module's ready label, with
+/// the value of its version label.
+async fn labelled(fleet: &Fleet, name: &str) -> Result<BTreeMap<(String, String), Option<String>>> {
+    let (ready, version) = (
+        ready_label("kmm-e2e", name),
+        version_ready_label("kmm-e2e", name),
+    );
+    let mut found = BTreeMap::new();
+    for cluster in fleet.spoke_names() {
+        for node in Api::<Node>::all(fleet.spoke(&cluster)?.clone())
+            .list(&Default::default())
+            .await?
+        {
+            let labels = node.labels();
+            if labels.contains_key(&ready) {
+                found.insert(
+                    (cluster.clone(), node.name_any()),
+                    labels.get(&version).cloned(),
+                );
+            } else {
+                ensure!(
+                    !labels.contains_key(&version),
+                    "{cluster}/{} has {version} without {ready}",
+                    node.name_any()
+                );
+            }
+        }
+    }
+    Ok(found)
+}
+
+/// Waits until exactly `expected` nodes carry the module's labels (with the version).
+async fn wait_labelled(fleet: &Fleet, name: &str, expected: &[(String, String)]) -> Result<()> {
+    let expected: BTreeMap<(String, String), Option<String>> = expected
+        .iter()
+        .map(|key| (key.clone(), Some(VERSION.to_owned())))
+        .collect();
+    wait_until(
+        &format!("exactly {expected:?} labelled for {name}"),
+        WAIT,
+        || async {
+            match labelled(fleet, name).await {
+                Ok(now) if now == expected => Ok(()),
+                Ok(now) => Err(format!("labelled: {now:?}")),
+                Err(e) => Err(e.to_string()),
+            }
+        },
+    )
+    .await?;
+    Ok(())
+}
+
+async fn create(hub: &Client, module: &ManagedClusterModule) -> Result<()> {
+    Api::<ManagedClusterModule>::all(hub.clone())
+        .create(&PostParams::default(), module)
+        .await
+        .with_context(|| format!("creating ManagedClusterModule {}", module.name_any()))?;
+    Ok(())
+}
+
+/// Deletes the module and waits until the hub let it go (its finalizer completes once
+/// the nodes confirmed the unload).
+async fn delete(hub: &Client, name: &str) -> Result<()> {
+    let api = Api::<ManagedClusterModule>::all(hub.clone());
+    api.delete(name, &DeleteParams::default()).await?;
+    wait_until(
+        &format!("ManagedClusterModule {name} to be gone"),
+        WAIT,
+        || async {
+            match api.get_opt(name).await {
+                Ok(None) => Ok(()),
+                Ok(Some(m)) => Err(format!("still there, finalizers {:?}", m.finalizers())),
+                Err(e) => Err(e.to_string()),
+            }
+        },
+    )
+    .await?;
+    Ok(())
+}
+
+async fn status(hub: &Client, name: &str) -> Result<Value> {
+    let module = Api::<ManagedClusterModule>::all(hub.clone())
+        .get(name)
+        .await?;
+    Ok(serde_json::to_value(module.status.unwrap_or_default())?)
+}
+
+/// The sum of every agent's unload attempts, from their `/metrics`.
+async fn unloads(kmm: &Kmm) -> Result<u64> {
+    let mut total = 0;
+    for agent in &kmm.agents {
+        total += agent_counter(agent, "unload").await?;
+    }
+    Ok(total)
+}
+
+async fn agent_counter(agent: &Agent, action: &str) -> Result<u64> {
+    let text = fleet_kmm::metrics(agent.metrics_port)
+        .await
+        .with_context(|| format!("/metrics of the agent of {}", agent.node))?;
+    Ok(text
+        .lines()
+        .filter(|l| l.starts_with("kmm_node_agent_module_events_total{"))
+        .filter(|l| l.contains(&format!("action=\"{action}\"")))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum())
+}
+
+fn settings() -> Result<Settings> {
+    Ok(Settings::from_env()?)
+}
+
+#[tokio::test]
+async fn a_module_labels_exactly_the_selected_nodes_of_the_selected_cluster_until_deleted()
+-> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let fleet = Fleet::get().await?;
+    kmm(&fleet)?;
+    let (id, name) = (unique("kmm-e2e.dev/select"), unique("select"));
+    let spoke = fleet.spoke_names()[0].clone();
+    let candidates = nodes_with_images(&fleet, &spoke)?;
+    ensure!(
+        candidates.len() >= 2,
+        "{spoke} needs two nodes with images: {candidates:?}"
+    );
+    let chosen: Vec<(String, String)> = candidates[..2]
+        .iter()
+        .map(|(node, _)| (spoke.clone(), node.clone()))
+        .collect();
+    label_cluster(&fleet.hub, &spoke, &id, true).await?;
+    for (_, node) in &chosen {
+        label_node(fleet.spoke(&spoke)?, node, &id, true).await?;
+    }
+    // The other spokes' nodes carry the node label too: the cluster selector must
+    // keep them out.
+    for other in fleet.spoke_names().iter().filter(|s| **s != spoke) {
+        for (node, _) in nodes_with_images(&fleet, other)? {
+            label_node(fleet.spoke(other)?, &node, &id, true).await?;
+        }
+    }
+
+    create(&fleet.hub, &module(&name, &id, sample_mapping(&fleet))?).await?;
+    wait_labelled(&fleet, &name, &chosen).await?;
+    let seen = wait_until(
+        "the module's status to count both nodes loaded",
+        WAIT,
+        || async {
+            let status = status(&fleet.hub, &name).await.map_err(|e| e.to_string())?;
+            if status["nodes"]["loaded"] == 2 && status["clusters"]["selected"] == 1 {
+                Ok(status)
+            } else {
+                Err(status.to_string())
+            }
+        },
+    )
+    .await?;
+    ensure!(seen["nodes"]["failed"] == 0, "unexpected failures: {seen}");
+
+    delete(&fleet.hub, &name).await?;
+    wait_labelled(&fleet, &name, &[]).await?;
+    label_cluster(&fleet.hub, &spoke, &id, false).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_node_whose_kernel_has_no_mapping_is_reported_and_not_labelled() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let fleet = Fleet::get().await?;
+    kmm(&fleet)?;
+    let (id, name) = (unique("kmm-e2e.dev/unmapped"), unique("unmapped"));
+    let spoke = fleet.spoke_names()[0].clone();
+    let nodes = fleet.state.cluster(&spoke)?.nodes.clone();
+    let (mapped, unmapped) = nodes
+        .iter()
+        .zip(nodes.iter().skip(1))
+        .find(|(a, b)| a.kernel != b.kernel)
+        .context("the spoke needs two nodes with different kernels")?;
+    label_cluster(&fleet.hub, &spoke, &id, true).await?;
+    for node in [mapped, unmapped] {
+        label_node(fleet.spoke(&spoke)?, &node.name, &id, true).await?;
+    }
+    let mapping = json!([{
+        "literal": mapped.kernel,
+        "containerImage": format!("{}/samples/kmm-hello:{}", fleet.state.registry, mapped.kernel),
+    }]);
+    create(&fleet.hub, &module(&name, &id, mapping)?).await?;
+
+    wait_labelled(&fleet, &name, &[(spoke.clone(), mapped.name.clone())]).await?;
+    let status = wait_until(
+        "the unmapped node in the module's failures",
+        WAIT,
+        || async {
+            let status = status(&fleet.hub, &name).await.map_err(|e| e.to_string())?;
+            let reported = status["failures"].as_array().is_some_and(|failures| {
+                failures.iter().any(|f| {
+                    f["node"] == unmapped.name.as_str() && f["reason"] == "NoKernelMapping"
+                })
+            });
+            if reported {
+                Ok(status)
+            } else {
+                Err(status.to_string())
+            }
+        },
+    )
+    .await?;
+    ensure!(status["nodes"]["failed"] == 1, "{status}");
+    let failure = status["failures"]
+        .as_array()
+        .and_then(|f| f.iter().find(|f| f["node"] == unmapped.name.as_str()))
+        .cloned()
+        .unwrap_or_default();
+    ensure!(
+        failure["cluster"] == spoke.as_str() && failure["kernel"] == unmapped.kernel.as_str(),
+        "the failure names the cluster and kernel: {failure}"
+    );
+    ensure!(
+        labelled(&fleet, &name).await?.len() == 1,
+        "only the mapped node is labelled"
+    );
+
+    delete(&fleet.hub, &name).await?;
+    wait_labelled(&fleet, &name, &[]).await?;
+    label_cluster(&fleet.hub, &spoke, &id, false).await?;
+    Ok(())
+}
+
+/// What the agent of `agent` recorded as loaded for the module: the image reference.
+fn recorded_image(agent: &Agent, name: &str) -> Result<Option<String>> {
+    let path = agent.dir.join("run/state.json");
+    let state: Value = match std::fs::read(&path) {
+        Ok(bytes) => serde_json::from_slice(&bytes)?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    Ok(state["modules"][format!("kmm-e2e/{name}")]["image"]
+        .as_str()
+        .map(str::to_owned))
+}
+
+/// Moves a simulated node to `kernel` as a node upgrade would: the agent stops, the
+/// node reboots into the new kernel (fresh simulated kernel), the kubelet reports the
+/// new release, the agent starts again.
+async fn upgrade_node(fleet: &Fleet, agent: &Agent, kernel: &str) -> Result<()> {
+    let settings = settings()?;
+    let kmm = kmm(fleet)?;
+    let proxy = kmm
+        .proxies
+        .iter()
+        .find(|p| p.cluster == agent.cluster)
+        .context("the node's proxy")?;
+    fleet::stop_process(&settings, &agent.process, Duration::from_secs(10))?;
+    let kernel_dir = agent.dir.join("kernel");
+    std::fs::remove_dir_all(&kernel_dir)?;
+    std::fs::create_dir_all(&kernel_dir)?;
+    Api::<Node>::all(fleet.spoke(&agent.cluster)?.clone())
+        .patch_status(
+            &agent.node,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "status": { "nodeInfo": { "kernelVersion": kernel } } })),
+        )
+        .await?;
+    let args = fleet_kmm::agent_args(&agent.dir, &agent.node, kernel, proxy, agent.metrics_port);
+    fleet::start_process(&settings, &agent.process, Some(args))?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_kernel_upgrade_switches_the_node_to_the_image_of_its_new_kernel() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let fleet = Fleet::get().await?;
+    let kmm = kmm(&fleet)?;
+    let (id, name) = (unique("kmm-e2e.dev/upgrade"), unique("upgrade"));
+    let spoke = fleet.spoke_names()[0].clone();
+    let (node, old_kernel) = nodes_with_images(&fleet, &spoke)?
+        .into_iter()
+        .next()
+        .context("a node with an image")?;
+    let new_kernel = fleet
+        .state
+        .images
+        .iter()
+        .map(|i| i.kernel.clone())
+        .find(|k| *k != old_kernel)
+        .context("a second kernel with an image")?;
+    let agent = kmm
+        .agents
+        .iter()
+        .find(|a| a.node == node)
+        .context("the node's agent")?
+        .clone();
+    label_cluster(&fleet.hub, &spoke, &id, true).await?;
+    label_node(fleet.spoke(&spoke)?, &node, &id, true).await?;
+    create(&fleet.hub, &module(&name, &id, sample_mapping(&fleet))?).await?;
+    let target = [(spoke.clone(), node.clone())];
+    wait_labelled(&fleet, &name, &target).await?;
+    let before = recorded_image(&agent, &name)?.context("the agent recorded the load")?;
+    ensure!(
+        before.ends_with(&old_kernel),
+        "loaded {before} on {old_kernel}"
+    );
+
+    upgrade_node(&fleet, &agent, &new_kernel).await?;
+    let after = wait_until("the node to run the new kernel's image", WAIT, || async {
+        match recorded_image(&agent, &name) {
+            Ok(Some(image)) if image.ends_with(&new_kernel) => Ok(image),
+            other => Err(format!("recorded: {other:?}")),
+        }
+    })
+    .await?;
+    wait_labelled(&fleet, &name, &target).await?;
+    ensure!(after.ends_with(&new_kernel), "{after}");
+
+    upgrade_node(&fleet, &agent, &old_kernel).await?;
+    wait_labelled(&fleet, &name, &target).await?;
+    delete(&fleet.hub, &name).await?;
+    wait_labelled(&fleet, &name, &[]).await?;
+    label_cluster(&fleet.hub, &spoke, &id, false).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn restarting_the_hub_and_a_proxy_mid_rollout_converges_without_any_unload() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let fleet = Fleet::get().await?;
+    let kmm = kmm(&fleet)?.clone();
+    let settings = settings()?;
+    let (id, name) = (unique("kmm-e2e.dev/restart"), unique("restart"));
+    let mut targets = vec![];
+    for spoke in fleet.spoke_names() {
+        label_cluster(&fleet.hub, &spoke, &id, true).await?;
+        for (node, _) in nodes_with_images(&fleet, &spoke)? {
+            label_node(fleet.spoke(&spoke)?, &node, &id, true).await?;
+            targets.push((spoke.clone(), node));
+        }
+    }
+    let unloads_before = unloads(&kmm).await?;
+
+    create(&fleet.hub, &module(&name, &id, sample_mapping(&fleet))?).await?;
+    fleet::start_process(&settings, "hub/kmm-hub", None)?;
+    let proxy = &kmm.proxies[0];
+    fleet::start_process(&settings, &proxy.process, None)?;
+    wait_labelled(&fleet, &name, &targets).await?;
+    // Restart both again once everything is loaded: nothing may be unloaded or lose
+    // its label while they resync.
+    fleet::start_process(&settings, "hub/kmm-hub", None)?;
+    fleet::start_process(&settings, &proxy.process, None)?;
+    fleet_kmm::wait_ready_port(proxy.metrics_port, WAIT).await?;
+    wait_labelled(&fleet, &name, &targets).await?;
+    let unloads_after = unloads(&kmm).await?;
+    ensure!(
+        unloads_after == unloads_before,
+        "restarts caused {} unload(s)",
+        unloads_after - unloads_before
+    );
+
+    delete(&fleet.hub, &name).await?;
+    wait_labelled(&fleet, &name, &[]).await?;
+    for spoke in fleet.spoke_names() {
+        label_cluster(&fleet.hub, &spoke, &id, false).await?;
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_severed_hub_connection_leaves_modules_loaded_and_labelled() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let fleet = Fleet::get().await?;
+    let kmm = kmm(&fleet)?.clone();
+    let settings = settings()?;
+    let (id, name) = (unique("kmm-e2e.dev/severed"), unique("severed"));
+    let spoke = fleet.spoke_names()[0].clone();
+    let (node, _) = nodes_with_images(&fleet, &spoke)?
+        .into_iter()
+        .next()
+        .context("a node with an image")?;
+    label_cluster(&fleet.hub, &spoke, &id, true).await?;
+    label_node(fleet.spoke(&spoke)?, &node, &id, true).await?;
+    create(&fleet.hub, &module(&name, &id, sample_mapping(&fleet))?).await?;
+    let target = [(spoke.clone(), node.clone())];
+    wait_labelled(&fleet, &name, &target).await?;
+    let unloads_before = unloads(&kmm).await?;
+
+    fleet::stop_process(&settings, "hub/kmm-hub", Duration::from_secs(10))?;
+    let proxy = kmm
+        .proxies
+        .iter()
+        .find(|p| p.cluster == spoke)
+        .context("the spoke's proxy")?;
+    wait_until("the proxy to notice the hub is gone", WAIT, || async {
+        let text = fleet_kmm::metrics(proxy.metrics_port)
+            .await
+            .map_err(|e| e.to_string())?;
+        if text
+            .lines()
+            .any(|l| l.trim() == "kmm_spoke_proxy_hub_connected 0")
+        {
+            Ok(())
+        } else {
+            Err("the proxy still reports the hub connected".to_owned())
+        }
+    })
+    .await?;
+    // The agent restarts too while the hub is away: still nothing is unloaded.
+    let agent = kmm
+        .agents
+        .iter()
+        .find(|a| a.node == node)
+        .context("the node's agent")?;
+    fleet::start_process(&settings, &agent.process, None)?;
+    fleet_kmm::wait_ready_port(agent.metrics_port, WAIT).await?;
+    ensure!(
+        labelled(&fleet, &name).await?.len() == 1,
+        "the label stays while the hub is away"
+    );
+    ensure!(
+        recorded_image(agent, &name)?.is_some(),
+        "the module stays loaded while the hub is away"
+    );
+    ensure!(
+        unloads(&kmm).await? == unloads_before,
+        "nothing was unloaded"
+    );
+
+    fleet::start_process(&settings, "hub/kmm-hub", None)?;
+    fleet_kmm::wait_ready_port(kmm.hub_metrics_port, WAIT).await?;
+    wait_until("the module's status to be fresh again", WAIT, || async {
+        let status = status(&fleet.hub, &name).await.map_err(|e| e.to_string())?;
+        if status["nodes"]["loaded"] == 1 && status["clusters"]["connected"] == 1 {
+            Ok(())
+        } else {
+            Err(status.to_string())
+        }
+    })
+    .await?;
+    ensure!(
+        unloads(&kmm).await? == unloads_before,
+        "nothing was unloaded"
+    );
+
+    delete(&fleet.hub, &name).await?;
+    wait_labelled(&fleet, &name, &[]).await?;
+    label_cluster(&fleet.hub, &spoke, &id, false).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_hub_refuses_proxies_without_a_valid_certificate_of_its_ca() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let fleet = Fleet::get().await?;
+    let kmm = kmm(&fleet)?;
+    let spoke = fleet.spoke_names()[0].clone();
+    let hub_ca = std::fs::read_to_string(&kmm.hub_ca)?;
+
+    let good = probe::hub_client_certificate(&fleet.hub, &spoke, false).await?;
+    let reply = probe::first_hub_message(&kmm.hub_grpc, &hub_ca, &good).await;
+    ensure!(reply.is_ok(), "a valid certificate is served: {reply:?}");
+
+    let expired = probe::hub_client_certificate(&fleet.hub, &spoke, true).await?;
+    let reply = probe::first_hub_message(&kmm.hub_grpc, &hub_ca, &expired).await;
+    ensure!(
+        reply.is_err(),
+        "an expired certificate is refused: {reply:?}"
+    );
+
+    let foreign = probe::foreign_client_certificate(&spoke)?;
+    let reply = probe::first_hub_message(&kmm.hub_grpc, &hub_ca, &foreign).await;
+    ensure!(
+        reply.is_err(),
+        "a certificate of another CA is refused: {reply:?}"
+    );
+
+    let stranger = probe::hub_client_certificate(&fleet.hub, "no-such-cluster", false).await?;
+    let reply = probe::first_hub_message(&kmm.hub_grpc, &hub_ca, &stranger).await;
+    ensure!(
+        reply.is_err(),
+        "a certificate of a cluster the hub does not manage is refused: {reply:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_agent_token_for_one_node_cannot_obtain_another_nodes_work() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let fleet = Fleet::get().await?;
+    let kmm = kmm(&fleet)?;
+    let spoke = fleet.spoke_names()[0].clone();
+    let client = fleet.spoke(&spoke)?;
+    let proxy = kmm
+        .proxies
+        .iter()
+        .find(|p| p.cluster == spoke)
+        .context("the spoke's proxy")?;
+    let nodes = &fleet.state.cluster(&spoke)?.nodes;
+    ensure!(nodes.len() >= 2, "the spoke needs two nodes");
+    let (a, b) = (&nodes[0].name, &nodes[1].name);
+    let uid = Api::<Node>::all(client.clone())
+        .get(a)
+        .await?
+        .uid()
+        .unwrap_or_default();
+    let token_a = fleet_kmm::request_token(
+        client,
+        fleet_kmm::AGENT_SERVICE_ACCOUNT,
+        Some(fleet_kmm::TOKEN_AUDIENCE),
+        Some((a, &uid)),
+    )
+    .await?;
+    let agent_ca = std::fs::read_to_string(&proxy.agent_ca)?;
+
+    let reply = probe::first_agent_instruction(&proxy.agent_endpoint, &agent_ca, &token_a, b).await;
+    match reply {
+        Err(status) => ensure!(
+            status.contains(b.as_str()) || status.contains(a.as_str()),
+            "the refusal names the nodes: {status}"
+        ),
+        Ok(message) => bail!("node {a}'s token obtained work for {b}: {message}"),
+    }
+
+    let unbound = fleet_kmm::request_token(
+        client,
+        fleet_kmm::AGENT_SERVICE_ACCOUNT,
+        Some(fleet_kmm::TOKEN_AUDIENCE),
+        None,
+    )
+    .await?;
+    let reply = probe::first_agent_instruction(&proxy.agent_endpoint, &agent_ca, &unbound, a).await;
+    ensure!(
+        reply.is_err(),
+        "a token bound to no node is refused: {reply:?}"
+    );
+
+    let other_audience = fleet_kmm::request_token(
+        client,
+        fleet_kmm::AGENT_SERVICE_ACCOUNT,
+        Some("someone-else"),
+        Some((a, &uid)),
+    )
+    .await?;
+    let reply =
+        probe::first_agent_instruction(&proxy.agent_endpoint, &agent_ca, &other_audience, a).await;
+    ensure!(
+        reply.is_err(),
+        "a token for another audience is refused: {reply:?}"
+    );
+    Ok(())
+}
+
+/// Clients that speak the hub's and the proxy's gRPC protocols directly, to check whom
+/// they refuse.
+mod probe {
+    use std::time::Duration;
+
+    use anyhow::{Context, Result};
+    use k8s_openapi::api::core::v1::Secret;
+    use kmm_e2e::fleet::kmm::{HUB_NAMESPACE, proxy_subject};
+    use kmm_proto::v1::{
+        AgentHello, AgentMessage, KernelInventory, ProxyHello, ProxyMessage,
+        agent_client::AgentClient, agent_message, hub_client::HubClient, proxy_message,
+    };
+    use kmm_runtime::pki::{CertificateAuthority, IssuedCertificate, Leaf};
+    use kube::{Api, Client};
+    use time::OffsetDateTime;
+    use tokio::sync::mpsc;
+    use tokio_stream::wrappers::ReceiverStream;
+    use tonic::metadata::MetadataValue;
+    use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+
+    const DAY: Duration = Duration::from_secs(24 * 3600);
+    const ANSWER: Duration = Duration::from_secs(10);
+
+    /// A client certificate for `cluster`'s proxy from the hub's own CA.
+    pub async fn hub_client_certificate(
+        hub: &Client,
+        cluster: &str,
+        expired: bool,
+    ) -> Result<IssuedCertificate> {
+        let secret = Api::<Secret>::namespaced(hub.clone(), HUB_NAMESPACE)
+            .get("kmm-hub-ca")
+            .await?;
+        let data = secret.data.context("the CA Secret has no data")?;
+        let field = |key: &str| {
+            data.get(key)
+                .map(|v| String::from_utf8_lossy(&v.0).into_owned())
+                .with_context(|| format!("the CA Secret has no {key}"))
+        };
+        let ca = CertificateAuthority::from_pem(&field("tls.crt")?, &field("tls.key")?)?;
+        let (common_name, organizations) = proxy_subject(cluster);
+        let mut leaf = Leaf::client(&common_name, &organizations, DAY);
+        if expired {
+            leaf.not_before = OffsetDateTime::now_utc() - 2 * DAY;
+            leaf.not_after = OffsetDateTime::now_utc() - DAY;
+        }
+        Ok(ca.issue(&leaf)?)
+    }
+
+    /// A certificate with the right subject from a CA the hub does not know.
+    pub fn foreign_client_certificate(cluster: &str) -> Result<IssuedCertificate> {
+        let (common_name, organizations) = proxy_subject(cluster);
+        let ca = CertificateAuthority::generate("not-the-hub-ca", DAY)?;
+        Ok(ca.issue(&Leaf::client(&common_name, &organizations, DAY))?)
+    }
+
+    async fn channel(
+        endpoint: &str,
+        ca_pem: &str,
+        identity: Option<&IssuedCertificate>,
+    ) -> Result<Channel, String> {
+        let mut tls = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(ca_pem))
+            .domain_name("localhost");
+        if let Some(cert) = identity {
+            tls = tls.identity(Identity::from_pem(&cert.cert_pem, cert.key_pem.as_bytes()));
+        }
+        Endpoint::from_shared(format!("https://{endpoint}"))
+            .map_err(|e| e.to_string())?
+            .tls_config(tls)
+            .map_err(|e| e.to_string())?
+            .connect_timeout(ANSWER)
+            .connect()
+            .await
+            .map_err(|e| format!("{e:?}"))
+    }
+
+    /// The hub's first answer to a proxy presenting `cert`, or why there is none.
+    pub async fn first_hub_message(
+        endpoint: &str,
+        ca_pem: &str,
+        cert: &IssuedCertificate,
+    ) -> Result<String, String> {
+        let mut client = HubClient::new(channel(endpoint, ca_pem, Some(cert)).await?);
+        let (tx, rx) = mpsc::channel(4);
+        for message in [
+            proxy_message::Message::Hello(ProxyHello {
+                proxy_version: "e2e-probe".into(),
+                applied_intent_revision: 0,
+            }),
+            proxy_message::Message::Inventory(KernelInventory {
+                revision: 1,
+                kernels: vec![],
+            }),
+        ] {
+            tx.send(ProxyMessage {
+                message: Some(message),
+            })
+            .await
+            .map_err(|e| e.to_string())?;
+        }
+        let call = async {
+            let mut stream = client
+                .sync(ReceiverStream::new(rx))
+                .await
+                .map_err(|s| s.to_string())?
+                .into_inner();
+            match stream.message().await {
+                Ok(Some(message)) => Ok(format!("{message:?}")),
+                Ok(None) => Err("the hub ended the stream".to_owned()),
+                Err(status) => Err(status.to_string()),
+            }
+        };
+        tokio::time::timeout(ANSWER, call)
+            .await
+            .unwrap_or_else(|_| Err(format!("no answer within {ANSWER:?}")))
+    }
+
+    /// The proxy's first instruction to an agent of `node` presenting `token`, or why
+    /// there is none.
+    pub async fn first_agent_instruction(
+        endpoint: &str,
+        ca_pem: &str,
+        token: &str,
+        node: &str,
+    ) -> Result<String, String> {
+        let mut client = AgentClient::new(channel(endpoint, ca_pem, None).await?);
+        let (tx, rx) = mpsc::channel(4);
+        tx.send(AgentMessage {
+            message: Some(agent_message::Message::Hello(AgentHello {
+                node_name: node.to_owned(),
+                boot_id: "e2e-probe".into(),
+                kernel_release: String::new(),
+                agent_version: "e2e-probe".into(),
+                loaded: vec![],
+            })),
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+        let mut request = tonic::Request::new(ReceiverStream::new(rx));
+        let bearer: MetadataValue<_> = format!("Bearer {token}")
+            .parse()
+            .map_err(|_| "token".to_owned())?;
+        request.metadata_mut().insert("authorization", bearer);
+        let call = async {
+            let mut stream = client
+                .attach(request)
+                .await
+                .map_err(|s| s.to_string())?
+                .into_inner();
+            match stream.message().await {
+                Ok(Some(message)) => Ok(format!("{message:?}")),
+                Ok(None) => Err("the proxy ended the stream".to_owned()),
+                Err(status) => Err(status.to_string()),
+            }
+        };
+        tokio::time::timeout(ANSWER, call)
+            .await
+            .unwrap_or_else(|_| Err(format!("no answer within {ANSWER:?}")))
+    }
+}
