@@ -1,0 +1,88 @@
+//! Convergence of the default local fleet, printed as figures (not a timed test):
+//! time from creating a ManagedClusterModule to every selected simulated node labelled
+//! ready, time from deleting it to every label removed, and the resident memory of
+//! kmm-hub, the spoke proxies and the node agents.
+//!
+//! `cargo bench -p kmm-e2e --bench convergence` (attaches to `cargo xtask env up`, or
+//! starts the fleet). `KMM_BENCH_ROUNDS` sets the number of rounds (default 3).
+
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use kmm_e2e::fixture::Fleet;
+use support::*;
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let rounds: usize = std::env::var("KMM_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
+    let fleet = Fleet::get().await?;
+    kmm(&fleet)?;
+    let id = unique("kmm-bench.dev/all");
+    let mut targets = vec![];
+    for spoke in fleet.spoke_names() {
+        label_cluster(&fleet.hub, &spoke, &id, true).await?;
+        for (node, _) in nodes_with_images(&fleet, &spoke)? {
+            label_node(fleet.spoke(&spoke)?, &node, &id, true).await?;
+            targets.push((spoke.clone(), node));
+        }
+    }
+    println!(
+        "fleet: {} spokes, {} nodes selected (every node whose kernel has an image)",
+        fleet.spoke_names().len(),
+        targets.len()
+    );
+
+    let (mut converge, mut cleanup) = (vec![], vec![]);
+    for round in 1..=rounds {
+        let name = unique("bench");
+        let started = Instant::now();
+        create(&fleet.hub, &module(&name, &id, sample_mapping(&fleet))?).await?;
+        wait_labelled(&fleet, &name, &targets).await?;
+        let up = started.elapsed().as_secs_f64();
+        let started = Instant::now();
+        delete(&fleet.hub, &name).await?;
+        wait_labelled(&fleet, &name, &[]).await?;
+        let down = started.elapsed().as_secs_f64();
+        println!(
+            "round {round}: create -> all ready {up:.2}s; delete -> all unlabelled and released {down:.2}s"
+        );
+        converge.push(up);
+        cleanup.push(down);
+    }
+    println!(
+        "convergence (MCM created -> all {} nodes ready): median {:.2}s over {rounds} rounds",
+        targets.len(),
+        median(converge)
+    );
+    println!(
+        "deletion (MCM deleted -> labels gone, finalizer done): median {:.2}s",
+        median(cleanup)
+    );
+
+    let state = kmm_e2e::fleet::running(&settings()?).context("the fleet stopped")?;
+    for process in state.processes.iter().filter(|p| p.name.contains("/kmm-")) {
+        if let Some((rss, peak)) = process.memory_kib() {
+            println!(
+                "memory {:<40} RSS {:>6.1} MiB  peak {:>6.1} MiB",
+                process.name,
+                rss as f64 / 1024.0,
+                peak as f64 / 1024.0
+            );
+        }
+    }
+    for spoke in fleet.spoke_names() {
+        label_cluster(&fleet.hub, &spoke, &id, false).await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,230 @@
+//! Shared by the end-to-end tests and the convergence benchmark: sample modules, node and
+//! cluster labels, and waiting for the ready labels the spoke proxies set.
+
+// Each user (a test binary, the benchmark) uses a different part.
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use k8s_openapi::api::core::v1::Node;
+use kmm_api::ManagedClusterModule;
+use kmm_api::labels::{ready_label, version_ready_label};
+use kmm_e2e::fixture::{Fleet, wait_until};
+use kmm_e2e::fleet::kmm::{self as fleet_kmm, Agent, Kmm};
+use kmm_e2e::fleet::{Settings, managed_clusters};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client, ResourceExt};
+use serde_json::{Value, json};
+
+pub const WAIT: Duration = Duration::from_secs(120);
+pub const VERSION: &str = "1.0";
+
+pub fn unique(prefix: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or_default();
+    format!("{prefix}-{nanos:x}")
+}
+
+pub fn kmm(fleet: &Fleet) -> Result<&Kmm> {
+    fleet.state.kmm.as_ref().context(
+        "the running fleet was started with --no-kmm; restart it with `cargo xtask env up`",
+    )
+}
+
+/// A node of the fleet with the sample image for its kernel.
+pub fn nodes_with_images(fleet: &Fleet, cluster: &str) -> Result<Vec<(String, String)>> {
+    let images: BTreeSet<&str> = fleet
+        .state
+        .images
+        .iter()
+        .map(|i| i.kernel.as_str())
+        .collect();
+    Ok(fleet
+        .state
+        .cluster(cluster)?
+        .nodes
+        .iter()
+        .filter(|n| images.contains(n.kernel.as_str()))
+        .map(|n| (n.name.clone(), n.kernel.clone()))
+        .collect())
+}
+
+/// An MCM loading the sample module from the fleet's registry, selecting clusters and
+/// nodes carrying label `selector_key=yes`, with `mappings` as kernelMappings.
+pub fn module(name: &str, selector_key: &str, mappings: Value) -> Result<ManagedClusterModule> {
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "hub.kmm.sigs.x-k8s.io/v1beta1",
+        "kind": "ManagedClusterModule",
+        "metadata": { "name": name },
+        "spec": {
+            "spokeNamespace": "kmm-e2e",
+            "selector": { selector_key: "yes" },
+            "moduleSpec": {
+                "selector": { selector_key: "yes" },
+                "moduleLoader": { "container": {
+                    "version": VERSION,
+                    "modprobe": {
+                        "moduleName": "kmm_hello_dep",
+                        "modulesLoadingOrder": ["kmm_hello_dep", "kmm_hello"],
+                        "parameters": ["greeting=e2e"],
+                    },
+                    "registryTLS": { "insecure": true },
+                    "kernelMappings": mappings,
+                }},
+            },
+        },
+    }))?)
+}
+
+/// Every kernel maps to the sample image built for it.
+pub fn sample_mapping(fleet: &Fleet) -> Value {
+    json!([{
+        "regexp": "^.+$",
+        "containerImage": format!("{}/samples/kmm-hello:${{KERNEL_FULL_VERSION}}", fleet.state.registry),
+    }])
+}
+
+pub async fn label_cluster(hub: &Client, cluster: &str, key: &str, on: bool) -> Result<()> {
+    let value = if on { json!("yes") } else { Value::Null };
+    managed_clusters(hub)
+        .patch(
+            cluster,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "metadata": { "labels": { key: value } } })),
+        )
+        .await
+        .with_context(|| format!("labelling ManagedCluster {cluster}"))?;
+    Ok(())
+}
+
+pub async fn label_node(spoke: &Client, node: &str, key: &str, on: bool) -> Result<()> {
+    let value = if on { json!("yes") } else { Value::Null };
+    Api::<Node>::all(spoke.clone())
+        .patch(
+            node,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "metadata": { "labels": { key: value } } })),
+        )
+        .await
+        .with_context(|| format!("labelling Node {node}"))?;
+    Ok(())
+}
+
+/// `(cluster, node)` of every simulated node carrying the module's ready label, with
+/// the value of its version label.
+pub async fn labelled(
+    fleet: &Fleet,
+    name: &str,
+) -> Result<BTreeMap<(String, String), Option<String>>> {
+    let (ready, version) = (
+        ready_label("kmm-e2e", name),
+        version_ready_label("kmm-e2e", name),
+    );
+    let mut found = BTreeMap::new();
+    for cluster in fleet.spoke_names() {
+        for node in Api::<Node>::all(fleet.spoke(&cluster)?.clone())
+            .list(&Default::default())
+            .await?
+        {
+            let labels = node.labels();
+            if labels.contains_key(&ready) {
+                found.insert(
+                    (cluster.clone(), node.name_any()),
+                    labels.get(&version).cloned(),
+                );
+            } else {
+                ensure!(
+                    !labels.contains_key(&version),
+                    "{cluster}/{} has {version} without {ready}",
+                    node.name_any()
+                );
+            }
+        }
+    }
+    Ok(found)
+}
+
+/// Waits until exactly `expected` nodes carry the module's labels (with the version).
+pub async fn wait_labelled(fleet: &Fleet, name: &str, expected: &[(String, String)]) -> Result<()> {
+    let expected: BTreeMap<(String, String), Option<String>> = expected
+        .iter()
+        .map(|key| (key.clone(), Some(VERSION.to_owned())))
+        .collect();
+    wait_until(
+        &format!("exactly {expected:?} labelled for {name}"),
+        WAIT,
+        || async {
+            match labelled(fleet, name).await {
+                Ok(now) if now == expected => Ok(()),
+                Ok(now) => Err(format!("labelled: {now:?}")),
+                Err(e) => Err(e.to_string()),
+            }
+        },
+    )
+    .await?;
+    Ok(())
+}
+
+pub async fn create(hub: &Client, module: &ManagedClusterModule) -> Result<()> {
+    Api::<ManagedClusterModule>::all(hub.clone())
+        .create(&PostParams::default(), module)
+        .await
+        .with_context(|| format!("creating ManagedClusterModule {}", module.name_any()))?;
+    Ok(())
+}
+
+/// Deletes the module and waits until the hub let it go (its finalizer completes once
+/// the nodes confirmed the unload).
+pub async fn delete(hub: &Client, name: &str) -> Result<()> {
+    let api = Api::<ManagedClusterModule>::all(hub.clone());
+    api.delete(name, &DeleteParams::default()).await?;
+    wait_until(
+        &format!("ManagedClusterModule {name} to be gone"),
+        WAIT,
+        || async {
+            match api.get_opt(name).await {
+                Ok(None) => Ok(()),
+                Ok(Some(m)) => Err(format!("still there, finalizers {:?}", m.finalizers())),
+                Err(e) => Err(e.to_string()),
+            }
+        },
+    )
+    .await?;
+    Ok(())
+}
+
+pub async fn status(hub: &Client, name: &str) -> Result<Value> {
+    let module = Api::<ManagedClusterModule>::all(hub.clone())
+        .get(name)
+        .await?;
+    Ok(serde_json::to_value(module.status.unwrap_or_default())?)
+}
+
+/// The sum of every agent's unload attempts, from their `/metrics`.
+pub async fn unloads(kmm: &Kmm) -> Result<u64> {
+    let mut total = 0;
+    for agent in &kmm.agents {
+        total += agent_counter(agent, "unload").await?;
+    }
+    Ok(total)
+}
+
+pub async fn agent_counter(agent: &Agent, action: &str) -> Result<u64> {
+    let text = fleet_kmm::metrics(agent.metrics_port)
+        .await
+        .with_context(|| format!("/metrics of the agent of {}", agent.node))?;
+    Ok(text
+        .lines()
+        .filter(|l| l.starts_with("kmm_node_agent_module_events_total{"))
+        .filter(|l| l.contains(&format!("action=\"{action}\"")))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum())
+}
+
+pub fn settings() -> Result<Settings> {
+    Ok(Settings::from_env()?)
+}
