@@ -37,6 +37,7 @@ pub fn run(root: &Path, options: &Options) -> anyhow::Result<()> {
     }
     eprintln!("==> local fleet prerequisites (Debian packages, upstream builds; cached)");
     crate::env::prepare()?;
+    crate::env::build_kmm()?;
     tests(root)
 }
 
