@@ -9,6 +9,7 @@
 
 pub mod fixture;
 pub mod fleet;
+pub mod guest;
 pub mod kmod;
 mod pki;
 mod process;

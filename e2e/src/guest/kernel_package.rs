@@ -1,0 +1,163 @@
+//! A real Debian kernel for the guest: `linux-image-<release>` from the archive,
+//! extracted once into `<cache>/guest/kernel/<release>/` with its `modules.dep`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::{Error, IoContext, Result, cache_dir};
+
+/// An extracted Debian kernel package.
+#[derive(Debug, Clone)]
+pub struct KernelPackage {
+    pub release: String,
+    /// The package's root: `boot/vmlinuz-<release>`, `lib/modules/<release>/`.
+    pub root: PathBuf,
+}
+
+impl KernelPackage {
+    /// The package for `release`, downloaded with `apt-get download` on first use.
+    pub fn fetch(release: &str) -> Result<Self> {
+        let dir = cache_dir().join("guest").join("kernel").join(release);
+        let package = Self {
+            release: release.to_string(),
+            root: dir.join("root"),
+        };
+        if package.modules_dir().join("modules.dep").is_file() && package.vmlinuz().is_file() {
+            return Ok(package);
+        }
+        let partial = dir.with_extension("partial");
+        if partial.exists() {
+            std::fs::remove_dir_all(&partial)
+                .context(|| format!("removing {}", partial.display()))?;
+        }
+        std::fs::create_dir_all(&partial).context(|| format!("creating {}", partial.display()))?;
+        let name = format!("linux-image-{release}");
+        run(Command::new("apt-get")
+            .args(["download", &name])
+            .current_dir(&partial))
+        .map_err(|e| {
+            Error::Invalid(format!(
+                "downloading the guest kernel package {name} (is it in the apt sources? \
+                 `apt-get update` may be needed): {e}"
+            ))
+        })?;
+        let deb = only_deb(&partial)?;
+        run(Command::new("dpkg-deb")
+            .arg("-x")
+            .arg(&deb)
+            .arg(partial.join("root")))?;
+        std::fs::remove_file(&deb).context(|| format!("removing {}", deb.display()))?;
+        // The package ships no modules.dep: its postinst runs depmod on the target.
+        run(Command::new("depmod")
+            .arg("-b")
+            .arg(partial.join("root"))
+            .arg(release))?;
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).context(|| format!("removing {}", dir.display()))?;
+        }
+        std::fs::rename(&partial, &dir).context(|| format!("renaming to {}", dir.display()))?;
+        Ok(package)
+    }
+
+    pub fn vmlinuz(&self) -> PathBuf {
+        self.root
+            .join("boot")
+            .join(format!("vmlinuz-{}", self.release))
+    }
+
+    pub fn modules_dir(&self) -> PathBuf {
+        self.root.join("lib/modules").join(&self.release)
+    }
+
+    /// `modules` and everything they depend on, as paths relative to
+    /// [`Self::modules_dir`], dependencies first (modprobe's own resolution).
+    pub fn with_dependencies(&self, modules: &[&str]) -> Result<Vec<String>> {
+        let mut all: Vec<String> = vec![];
+        for module in modules {
+            let out = run(Command::new("modprobe").arg("-d").arg(&self.root).args([
+                "-S",
+                &self.release,
+                "--show-depends",
+                module,
+            ]))?;
+            for path in insmod_paths(&out) {
+                let relative = Path::new(path)
+                    .strip_prefix(self.modules_dir())
+                    .map_err(|_| {
+                        Error::Invalid(format!("{module} resolves outside the package: {path}"))
+                    })?
+                    .to_string_lossy()
+                    .into_owned();
+                if !all.contains(&relative) {
+                    all.push(relative);
+                }
+            }
+        }
+        Ok(all)
+    }
+}
+
+/// The module files of `modprobe --show-depends` output (built-ins have no file).
+fn insmod_paths(show_depends: &str) -> Vec<&str> {
+    show_depends
+        .lines()
+        .filter_map(|line| line.strip_prefix("insmod "))
+        .filter_map(|rest| rest.split_whitespace().next())
+        .collect()
+}
+
+fn only_deb(dir: &Path) -> Result<PathBuf> {
+    let mut debs = vec![];
+    for entry in std::fs::read_dir(dir).context(|| format!("reading {}", dir.display()))? {
+        let path = entry
+            .context(|| format!("reading {}", dir.display()))?
+            .path();
+        if path.extension().is_some_and(|e| e == "deb") {
+            debs.push(path);
+        }
+    }
+    match debs.as_slice() {
+        [deb] => Ok(deb.clone()),
+        _ => Err(Error::Invalid(format!(
+            "expected one .deb in {}, found {debs:?}",
+            dir.display()
+        ))),
+    }
+}
+
+/// Run a program, returning its standard output; failures carry its standard error.
+pub(super) fn run(cmd: &mut Command) -> Result<String> {
+    let describe = format!("{cmd:?}");
+    let out = cmd.output().context(|| format!("running {describe}"))?;
+    if !out.status.success() {
+        return Err(Error::Command {
+            command: describe,
+            status: format!(
+                "{}: {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        });
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn show_depends_yields_module_files_in_load_order() {
+        let out = "builtin virtio\n\
+                   insmod /r/lib/modules/6.1/kernel/drivers/virtio/virtio_ring.ko \n\
+                   insmod /r/lib/modules/6.1/kernel/drivers/net/virtio_net.ko napi_tx=1\n";
+        assert_eq!(
+            insmod_paths(out),
+            [
+                "/r/lib/modules/6.1/kernel/drivers/virtio/virtio_ring.ko",
+                "/r/lib/modules/6.1/kernel/drivers/net/virtio_net.ko"
+            ]
+        );
+        assert!(insmod_paths("builtin ext4\n").is_empty());
+    }
+}

@@ -1,0 +1,77 @@
+//! A real Linux kernel for the host path of the node agent (issue 6): Debian's cloud
+//! kernel under qemu-system-x86_64, an initramfs built here with busybox, Debian's kmod
+//! and the workspace's `kmm-node-agent`, a disk that survives reboots, and a command
+//! channel through which tests ask the guest's kernel what it did.
+//!
+//! * [`Rig::prepare`] checks the host packages, fetches the kernel, builds the agent
+//!   and the initramfs, and formats the disk.
+//! * [`Rig::boot`] starts one boot; [`machine::Machine::run`] runs commands in it.
+
+pub mod agent_binary;
+pub mod channel;
+mod cpio;
+pub mod firmware_image;
+pub mod host_packages;
+pub mod initramfs;
+pub mod kernel_package;
+pub mod machine;
+mod shared_libraries;
+
+use std::path::PathBuf;
+
+use initramfs::GuestFile;
+use kernel_package::KernelPackage;
+use machine::{BootSpec, Machine};
+
+use crate::{IoContext, Result};
+
+/// The guest's kernel: one of the fleet's sample kernels (`e2e/versions.toml`), so the
+/// sample modules exist for it.
+pub const KERNEL: &str = "6.1.0-56-cloud-amd64";
+/// The registry, as the guest reaches the host's loopback through qemu's user network.
+pub const HOST_FROM_GUEST: &str = "10.0.2.2";
+const MEMORY_MIB: u32 = 512;
+const DISK_MIB: u64 = 256;
+
+/// Everything needed to boot the guest, under one work directory.
+#[derive(Debug)]
+pub struct Rig {
+    pub kernel: KernelPackage,
+    pub initramfs: PathBuf,
+    pub disk: PathBuf,
+    pub work: PathBuf,
+}
+
+impl Rig {
+    /// Prepare a guest whose initramfs also holds `extra` files, in `work` (created).
+    pub fn prepare(work: PathBuf, extra: &[GuestFile]) -> Result<Self> {
+        host_packages::check()?;
+        std::fs::create_dir_all(&work).context(|| format!("creating {}", work.display()))?;
+        let kernel = KernelPackage::fetch(KERNEL)?;
+        let agent = agent_binary::build()?;
+        let initramfs = initramfs::build(&kernel, &agent, extra, &work)?;
+        let disk = work.join("disk.img");
+        machine::create_disk(&disk, DISK_MIB)?;
+        Ok(Self {
+            kernel,
+            initramfs,
+            disk,
+            work,
+        })
+    }
+
+    /// Boot the guest; `name` names this boot's logs, `kernel_args` are added to the
+    /// kernel command line.
+    pub async fn boot(&self, name: &str, kernel_args: &[&str]) -> Result<Machine> {
+        Machine::boot(&BootSpec {
+            vmlinuz: self.kernel.vmlinuz(),
+            initramfs: self.initramfs.clone(),
+            disk: self.disk.clone(),
+            kernel_args: kernel_args.iter().map(|a| a.to_string()).collect(),
+            memory_mib: MEMORY_MIB,
+            dir: self.work.clone(),
+            name: name.to_string(),
+        })
+        .await
+    }
+}
