@@ -1,56 +1,58 @@
 //! `kmm-node-agent`: the one kmm-fleet pod on every node.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
 use kmm_node_agent::agent::{self, LoopTiming};
 use kmm_node_agent::check_image::{self, CheckOptions, EXIT_CODES};
-use kmm_node_agent::control::{self, IntentSender};
+use kmm_node_agent::control::{self, EventReceiver, IntentSender};
 use kmm_node_agent::desired::{DesiredSnapshot, PullSecret, RegistryTls};
 use kmm_node_agent::image::cache::Cache;
 use kmm_node_agent::image::{ImageStore, Limits};
 use kmm_node_agent::kernel::{HostKernel, Kernel, SimulatedKernel};
+use kmm_node_agent::metrics::Metrics;
+use kmm_node_agent::proxy_connection::{self, ProxyConfig, ProxyConnection};
+use kmm_node_agent::readiness;
 use kmm_node_agent::reconcile::Reconciler;
 use kmm_node_agent::state::StateStore;
-use tracing_subscriber::EnvFilter;
+use kmm_runtime::cli::LoggingArgs;
+use kmm_runtime::health::Health;
+use prometheus_client::registry::Registry;
+use tokio::sync::{mpsc, watch};
 
 /// The kmm-fleet agent that runs once on every node (one DaemonSet pod).
 ///
-/// It receives its node's desired kernel modules, pulls the kmod images, extracts
-/// only the module and firmware files (refusing hostile images), runs modprobe, and
-/// reports every load and unload with its outcome. It keeps its state under /run/kmm
-/// so that a restart never reloads what is loaded and a reboot loads again. It has no
-/// Kubernetes API access at all, and SIGTERM never unloads anything.
+/// It connects to kmm-spoke-proxy (TLS, authenticated with the pod's projected
+/// ServiceAccount token), receives its node's desired kernel modules, pulls the kmod
+/// images, extracts only the module and firmware files (refusing hostile images), runs
+/// modprobe, and reports every load and unload with its outcome. It keeps its state
+/// under /run/kmm so that a restart never reloads what is loaded and a reboot loads
+/// again. It has no Kubernetes API access at all. Unloading happens only when asked for
+/// explicitly: neither a lost connection nor SIGTERM ever unloads anything.
 #[derive(Debug, Parser)]
 #[command(name = "kmm-node-agent", version)]
 struct Cli {
-    /// Log format on standard error.
-    #[arg(long, value_enum, default_value = "text", global = true)]
-    log_format: LogFormat,
-    /// More logs: -v debug, -vv trace (RUST_LOG overrides).
-    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
-    verbose: u8,
+    #[command(flatten)]
+    logging: LoggingArgs,
     #[command(subcommand)]
     command: Command,
-}
-
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum LogFormat {
-    Text,
-    Json,
 }
 
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run the agent: reconcile the node's kernel modules with the desired ones.
     ///
-    /// Until the connection to kmm-spoke-proxy lands, the desired modules come from
-    /// --desired-file (a JSON array of modules, re-read when it changes) and every
-    /// event is written to standard output as one JSON line, after a first `hello` line.
+    /// The desired modules come from kmm-spoke-proxy (--proxy-address, with
+    /// --proxy-ca-file and --token-file) or, standalone, from --desired-file (re-read
+    /// when it changes; every event is then written to standard output as one JSON
+    /// line, after a first `hello` line). Exactly one of the two is required.
+    /// /metrics, /healthz and /readyz are served on --metrics-addr; /readyz answers ok
+    /// once the first desired modules were acted on and, with a proxy, while connected.
     Run(RunArgs),
     /// Check a kmod image the way a node would, without loading anything.
     ///
@@ -71,10 +73,30 @@ enum Backend {
 }
 
 #[derive(Debug, Args)]
+#[command(group(ArgGroup::new("control").required(true).args(["proxy_address", "desired_file"])))]
 struct RunArgs {
-    /// Node name (from the downward API).
+    /// Node name (from the downward API); must be the node the token is bound to.
     #[arg(long, env = "NODE_NAME")]
     node_name: String,
+    /// kmm-spoke-proxy's agent endpoint, https://HOST:PORT. The stream is reopened
+    /// with jittered exponential backoff (up to 30 s) whenever it fails.
+    #[arg(
+        long,
+        value_parser = parse_proxy_address,
+        requires_all = ["proxy_ca_file", "token_file"]
+    )]
+    proxy_address: Option<String>,
+    /// PEM CA certificate the proxy's serving certificate must chain to (the
+    /// kmm-agent-ca ConfigMap, mounted); re-read at every connection.
+    #[arg(long, requires = "proxy_address")]
+    proxy_ca_file: Option<PathBuf>,
+    /// The projected ServiceAccount token (audience kmm-spoke-proxy), sent as
+    /// `authorization: Bearer`; re-read at every connection as the kubelet rotates it.
+    #[arg(long, requires = "proxy_address")]
+    token_file: Option<PathBuf>,
+    /// Address serving /metrics, /healthz and /readyz.
+    #[arg(long, default_value = "0.0.0.0:8082")]
+    metrics_addr: SocketAddr,
     /// State directory; must survive agent restarts and be emptied by reboots.
     #[arg(long, default_value = "/run/kmm")]
     state_dir: PathBuf,
@@ -102,7 +124,7 @@ struct RunArgs {
     /// unload?: ["<namespace>/<name>", ...]}. A module left out is left alone; only
     /// keys listed under "unload" are unloaded.
     #[arg(long)]
-    desired_file: PathBuf,
+    desired_file: Option<PathBuf>,
     /// How often --desired-file is checked for changes, in milliseconds.
     #[arg(long, default_value_t = 500)]
     desired_poll_ms: u64,
@@ -169,25 +191,13 @@ struct CheckArgs {
     limits: LimitArgs,
 }
 
-fn init_logging(cli: &Cli) {
-    let default = match cli.verbose {
-        0 => "info",
-        1 => "debug",
-        _ => "trace",
-    };
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match cli.log_format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
+fn parse_proxy_address(address: &str) -> Result<String, String> {
+    proxy_connection::validate_address(address).map(|()| address.to_string())
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(&cli);
+    kmm_runtime::logging::init(&cli.logging);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -241,39 +251,95 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     tracing::info!(
         node = %hello.node_name,
         kernel = %hello.kernel_release,
+        boot_id = %hello.boot_id,
         backend = reconciler.kernel().backend(),
         loaded = hello.loaded.len(),
         "agent started"
     );
-    println!("{}", serde_json::json!({ "hello": hello }));
 
-    let ((intent_tx, intent_rx), (event_tx, mut event_rx)) = control::channels();
-    let printer = tokio::spawn(async move {
-        while let Some(event) = event_rx.recv().await {
-            println!("{}", serde_json::json!({ "event": event }));
-        }
-    });
-    let watcher = tokio::spawn(watch_desired_file(
-        args.desired_file.clone(),
-        Duration::from_millis(args.desired_poll_ms),
-        intent_tx,
+    let mut registry = Registry::default();
+    let metrics = Metrics::register(&mut registry);
+    let health = Health::default();
+    let listener = tokio::net::TcpListener::bind(args.metrics_addr)
+        .await
+        .with_context(|| format!("cannot listen on --metrics-addr {}", args.metrics_addr))?;
+    tokio::spawn(kmm_runtime::health::serve_on(
+        listener,
+        registry,
+        health.clone(),
+        std::future::pending(),
     ));
+
+    let progress = reconciler.progress();
+    let ((intent_tx, intent_rx), (event_tx, event_rx)) = control::channels();
+    let events = observed(event_rx, metrics.clone());
+    let (control, connected) = match (&args.proxy_address, &args.desired_file) {
+        (Some(address), _) => {
+            let (connected_tx, connected_rx) = watch::channel(false);
+            let connection = ProxyConnection {
+                config: ProxyConfig::new(
+                    address.clone(),
+                    args.proxy_ca_file.clone().context("--proxy-ca-file")?,
+                    args.token_file.clone().context("--token-file")?,
+                ),
+                hello,
+                agent_version: env!("CARGO_PKG_VERSION").into(),
+                progress: progress.clone(),
+                intents: intent_tx,
+                events,
+                connected: connected_tx,
+            };
+            (tokio::spawn(connection.run()), Some(connected_rx))
+        }
+        (None, Some(file)) => {
+            println!("{}", serde_json::json!({ "hello": hello }));
+            let poll = Duration::from_millis(args.desired_poll_ms);
+            let task = tokio::spawn(standalone(file.clone(), poll, intent_tx, events));
+            (task, None)
+        }
+        (None, None) => anyhow::bail!("one of --proxy-address or --desired-file is required"),
+    };
+    let readiness = tokio::spawn(readiness::track(progress, connected, health, metrics));
     let timing = LoopTiming {
         retry_initial: Duration::from_secs(args.retry_seconds.max(1)),
         ..LoopTiming::default()
     };
-    let agent = agent::run(reconciler, intent_rx, event_tx, timing);
-
-    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .context("installing the SIGTERM handler")?;
     tokio::select! {
-        () = agent => {}
-        _ = sigterm.recv() => tracing::info!("SIGTERM: exiting without unloading anything"),
-        _ = tokio::signal::ctrl_c() => tracing::info!("interrupted: exiting without unloading anything"),
+        () = agent::run(reconciler, intent_rx, event_tx, timing) => {}
+        () = kmm_runtime::shutdown::signal() => tracing::info!("exiting without unloading anything"),
     }
-    watcher.abort();
-    printer.abort();
+    control.abort();
+    readiness.abort();
     Ok(())
+}
+
+/// Counts every event in the metrics on its way to the control plane, connected or not.
+fn observed(mut events: EventReceiver, metrics: Metrics) -> EventReceiver {
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Some(event) = events.recv().await {
+            metrics.observe(&event);
+            if tx.send(event).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// `--desired-file` mode: snapshots from the file, events as JSON lines on stdout.
+async fn standalone(
+    path: PathBuf,
+    poll: Duration,
+    intents: IntentSender,
+    mut events: EventReceiver,
+) {
+    let printer = async move {
+        while let Some(event) = events.recv().await {
+            println!("{}", serde_json::json!({ "event": event }));
+        }
+    };
+    tokio::join!(printer, watch_desired_file(path, poll, intents));
 }
 
 /// Feeds the desired-module snapshots from a JSON file, re-read when it changes.
@@ -412,5 +478,75 @@ mod tests {
             cli.is_err(),
             "the simulated backend needs its directory and kernel"
         );
+        assert!(
+            Cli::try_parse_from([
+                "kmm-node-agent",
+                "run",
+                "--node-name",
+                "n",
+                "--desired-file",
+                "d"
+            ])
+            .is_ok()
+        );
+    }
+
+    fn run_error(args: &[&str]) -> String {
+        let mut argv = vec!["kmm-node-agent", "run", "--node-name", "n"];
+        argv.extend_from_slice(args);
+        Cli::try_parse_from(argv).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn exactly_one_control_plane() {
+        let e = run_error(&[]);
+        assert!(
+            e.contains("--proxy-address") && e.contains("--desired-file"),
+            "{e}"
+        );
+        let e = run_error(&[
+            "--desired-file",
+            "d",
+            "--proxy-address",
+            "https://127.0.0.1:7444",
+            "--proxy-ca-file",
+            "ca",
+            "--token-file",
+            "t",
+        ]);
+        assert!(e.contains("cannot be used with"), "{e}");
+        let e = run_error(&["--proxy-address", "https://127.0.0.1:7444"]);
+        assert!(
+            e.contains("--proxy-ca-file") && e.contains("--token-file"),
+            "{e}"
+        );
+        let e = run_error(&["--desired-file", "d", "--token-file", "t"]);
+        assert!(e.contains("--proxy-address"), "{e}");
+        let e = run_error(&[
+            "--proxy-address",
+            "http://127.0.0.1:7444",
+            "--proxy-ca-file",
+            "ca",
+            "--token-file",
+            "t",
+        ]);
+        assert!(e.contains("must start with https://"), "{e}");
+        let cli = Cli::try_parse_from([
+            "kmm-node-agent",
+            "run",
+            "--node-name",
+            "n",
+            "--proxy-address",
+            "https://127.0.0.1:7444",
+            "--proxy-ca-file",
+            "ca",
+            "--token-file",
+            "t",
+        ])
+        .unwrap();
+        let Command::Run(args) = cli.command else {
+            unreachable!()
+        };
+        assert_eq!(args.metrics_addr.to_string(), "0.0.0.0:8082");
     }
 }

@@ -487,6 +487,7 @@ pub fn spawn_simulated_agent(
         .arg("--desired-file")
         .arg(desired_file)
         .args(["--desired-poll-ms", &poll_ms.to_string()])
+        .args(["--metrics-addr", "127.0.0.1:0"])
         .stdout(Stdio::piped())
         .stderr(stderr)
         .spawn()

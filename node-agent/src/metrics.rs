@@ -1,0 +1,161 @@
+//! The agent's Prometheus metrics, served on `--metrics-addr` by `kmm-runtime`.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+use crate::control::{AgentEvent, EventAction, Outcome};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    /// `succeeded` or `failed`.
+    outcome: &'static str,
+}
+
+const SUCCEEDED: OutcomeLabels = OutcomeLabels {
+    outcome: "succeeded",
+};
+const FAILED: OutcomeLabels = OutcomeLabels { outcome: "failed" };
+
+/// Handles to every metric; clones share them.
+#[derive(Clone, Debug)]
+pub struct Metrics {
+    loads: Family<OutcomeLabels, Counter>,
+    unloads: Family<OutcomeLabels, Counter>,
+    load_duration: Histogram,
+    connected: Gauge,
+    modules_loaded: Gauge,
+}
+
+/// Load attempts take from milliseconds (cached image) to minutes (a large pull).
+const LOAD_SECONDS_BUCKETS: [f64; 12] = [
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0,
+];
+
+impl Metrics {
+    /// Creates the metrics and registers them in `registry`.
+    pub fn register(registry: &mut Registry) -> Self {
+        let metrics = Self {
+            loads: Family::default(),
+            unloads: Family::default(),
+            load_duration: Histogram::new(LOAD_SECONDS_BUCKETS),
+            connected: Gauge::default(),
+            modules_loaded: Gauge::default(),
+        };
+        registry.register(
+            "kmm_agent_loads",
+            "Module load attempts, by outcome",
+            metrics.loads.clone(),
+        );
+        registry.register(
+            "kmm_agent_unloads",
+            "Module unload attempts, by outcome",
+            metrics.unloads.clone(),
+        );
+        registry.register(
+            "kmm_agent_load_duration_seconds",
+            "Duration of load attempts: pull and extraction plus the kernel side",
+            metrics.load_duration.clone(),
+        );
+        registry.register(
+            "kmm_agent_proxy_connected",
+            "1 while the stream to kmm-spoke-proxy is open",
+            metrics.connected.clone(),
+        );
+        registry.register(
+            "kmm_agent_modules_loaded",
+            "Modules this agent has loaded in this boot",
+            metrics.modules_loaded.clone(),
+        );
+        metrics
+    }
+
+    /// Counts one load or unload attempt.
+    pub fn observe(&self, event: &AgentEvent) {
+        let labels = match event.outcome {
+            Outcome::Success => SUCCEEDED,
+            Outcome::Failure(_) => FAILED,
+        };
+        match event.action {
+            EventAction::Load => {
+                self.loads.get_or_create(&labels).inc();
+                let millis = event.pull_ms.saturating_add(event.duration_ms);
+                self.load_duration.observe(millis as f64 / 1000.0);
+            }
+            EventAction::Unload => {
+                self.unloads.get_or_create(&labels).inc();
+            }
+        }
+    }
+
+    /// Counts a load refused before any attempt (an instruction the agent cannot act on).
+    pub fn observe_refused_load(&self) {
+        self.loads.get_or_create(&FAILED).inc();
+    }
+
+    pub fn set_connected(&self, connected: bool) {
+        self.connected.set(i64::from(connected));
+    }
+
+    pub fn set_modules_loaded(&self, count: usize) {
+        self.modules_loaded
+            .set(i64::try_from(count).unwrap_or(i64::MAX));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use prometheus_client::encoding::text::encode;
+
+    use super::*;
+
+    fn event(action: EventAction, outcome: Outcome, pull_ms: u64, duration_ms: u64) -> AgentEvent {
+        AgentEvent {
+            key: "ns/a".into(),
+            version: None,
+            action,
+            outcome,
+            image: "r/a:1".into(),
+            digest: None,
+            pull_ms,
+            duration_ms,
+            at_unix_ms: 0,
+            revision: 1,
+        }
+    }
+
+    #[test]
+    fn counts_by_action_and_outcome() {
+        let mut registry = Registry::default();
+        let metrics = Metrics::register(&mut registry);
+        metrics.observe(&event(EventAction::Load, Outcome::Success, 1500, 500));
+        metrics.observe(&event(
+            EventAction::Load,
+            Outcome::Failure("x".into()),
+            0,
+            5,
+        ));
+        metrics.observe_refused_load();
+        metrics.observe(&event(EventAction::Unload, Outcome::Success, 0, 5));
+        metrics.set_connected(true);
+        metrics.set_modules_loaded(3);
+        let mut text = String::new();
+        encode(&mut text, &registry).unwrap();
+        for line in [
+            r#"kmm_agent_loads_total{outcome="succeeded"} 1"#,
+            r#"kmm_agent_loads_total{outcome="failed"} 2"#,
+            r#"kmm_agent_unloads_total{outcome="succeeded"} 1"#,
+            "kmm_agent_load_duration_seconds_sum 2.005",
+            "kmm_agent_load_duration_seconds_count 2",
+            r#"kmm_agent_load_duration_seconds_bucket{le="2.5"} 2"#,
+            r#"kmm_agent_load_duration_seconds_bucket{le="1.0"} 1"#,
+            "kmm_agent_proxy_connected 1",
+            "kmm_agent_modules_loaded 3",
+        ] {
+            assert!(text.contains(line), "{line} missing in:\n{text}");
+        }
+    }
+}

@@ -1,0 +1,335 @@
+//! The agent's connection to kmm-spoke-proxy: one `Agent.Attach` stream over TLS,
+//! authenticated with the node's projected ServiceAccount token. Every (re)connect
+//! re-reads the CA and the token (the kubelet rotates it) and opens with a hello
+//! carrying what the agent has loaded; desired modules come down, every event goes up.
+//! A lost connection never unloads anything: the last snapshot stays in force.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use kmm_proto::v1 as pb;
+use kmm_proto::v1::agent_client::AgentClient;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::metadata::MetadataValue;
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
+
+use crate::control::{EventReceiver, Hello, IntentSender, Progress};
+use crate::image::pull::error_chain;
+use crate::proxy_messages;
+use crate::reconnect_backoff::{ReconnectBackoff, random_unit};
+
+/// Where and how to reach the proxy.
+#[derive(Clone, Debug)]
+pub struct ProxyConfig {
+    /// `https://host:port`.
+    pub address: String,
+    /// PEM CA certificate(s) the proxy's serving certificate must chain to.
+    pub ca_file: PathBuf,
+    /// The projected ServiceAccount token.
+    pub token_file: PathBuf,
+    pub connect_timeout: Duration,
+    pub backoff_initial: Duration,
+    pub backoff_max: Duration,
+}
+
+impl ProxyConfig {
+    pub fn new(address: String, ca_file: PathBuf, token_file: PathBuf) -> Self {
+        Self {
+            address,
+            ca_file,
+            token_file,
+            connect_timeout: Duration::from_secs(10),
+            backoff_initial: Duration::from_millis(500),
+            backoff_max: Duration::from_secs(30),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectionError {
+    #[error("reading the proxy CA file {path}: {source}")]
+    ReadCa {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("reading the token file {path}: {source}")]
+    ReadToken {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// Never includes the token.
+    #[error("the token file {path} {problem}")]
+    BadToken {
+        path: PathBuf,
+        problem: &'static str,
+    },
+    #[error("--proxy-address {address}: {source}")]
+    Address {
+        address: String,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    #[error("connecting to {address}: {source}")]
+    Connect {
+        address: String,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    #[error("the proxy refused the stream: {code:?}: {message}")]
+    Refused { code: tonic::Code, message: String },
+    #[error("the stream broke: {code:?}: {message}")]
+    Broken { code: tonic::Code, message: String },
+    #[error("the stream closed while sending")]
+    SendClosed,
+}
+
+/// How a stream that was established ended.
+#[derive(Debug)]
+enum Ended {
+    /// The proxy closed it (e.g. it is shutting down).
+    ClosedByProxy,
+    /// The agent's event channel closed: the agent loop is gone.
+    AgentStopped,
+}
+
+/// Reads `--proxy-address` as this client needs it.
+pub fn validate_address(address: &str) -> Result<(), String> {
+    let uri: tonic::transport::Uri = address
+        .parse()
+        .map_err(|e| format!("--proxy-address {address:?} is not a URI: {e}"))?;
+    if uri.scheme_str() != Some("https") {
+        return Err(format!(
+            "--proxy-address {address:?} must start with https:// (the agent only talks TLS)"
+        ));
+    }
+    if uri.host().is_none_or(str::is_empty) {
+        return Err(format!("--proxy-address {address:?} has no host"));
+    }
+    Ok(())
+}
+
+fn read_token(path: &Path) -> Result<MetadataValue<tonic::metadata::Ascii>, ConnectionError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConnectionError::ReadToken {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let token = text.trim();
+    if token.is_empty() {
+        return Err(ConnectionError::BadToken {
+            path: path.to_path_buf(),
+            problem: "is empty",
+        });
+    }
+    let mut value: MetadataValue<_> =
+        format!("Bearer {token}")
+            .parse()
+            .map_err(|_| ConnectionError::BadToken {
+                path: path.to_path_buf(),
+                problem: "holds characters a header cannot carry",
+            })?;
+    value.set_sensitive(true);
+    Ok(value)
+}
+
+/// The client: owns the event receiver and feeds the intent sender, across reconnects.
+#[derive(Debug)]
+pub struct ProxyConnection {
+    pub config: ProxyConfig,
+    /// Node name, boot ID and kernel; `loaded` is refreshed from `progress` each time.
+    pub hello: Hello,
+    pub agent_version: String,
+    pub progress: watch::Receiver<Progress>,
+    pub intents: IntentSender,
+    pub events: EventReceiver,
+    /// True while a stream is established.
+    pub connected: watch::Sender<bool>,
+}
+
+impl ProxyConnection {
+    /// Connects, and reconnects with backoff, until the future is dropped.
+    pub async fn run(mut self) {
+        let mut backoff =
+            ReconnectBackoff::new(self.config.backoff_initial, self.config.backoff_max);
+        loop {
+            let result = self.attempt().await;
+            let was_connected = self.connected.send_replace(false);
+            if was_connected {
+                backoff.reset();
+            }
+            match result {
+                Ok(Ended::AgentStopped) => return,
+                Ok(Ended::ClosedByProxy) => {
+                    tracing::info!(address = %self.config.address, "the proxy closed the stream; reconnecting")
+                }
+                Err(e) => {
+                    tracing::warn!(address = %self.config.address, error = %error_chain(&e), "proxy connection failed")
+                }
+            }
+            let delay = backoff.next_delay(random_unit());
+            tracing::debug!(?delay, "waiting before reconnecting");
+            tokio::time::sleep(delay).await;
+        }
+    }
+
+    async fn attempt(&mut self) -> Result<Ended, ConnectionError> {
+        let address = self.config.address.clone();
+        let ca = std::fs::read(&self.config.ca_file).map_err(|source| ConnectionError::ReadCa {
+            path: self.config.ca_file.clone(),
+            source,
+        })?;
+        let token = read_token(&self.config.token_file)?;
+        let endpoint = Endpoint::from_shared(address.clone())
+            .and_then(|e| {
+                e.tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)))
+            })
+            .map_err(|source| ConnectionError::Address {
+                address: address.clone(),
+                source,
+            })?
+            .connect_timeout(self.config.connect_timeout)
+            // A silently dead peer (node network cut) is noticed without waiting for TCP.
+            .http2_keep_alive_interval(Duration::from_secs(30))
+            .keep_alive_timeout(Duration::from_secs(10))
+            .keep_alive_while_idle(true);
+        let channel = endpoint
+            .connect()
+            .await
+            .map_err(|source| ConnectionError::Connect {
+                address: address.clone(),
+                source,
+            })?;
+
+        let (outbound, outbound_rx) = mpsc::channel::<pb::AgentMessage>(64);
+        let hello = Hello {
+            loaded: self.progress.borrow().loaded.clone(),
+            ..self.hello.clone()
+        };
+        // Queued before the call so that a proxy waiting for the hello gets it.
+        outbound
+            .send(pb::AgentMessage {
+                message: Some(pb::agent_message::Message::Hello(
+                    proxy_messages::agent_hello(&hello, &self.agent_version),
+                )),
+            })
+            .await
+            .map_err(|_| ConnectionError::SendClosed)?;
+        let mut request = tonic::Request::new(ReceiverStream::new(outbound_rx));
+        request.metadata_mut().insert("authorization", token);
+        let mut inbound = AgentClient::new(channel)
+            .attach(request)
+            .await
+            .map_err(|status| ConnectionError::Refused {
+                code: status.code(),
+                message: status.message().to_string(),
+            })?
+            .into_inner();
+        self.connected.send_replace(true);
+        tracing::info!(%address, loaded = hello.loaded.len(), "connected to the proxy");
+
+        loop {
+            tokio::select! {
+                message = inbound.message() => match message {
+                    Ok(Some(instruction)) => self.instruction(instruction, &outbound).await?,
+                    Ok(None) => return Ok(Ended::ClosedByProxy),
+                    Err(status) => {
+                        return Err(ConnectionError::Broken {
+                            code: status.code(),
+                            message: status.message().to_string(),
+                        })
+                    }
+                },
+                event = self.events.recv() => match event {
+                    Some(event) => {
+                        let message = pb::AgentMessage {
+                            message: Some(pb::agent_message::Message::Event(
+                                proxy_messages::module_event(&event),
+                            )),
+                        };
+                        outbound.send(message).await.map_err(|_| ConnectionError::SendClosed)?;
+                    }
+                    None => return Ok(Ended::AgentStopped),
+                },
+            }
+        }
+    }
+
+    async fn instruction(
+        &mut self,
+        instruction: pb::AgentInstruction,
+        outbound: &mpsc::Sender<pb::AgentMessage>,
+    ) -> Result<(), ConnectionError> {
+        let Some(pb::agent_instruction::Message::Desired(desired)) = instruction.message else {
+            tracing::warn!("ignoring an empty instruction from the proxy");
+            return Ok(());
+        };
+        let translated = proxy_messages::desired_snapshot(desired);
+        let revision = translated.snapshot.revision;
+        tracing::info!(
+            revision,
+            modules = translated.snapshot.modules.len(),
+            unload = translated.snapshot.unload.len(),
+            refused = translated.refused.len(),
+            "desired modules received"
+        );
+        for refused in &translated.refused {
+            tracing::warn!(revision, error = %refused, "refusing an entry of the desired modules");
+            let event = proxy_messages::refusal_event(refused, revision);
+            outbound
+                .send(pb::AgentMessage {
+                    message: Some(pb::agent_message::Message::Event(event)),
+                })
+                .await
+                .map_err(|_| ConnectionError::SendClosed)?;
+        }
+        self.intents.send_replace(Some(translated.snapshot));
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_must_be_https_with_a_host() {
+        assert!(validate_address("https://127.0.0.1:7444").is_ok());
+        assert!(validate_address("https://kmm-spoke-proxy.kmm.svc:7444").is_ok());
+        let e = validate_address("http://127.0.0.1:7444").unwrap_err();
+        assert!(
+            e.contains("https://") && e.contains("http://127.0.0.1:7444"),
+            "{e}"
+        );
+        let e = validate_address("127.0.0.1:7444").unwrap_err();
+        assert!(e.contains("127.0.0.1:7444"), "{e}");
+        let e = validate_address("https:// bad").unwrap_err();
+        assert!(e.contains("not a URI"), "{e}");
+    }
+
+    #[test]
+    fn tokens_are_trimmed_checked_and_never_shown() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("token");
+        std::fs::write(&path, "abc.def\n").unwrap();
+        let value = read_token(&path).unwrap();
+        assert!(value.is_sensitive());
+        assert_eq!(value.to_str().unwrap(), "Bearer abc.def");
+        assert!(!format!("{value:?}").contains("abc"), "{value:?}");
+
+        std::fs::write(&path, " \n").unwrap();
+        let e = read_token(&path).unwrap_err().to_string();
+        assert!(e.ends_with("is empty") && e.contains("token"), "{e}");
+        std::fs::write(&path, "SECRET_TOKEN\u{1}").unwrap();
+        let e = read_token(&path).unwrap_err().to_string();
+        assert!(
+            e.contains("cannot carry") && !e.contains("SECRET_TOKEN"),
+            "{e}"
+        );
+        let e = read_token(&dir.path().join("missing"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("missing"), "{e}");
+    }
+}
