@@ -1,14 +1,28 @@
 //! `kmm-spoke-proxy`: the kmm-fleet add-on agent on each managed cluster.
 //!
 //! Pure modules (no I/O): [`node_facts`], [`tolerations`], [`placement`], [`inventory`],
-//! [`agent_view`], [`node_status`], [`labels`], [`cluster_state`], [`backoff`].
+//! [`agent_view`], [`agent_identity`], [`node_status`], [`labels`], [`cluster_state`],
+//! [`backoff`]. I/O: [`hub_connection`], [`nodes`], [`node_labels`], [`agent_server`],
+//! [`agent_auth`], [`agent_tls`], wired together by [`run`].
 
+pub mod agent_auth;
+pub mod agent_identity;
+pub mod agent_server;
+pub mod agent_tls;
 pub mod agent_view;
+pub mod backoff;
 pub mod cluster_state;
+pub mod hub_connection;
+pub mod hub_credentials;
 pub mod inventory;
 pub mod labels;
+pub mod metrics;
 pub mod module_id;
 pub mod node_facts;
+pub mod node_labels;
 pub mod node_status;
+pub mod nodes;
 pub mod placement;
+pub mod run;
+pub mod shared_state;
 pub mod tolerations;

@@ -1,22 +1,134 @@
 //! `kmm-spoke-proxy`: the kmm-fleet add-on agent on each managed cluster.
 
-use clap::Parser;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use kmm_runtime::cli::LoggingArgs;
+use kmm_spoke_proxy::agent_tls::default_sans;
+use kmm_spoke_proxy::hub_connection::{HubLink, parse_address};
+use kmm_spoke_proxy::hub_credentials::HubCredentialFiles;
+use kmm_spoke_proxy::run::{ProxyConfig, run};
 
 /// The kmm-fleet add-on agent that runs once on every managed cluster.
 ///
-/// It connects up to kmm-hub over gRPC with the client certificate issued by
-/// Open Cluster Management's add-on registration, pushes the kernel releases
-/// of its cluster's nodes, serves the node agents, decides per node which
-/// resolved module applies, and labels nodes
-/// (kmm.node.kubernetes.io/<namespace>.<name>.ready) only once their node
-/// agent has proven the module loaded.
+/// It connects up to kmm-hub over gRPC with the client certificate issued by Open
+/// Cluster Management's add-on registration (renewed files are picked up without a
+/// restart), pushes the kernel releases of its cluster's nodes, serves the node agents
+/// over TLS (authenticating each with its projected ServiceAccount token and binding it
+/// to its node), decides per node which resolved module applies, and labels nodes
+/// (kmm.node.kubernetes.io/<namespace>.<name>.ready) only once their node agent has
+/// proven the module loaded. Losing the hub never unloads anything.
+///
+/// Kubernetes access: in-cluster configuration, or KUBECONFIG.
 #[derive(Debug, Parser)]
 #[command(name = "kmm-spoke-proxy", version)]
-struct Cli {}
+struct Cli {
+    #[command(flatten)]
+    logging: LoggingArgs,
+    #[command(subcommand)]
+    command: Command,
+}
 
-fn main() -> anyhow::Result<()> {
-    Cli::parse();
-    anyhow::bail!(
-        "kmm-spoke-proxy: the proxy runtime is not part of this build yet; only --help and --version work"
-    )
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the proxy until SIGTERM or SIGINT.
+    Run(RunArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct RunArgs {
+    /// kmm-hub's gRPC endpoint, https://HOST:PORT.
+    #[arg(long, env = "KMM_HUB_ADDRESS")]
+    hub_address: String,
+    /// CA certificate (PEM) that signed kmm-hub's serving certificate.
+    #[arg(long)]
+    hub_ca_file: PathBuf,
+    /// The proxy's client certificate (PEM), as OCM's add-on registration mounts it
+    /// (tls.crt). Re-read at every connect and watched for renewal.
+    #[arg(long)]
+    client_cert_file: PathBuf,
+    /// The client certificate's private key (PEM, tls.key).
+    #[arg(long)]
+    client_key_file: PathBuf,
+    /// Namespace of the proxy's Secret (kmm-spoke-proxy-tls) and of the ConfigMap
+    /// (kmm-agent-ca) the node agents mount.
+    #[arg(long, default_value = "kmm")]
+    namespace: String,
+    /// The managed cluster's name, for logs only (the hub takes the identity from the
+    /// client certificate).
+    #[arg(long, default_value = "")]
+    cluster_name: String,
+    /// Address of the TLS gRPC server for node agents.
+    #[arg(long, default_value = "0.0.0.0:7444")]
+    agent_addr: SocketAddr,
+    /// Subject alternative name of the agent-facing serving certificate (repeatable;
+    /// default: localhost, 127.0.0.1, kmm-spoke-proxy.<namespace>.svc).
+    #[arg(long = "agent-san")]
+    agent_sans: Vec<String>,
+    /// Audience the node agents' projected ServiceAccount tokens must be issued for.
+    #[arg(long, default_value = "kmm-spoke-proxy")]
+    token_audience: String,
+    /// The node agents' ServiceAccount, <namespace>:<name>; tokens of any other account
+    /// are refused.
+    #[arg(long, default_value = "kmm:kmm-node-agent")]
+    agent_service_account: String,
+    /// Address serving /metrics, /healthz and /readyz.
+    #[arg(long, default_value = "0.0.0.0:8081")]
+    metrics_addr: SocketAddr,
+    /// How often the hub credential files are checked for a renewal, in seconds.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    credentials_poll_seconds: u64,
+    /// First delay before reconnecting to the hub, in milliseconds; doubles up to
+    /// --reconnect-max-seconds, with jitter.
+    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(1..))]
+    reconnect_initial_ms: u64,
+    /// Longest delay between reconnects to the hub, in seconds.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    reconnect_max_seconds: u64,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    kmm_runtime::logging::init(&cli.logging);
+    let Command::Run(args) = cli.command;
+    if !args.agent_service_account.contains(':') {
+        anyhow::bail!(
+            "--agent-service-account {:?} must be <namespace>:<name>",
+            args.agent_service_account
+        );
+    }
+    let agent_sans = if args.agent_sans.is_empty() {
+        default_sans(&args.namespace)
+    } else {
+        args.agent_sans
+    };
+    let config = ProxyConfig {
+        hub: HubLink {
+            address: parse_address(&args.hub_address)?,
+            files: HubCredentialFiles {
+                ca: args.hub_ca_file,
+                cert: args.client_cert_file,
+                key: args.client_key_file,
+            },
+            poll: Duration::from_secs(args.credentials_poll_seconds),
+            backoff_initial: Duration::from_millis(args.reconnect_initial_ms),
+            backoff_max: Duration::from_secs(args.reconnect_max_seconds),
+        },
+        namespace: args.namespace,
+        cluster_name: args.cluster_name,
+        agent_addr: args.agent_addr,
+        agent_sans,
+        token_audience: args.token_audience,
+        agent_service_account: args.agent_service_account,
+        metrics_addr: args.metrics_addr,
+    };
+    let client = kube::Client::try_default()
+        .await
+        .context("no Kubernetes configuration (in-cluster or KUBECONFIG)")?;
+    run(config, client, kmm_runtime::shutdown::signal()).await?;
+    Ok(())
 }

@@ -1,0 +1,233 @@
+//! The agent-facing `Agent.Attach` server. Each stream is authenticated by the agent's
+//! token and bound to the node the token names; it only ever carries that node's
+//! DesiredModules (and so only that node's credentials). One stream per node: a newer
+//! one replaces the older.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+
+use futures::Stream;
+use kmm_proto::v1::agent_server::Agent;
+use kmm_proto::v1::{AgentInstruction, AgentMessage, agent_instruction, agent_message};
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::agent_auth::{AuthError, TokenAuthenticator};
+use crate::metrics::Metrics;
+use crate::shared_state::SharedState;
+
+type Replacement = (u64, oneshot::Sender<()>);
+
+/// See the module documentation.
+#[derive(Clone, Debug)]
+pub struct AgentService {
+    state: SharedState,
+    auth: TokenAuthenticator,
+    metrics: Metrics,
+    cancel: CancellationToken,
+    /// Per node, the current stream's number and the means to end it when replaced.
+    streams: Arc<Mutex<HashMap<String, Replacement>>>,
+    next_stream: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl AgentService {
+    pub fn new(
+        state: SharedState,
+        auth: TokenAuthenticator,
+        metrics: Metrics,
+        cancel: CancellationToken,
+    ) -> Self {
+        Self {
+            state,
+            auth,
+            metrics,
+            cancel,
+            streams: Arc::default(),
+            next_stream: Arc::default(),
+        }
+    }
+
+    fn refuse(&self, reason: &'static str, status: Status) -> Status {
+        self.metrics
+            .agent_refusals
+            .get_or_create(&vec![("reason", reason)])
+            .inc();
+        tracing::warn!(reason, message = status.message(), "agent stream refused");
+        status
+    }
+
+    async fn authenticate(
+        &self,
+        request: &Request<Streaming<AgentMessage>>,
+    ) -> Result<String, Status> {
+        let token = request
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .ok_or_else(|| {
+                self.refuse(
+                    "missing_token",
+                    Status::unauthenticated(
+                        "missing `authorization: Bearer <token>` metadata (the node agent's projected ServiceAccount token)",
+                    ),
+                )
+            })?;
+        self.auth
+            .node_of(token)
+            .await
+            .map_err(|error| match &error {
+                AuthError::Refused(refusal) if refusal.is_permission() => {
+                    self.refuse("forbidden", Status::permission_denied(error.to_string()))
+                }
+                AuthError::Refused(_) => self.refuse(
+                    "unauthenticated",
+                    Status::unauthenticated(error.to_string()),
+                ),
+                AuthError::Review(_) => {
+                    self.refuse("review_failed", Status::unavailable(error.to_string()))
+                }
+            })
+    }
+
+    /// Registers the stream of `node`, ending the one it replaces.
+    fn register(&self, node: &str) -> (u64, oneshot::Receiver<()>) {
+        let id = self
+            .next_stream
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        let mut streams = self.streams.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, old)) = streams.insert(node.to_owned(), (id, tx)) {
+            // The old stream may have ended already; then nobody listens.
+            let _ = old.send(());
+        }
+        (id, rx)
+    }
+
+    fn unregister(&self, node: &str, id: u64) {
+        let mut streams = self.streams.lock().unwrap_or_else(|p| p.into_inner());
+        if streams.get(node).is_some_and(|(current, _)| *current == id) {
+            streams.remove(node);
+        }
+    }
+}
+
+type InstructionStream = Pin<Box<dyn Stream<Item = Result<AgentInstruction, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Agent for AgentService {
+    type AttachStream = InstructionStream;
+
+    async fn attach(
+        &self,
+        request: Request<Streaming<AgentMessage>>,
+    ) -> Result<Response<Self::AttachStream>, Status> {
+        let node = self.authenticate(&request).await?;
+        let mut inbound = request.into_inner();
+        let hello = match inbound.message().await? {
+            Some(AgentMessage {
+                message: Some(agent_message::Message::Hello(hello)),
+            }) => hello,
+            _ => {
+                return Err(self.refuse(
+                    "no_hello",
+                    Status::invalid_argument("the first message of a stream must be AgentHello"),
+                ));
+            }
+        };
+        if hello.node_name != node {
+            return Err(self.refuse(
+                "node_mismatch",
+                Status::permission_denied(format!(
+                    "the token is bound to node {node:?} but AgentHello.node_name is {:?}",
+                    hello.node_name
+                )),
+            ));
+        }
+        self.state.update(|s| s.agent_hello(&node, &hello));
+        tracing::info!(
+            node,
+            boot_id = hello.boot_id,
+            kernel = hello.kernel_release,
+            agent_version = hello.agent_version,
+            loaded = hello.loaded.len(),
+            "agent attached"
+        );
+        let (id, replaced) = self.register(&node);
+        let (tx, rx) = mpsc::channel(4);
+        let service = self.clone();
+        tokio::spawn(async move {
+            service.metrics.agents_connected.inc();
+            let end = service.serve(&node, inbound, &tx, replaced).await;
+            service.metrics.agents_connected.dec();
+            service.unregister(&node, id);
+            tracing::info!(node, end, "agent stream ended");
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+impl AgentService {
+    /// Relays the node's DesiredModules down and its events up until the stream ends;
+    /// returns why it ended.
+    async fn serve(
+        &self,
+        node: &str,
+        mut inbound: Streaming<AgentMessage>,
+        tx: &mpsc::Sender<Result<AgentInstruction, Status>>,
+        mut replaced: oneshot::Receiver<()>,
+    ) -> &'static str {
+        let mut changes = self.state.subscribe();
+        let mut sent_revision = None;
+        loop {
+            changes.borrow_and_update();
+            let desired = self.state.read(|s| s.desired_modules(node));
+            // Revision 0 means no intents yet: the agent waits rather than getting an
+            // empty list it could mistake for "nothing to run".
+            if desired.revision != 0 && sent_revision != Some(desired.revision) {
+                sent_revision = Some(desired.revision);
+                let instruction = AgentInstruction {
+                    message: Some(agent_instruction::Message::Desired(desired)),
+                };
+                if tx.send(Ok(instruction)).await.is_err() {
+                    return "agent went away";
+                }
+            }
+            tokio::select! {
+                () = self.cancel.cancelled() => {
+                    let _ = tx.send(Err(Status::unavailable("kmm-spoke-proxy is shutting down"))).await;
+                    return "proxy shutting down";
+                }
+                _ = &mut replaced => {
+                    let _ = tx.send(Err(Status::aborted(format!("a newer stream for node {node:?} replaced this one")))).await;
+                    return "replaced by a newer stream";
+                }
+                _ = changes.changed() => {}
+                message = inbound.message() => match message {
+                    Ok(Some(AgentMessage { message: Some(agent_message::Message::Event(event)) })) => {
+                        self.metrics.agent_events.inc();
+                        tracing::info!(
+                            node,
+                            module = %crate::module_id::ModuleId::from_key(event.key.as_ref()),
+                            action = event.action().as_str_name(),
+                            outcome = event.outcome().as_str_name(),
+                            version = event.version,
+                            desired_revision = event.desired_revision,
+                            error = event.error,
+                            "agent event"
+                        );
+                        self.state.update(|s| s.agent_event(node, &event));
+                    }
+                    Ok(Some(_)) => tracing::debug!(node, "unexpected message from the agent ignored"),
+                    Ok(None) => return "agent closed the stream",
+                    Err(_) => return "agent stream broken",
+                },
+            }
+        }
+    }
+}

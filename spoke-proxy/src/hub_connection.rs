@@ -1,0 +1,252 @@
+//! The one long-lived stream to kmm-hub (`Hub.Sync`), over TLS with the client
+//! certificate from OCM's add-on registration. Sends hello, the full inventory and the
+//! full status after every (re)connect, then changes as they happen; applies the hub's
+//! intent snapshots. Losing the hub changes nothing on the nodes: the last snapshot
+//! stays in force, and the status is resent in full when the hub is back.
+
+use std::time::{Duration, Instant};
+
+use kmm_proto::v1::hub_client::HubClient;
+use kmm_proto::v1::{HubMessage, ProxyHello, ProxyMessage, hub_message, proxy_message};
+use thiserror::Error;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, Uri};
+
+use crate::backoff::{Backoff, random_fraction};
+use crate::hub_credentials::{HubCredentialFiles, HubCredentials, ReadError};
+use crate::metrics::Metrics;
+use crate::node_status::StatusReporter;
+use crate::shared_state::SharedState;
+
+/// How the proxy reaches the hub.
+#[derive(Clone, Debug)]
+pub struct HubLink {
+    /// `https://HOST:PORT`.
+    pub address: Uri,
+    pub files: HubCredentialFiles,
+    /// How often the credential files are checked for a renewal.
+    pub poll: Duration,
+    pub backoff_initial: Duration,
+    pub backoff_max: Duration,
+}
+
+#[derive(Debug, Error)]
+pub enum HubAddressError {
+    #[error("--hub-address {0:?} is not a URL: {1}")]
+    NotAUrl(String, String),
+    #[error("--hub-address {0:?} must be https://HOST:PORT")]
+    NotHttps(String),
+}
+
+/// Parses `--hub-address`.
+pub fn parse_address(address: &str) -> Result<Uri, HubAddressError> {
+    let uri: Uri = address
+        .parse()
+        .map_err(|e: tonic::codegen::http::uri::InvalidUri| {
+            HubAddressError::NotAUrl(address.to_owned(), e.to_string())
+        })?;
+    if uri.scheme_str() != Some("https") || uri.host().is_none_or(str::is_empty) {
+        return Err(HubAddressError::NotHttps(address.to_owned()));
+    }
+    Ok(uri)
+}
+
+#[derive(Debug, Error)]
+enum SessionError {
+    #[error(transparent)]
+    Credentials(#[from] ReadError),
+    #[error("cannot connect to the hub: {0}")]
+    Connect(#[source] tonic::transport::Error),
+    #[error("the hub refused the stream: {code:?}: {message}", code = .0.code(), message = .0.message())]
+    Refused(tonic::Status),
+    #[error("the hub ended the stream: {code:?}: {message}", code = .0.code(), message = .0.message())]
+    Broken(tonic::Status),
+    #[error("the hub closed the stream")]
+    Closed,
+}
+
+/// Why a session that worked ended.
+enum SessionEnd {
+    Shutdown,
+    CredentialsChanged,
+}
+
+/// Runs until `cancel` fires, reconnecting with jittered exponential backoff.
+pub async fn run(link: HubLink, state: SharedState, metrics: Metrics, cancel: CancellationToken) {
+    let mut backoff = Backoff::new(link.backoff_initial, link.backoff_max);
+    loop {
+        let started = Instant::now();
+        let outcome = session(&link, &state, &metrics, &cancel, &mut backoff).await;
+        metrics.hub_connected.set(0);
+        match outcome {
+            Ok(SessionEnd::Shutdown) => return,
+            Ok(SessionEnd::CredentialsChanged) => {
+                metrics.hub_disconnects.inc();
+                tracing::info!("hub credential files changed; reconnecting with them");
+                continue;
+            }
+            Err(error) => {
+                metrics.hub_disconnects.inc();
+                let delay = backoff.next_delay(random_fraction());
+                tracing::warn!(
+                    %error,
+                    after_seconds = started.elapsed().as_secs(),
+                    retry_in_ms = delay.as_millis() as u64,
+                    "hub stream down; the last intents stay in force"
+                );
+                tokio::select! {
+                    () = cancel.cancelled() => return,
+                    () = tokio::time::sleep(delay) => {}
+                }
+            }
+        }
+    }
+}
+
+fn endpoint(link: &HubLink, credentials: &HubCredentials) -> Result<Endpoint, SessionError> {
+    let host = link
+        .address
+        .host()
+        .unwrap_or_default()
+        .trim_start_matches('[')
+        .trim_end_matches(']');
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(&credentials.ca_pem))
+        .identity(Identity::from_pem(
+            &credentials.cert_pem,
+            &credentials.key_pem,
+        ))
+        .domain_name(host);
+    Ok(Endpoint::from(link.address.clone())
+        .tls_config(tls)
+        .map_err(SessionError::Connect)?
+        .connect_timeout(Duration::from_secs(10))
+        .http2_keep_alive_interval(Duration::from_secs(30))
+        .keep_alive_timeout(Duration::from_secs(20))
+        .keep_alive_while_idle(true))
+}
+
+async fn session(
+    link: &HubLink,
+    state: &SharedState,
+    metrics: &Metrics,
+    cancel: &CancellationToken,
+    backoff: &mut Backoff,
+) -> Result<SessionEnd, SessionError> {
+    let credentials = link.files.read()?;
+    let endpoint = endpoint(link, &credentials)?;
+    let channel = tokio::select! {
+        () = cancel.cancelled() => return Ok(SessionEnd::Shutdown),
+        connected = endpoint.connect() => connected.map_err(SessionError::Connect)?,
+    };
+
+    let mut changes = state.subscribe();
+    let (tx, rx) = mpsc::channel::<ProxyMessage>(64);
+    let mut reporter = StatusReporter::default();
+    changes.borrow_and_update();
+    let (hello, inventory, statuses) = state.read(|s| {
+        (
+            ProxyHello {
+                proxy_version: env!("CARGO_PKG_VERSION").to_owned(),
+                applied_intent_revision: s.applied_intent_revision(),
+            },
+            s.inventory(),
+            s.statuses(),
+        )
+    });
+    let mut inventory_revision = inventory.revision;
+    let first = [
+        proxy_message::Message::Hello(hello),
+        proxy_message::Message::Inventory(inventory),
+        proxy_message::Message::Status(reporter.full(statuses)),
+    ];
+    for message in first {
+        // The channel is fresh and larger than three messages: this cannot block.
+        tx.send(ProxyMessage {
+            message: Some(message),
+        })
+        .await
+        .map_err(|_| SessionError::Closed)?;
+    }
+
+    let mut client = HubClient::new(channel);
+    let response = tokio::select! {
+        () = cancel.cancelled() => return Ok(SessionEnd::Shutdown),
+        response = client.sync(ReceiverStream::new(rx)) => response.map_err(SessionError::Refused)?,
+    };
+    let mut inbound = response.into_inner();
+    metrics.hub_connected.set(1);
+    metrics.hub_connects.inc();
+    backoff.reset();
+    tracing::info!(address = %link.address, "hub stream open");
+
+    let mut poll = tokio::time::interval(link.poll);
+    poll.tick().await;
+    loop {
+        tokio::select! {
+            () = cancel.cancelled() => return Ok(SessionEnd::Shutdown),
+            message = inbound.message() => match message {
+                Ok(Some(HubMessage { message: Some(hub_message::Message::Intents(snapshot)) })) => {
+                    let revision = snapshot.revision;
+                    let modules = snapshot.modules.len();
+                    state.update(|s| s.set_intents(snapshot));
+                    metrics.intent_revision.set(revision as i64);
+                    tracing::info!(revision, modules, "intent snapshot applied");
+                }
+                Ok(Some(HubMessage { message: None })) => {
+                    tracing::debug!("empty message from the hub ignored");
+                }
+                Ok(None) => return Err(SessionError::Closed),
+                Err(status) => return Err(SessionError::Broken(status)),
+            },
+            _ = changes.changed() => {
+                let (inventory, statuses) = state.read(|s| (s.inventory(), s.statuses()));
+                if inventory.revision != inventory_revision {
+                    inventory_revision = inventory.revision;
+                    send(&tx, proxy_message::Message::Inventory(inventory)).await?;
+                }
+                if let Some(delta) = reporter.delta(statuses) {
+                    send(&tx, proxy_message::Message::Status(delta)).await?;
+                }
+            }
+            _ = poll.tick() => {
+                match link.files.read() {
+                    Ok(current) if current.fingerprint() != credentials.fingerprint() => {
+                        return Ok(SessionEnd::CredentialsChanged);
+                    }
+                    Ok(_) => {}
+                    // Mid-rotation files may be briefly absent: keep the working stream.
+                    Err(error) => tracing::debug!(%error, "credential files unreadable for now"),
+                }
+            }
+        }
+    }
+}
+
+async fn send(
+    tx: &mpsc::Sender<ProxyMessage>,
+    message: proxy_message::Message,
+) -> Result<(), SessionError> {
+    tx.send(ProxyMessage {
+        message: Some(message),
+    })
+    .await
+    .map_err(|_| SessionError::Closed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn address_must_be_https_with_a_host() {
+        assert!(parse_address("https://hub.example:7443").is_ok());
+        assert!(parse_address("https://127.0.0.1:7443").is_ok());
+        let plain = parse_address("http://hub:7443").unwrap_err().to_string();
+        assert!(plain.contains("--hub-address") && plain.contains("http://hub:7443"));
+        assert!(parse_address("hub:7443").is_err());
+        assert!(parse_address("not a url").is_err());
+    }
+}

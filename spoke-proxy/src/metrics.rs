@@ -1,0 +1,76 @@
+//! The proxy's Prometheus metrics.
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+/// Label of [`Metrics::agent_refusals`].
+pub type ReasonLabel = Vec<(&'static str, &'static str)>;
+
+/// Every metric; clones share the values.
+#[derive(Clone, Debug, Default)]
+pub struct Metrics {
+    pub hub_connected: Gauge,
+    pub hub_connects: Counter,
+    pub hub_disconnects: Counter,
+    pub intent_revision: Gauge,
+    pub nodes: Gauge,
+    pub agents_connected: Gauge,
+    pub agent_refusals: Family<ReasonLabel, Counter>,
+    pub agent_events: Counter,
+    pub label_patches: Counter,
+    pub label_patch_errors: Counter,
+}
+
+impl Metrics {
+    pub fn register(&self, registry: &mut Registry) {
+        let r = registry.sub_registry_with_prefix("kmm_spoke_proxy");
+        r.register(
+            "hub_connected",
+            "1 while the stream to kmm-hub is open",
+            self.hub_connected.clone(),
+        );
+        r.register(
+            "hub_connects",
+            "Streams to kmm-hub opened",
+            self.hub_connects.clone(),
+        );
+        r.register(
+            "hub_disconnects",
+            "Streams to kmm-hub that ended or failed to open",
+            self.hub_disconnects.clone(),
+        );
+        r.register(
+            "intent_revision",
+            "Revision of the last IntentSnapshot applied",
+            self.intent_revision.clone(),
+        );
+        r.register("nodes", "Nodes in the cluster", self.nodes.clone());
+        r.register(
+            "agents_connected",
+            "Node agent streams open",
+            self.agents_connected.clone(),
+        );
+        r.register(
+            "agent_refusals",
+            "Node agent streams refused, by reason",
+            self.agent_refusals.clone(),
+        );
+        r.register(
+            "agent_events",
+            "Load and unload events received from node agents",
+            self.agent_events.clone(),
+        );
+        r.register(
+            "label_patches",
+            "Node label patches applied",
+            self.label_patches.clone(),
+        );
+        r.register(
+            "label_patch_errors",
+            "Node label patches that failed",
+            self.label_patch_errors.clone(),
+        );
+    }
+}

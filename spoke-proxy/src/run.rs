@@ -1,0 +1,162 @@
+//! Wires the proxy together: agent TLS material, the agent server, the Node watch, the
+//! hub link, the label patcher and the observability endpoint, until shutdown.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use kmm_proto::v1::agent_server::AgentServer;
+use kmm_runtime::health::{self, Health};
+use prometheus_client::registry::Registry;
+use thiserror::Error;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Identity, Server, ServerTlsConfig};
+
+use crate::agent_auth::TokenAuthenticator;
+use crate::agent_server::AgentService;
+use crate::agent_tls::{self, AgentTlsError};
+use crate::cluster_state::ClusterState;
+use crate::hub_connection::{self, HubLink};
+use crate::metrics::Metrics;
+use crate::shared_state::SharedState;
+use crate::{node_labels, nodes};
+
+/// Everything the proxy needs to run.
+#[derive(Clone, Debug)]
+pub struct ProxyConfig {
+    pub hub: HubLink,
+    pub namespace: String,
+    pub cluster_name: String,
+    pub agent_addr: SocketAddr,
+    pub agent_sans: Vec<String>,
+    pub token_audience: String,
+    /// `<namespace>:<name>` of the node agents' ServiceAccount.
+    pub agent_service_account: String,
+    pub metrics_addr: SocketAddr,
+}
+
+#[derive(Debug, Error)]
+pub enum RunError {
+    #[error(transparent)]
+    AgentTls(#[from] AgentTlsError),
+    #[error("cannot listen on --agent-addr {addr}: {source}")]
+    AgentBind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("the agent server cannot start: {0}")]
+    AgentServer(#[source] tonic::transport::Error),
+    #[error("cannot listen on --metrics-addr {addr}: {source}")]
+    MetricsBind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+}
+
+/// Runs the proxy until `shutdown` resolves, then stops every task and returns.
+pub async fn run(
+    config: ProxyConfig,
+    client: kube::Client,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), RunError> {
+    let metrics = Metrics::default();
+    let mut registry = Registry::default();
+    metrics.register(&mut registry);
+    let health = Health::default();
+    let cancel = CancellationToken::new();
+
+    let metrics_listener = TcpListener::bind(config.metrics_addr)
+        .await
+        .map_err(|source| RunError::MetricsBind {
+            addr: config.metrics_addr,
+            source,
+        })?;
+    let identity = agent_tls::ensure(&client, &config.namespace, &config.agent_sans).await?;
+    let agent_listener = TcpListener::bind(config.agent_addr)
+        .await
+        .map_err(|source| RunError::AgentBind {
+            addr: config.agent_addr,
+            source,
+        })?;
+    tracing::info!(
+        cluster = config.cluster_name,
+        namespace = config.namespace,
+        hub = %config.hub.address,
+        agent_addr = %config.agent_addr,
+        metrics_addr = %config.metrics_addr,
+        "kmm-spoke-proxy starting"
+    );
+
+    // Revisions start from the clock so a restarted proxy continues above its
+    // predecessor's, and stale reports of earlier streams never count as current.
+    let revision_base = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(1, |d| d.as_millis() as u64);
+    let state = SharedState::new(ClusterState::new(revision_base));
+
+    let mut tasks = tokio::task::JoinSet::new();
+    tasks.spawn(nodes::run(
+        client.clone(),
+        state.clone(),
+        metrics.clone(),
+        health.clone(),
+        cancel.clone(),
+    ));
+    tasks.spawn(node_labels::run(
+        client.clone(),
+        state.clone(),
+        metrics.clone(),
+        cancel.clone(),
+    ));
+    tasks.spawn(hub_connection::run(
+        config.hub.clone(),
+        state.clone(),
+        metrics.clone(),
+        cancel.clone(),
+    ));
+    {
+        let cancel = cancel.clone();
+        tasks.spawn(health::serve_on(
+            metrics_listener,
+            registry,
+            health,
+            async move { cancel.cancelled().await },
+        ));
+    }
+
+    let auth = TokenAuthenticator::new(
+        client,
+        config.token_audience.clone(),
+        config.agent_service_account.clone(),
+    );
+    let service = AgentService::new(state, auth, metrics, cancel.clone());
+    let tls = ServerTlsConfig::new().identity(Identity::from_pem(
+        &identity.cert_pem,
+        identity.key_pem.as_bytes(),
+    ));
+    let server = Server::builder()
+        .tls_config(tls)
+        .map_err(RunError::AgentServer)?
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .add_service(AgentServer::new(service))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(agent_listener), {
+            let cancel = cancel.clone();
+            async move { cancel.cancelled().await }
+        });
+
+    tokio::spawn({
+        let cancel = cancel.clone();
+        async move {
+            shutdown.await;
+            cancel.cancel();
+        }
+    });
+    let served = server.await;
+    cancel.cancel();
+    while tasks.join_next().await.is_some() {}
+    tracing::info!("kmm-spoke-proxy stopped");
+    served.map_err(RunError::AgentServer)
+}
