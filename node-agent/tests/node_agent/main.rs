@@ -8,4 +8,5 @@ mod support;
 mod check_image;
 mod lifecycle;
 mod process;
+mod proxy;
 mod registry;
