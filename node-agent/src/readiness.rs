@@ -27,6 +27,9 @@ pub async fn track(
         };
         let up = connected.as_mut().map(|c| *c.borrow_and_update());
         metrics.set_modules_loaded(loaded);
+        if let Some(up) = up {
+            metrics.set_connected(up);
+        }
         health.set_ready(is_ready(applied, up));
         let connection_changed = async {
             match connected.as_mut() {

@@ -322,6 +322,10 @@ async fn until<T, F: std::future::Future<Output = Option<T>>>(
     }
 }
 
+fn has_line(text: &str, line: &str) -> bool {
+    text.lines().any(|l| l == line)
+}
+
 fn key(name: &str) -> Option<pb::ModuleKey> {
     Some(pb::ModuleKey {
         namespace: "kmm-ops".into(),
@@ -414,7 +418,7 @@ async fn drives_loads_and_unloads_over_the_proxy_stream() {
     assert_eq!(loaded(&node_kernel), [MODULE, DEP_MODULE]);
     wait_http(port, "/readyz", |status, _| status == 200).await;
     let metrics = wait_http(port, "/metrics", |_, body| {
-        body.contains("kmm_agent_modules_loaded 1")
+        has_line(body, "kmm_agent_modules_loaded 1")
     })
     .await;
     for line in [
@@ -422,7 +426,7 @@ async fn drives_loads_and_unloads_over_the_proxy_stream() {
         "kmm_agent_load_duration_seconds_count 1",
         "kmm_agent_proxy_connected 1",
     ] {
-        assert!(metrics.contains(line), "{line} missing in:\n{metrics}");
+        assert!(has_line(&metrics, line), "{line} missing in:\n{metrics}");
     }
 
     // Revision 2 no longer mentions it: it stays loaded.
@@ -468,6 +472,11 @@ async fn drives_loads_and_unloads_over_the_proxy_stream() {
     assert_eq!(event.image_digest, digest);
     assert!(loaded(&node_kernel).is_empty());
     assert!(!files.node().join("firmware/kmm/hello.bin").exists());
+    wait_http(port, "/metrics", |_, body| {
+        has_line(body, r#"kmm_agent_unloads_total{outcome="succeeded"} 2"#)
+            && has_line(body, "kmm_agent_modules_loaded 0")
+    })
+    .await;
 
     // Loaded again; SIGTERM exits promptly and unloads nothing; a restarted agent says
     // in its hello what is loaded.
@@ -521,7 +530,10 @@ async fn a_wrong_ca_or_token_is_retried_until_fixed() {
     assert_eq!(get(port, "/healthz").await.0, 200);
     assert_eq!(get(port, "/readyz").await.0, 503);
     let metrics = get(port, "/metrics").await.1;
-    assert!(metrics.contains("kmm_agent_proxy_connected 0"), "{metrics}");
+    assert!(
+        has_line(&metrics, "kmm_agent_proxy_connected 0"),
+        "{metrics}"
+    );
 
     // The right CA: TLS succeeds (re-read on the next attempt), but the token is refused.
     files.write_ca(&peer.ca_pem);
@@ -541,4 +553,9 @@ async fn a_wrong_ca_or_token_is_retried_until_fixed() {
     assert_eq!(get(port, "/readyz").await.0, 503);
     session.send(1, vec![]).await;
     wait_http(port, "/readyz", |status, _| status == 200).await;
+    let metrics = get(port, "/metrics").await.1;
+    assert!(
+        has_line(&metrics, "kmm_agent_proxy_connected 1"),
+        "{metrics}"
+    );
 }
