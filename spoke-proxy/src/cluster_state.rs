@@ -34,6 +34,7 @@ struct NodeWork {
 #[derive(Debug)]
 pub struct ClusterState {
     nodes: BTreeMap<String, NodeFacts>,
+    nodes_listed: bool,
     intents: Option<IntentSnapshot>,
     agents: BTreeMap<String, AgentView>,
     /// (module, node) pairs where the module may be: placed there, or reported loaded.
@@ -70,6 +71,7 @@ impl ClusterState {
     pub fn new(revision_base: u64) -> Self {
         Self {
             nodes: BTreeMap::new(),
+            nodes_listed: false,
             intents: None,
             agents: BTreeMap::new(),
             may_have: BTreeSet::new(),
@@ -82,7 +84,14 @@ impl ClusterState {
     /// Replaces every node (after a full list of the Nodes).
     pub fn replace_nodes(&mut self, nodes: Vec<NodeFacts>) {
         self.nodes = nodes.into_iter().map(|n| (n.name.clone(), n)).collect();
+        self.nodes_listed = true;
         self.refresh();
+    }
+
+    /// Whether the Nodes were listed at least once: before that, the inventory would
+    /// tell the hub the cluster has no kernels.
+    pub fn nodes_listed(&self) -> bool {
+        self.nodes_listed
     }
 
     pub fn upsert_node(&mut self, node: NodeFacts) {
@@ -391,7 +400,9 @@ mod tests {
 
     #[test]
     fn no_intents_means_no_work_but_an_inventory() {
+        assert!(!ClusterState::new(1).nodes_listed());
         let s = cluster();
+        assert!(s.nodes_listed());
         assert_eq!(s.desired_modules("a"), DesiredModules::default());
         assert!(s.statuses().is_empty());
         assert_eq!(s.inventory().kernels.len(), 1);

@@ -75,6 +75,13 @@ enum SessionEnd {
 
 /// Runs until `cancel` fires, reconnecting with jittered exponential backoff.
 pub async fn run(link: HubLink, state: SharedState, metrics: Metrics, cancel: CancellationToken) {
+    let mut changes = state.subscribe();
+    while !state.read(|s| s.nodes_listed()) {
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            _ = changes.changed() => {}
+        }
+    }
     let mut backoff = Backoff::new(link.backoff_initial, link.backoff_max);
     loop {
         let started = Instant::now();

@@ -1,0 +1,454 @@
+//! The real kmm-spoke-proxy binary on the fleet's spoke1 kube-apiserver, running with
+//! exactly the permissions of rbac.yaml, between a TLS Hub peer and node agent clients
+//! holding real node-bound ServiceAccount tokens.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use anyhow::{Result, bail, ensure};
+use k8s_openapi::api::core::v1::{Secret, ServiceAccount};
+use kmm_e2e::fixture::wait_until;
+use kmm_proto::v1::{
+    Action, IntentSnapshot, KernelTarget, ModuleEvent, ModuleIntent, ModuleKey, ModuleLoad,
+    ModuleState, Outcome, PullCredential, Unresolved, kernel_target::Target, proxy_message,
+    pull_credential::Content,
+};
+use kube::Api;
+use kube::api::{ObjectMeta, PostParams};
+use support::{AgentConn, HubPeer, HubPki, ProxyProcess, Spoke, WAIT, hello};
+use tonic::Code;
+
+const CREDENTIAL: &[u8] = br#"{"auths":{"registry.example":{"auth":"dGVzdDp0ZXN0"}}}"#;
+
+fn key(spoke: &Spoke, name: &str) -> ModuleKey {
+    ModuleKey {
+        namespace: spoke.namespace.clone(),
+        name: name.into(),
+    }
+}
+
+/// `name` on the node `i` only, with an image for every kernel of the cluster.
+fn intent_for_node(spoke: &Spoke, name: &str, i: usize) -> ModuleIntent {
+    let kernels = (0..spoke.nodes.len())
+        .map(|n| KernelTarget {
+            kernel: spoke.kernel(n),
+            target: Some(Target::Load(ModuleLoad {
+                image: format!("registry.example/{name}:{}", spoke.kernel(n)),
+                version: "v1".into(),
+                pull_credential_id: "pull".into(),
+                ..Default::default()
+            })),
+        })
+        .collect();
+    ModuleIntent {
+        key: Some(key(spoke, name)),
+        generation: 1,
+        node_selector: [(
+            "kubernetes.io/hostname".to_string(),
+            spoke.node_name(i).to_string(),
+        )]
+        .into(),
+        tolerations: vec![],
+        kernels,
+        unload: false,
+    }
+}
+
+fn snapshot(revision: u64, modules: Vec<ModuleIntent>) -> IntentSnapshot {
+    IntentSnapshot {
+        revision,
+        modules,
+        credentials: vec![PullCredential {
+            id: "pull".into(),
+            content: Some(Content::DockerConfigJson(CREDENTIAL.to_vec())),
+        }],
+    }
+}
+
+fn event(spoke: &Spoke, name: &str, action: Action, revision: u64) -> ModuleEvent {
+    ModuleEvent {
+        key: Some(key(spoke, name)),
+        action: action.into(),
+        outcome: Outcome::Succeeded.into(),
+        version: "v1".into(),
+        image_digest: "sha256:0123".into(),
+        error: String::new(),
+        duration_ms: 3,
+        desired_revision: revision,
+    }
+}
+
+fn is(
+    status: &kmm_proto::v1::ModuleNodeStatus,
+    name: &str,
+    node: &str,
+    state: ModuleState,
+) -> bool {
+    status
+        .key
+        .as_ref()
+        .is_some_and(|k| k.node == node && k.module.as_ref().is_some_and(|m| m.name == name))
+        && status.state == state as i32
+}
+
+struct Started {
+    spoke: Spoke,
+    pki: HubPki,
+    hub: HubPeer,
+    proxy: ProxyProcess,
+    ca: String,
+}
+
+async fn start(prefix: &str) -> Result<Started> {
+    let spoke = Spoke::get(prefix).await?;
+    let kubeconfig = spoke.proxy_kubeconfig().await?;
+    let pki = HubPki::new("first")?;
+    let hub = HubPeer::start(&pki, support::free_addr()).await?;
+    let mut proxy = ProxyProcess::start(
+        &kubeconfig,
+        &spoke.namespace,
+        &hub.address(),
+        &pki,
+        spoke.dir.path(),
+    )?;
+    proxy.wait_ready().await?;
+    let ca = spoke.agent_ca().await?;
+    Ok(Started {
+        spoke,
+        pki,
+        hub,
+        proxy,
+        ca,
+    })
+}
+
+#[tokio::test]
+async fn inventory_and_agents_bound_to_their_own_node() -> Result<()> {
+    let Started {
+        spoke,
+        pki: _pki,
+        mut hub,
+        proxy,
+        ca,
+    } = start("proxy-bind").await?;
+
+    let mut stream = hub.next_stream().await?;
+    let proxy_message::Message::Hello(h) = stream.next().await? else {
+        bail!("first message is not ProxyHello");
+    };
+    ensure!(
+        h.applied_intent_revision == 0,
+        "fresh proxy applied nothing: {h:?}"
+    );
+    let proxy_message::Message::Inventory(inventory) = stream.next().await? else {
+        bail!("second message is not KernelInventory");
+    };
+    let mut expected: BTreeMap<String, u32> = BTreeMap::new();
+    for i in 0..spoke.nodes.len() {
+        *expected.entry(spoke.kernel(i)).or_default() += 1;
+    }
+    let got: BTreeMap<String, u32> = inventory
+        .kernels
+        .iter()
+        .map(|k| (k.release.clone(), k.node_count))
+        .collect();
+    ensure!(
+        got == expected,
+        "inventory {got:?} != nodes' kernels {expected:?}"
+    );
+    ensure!(
+        inventory.kernels.iter().all(|k| !k.os_image.is_empty()),
+        "os images missing: {inventory:?}"
+    );
+    let proxy_message::Message::Status(full) = stream.next().await? else {
+        bail!("third message is not NodeStatusReport");
+    };
+    ensure!(full.full && full.statuses.is_empty(), "{full:?}");
+
+    // The module runs on node 1 only; node 0 gets a module whose kernel is unresolved.
+    let mut unresolved = intent_for_node(&spoke, "nomap", 0);
+    for target in &mut unresolved.kernels {
+        target.target = Some(Target::Unresolved(Unresolved {
+            reason: "NoKernelMapping".into(),
+            message: format!("no kernel mapping matches {}", target.kernel),
+        }));
+    }
+    stream.send(snapshot(
+        1,
+        vec![intent_for_node(&spoke, "hello", 1), unresolved],
+    ))?;
+
+    let node0 = spoke.node_name(0).to_string();
+    let node1 = spoke.node_name(1).to_string();
+    let mut agent0 = AgentConn::attach(
+        proxy.agent_addr,
+        &ca,
+        Some(&spoke.agent_token(0).await?),
+        hello(&node0),
+    )
+    .await?;
+    let desired0 = agent0.next_desired().await?;
+    ensure!(
+        desired0.revision > 0 && desired0.modules.is_empty(),
+        "node 0 must get nothing: {desired0:?}"
+    );
+
+    let mut agent1 = AgentConn::attach(
+        proxy.agent_addr,
+        &ca,
+        Some(&spoke.agent_token(1).await?),
+        hello(&node1),
+    )
+    .await?;
+    let desired1 = agent1.next_desired().await?;
+    ensure!(desired1.modules.len() == 1, "{}", desired1.modules.len());
+    let module = &desired1.modules[0];
+    let load = module.load.as_ref().expect("a load");
+    ensure!(load.image == format!("registry.example/hello:{}", spoke.kernel(1)));
+    let credential = module.credential.as_ref().expect("the credential");
+    ensure!(credential.content == Some(Content::DockerConfigJson(CREDENTIAL.to_vec())));
+
+    let failed = stream
+        .wait_status("nomap FAILED on node 0", |s| {
+            is(s, "nomap", &node0, ModuleState::Failed)
+        })
+        .await?;
+    ensure!(failed.reason == "NoKernelMapping", "{failed:?}");
+    ensure!(failed.message.contains(&spoke.kernel(0)), "{failed:?}");
+
+    // Node 0's token cannot ask for node 1's work.
+    let refused = AgentConn::attach(
+        proxy.agent_addr,
+        &ca,
+        Some(&spoke.agent_token(0).await?),
+        hello(&node1),
+    )
+    .await
+    .err()
+    .expect("a node 0 token naming node 1 must be refused");
+    ensure!(refused.code() == Code::PermissionDenied, "{refused:?}");
+    ensure!(refused.message().contains(&node0), "{refused:?}");
+
+    let other_audience = spoke
+        .token("kmm", "kmm-node-agent", 0, "some-other-audience")
+        .await?;
+    let refused = AgentConn::attach(proxy.agent_addr, &ca, Some(&other_audience), hello(&node0))
+        .await
+        .err()
+        .expect("a token for another audience must be refused");
+    ensure!(refused.code() == Code::Unauthenticated, "{refused:?}");
+
+    let refused = AgentConn::attach(proxy.agent_addr, &ca, None, hello(&node0))
+        .await
+        .err()
+        .expect("no token must be refused");
+    ensure!(refused.code() == Code::Unauthenticated, "{refused:?}");
+
+    let intruder = ServiceAccount {
+        metadata: ObjectMeta {
+            name: Some("intruder".into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    Api::<ServiceAccount>::namespaced(spoke.client.clone(), &spoke.namespace)
+        .create(&PostParams::default(), &intruder)
+        .await?;
+    let intruder_token = spoke
+        .token(&spoke.namespace, "intruder", 0, support::AUDIENCE)
+        .await?;
+    let refused = AgentConn::attach(proxy.agent_addr, &ca, Some(&intruder_token), hello(&node0))
+        .await
+        .err()
+        .expect("another ServiceAccount's token must be refused");
+    ensure!(refused.code() == Code::PermissionDenied, "{refused:?}");
+    ensure!(refused.message().contains("intruder"), "{refused:?}");
+
+    let metrics = proxy.metrics().await?;
+    for reason in [
+        "node_mismatch",
+        "unauthenticated",
+        "missing_token",
+        "forbidden",
+    ] {
+        let line = format!("kmm_spoke_proxy_agent_refusals_total{{reason=\"{reason}\"}} 1");
+        ensure!(metrics.contains(&line), "no {line} in:\n{metrics}");
+    }
+    ensure!(
+        metrics.contains("kmm_spoke_proxy_hub_connected 1"),
+        "{metrics}"
+    );
+
+    let secret = Api::<Secret>::namespaced(spoke.client.clone(), &spoke.namespace)
+        .get("kmm-spoke-proxy-tls")
+        .await?;
+    let keys: Vec<_> = secret.data.unwrap_or_default().into_keys().collect();
+    ensure!(
+        keys == ["ca.crt", "ca.key", "tls.crt", "tls.key"],
+        "{keys:?}"
+    );
+    let log = proxy.log_text();
+    ensure!(
+        !log.contains("dGVzdDp0ZXN0"),
+        "a credential reached the log"
+    );
+
+    drop((agent0, agent1));
+    proxy.stop().await?;
+    spoke.cleanup().await
+}
+
+#[tokio::test]
+async fn labels_on_proof_hub_loss_changes_nothing_unload_removes_labels() -> Result<()> {
+    let Started {
+        spoke,
+        pki,
+        mut hub,
+        proxy,
+        ca,
+    } = start("proxy-labels").await?;
+    let node = spoke.node_name(0).to_string();
+    let ready = format!("kmm.node.kubernetes.io/{}.hello.ready", spoke.namespace);
+    let version_ready = format!(
+        "kmm.node.kubernetes.io/{}.hello.version.ready",
+        spoke.namespace
+    );
+
+    let mut stream = hub.next_stream().await?;
+    stream.send(snapshot(1, vec![intent_for_node(&spoke, "hello", 0)]))?;
+    let mut agent = AgentConn::attach(
+        proxy.agent_addr,
+        &ca,
+        Some(&spoke.agent_token(0).await?),
+        hello(&node),
+    )
+    .await?;
+    let desired = agent.next_desired().await?;
+    ensure!(
+        desired.modules.len() == 1 && !desired.modules[0].unload,
+        "{desired:?}"
+    );
+    stream
+        .wait_status("PENDING", |s| is(s, "hello", &node, ModuleState::Pending))
+        .await?;
+    ensure!(
+        !spoke.node_labels(0).await?.contains_key(&ready),
+        "ready label before any proof"
+    );
+
+    agent
+        .send(event(&spoke, "hello", Action::Load, desired.revision))
+        .await?;
+    let loaded = stream
+        .wait_status("LOADED", |s| is(s, "hello", &node, ModuleState::Loaded))
+        .await?;
+    ensure!(loaded.loaded_version == "v1", "{loaded:?}");
+    wait_until("ready labels on the node", WAIT, || async {
+        let labels = spoke.node_labels(0).await.map_err(|e| e.to_string())?;
+        match (labels.get(&ready), labels.get(&version_ready)) {
+            (Some(r), Some(v)) if r.is_empty() && v == "v1" => Ok(()),
+            _ => Err(format!("{labels:?}")),
+        }
+    })
+    .await?;
+
+    // The hub goes away: nothing changes for the agent, and when a hub is back the proxy
+    // resumes from the applied revision and resends the full status.
+    let addr = hub.addr;
+    drop(stream);
+    hub.stop().await;
+    let mut hub = HubPeer::start(&pki, addr).await?;
+    let mut stream = hub.next_stream().await?;
+    let proxy_message::Message::Hello(h) = stream.next().await? else {
+        bail!("first message after reconnect is not ProxyHello");
+    };
+    ensure!(h.applied_intent_revision == 1, "{h:?}");
+    let proxy_message::Message::Inventory(_) = stream.next().await? else {
+        bail!("no inventory after reconnect");
+    };
+    let proxy_message::Message::Status(full) = stream.next().await? else {
+        bail!("no status after reconnect");
+    };
+    ensure!(full.full, "{full:?}");
+    ensure!(
+        full.statuses
+            .iter()
+            .any(|s| is(s, "hello", &node, ModuleState::Loaded)),
+        "{full:?}"
+    );
+    if let Some(unexpected) = agent.quiet_for(Duration::from_millis(500)).await {
+        bail!("the agent got something while the hub was away: {unexpected}");
+    }
+    ensure!(
+        spoke.node_labels(0).await?.contains_key(&ready),
+        "labels lost with the hub"
+    );
+
+    // Explicit unload: labels stay until the agent confirms, then go.
+    let mut gone = intent_for_node(&spoke, "hello", 0);
+    gone.unload = true;
+    stream.send(snapshot(2, vec![gone]))?;
+    let desired = agent.next_desired().await?;
+    ensure!(
+        desired.modules.len() == 1 && desired.modules[0].unload,
+        "{desired:?}"
+    );
+    ensure!(
+        desired.modules[0].credential.is_none(),
+        "an unload carries no credential"
+    );
+    ensure!(
+        spoke.node_labels(0).await?.contains_key(&ready),
+        "labels removed before proof"
+    );
+    agent
+        .send(event(&spoke, "hello", Action::Unload, desired.revision))
+        .await?;
+    stream
+        .wait_status("UNLOADED", |s| is(s, "hello", &node, ModuleState::Unloaded))
+        .await?;
+    wait_until("ready labels removed", WAIT, || async {
+        let labels = spoke.node_labels(0).await.map_err(|e| e.to_string())?;
+        if labels.contains_key(&ready) || labels.contains_key(&version_ready) {
+            Err(format!("{labels:?}"))
+        } else {
+            Ok(())
+        }
+    })
+    .await?;
+
+    drop(agent);
+    proxy.stop().await?;
+    spoke.cleanup().await
+}
+
+#[tokio::test]
+async fn renewed_client_certificate_is_used_for_the_next_stream() -> Result<()> {
+    let Started {
+        spoke,
+        pki,
+        mut hub,
+        proxy,
+        ca: _,
+    } = start("proxy-renew").await?;
+    let first = hub.next_stream().await?;
+    ensure!(
+        first.client_cert_contains("agent:first"),
+        "first stream's certificate"
+    );
+
+    pki.issue_client("renewed")?;
+    let mut second = hub.next_stream().await?;
+    ensure!(
+        second.client_cert_contains("agent:renewed"),
+        "the stream after renewal must use the renewed certificate"
+    );
+    let proxy_message::Message::Hello(_) = second.next().await? else {
+        bail!("the new stream does not start with ProxyHello");
+    };
+    drop(first);
+    proxy.stop().await?;
+    spoke.cleanup().await
+}
