@@ -452,3 +452,109 @@ async fn renewed_client_certificate_is_used_for_the_next_stream() -> Result<()> 
     proxy.stop().await?;
     spoke.cleanup().await
 }
+
+#[tokio::test]
+async fn deselected_node_gets_an_explicit_unload_and_a_newer_stream_wins() -> Result<()> {
+    let Started {
+        spoke,
+        pki: _pki,
+        mut hub,
+        proxy,
+        ca,
+    } = start("proxy-deselect").await?;
+    let node = spoke.node_name(0).to_string();
+    let other = spoke.node_name(1).to_string();
+    let selector = format!("kmm-fleet.dev/test-{}", spoke.namespace);
+    let ready = format!("kmm.node.kubernetes.io/{}.hello.ready", spoke.namespace);
+    spoke.set_node_label(0, &selector, Some("yes")).await?;
+
+    let mut intent = intent_for_node(&spoke, "hello", 0);
+    intent.node_selector = [(selector.clone(), "yes".to_string())].into();
+    let mut stream = hub.next_stream().await?;
+    stream.send(snapshot(1, vec![intent]))?;
+
+    let mut agent = AgentConn::attach(
+        proxy.agent_addr,
+        &ca,
+        Some(&spoke.agent_token(0).await?),
+        hello(&node),
+    )
+    .await?;
+    let desired = agent.next_desired().await?;
+    ensure!(
+        desired.modules.len() == 1 && !desired.modules[0].unload,
+        "{desired:?}"
+    );
+
+    // A newer stream for the same node replaces the older one, and gets the same work.
+    let mut newer = AgentConn::attach(
+        proxy.agent_addr,
+        &ca,
+        Some(&spoke.agent_token(0).await?),
+        hello(&node),
+    )
+    .await?;
+    let again = newer.next_desired().await?;
+    ensure!(
+        again == desired,
+        "the newer stream gets the node's current work"
+    );
+    let ended = agent
+        .next_desired()
+        .await
+        .err()
+        .expect("the older stream must end");
+    ensure!(format!("{ended:#}").contains("replaced"), "{ended:#}");
+    let mut agent = newer;
+
+    agent
+        .send(event(&spoke, "hello", Action::Load, desired.revision))
+        .await?;
+    wait_until("ready label", WAIT, || async {
+        let labels = spoke.node_labels(0).await.map_err(|e| e.to_string())?;
+        labels
+            .contains_key(&ready)
+            .then_some(())
+            .ok_or(format!("{labels:?}"))
+    })
+    .await?;
+
+    // A node that never had the module gets no unload for it.
+    let mut bystander = AgentConn::attach(
+        proxy.agent_addr,
+        &ca,
+        Some(&spoke.agent_token(1).await?),
+        hello(&other),
+    )
+    .await?;
+    let nothing = bystander.next_desired().await?;
+    ensure!(nothing.modules.is_empty(), "{nothing:?}");
+
+    spoke.set_node_label(0, &selector, None).await?;
+    let desired = agent.next_desired().await?;
+    ensure!(
+        desired.modules.len() == 1 && desired.modules[0].unload,
+        "{desired:?}"
+    );
+    ensure!(
+        spoke.node_labels(0).await?.contains_key(&ready),
+        "labels before proof"
+    );
+    agent
+        .send(event(&spoke, "hello", Action::Unload, desired.revision))
+        .await?;
+    stream
+        .wait_status("UNLOADED", |s| is(s, "hello", &node, ModuleState::Unloaded))
+        .await?;
+    wait_until("ready label removed", WAIT, || async {
+        let labels = spoke.node_labels(0).await.map_err(|e| e.to_string())?;
+        (!labels.contains_key(&ready))
+            .then_some(())
+            .ok_or(format!("{labels:?}"))
+    })
+    .await?;
+
+    drop((agent, bystander));
+    proxy.stop().await?;
+    spoke.cleanup().await
+}

@@ -589,14 +589,28 @@ impl Spoke {
             .unwrap_or_default())
     }
 
+    /// Sets (or with `None` removes) a label on node `i`.
+    pub async fn set_node_label(&self, i: usize, key: &str, value: Option<&str>) -> Result<()> {
+        let patch = serde_json::json!({"metadata": {"labels": {key: value}}});
+        Api::<Node>::all(self.client.clone())
+            .patch(
+                self.node_name(i),
+                &PatchParams::default(),
+                &Patch::Merge(&patch),
+            )
+            .await?;
+        Ok(())
+    }
+
     /// Removes the test namespace and cluster-scoped binding, and any label of this
-    /// test's modules (all named after the namespace) left on the nodes.
+    /// test (all named after the namespace) left on the nodes.
     pub async fn cleanup(self) -> Result<()> {
         let binding = format!("kmm-spoke-proxy-{}", self.namespace);
         let _ = Api::<ClusterRoleBinding>::all(self.client.clone())
             .delete(&binding, &DeleteParams::default())
             .await;
         let prefix = format!("kmm.node.kubernetes.io/{}.", self.namespace);
+        let selector = format!("kmm-fleet.dev/test-{}", self.namespace);
         let nodes: Api<Node> = Api::all(self.client.clone());
         for node in nodes.list(&Default::default()).await?.items {
             let stale: serde_json::Map<String, serde_json::Value> = node
@@ -604,7 +618,7 @@ impl Spoke {
                 .labels
                 .unwrap_or_default()
                 .into_keys()
-                .filter(|k| k.starts_with(&prefix))
+                .filter(|k| k.starts_with(&prefix) || *k == selector)
                 .map(|k| (k, serde_json::Value::Null))
                 .collect();
             if !stale.is_empty() {
