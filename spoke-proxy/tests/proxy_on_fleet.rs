@@ -502,8 +502,7 @@ async fn deselected_node_gets_an_explicit_unload_and_a_newer_stream_wins() -> Re
     let ended = agent
         .next_desired()
         .await
-        .err()
-        .expect("the older stream must end");
+        .expect_err("the older stream must end");
     ensure!(format!("{ended:#}").contains("replaced"), "{ended:#}");
     let mut agent = newer;
 
