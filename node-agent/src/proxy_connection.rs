@@ -60,6 +60,8 @@ pub enum ConnectionError {
         #[source]
         source: std::io::Error,
     },
+    #[error("the proxy CA file {path} holds no PEM certificate")]
+    NoCaCertificate { path: PathBuf },
     /// Never includes the token.
     #[error("the token file {path} {problem}")]
     BadToken {
@@ -109,6 +111,21 @@ pub fn validate_address(address: &str) -> Result<(), String> {
         return Err(format!("--proxy-address {address:?} has no host"));
     }
     Ok(())
+}
+
+fn read_ca(path: &Path) -> Result<Vec<u8>, ConnectionError> {
+    let pem = std::fs::read(path).map_err(|source| ConnectionError::ReadCa {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    // rustls would only fail later with a vaguer handshake error.
+    let marker = b"-----BEGIN CERTIFICATE-----";
+    if !pem.windows(marker.len()).any(|w| w == marker) {
+        return Err(ConnectionError::NoCaCertificate {
+            path: path.to_path_buf(),
+        });
+    }
+    Ok(pem)
 }
 
 fn read_token(path: &Path) -> Result<MetadataValue<tonic::metadata::Ascii>, ConnectionError> {
@@ -176,10 +193,7 @@ impl ProxyConnection {
 
     async fn attempt(&mut self) -> Result<Ended, ConnectionError> {
         let address = self.config.address.clone();
-        let ca = std::fs::read(&self.config.ca_file).map_err(|source| ConnectionError::ReadCa {
-            path: self.config.ca_file.clone(),
-            source,
-        })?;
+        let ca = read_ca(&self.config.ca_file)?;
         let token = read_token(&self.config.token_file)?;
         let endpoint = Endpoint::from_shared(address.clone())
             .and_then(|e| {
@@ -306,6 +320,23 @@ mod tests {
         assert!(e.contains("127.0.0.1:7444"), "{e}");
         let e = validate_address("https:// bad").unwrap_err();
         assert!(e.contains("not a URI"), "{e}");
+    }
+
+    #[test]
+    fn the_ca_file_must_hold_a_certificate() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ca.crt");
+        std::fs::write(&path, "not a certificate\n").unwrap();
+        let e = read_ca(&path).unwrap_err().to_string();
+        assert!(
+            e.contains("ca.crt") && e.contains("no PEM certificate"),
+            "{e}"
+        );
+        let pem = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n";
+        std::fs::write(&path, pem).unwrap();
+        assert_eq!(read_ca(&path).unwrap(), pem.as_bytes());
+        let e = read_ca(&dir.path().join("absent")).unwrap_err().to_string();
+        assert!(e.contains("absent"), "{e}");
     }
 
     #[test]

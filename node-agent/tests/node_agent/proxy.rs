@@ -408,8 +408,13 @@ async fn drives_loads_and_unloads_over_the_proxy_stream() {
     assert_eq!(get(port, "/readyz").await.0, 503);
 
     // Revision 1 loads the module; the event says so, with digest and duration.
+    let sent = std::time::Instant::now();
     session.send(1, vec![hello_module(image.clone())]).await;
     let event = session.next_event().await;
+    eprintln!(
+        "DesiredModules to load event (first load): {:?}",
+        sent.elapsed()
+    );
     assert_event(&event, "hello", pb::Action::Load, pb::Outcome::Succeeded, 1);
     assert_eq!(event.image_digest, digest);
     assert_eq!(event.version, "1");
@@ -436,8 +441,13 @@ async fn drives_loads_and_unloads_over_the_proxy_stream() {
     // new token and resends its hello, which lists the loaded module.
     files.write_token("token-2");
     peer.expect_token("token-2");
+    let dropped = std::time::Instant::now();
     drop(session);
     let mut session = peer.session().await;
+    eprintln!(
+        "stream closed by the proxy to the next hello: {:?}",
+        dropped.elapsed()
+    );
     assert_eq!(session.token, "token-2");
     assert_eq!(session.hello.boot_id, boot_id);
     assert_eq!(session.hello.loaded.len(), 1, "{:?}", session.hello);
@@ -480,8 +490,13 @@ async fn drives_loads_and_unloads_over_the_proxy_stream() {
 
     // Loaded again; SIGTERM exits promptly and unloads nothing; a restarted agent says
     // in its hello what is loaded.
+    let sent = std::time::Instant::now();
     session.send(4, vec![hello_module(image)]).await;
     let event = session.next_event().await;
+    eprintln!(
+        "DesiredModules to load event (load after an unload): {:?}",
+        sent.elapsed()
+    );
     assert_event(&event, "hello", pb::Action::Load, pb::Outcome::Succeeded, 4);
     let status = agent.terminate(Duration::from_secs(5));
     assert!(status.success(), "{status}");
