@@ -57,7 +57,7 @@ pub fn parse_address(address: &str) -> Result<Uri, HubAddressError> {
 enum SessionError {
     #[error(transparent)]
     Credentials(#[from] ReadError),
-    #[error("cannot connect to the hub: {0}")]
+    #[error("cannot connect to the hub: {}", chain(.0))]
     Connect(#[source] tonic::transport::Error),
     #[error("the hub refused the stream: {code:?}: {message}", code = .0.code(), message = .0.message())]
     Refused(tonic::Status),
@@ -65,6 +65,19 @@ enum SessionError {
     Broken(tonic::Status),
     #[error("the hub closed the stream")]
     Closed,
+}
+
+/// `error` and its sources: tonic's transport errors say only "transport error" at the
+/// top, the reason (refused, TLS, bad PEM) is further down.
+fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
 }
 
 /// Why a session that worked ended.
@@ -246,6 +259,26 @@ async fn send(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn errors_show_their_causes() {
+        let inner = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        let outer = ReadErrorLike(inner);
+        assert_eq!(chain(&outer), "outer: refused");
+    }
+
+    #[derive(Debug)]
+    struct ReadErrorLike(std::io::Error);
+    impl std::fmt::Display for ReadErrorLike {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("outer")
+        }
+    }
+    impl std::error::Error for ReadErrorLike {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
 
     #[test]
     fn address_must_be_https_with_a_host() {

@@ -2,8 +2,6 @@
 //! fleet's spoke1 kube-apiserver: a TLS Hub peer, node agent clients with real
 //! TokenRequest-issued tokens, the proxy process itself under the RBAC of rbac.yaml.
 
-#![allow(dead_code)]
-
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
