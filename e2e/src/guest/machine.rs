@@ -16,8 +16,11 @@ use super::channel::{self, Frame};
 use super::kernel_package::run;
 use crate::{Error, IoContext, Result};
 
-/// Longest wait for the guest to boot (software emulation on 2 cores included).
+/// Longest wait for the guest to boot under software emulation (2 busy cores included).
 const BOOT_TIMEOUT: Duration = Duration::from_secs(120);
+/// Longest wait under KVM, which boots in about a second where it works; nested KVM
+/// may hang instead (seen inside Firecracker VMs), so the caller falls back to TCG.
+pub const KVM_BOOT_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// How to boot.
 #[derive(Debug, Clone)]
@@ -43,7 +46,8 @@ pub enum Accelerator {
 }
 
 impl Accelerator {
-    /// KVM when this process may open `/dev/kvm` read-write.
+    /// KVM when this process may open `/dev/kvm` read-write (whether it really works
+    /// shows only by booting).
     pub fn detect() -> Self {
         let usable = std::fs::OpenOptions::new()
             .read(true)
@@ -131,8 +135,11 @@ pub struct Machine {
 }
 
 impl Machine {
-    pub async fn boot(spec: &BootSpec) -> Result<Self> {
-        let accelerator = Accelerator::detect();
+    pub async fn boot(spec: &BootSpec, accelerator: Accelerator) -> Result<Self> {
+        let timeout = match accelerator {
+            Accelerator::Kvm => KVM_BOOT_TIMEOUT,
+            Accelerator::Tcg => BOOT_TIMEOUT,
+        };
         let console = spec.dir.join(format!("{}.console.log", spec.name));
         let socket = spec.dir.join(format!("{}.channel.sock", spec.name));
         let _ = std::fs::remove_file(&socket);
@@ -150,10 +157,10 @@ impl Machine {
                 "starting qemu-system-x86_64 (Debian package qemu-system-x86)".to_string()
             })?;
         let stream = tokio::select! {
-            accepted = tokio::time::timeout(BOOT_TIMEOUT, listener.accept()) => match accepted {
+            accepted = tokio::time::timeout(timeout, listener.accept()) => match accepted {
                 Ok(Ok((stream, _))) => stream,
                 Ok(Err(e)) => return Err(Error::Io { context: "accepting qemu's channel".into(), source: e }),
-                Err(_) => return Err(Error::Timeout { what: "qemu to connect its serial channel".into(), seconds: BOOT_TIMEOUT.as_secs() }),
+                Err(_) => return Err(Error::Timeout { what: "qemu to connect its serial channel".into(), seconds: timeout.as_secs() }),
             },
             status = qemu.wait() => return Err(qemu_exited(&mut qemu, status, &console).await),
         };
@@ -168,7 +175,7 @@ impl Machine {
             guest_uptime: Duration::ZERO,
             accelerator,
         };
-        let deadline = started + BOOT_TIMEOUT;
+        let deadline = started + timeout;
         let uptime = loop {
             match machine.next_frame(deadline, "the guest to boot").await? {
                 Frame::Ready { uptime_seconds } => break uptime_seconds,
@@ -276,6 +283,11 @@ impl Machine {
                     });
                 }
                 Ok(Ok(0)) => {
+                    // qemu closes the channel when it dies: say why, from its stderr.
+                    let exit = tokio::time::timeout(Duration::from_secs(5), self.qemu.wait());
+                    if let Ok(status) = exit.await {
+                        return Err(qemu_exited(&mut self.qemu, status, &self.console).await);
+                    }
                     return Err(Error::Invalid(format!(
                         "the guest's channel closed while waiting for {what}; console:\n{}",
                         self.console_tail(30)

@@ -18,10 +18,11 @@ pub mod machine;
 mod shared_libraries;
 
 use std::path::PathBuf;
+use std::sync::Mutex;
 
 use initramfs::GuestFile;
 use kernel_package::KernelPackage;
-use machine::{BootSpec, Machine};
+use machine::{Accelerator, BootSpec, Machine};
 
 use crate::{IoContext, Result};
 
@@ -40,6 +41,8 @@ pub struct Rig {
     pub initramfs: PathBuf,
     pub disk: PathBuf,
     pub work: PathBuf,
+    /// KVM until a boot shows it does not work here; then software emulation.
+    accelerator: Mutex<Accelerator>,
 }
 
 impl Rig {
@@ -57,13 +60,15 @@ impl Rig {
             initramfs,
             disk,
             work,
+            accelerator: Mutex::new(Accelerator::detect()),
         })
     }
 
     /// Boot the guest; `name` names this boot's logs, `kernel_args` are added to the
-    /// kernel command line.
+    /// kernel command line. A KVM boot that fails is retried once under software
+    /// emulation, which later boots then use directly.
     pub async fn boot(&self, name: &str, kernel_args: &[&str]) -> Result<Machine> {
-        Machine::boot(&BootSpec {
+        let spec = BootSpec {
             vmlinuz: self.kernel.vmlinuz(),
             initramfs: self.initramfs.clone(),
             disk: self.disk.clone(),
@@ -71,7 +76,19 @@ impl Rig {
             memory_mib: MEMORY_MIB,
             dir: self.work.clone(),
             name: name.to_string(),
-        })
-        .await
+        };
+        let accelerator = *self.accelerator.lock().unwrap_or_else(|e| e.into_inner());
+        match Machine::boot(&spec, accelerator).await {
+            Err(e) if accelerator == Accelerator::Kvm => {
+                eprintln!("guest: KVM does not boot here ({e}); using software emulation");
+                *self.accelerator.lock().unwrap_or_else(|e| e.into_inner()) = Accelerator::Tcg;
+                let spec = BootSpec {
+                    name: format!("{name}-tcg"),
+                    ..spec
+                };
+                Machine::boot(&spec, Accelerator::Tcg).await
+            }
+            booted => booted,
+        }
     }
 }
