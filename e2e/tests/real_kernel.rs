@@ -218,8 +218,18 @@ async fn after_reboot(guest: &mut Machine, image: &str) -> Result<()> {
     write_desired(guest, &snapshot(3, image, false)).await?;
     let pid = start_agent(guest).await?;
     let asked = Instant::now();
+    let hello = wait_line(guest, "hello", 1).await?;
+    ensure!(
+        hello["loaded"].as_array().is_some_and(Vec::is_empty),
+        "after a reboot the agent still reports modules of the previous boot: {hello}"
+    );
     let event = wait_event(guest, 1).await?;
     expect_success(&event, "load")?;
+    let log = guest.check(&format!("cat {AGENT_LOG}")).await?;
+    ensure!(
+        log.contains("boot ID changed since the state was saved"),
+        "the agent did not see its saved state come from another boot:\n{log}"
+    );
     println!(
         "real-kernel: boot 2 time to loaded {:.2}s with the image cached (agent: pull {} ms, kernel side {} ms)",
         asked.elapsed().as_secs_f64(),
