@@ -21,6 +21,9 @@ use crate::shared_state::SharedState;
 
 type Replacement = (u64, oneshot::Sender<()>);
 
+/// How long an authenticated agent may take to say hello.
+const HELLO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// See the module documentation.
 #[derive(Clone, Debug)]
 pub struct AgentService {
@@ -129,7 +132,15 @@ impl Agent for AgentService {
     ) -> Result<Response<Self::AttachStream>, Status> {
         let node = self.authenticate(&request).await?;
         let mut inbound = request.into_inner();
-        let hello = match inbound.message().await? {
+        let first = tokio::time::timeout(HELLO_TIMEOUT, inbound.message())
+            .await
+            .map_err(|_| {
+                self.refuse(
+                    "no_hello",
+                    Status::deadline_exceeded("no AgentHello within 30 seconds"),
+                )
+            })??;
+        let hello = match first {
             Some(AgentMessage {
                 message: Some(agent_message::Message::Hello(hello)),
             }) => hello,
@@ -186,10 +197,11 @@ impl AgentService {
         let mut sent_revision = None;
         loop {
             changes.borrow_and_update();
-            let desired = self.state.read(|s| s.desired_modules(node));
+            let revision = self.state.read(|s| s.desired_revision(node));
             // Revision 0 means no intents yet: the agent waits rather than getting an
             // empty list it could mistake for "nothing to run".
-            if desired.revision != 0 && sent_revision != Some(desired.revision) {
+            if revision != 0 && sent_revision != Some(revision) {
+                let desired = self.state.read(|s| s.desired_modules(node));
                 sent_revision = Some(desired.revision);
                 let instruction = AgentInstruction {
                     message: Some(agent_instruction::Message::Desired(desired)),

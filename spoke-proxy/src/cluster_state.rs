@@ -94,18 +94,28 @@ impl ClusterState {
         self.nodes_listed
     }
 
-    pub fn upsert_node(&mut self, node: NodeFacts) {
+    /// Records a Node's facts; false when they are unchanged (kubelet heartbeats touch
+    /// none of them), so that nobody is woken for nothing.
+    pub fn upsert_node(&mut self, node: NodeFacts) -> bool {
         if self.nodes.get(&node.name) == Some(&node) {
-            return;
+            return false;
         }
         self.nodes.insert(node.name.clone(), node);
         self.refresh();
+        true
     }
 
-    pub fn remove_node(&mut self, name: &str) {
-        if self.nodes.remove(name).is_some() {
+    /// Forgets a deleted Node; false when it was not known.
+    pub fn remove_node(&mut self, name: &str) -> bool {
+        let removed = self.nodes.remove(name).is_some();
+        if removed {
             self.refresh();
         }
+        removed
+    }
+
+    pub fn node_count(&self) -> usize {
+        self.nodes.len()
     }
 
     pub fn node(&self, name: &str) -> Option<&NodeFacts> {
@@ -140,6 +150,11 @@ impl ClusterState {
             self.may_have.insert((id.clone(), node.to_owned()));
         }
         self.refresh();
+    }
+
+    /// Revision of the node's DesiredModules, cheap to compare before cloning them.
+    pub fn desired_revision(&self, node: &str) -> u64 {
+        self.work.get(node).map_or(0, |w| w.revision)
     }
 
     /// The node's DesiredModules (revision 0 and no modules before any intent).
@@ -630,7 +645,15 @@ mod tests {
         let rev = s.desired_modules("a").revision;
         s.set_intents(snapshot(2, vec![intent("m", "v1")]));
         assert_eq!(s.desired_modules("a").revision, rev);
-        s.remove_node("a");
+        assert_eq!(s.desired_revision("a"), rev);
+        assert!(
+            !s.upsert_node(node("a", "6.1", "worker")),
+            "same facts, no change"
+        );
+        assert!(s.upsert_node(node("a", "6.1", "other")));
+        assert!(s.remove_node("a"));
+        assert!(!s.remove_node("a"));
+        assert_eq!(s.node_count(), 1);
         assert_eq!(s.desired_modules("a"), DesiredModules::default());
         assert!(s.statuses().is_empty());
         assert_eq!(s.inventory().kernels[0].node_count, 1);

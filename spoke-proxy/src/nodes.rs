@@ -44,21 +44,15 @@ pub async fn run(
             }
             Some(Ok(Event::Apply(node))) => {
                 if let Some(facts) = NodeFacts::from_node(&node) {
-                    let count = state.update(|s| {
-                        s.upsert_node(facts);
-                        s.node_names().len()
-                    });
-                    metrics.nodes.set(count as i64);
+                    state.update_if(|s| s.upsert_node(facts));
                 }
+                metrics.nodes.set(state.read(|s| s.node_count()) as i64);
             }
             Some(Ok(Event::Delete(node))) => {
                 if let Some(name) = node.metadata.name {
-                    let count = state.update(|s| {
-                        s.remove_node(&name);
-                        s.node_names().len()
-                    });
-                    metrics.nodes.set(count as i64);
+                    state.update_if(|s| s.remove_node(&name));
                 }
+                metrics.nodes.set(state.read(|s| s.node_count()) as i64);
             }
         }
     }

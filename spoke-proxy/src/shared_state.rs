@@ -36,6 +36,13 @@ impl SharedState {
         result
     }
 
+    /// Changes the state and wakes the subscribers only if `f` says something changed.
+    pub fn update_if(&self, f: impl FnOnce(&mut ClusterState) -> bool) {
+        if f(&mut self.lock()) {
+            self.changed.send_modify(|n| *n = n.wrapping_add(1));
+        }
+    }
+
     pub fn read<R>(&self, f: impl FnOnce(&ClusterState) -> R) -> R {
         f(&self.lock())
     }
