@@ -80,6 +80,8 @@ pub enum ConnectionError {
         #[source]
         source: tonic::transport::Error,
     },
+    #[error("the proxy did not answer the stream within {0:?}")]
+    NoAnswer(Duration),
     #[error("the proxy refused the stream: {code:?}: {message}")]
     Refused { code: tonic::Code, message: String },
     #[error("the stream broke: {code:?}: {message}")]
@@ -232,9 +234,12 @@ impl ProxyConnection {
             .map_err(|_| ConnectionError::SendClosed)?;
         let mut request = tonic::Request::new(ReceiverStream::new(outbound_rx));
         request.metadata_mut().insert("authorization", token);
-        let mut inbound = AgentClient::new(channel)
-            .attach(request)
+        // Bounded, so that a proxy stuck before answering (e.g. on its TokenReview) is
+        // retried rather than waited for forever.
+        let answer = self.config.connect_timeout * 3;
+        let mut inbound = tokio::time::timeout(answer, AgentClient::new(channel).attach(request))
             .await
+            .map_err(|_| ConnectionError::NoAnswer(answer))?
             .map_err(|status| ConnectionError::Refused {
                 code: status.code(),
                 message: status.message().to_string(),
