@@ -38,6 +38,12 @@ pub struct Args {
     #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
     unload_timeout: Duration,
 
+    /// Manage only the ManagedClusterModules matching this label selector (e.g.
+    /// `team=storage`); by default every one. Hubs with disjoint selectors can share a hub
+    /// cluster.
+    #[arg(long, value_name = "SELECTOR")]
+    module_selector: Option<String>,
+
     #[command(flatten)]
     metrics: MetricsArgs,
 }
@@ -102,6 +108,7 @@ async fn serve_main(args: Args) -> anyhow::Result<()> {
         instance: std::env::var("POD_NAME")
             .or_else(|_| std::env::var("HOSTNAME"))
             .unwrap_or_else(|_| "kmm-hub".to_owned()),
+        module_selector: args.module_selector,
     };
     let shutdown = async move {
         kmm_runtime::shutdown::signal().await;

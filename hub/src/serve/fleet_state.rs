@@ -152,6 +152,16 @@ impl FleetState {
         id
     }
 
+    /// Ends every stream (shutdown): proxies reconnect, to this hub or another replica.
+    pub fn end_streams(&self, why: &str) {
+        let inner = self.lock();
+        for cluster in inner.sessions.connected() {
+            if let Some(stream) = inner.sessions.get(cluster) {
+                stream.send_replace(Outbound::End(tonic::Code::Unavailable, why.to_owned()));
+            }
+        }
+    }
+
     /// The stream ended. Only the current stream's end disconnects the cluster.
     pub fn close_session(&self, cluster: &str, id: SessionId) {
         let mut inner = self.lock();

@@ -43,6 +43,8 @@ pub struct Settings {
     pub unload_timeout: Duration,
     /// This replica's name in Events.
     pub instance: String,
+    /// Label selector limiting the ManagedClusterModules this hub manages (`None`: all).
+    pub module_selector: Option<String>,
 }
 
 #[derive(Debug, Error)]
@@ -77,7 +79,11 @@ pub async fn run(
     drop(ca);
 
     let modules: Api<ManagedClusterModule> = Api::all(client.clone());
-    let controller = Controller::new(modules.clone(), watcher::Config::default());
+    let module_watch = match &settings.module_selector {
+        Some(selector) => watcher::Config::default().labels(selector),
+        None => watcher::Config::default(),
+    };
+    let controller = Controller::new(modules.clone(), module_watch);
     let cluster_resource = managed_cluster_resource();
     let clusters_writer = reflector::store::Writer::<DynamicObject>::new(cluster_resource.clone());
     let secrets_writer = reflector::store::Writer::<Secret>::default();
@@ -143,9 +149,12 @@ pub async fn run(
         .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), stop_signal());
     tracing::info!(namespace = settings.namespace, "kmm-hub serving");
 
+    let stopping = state.clone();
     let stopper = async move {
         shutdown.await;
         tracing::info!("shutting down");
+        // Streams never end by themselves; the server's graceful stop waits for them.
+        stopping.end_streams("the hub is shutting down");
         let _ = stop.send(true);
     };
     let clusters = abort_on_drop(tokio::spawn(clusters));
@@ -179,14 +188,30 @@ async fn watch_into<K>(
 
 async fn wait_synced(stores: Stores, state: Arc<FleetState>, health: Health) {
     let ready = async {
-        stores.modules.wait_until_ready().await?;
-        stores.clusters.wait_until_ready().await?;
-        stores.secrets.wait_until_ready().await
+        ready(&stores.modules).await?;
+        ready(&stores.clusters).await?;
+        ready(&stores.secrets).await
     };
     if ready.await.is_ok() {
         tracing::info!("caches synced; intents may go out");
         state.set_synced();
         health.set_ready(true);
+    }
+}
+
+/// Waits until a store has listed once. A store's readiness wakes only its latest waiter
+/// (the controller also waits on the modules' store), so the wait is re-polled.
+async fn ready<K>(store: &reflector::Store<K>) -> Result<(), reflector::store::WriterDropped>
+where
+    K: kube::Resource + Clone + 'static,
+    K::DynamicType: Clone + Eq + std::hash::Hash,
+{
+    loop {
+        if let Ok(result) =
+            tokio::time::timeout(Duration::from_millis(200), store.wait_until_ready()).await
+        {
+            return result;
+        }
     }
 }
 

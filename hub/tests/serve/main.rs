@@ -1,0 +1,557 @@
+//! `kmm-hub serve` against the local fleet's real hub API server (real OCM
+//! ManagedClusters spoke1 and spoke2), with a test spoke proxy speaking `Hub.Sync`.
+//! Each test runs its own hub in its own namespace, managing only its own modules.
+
+mod support;
+
+use std::time::Duration;
+
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::events::v1::Event;
+use kmm_proto::v1::{ModuleState, kernel_target::Target, pull_credential::Content};
+use kmm_runtime::pki::{CertificateAuthority, Leaf};
+use kube::Api;
+use kube::api::{DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
+use serde_json::json;
+
+use support::*;
+
+#[tokio::test]
+async fn ca_secret_is_created_once_and_reused_across_restarts() {
+    let fleet = fleet().await;
+    let (hub, namespace) = TestHub::start(&fleet, WAIT).await;
+    let first = hub.ca_secret().await;
+    assert_eq!(first.type_.as_deref(), Some("kubernetes.io/tls"));
+    let mut proxy = hub.proxy("spoke1", &[MAPPED_KERNEL]).await;
+    proxy.next_snapshot().await;
+    hub.stop().await;
+
+    let hub = TestHub::start_in(&fleet, &namespace.name, WAIT).await;
+    let mut proxy = hub.proxy("spoke1", &[MAPPED_KERNEL]).await;
+    proxy.next_snapshot().await;
+    let second = hub.ca_secret().await;
+    assert_eq!(first.data, second.data, "the CA is never overwritten");
+    assert_eq!(
+        first.metadata.resource_version,
+        second.metadata.resource_version
+    );
+    hub.clean_up(namespace, &[], &[]).await;
+}
+
+#[tokio::test]
+async fn intents_follow_inventory_module_changes_and_cluster_labels() {
+    let fleet = fleet().await;
+    let (hub, namespace) = TestHub::start(&fleet, WAIT).await;
+    let secrets: Api<Secret> = Api::namespaced(fleet.hub.clone(), &namespace.name);
+    let pull = br#"{"auths":{"127.0.0.1:5000":{"auth":"dGVzdDp0ZXN0"}}}"#.to_vec();
+    secrets
+        .create(
+            &PostParams::default(),
+            &Secret {
+                metadata: ObjectMeta {
+                    name: Some("pull".into()),
+                    ..ObjectMeta::default()
+                },
+                type_: Some("kubernetes.io/dockerconfigjson".into()),
+                data: Some([(".dockerconfigjson".to_string(), ByteString(pull.clone()))].into()),
+                ..Secret::default()
+            },
+        )
+        .await
+        .unwrap();
+    hub.label_cluster("spoke1", true).await;
+    hub.create_module("hello-a", module("1", Some("pull")))
+        .await;
+
+    let mut proxy = hub.proxy("spoke1", &[MAPPED_KERNEL, UNMAPPED_KERNEL]).await;
+    let first = proxy
+        .snapshot_where("hello-a is resolved", |s| intent(s, "hello-a").is_some())
+        .await;
+    let hello = intent(&first, "hello-a").unwrap();
+    assert!(!hello.unload);
+    assert_eq!(
+        hello
+            .node_selector
+            .get("kubernetes.io/os")
+            .map(String::as_str),
+        Some("linux")
+    );
+    let targets: Vec<_> = hello
+        .kernels
+        .iter()
+        .map(|k| (k.kernel.as_str(), k.target.clone().unwrap()))
+        .collect();
+    let Some((_, Target::Load(load))) = targets.iter().find(|(k, _)| *k == MAPPED_KERNEL) else {
+        panic!("{MAPPED_KERNEL} resolves: {targets:?}")
+    };
+    assert_eq!(
+        load.image,
+        format!("127.0.0.1:5000/samples/kmm-hello:{MAPPED_KERNEL}")
+    );
+    assert_eq!(load.version, "1");
+    assert_eq!(load.pull_credential_id, "pull");
+    let Some((_, Target::Unresolved(why))) = targets.iter().find(|(k, _)| *k == UNMAPPED_KERNEL)
+    else {
+        panic!("{UNMAPPED_KERNEL} has no mapping: {targets:?}")
+    };
+    assert_eq!(why.reason, "NoKernelMapping");
+    assert_eq!(
+        first.credentials.len(),
+        1,
+        "only the referenced credential travels"
+    );
+    assert_eq!(
+        first.credentials[0].content,
+        Some(Content::DockerConfigJson(pull))
+    );
+
+    // A spec change is a new revision with the new version.
+    let patch = json!({"spec": {"moduleSpec": {"moduleLoader": {"container": {"version": "2"}}}}});
+    hub.modules()
+        .patch("hello-a", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+    let second = proxy
+        .snapshot_where("hello-a has version 2", |s| {
+            intent(s, "hello-a").is_some_and(|i| {
+                i.kernels
+                    .iter()
+                    .any(|k| matches!(&k.target, Some(Target::Load(l)) if l.version == "2"))
+            })
+        })
+        .await;
+    assert!(second.revision > first.revision);
+
+    // A new inventory re-resolves: only the new kernel is present.
+    proxy.send_inventory(2, &["6.1.0-56-cloud-amd64"]).await;
+    proxy
+        .snapshot_where("the new kernel is resolved", |s| {
+            intent(s, "hello-a").is_some_and(|i| {
+                i.kernels.len() == 1 && i.kernels[0].kernel == "6.1.0-56-cloud-amd64"
+            })
+        })
+        .await;
+
+    // Deselecting the cluster while a node still runs the module: explicit unload.
+    proxy
+        .send_status(
+            true,
+            vec![node_status(
+                "hello-a",
+                "spoke1-node2",
+                ModuleState::Loaded,
+                "",
+            )],
+        )
+        .await;
+    hub.label_cluster("spoke1", false).await;
+    proxy
+        .snapshot_where("hello-a is unloaded", |s| {
+            intent(s, "hello-a").is_some_and(|i| i.unload)
+        })
+        .await;
+    // Confirmed: forgotten (absent), never "unloaded by absence" before.
+    proxy
+        .send_status(
+            false,
+            vec![node_status(
+                "hello-a",
+                "spoke1-node2",
+                ModuleState::Unloaded,
+                "",
+            )],
+        )
+        .await;
+    let last = proxy
+        .snapshot_where("hello-a is forgotten", |s| intent(s, "hello-a").is_none())
+        .await;
+    assert!(
+        last.credentials.is_empty(),
+        "no credential without an image needing it"
+    );
+    hub.clean_up(namespace, &["hello-a"], &["spoke1"]).await;
+}
+
+#[tokio::test]
+async fn identity_comes_from_the_certificate() {
+    let fleet = fleet().await;
+    let (hub, namespace) = TestHub::start(&fleet, WAIT).await;
+    hub.label_cluster("spoke1", true).await;
+    hub.create_module("hello-b", module("1", None)).await;
+
+    let mut spoke1 = hub.proxy("spoke1", &[MAPPED_KERNEL]).await;
+    spoke1
+        .snapshot_where("spoke1 gets hello-b", |s| intent(s, "hello-b").is_some())
+        .await;
+    let mut spoke2 = hub.proxy("spoke2", &[MAPPED_KERNEL]).await;
+    let snapshot = spoke2.next_snapshot().await;
+    assert!(
+        intent(&snapshot, "hello-b").is_none(),
+        "spoke2 is not selected: {snapshot:?}"
+    );
+
+    // Signed by the right CA, but not an add-on agent's subject.
+    let ca = hub.ca().await;
+    let stranger = ca
+        .issue(&Leaf::client(
+            "system:serviceaccount:default:someone",
+            &[],
+            Duration::from_secs(600),
+        ))
+        .unwrap();
+    let status = match Proxy::open(hub.channel(&stranger).await.unwrap()).await {
+        Ok(mut proxy) => proxy
+            .inbound
+            .message()
+            .await
+            .expect_err("the stream is refused"),
+        Err(status) => status,
+    };
+    assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+    assert!(
+        status
+            .message()
+            .contains("system:serviceaccount:default:someone"),
+        "{status:?}"
+    );
+    hub.clean_up(namespace, &["hello-b"], &["spoke1"]).await;
+}
+
+/// Connects with `cert` and reads the first answer; `Err` says where it failed.
+async fn try_certificate(
+    hub: &TestHub,
+    cert: &kmm_runtime::pki::IssuedCertificate,
+) -> Result<(), String> {
+    let channel = hub
+        .channel(cert)
+        .await
+        .map_err(|e| format!("connect: {e:?}"))?;
+    let mut proxy = Proxy::open(channel)
+        .await
+        .map_err(|e| format!("open: {e:?}"))?;
+    proxy.send_inventory(1, &[MAPPED_KERNEL]).await;
+    proxy
+        .inbound
+        .message()
+        .await
+        .map(drop)
+        .map_err(|e| format!("first message: {e:?}"))
+}
+
+#[tokio::test]
+async fn foreign_and_expired_certificates_fail_the_handshake() {
+    let fleet = fleet().await;
+    let (hub, namespace) = TestHub::start(&fleet, WAIT).await;
+    let subject = "system:open-cluster-management:cluster:spoke1:addon:kmm:agent:kmm-agent";
+    let good = hub.proxy_certificate("spoke1").await;
+    try_certificate(&hub, &good)
+        .await
+        .expect("the CA's certificate is accepted");
+
+    let foreign = CertificateAuthority::generate("not-the-hub", Duration::from_secs(3600))
+        .unwrap()
+        .issue(&Leaf::client(subject, &[], Duration::from_secs(3600)))
+        .unwrap();
+    let error = try_certificate(&hub, &foreign)
+        .await
+        .expect_err("another CA's certificate is refused");
+    // The TLS alert the hub sends, not a gRPC status from the service.
+    assert!(error.contains("UnknownCA"), "{error}");
+
+    let mut expired = Leaf::client(subject, &[], Duration::from_secs(3600));
+    expired.not_before = time::OffsetDateTime::now_utc() - time::Duration::hours(2);
+    expired.not_after = time::OffsetDateTime::now_utc() - time::Duration::hours(1);
+    let expired = hub.ca().await.issue(&expired).unwrap();
+    let error = try_certificate(&hub, &expired)
+        .await
+        .expect_err("an expired certificate is refused");
+    assert!(error.contains("CertificateExpired"), "{error}");
+    hub.clean_up(namespace, &[], &[]).await;
+}
+
+#[tokio::test]
+async fn a_newer_stream_of_a_cluster_replaces_the_older() {
+    let fleet = fleet().await;
+    let (hub, namespace) = TestHub::start(&fleet, WAIT).await;
+    let mut old = hub.proxy("spoke2", &[MAPPED_KERNEL]).await;
+    let first = old.next_snapshot().await;
+    let mut new = hub.proxy("spoke2", &[MAPPED_KERNEL]).await;
+    let resent = new.next_snapshot().await;
+    assert!(resent.revision >= first.revision, "revisions never go back");
+    let ended = tokio::time::timeout(WAIT, old.inbound.message())
+        .await
+        .expect("the old stream ends within the deadline");
+    let status = ended.expect_err("the old stream ends with a status");
+    assert_eq!(status.code(), tonic::Code::Aborted, "{status:?}");
+    assert!(
+        status
+            .message()
+            .contains("replaced by a newer stream of cluster spoke2"),
+        "{status:?}"
+    );
+    // The new stream is live: a change reaches it.
+    hub.label_cluster("spoke2", true).await;
+    hub.create_module("hello-c", module("1", None)).await;
+    new.snapshot_where("the new stream gets hello-c", |s| {
+        intent(s, "hello-c").is_some()
+    })
+    .await;
+    hub.clean_up(namespace, &["hello-c"], &["spoke2"]).await;
+}
+
+#[tokio::test]
+async fn status_reports_become_counts_failures_and_events() {
+    let fleet = fleet().await;
+    let (hub, namespace) = TestHub::start(&fleet, WAIT).await;
+    hub.label_cluster("spoke1", true).await;
+    hub.create_module("hello-d", module("1", None)).await;
+    let mut proxy = hub.proxy("spoke1", &[MAPPED_KERNEL]).await;
+    proxy
+        .snapshot_where("hello-d", |s| intent(s, "hello-d").is_some())
+        .await;
+    proxy
+        .send_status(
+            true,
+            vec![
+                node_status("hello-d", "spoke1-node1", ModuleState::Loaded, ""),
+                node_status("hello-d", "spoke1-node2", ModuleState::Failed, "LoadFailed"),
+                node_status("hello-d", "spoke1-node3", ModuleState::Pending, ""),
+            ],
+        )
+        .await;
+    let status = hub
+        .wait_module("hello-d", "hello-d status counts the report", WAIT, |m| {
+            let status = m.and_then(|m| m.status).ok_or("no status")?;
+            if status.nodes.matching == 3 {
+                Ok(status)
+            } else {
+                Err(format!("{status:?}"))
+            }
+        })
+        .await;
+    assert_eq!(
+        (
+            status.clusters.selected,
+            status.clusters.connected,
+            status.clusters.converged
+        ),
+        (1, 1, 0)
+    );
+    assert_eq!((status.nodes.loaded, status.nodes.failed), (1, 1));
+    assert_eq!(status.kernels.resolved, 1);
+    let failure = &status.failures[0];
+    assert_eq!(
+        (
+            failure.cluster.as_str(),
+            failure.node.as_deref(),
+            failure.kernel.as_str(),
+            failure.reason.as_str()
+        ),
+        ("spoke1", Some("spoke1-node2"), MAPPED_KERNEL, "LoadFailed")
+    );
+    assert!(
+        failure
+            .message
+            .contains("modprobe: LoadFailed on spoke1-node2")
+    );
+    let ready = &status.conditions[0];
+    assert_eq!(
+        (ready.status.as_str(), ready.reason.as_str()),
+        ("False", "LoadFailed")
+    );
+    let module = hub.modules().get("hello-d").await.unwrap();
+    assert_eq!(status.observed_generation, module.metadata.generation);
+    assert!(
+        module
+            .metadata
+            .finalizers
+            .unwrap_or_default()
+            .contains(&"hub.kmm.sigs.x-k8s.io/unload".to_string())
+    );
+
+    // Everything loaded: converged, and an Event says so.
+    proxy
+        .send_status(
+            false,
+            vec![
+                node_status("hello-d", "spoke1-node2", ModuleState::Loaded, ""),
+                node_status("hello-d", "spoke1-node3", ModuleState::Loaded, ""),
+            ],
+        )
+        .await;
+    hub.wait_module("hello-d", "hello-d converges", WAIT, |m| {
+        let status = m.and_then(|m| m.status).ok_or("no status")?;
+        match status.conditions.first() {
+            Some(c)
+                if c.status == "True"
+                    && status.clusters.converged == 1
+                    && status.nodes.loaded == 3 =>
+            {
+                Ok(())
+            }
+            _ => Err(format!("{status:?}")),
+        }
+    })
+    .await;
+    let events: Api<Event> = Api::all(fleet.hub.clone());
+    let reasons = kmm_e2e::fixture::wait_until("Events for hello-d", WAIT, || async {
+        let list = events
+            .list(&ListParams::default().fields("regarding.name=hello-d"))
+            .await
+            .map_err(|e| e.to_string())?;
+        let reasons: Vec<String> = list.items.iter().filter_map(|e| e.reason.clone()).collect();
+        if reasons.iter().any(|r| r == "LoadFailed") && reasons.iter().any(|r| r == "Converged") {
+            Ok(reasons)
+        } else {
+            Err(format!("{reasons:?}"))
+        }
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert!(!reasons.is_empty());
+    hub.clean_up(namespace, &["hello-d"], &["spoke1"]).await;
+}
+
+#[tokio::test]
+async fn deletion_waits_for_confirmed_unloads() {
+    let fleet = fleet().await;
+    let (hub, namespace) = TestHub::start(&fleet, Duration::from_secs(300)).await;
+    hub.label_cluster("spoke1", true).await;
+    hub.create_module("hello-e", module("1", None)).await;
+    let mut proxy = hub.proxy("spoke1", &[MAPPED_KERNEL]).await;
+    proxy
+        .snapshot_where("hello-e", |s| intent(s, "hello-e").is_some())
+        .await;
+    proxy
+        .send_status(
+            true,
+            vec![node_status(
+                "hello-e",
+                "spoke1-node1",
+                ModuleState::Loaded,
+                "",
+            )],
+        )
+        .await;
+    hub.wait_module("hello-e", "the finalizer is set", WAIT, |m| {
+        let m = m.ok_or("absent")?;
+        if m.metadata.finalizers.is_some_and(|f| !f.is_empty()) {
+            Ok(())
+        } else {
+            Err("no finalizer".into())
+        }
+    })
+    .await;
+    hub.modules()
+        .delete("hello-e", &DeleteParams::default())
+        .await
+        .unwrap();
+    proxy
+        .snapshot_where("hello-e is unloaded", |s| {
+            intent(s, "hello-e").is_some_and(|i| i.unload)
+        })
+        .await;
+    let waiting = hub
+        .wait_module("hello-e", "hello-e waits for the unload", WAIT, |m| {
+            let status = m.and_then(|m| m.status).ok_or("gone or no status")?;
+            match status.conditions.first() {
+                Some(c) if c.reason == "Unloading" => Ok(c.message.clone()),
+                other => Err(format!("{other:?}")),
+            }
+        })
+        .await;
+    assert!(waiting.contains("spoke1/spoke1-node1"), "{waiting}");
+    proxy
+        .send_status(
+            false,
+            vec![node_status(
+                "hello-e",
+                "spoke1-node1",
+                ModuleState::Unloaded,
+                "",
+            )],
+        )
+        .await;
+    hub.wait_module(
+        "hello-e",
+        "hello-e is deleted once unloaded",
+        WAIT,
+        |m| match m {
+            None => Ok(()),
+            Some(m) => Err(format!("still there: {:?}", m.status)),
+        },
+    )
+    .await;
+    proxy
+        .snapshot_where("hello-e is forgotten", |s| intent(s, "hello-e").is_none())
+        .await;
+    hub.clean_up(namespace, &[], &["spoke1"]).await;
+}
+
+#[tokio::test]
+async fn deletion_completes_after_the_unload_timeout_naming_the_leftovers() {
+    let fleet = fleet().await;
+    let (hub, namespace) = TestHub::start(&fleet, Duration::from_secs(3)).await;
+    hub.label_cluster("spoke1", true).await;
+    hub.create_module("hello-f", module("1", None)).await;
+    let mut proxy = hub.proxy("spoke1", &[MAPPED_KERNEL]).await;
+    proxy
+        .snapshot_where("hello-f", |s| intent(s, "hello-f").is_some())
+        .await;
+    proxy
+        .send_status(
+            true,
+            vec![node_status(
+                "hello-f",
+                "spoke1-node3",
+                ModuleState::Loaded,
+                "",
+            )],
+        )
+        .await;
+    hub.wait_module("hello-f", "the finalizer is set", WAIT, |m| {
+        let m = m.ok_or("absent")?;
+        if m.metadata.finalizers.is_some_and(|f| !f.is_empty()) {
+            Ok(())
+        } else {
+            Err("no finalizer".into())
+        }
+    })
+    .await;
+    hub.modules()
+        .delete("hello-f", &DeleteParams::default())
+        .await
+        .unwrap();
+    hub.wait_module(
+        "hello-f",
+        "hello-f is deleted after the timeout",
+        WAIT,
+        |m| match m {
+            None => Ok(()),
+            Some(m) => Err(format!("still there: {:?}", m.status)),
+        },
+    )
+    .await;
+    let events: Api<Event> = Api::all(fleet.hub.clone());
+    let note = kmm_e2e::fixture::wait_until("the UnloadTimedOut Event", WAIT, || async {
+        let list = events
+            .list(&ListParams::default().fields("regarding.name=hello-f"))
+            .await
+            .map_err(|e| e.to_string())?;
+        list.items
+            .iter()
+            .find(|e| e.reason.as_deref() == Some("UnloadTimedOut"))
+            .and_then(|e| e.note.clone())
+            .ok_or_else(|| {
+                format!(
+                    "{:?}",
+                    list.items.iter().map(|e| &e.reason).collect::<Vec<_>>()
+                )
+            })
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert!(note.contains("spoke1/spoke1-node3"), "{note}");
+    hub.clean_up(namespace, &[], &["spoke1"]).await;
+}

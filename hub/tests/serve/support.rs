@@ -1,0 +1,422 @@
+//! A hub started in-process against the local fleet's hub API server, in a namespace of
+//! its own and managing only its own test's modules, and a test proxy speaking `Hub.Sync`
+//! with a certificate issued from that hub's CA.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Secret;
+use kmm_api::ManagedClusterModule;
+use kmm_e2e::fixture::{Fleet, TempNamespace, wait_until};
+use kmm_hub::serve::{self, ServeError, Settings, metrics::Metrics};
+use kmm_proto::v1::{
+    HubMessage, IntentSnapshot, Kernel, KernelInventory, ModuleKey, ModuleNodeKey,
+    ModuleNodeStatus, ModuleState, NodeStatusReport, ProxyHello, ProxyMessage,
+    hub_client::HubClient, hub_message, proxy_message,
+};
+use kmm_runtime::health::Health;
+use kmm_runtime::pki::{CertificateAuthority, IssuedCertificate, Leaf};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+use serde_json::json;
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Streaming;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+
+pub const WAIT: Duration = Duration::from_secs(30);
+/// Label of the test's modules; the test's hub manages only those.
+const HUB_LABEL: &str = "test.kmm.sigs.x-k8s.io/hub";
+/// A kernel with a mapping in [`module`] and one without.
+pub const MAPPED_KERNEL: &str = "6.1.0-56-amd64";
+pub const UNMAPPED_KERNEL: &str = "5.14.0-427.13.1.el9_4.x86_64";
+
+pub async fn fleet() -> Fleet {
+    static LOGS: std::sync::Once = std::sync::Once::new();
+    // The hub's logs, shown for failing tests.
+    LOGS.call_once(|| {
+        kmm_runtime::logging::init(&kmm_runtime::cli::LoggingArgs {
+            log_format: kmm_runtime::cli::LogFormat::Text,
+            verbose: 0,
+        })
+    });
+    let fleet = Fleet::get()
+        .await
+        .expect("these tests need the local fleet (cargo xtask env up)");
+    let crd: serde_json::Value =
+        serde_yaml_ng::from_str(&kmm_api::managed_cluster_module_crd_yaml()).expect("CRD YAML");
+    kmm_e2e::fleet::apply_crd(&fleet.hub, &crd)
+        .await
+        .expect("the ManagedClusterModule CRD applies");
+    fleet
+}
+
+/// A running hub.
+pub struct TestHub {
+    pub client: Client,
+    pub namespace: String,
+    pub addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<Result<(), ServeError>>>,
+}
+
+impl TestHub {
+    pub async fn start(fleet: &Fleet, unload_timeout: Duration) -> (Self, TempNamespace) {
+        let namespace = TempNamespace::create(&fleet.hub, "kmm-hub-test")
+            .await
+            .expect("a test namespace");
+        let hub = Self::start_in(fleet, &namespace.name, unload_timeout).await;
+        (hub, namespace)
+    }
+
+    pub async fn start_in(fleet: &Fleet, namespace: &str, unload_timeout: Duration) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("a free port");
+        let addr = listener.local_addr().unwrap();
+        let settings = Settings {
+            namespace: namespace.to_owned(),
+            grpc_sans: vec!["localhost".into(), "127.0.0.1".into()],
+            unload_timeout,
+            instance: format!("test-{namespace}"),
+            module_selector: Some(format!("{HUB_LABEL}={namespace}")),
+        };
+        let (stop, stopped) = oneshot::channel();
+        let task = tokio::spawn(serve::run(
+            fleet.hub.clone(),
+            settings,
+            listener,
+            Health::default(),
+            Metrics::default(),
+            async {
+                let _ = stopped.await;
+            },
+        ));
+        Self {
+            client: fleet.hub.clone(),
+            namespace: namespace.to_owned(),
+            addr,
+            stop: Some(stop),
+            task: Some(task),
+        }
+    }
+
+    /// Stops the hub and checks it stopped cleanly.
+    pub async fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        let task = self.task.take().unwrap();
+        tokio::time::timeout(WAIT, task)
+            .await
+            .expect("the hub stops within the deadline")
+            .expect("the hub task does not panic")
+            .expect("the hub stops without error");
+    }
+
+    pub async fn ca_secret(&self) -> Secret {
+        let api: Api<Secret> = Api::namespaced(self.client.clone(), &self.namespace);
+        wait_until("the hub's CA Secret", WAIT, || async {
+            api.get_opt("kmm-hub-ca")
+                .await
+                .map_err(|e| e.to_string())?
+                .ok_or_else(|| "absent".to_string())
+        })
+        .await
+        .expect("the hub creates its CA Secret")
+    }
+
+    pub async fn ca(&self) -> CertificateAuthority {
+        let secret = self.ca_secret().await;
+        let data = secret.data.expect("the CA Secret has data");
+        let text = |key: &str| String::from_utf8(data[key].0.clone()).unwrap();
+        CertificateAuthority::from_pem(&text("tls.crt"), &text("tls.key")).expect("a usable CA")
+    }
+
+    /// A client certificate as OCM's add-on registration issues it for `cluster`.
+    pub async fn proxy_certificate(&self, cluster: &str) -> IssuedCertificate {
+        self.ca()
+            .await
+            .issue(&Leaf::client(
+                &format!(
+                    "system:open-cluster-management:cluster:{cluster}:addon:kmm:agent:kmm-agent"
+                ),
+                &[
+                    format!("system:open-cluster-management:cluster:{cluster}:addon:kmm"),
+                    "system:open-cluster-management:addon:kmm".into(),
+                    "system:authenticated".into(),
+                ],
+                Duration::from_secs(3600),
+            ))
+            .expect("a client certificate")
+    }
+
+    pub async fn channel(
+        &self,
+        client_cert: &IssuedCertificate,
+    ) -> Result<Channel, tonic::transport::Error> {
+        let ca = self.ca().await;
+        let tls = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(ca.cert_pem()))
+            .identity(Identity::from_pem(
+                &client_cert.cert_pem,
+                client_cert.key_pem.as_bytes(),
+            ))
+            .domain_name("localhost");
+        Channel::from_shared(format!("https://{}", self.addr))
+            .unwrap()
+            .tls_config(tls)?
+            .connect_timeout(WAIT)
+            .connect()
+            .await
+    }
+
+    /// A proxy for `cluster` that said hello and sent `kernels`.
+    pub async fn proxy(&self, cluster: &str, kernels: &[&str]) -> Proxy {
+        let cert = self.proxy_certificate(cluster).await;
+        let proxy = Proxy::open(
+            self.channel(&cert)
+                .await
+                .expect("the hub accepts the proxy's TLS"),
+        )
+        .await
+        .expect("the stream opens");
+        proxy.send_inventory(1, kernels).await;
+        proxy
+    }
+
+    pub fn modules(&self) -> Api<ManagedClusterModule> {
+        Api::all(self.client.clone())
+    }
+
+    /// Creates a module managed by this hub, selecting clusters labelled
+    /// [`TestHub::cluster_label`].
+    pub async fn create_module(&self, name: &str, spec: serde_json::Value) -> ManagedClusterModule {
+        let module: ManagedClusterModule = serde_json::from_value(json!({
+            "apiVersion": "hub.kmm.sigs.x-k8s.io/v1beta1",
+            "kind": "ManagedClusterModule",
+            "metadata": {"name": name, "labels": {HUB_LABEL: self.namespace}},
+            "spec": {
+                "spokeNamespace": "kmm-test",
+                "selector": {self.cluster_label(): "yes"},
+                "moduleSpec": spec,
+            },
+        }))
+        .expect("a valid test module");
+        self.modules()
+            .create(&PostParams::default(), &module)
+            .await
+            .expect("the module is created")
+    }
+
+    /// The ManagedCluster label this test's modules select.
+    pub fn cluster_label(&self) -> String {
+        format!("test.kmm.sigs.x-k8s.io/{}", self.namespace)
+    }
+
+    pub async fn label_cluster(&self, cluster: &str, selected: bool) {
+        let value = if selected { json!("yes") } else { json!(null) };
+        let patch = json!({"metadata": {"labels": {self.cluster_label(): value}}});
+        kmm_e2e::fleet::managed_clusters(&self.client)
+            .patch(cluster, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .expect("the ManagedCluster is labelled");
+    }
+
+    /// Waits for a module's state to satisfy `check` (which says what it saw otherwise).
+    pub async fn wait_module<T>(
+        &self,
+        name: &str,
+        what: &str,
+        timeout: Duration,
+        check: impl Fn(Option<ManagedClusterModule>) -> Result<T, String>,
+    ) -> T {
+        let api = self.modules();
+        wait_until(what, timeout, || {
+            let api = api.clone();
+            let check = &check;
+            async move { check(api.get_opt(name).await.map_err(|e| e.to_string())?) }
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Removes what a test leaves on the shared fleet.
+    pub async fn clean_up(self, namespace: TempNamespace, modules: &[&str], clusters: &[&str]) {
+        for cluster in clusters {
+            self.label_cluster(cluster, false).await;
+        }
+        let api = self.modules();
+        for name in modules {
+            let _ = api.delete(name, &DeleteParams::default()).await;
+        }
+        self.stop().await;
+        // Without a hub, nothing releases the finalizer of a module left behind.
+        for name in modules {
+            if api.get_opt(name).await.ok().flatten().is_some() {
+                let patch = json!({"metadata": {"finalizers": null}});
+                let _ = api
+                    .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await;
+            }
+        }
+        namespace
+            .delete()
+            .await
+            .expect("the test namespace is deleted");
+    }
+}
+
+impl Drop for TestHub {
+    fn drop(&mut self) {
+        if let Some(task) = &self.task {
+            task.abort();
+        }
+    }
+}
+
+/// A test spoke proxy: one `Hub.Sync` stream.
+pub struct Proxy {
+    outbound: mpsc::Sender<ProxyMessage>,
+    pub inbound: Streaming<HubMessage>,
+}
+
+impl Proxy {
+    pub async fn open(channel: Channel) -> Result<Self, tonic::Status> {
+        let (outbound, rx) = mpsc::channel(16);
+        outbound
+            .send(ProxyMessage {
+                message: Some(proxy_message::Message::Hello(ProxyHello {
+                    proxy_version: "test".into(),
+                    applied_intent_revision: 0,
+                })),
+            })
+            .await
+            .unwrap();
+        let inbound = HubClient::new(channel)
+            .sync(ReceiverStream::new(rx))
+            .await?
+            .into_inner();
+        Ok(Self { outbound, inbound })
+    }
+
+    pub async fn send(&self, message: proxy_message::Message) {
+        self.outbound
+            .send(ProxyMessage {
+                message: Some(message),
+            })
+            .await
+            .expect("the stream is open");
+    }
+
+    pub async fn send_inventory(&self, revision: u64, kernels: &[&str]) {
+        self.send(proxy_message::Message::Inventory(KernelInventory {
+            revision,
+            kernels: kernels
+                .iter()
+                .map(|k| Kernel {
+                    release: (*k).into(),
+                    os_image: "Debian GNU/Linux 12 (bookworm)".into(),
+                    node_count: 1,
+                })
+                .collect(),
+        }))
+        .await;
+    }
+
+    pub async fn send_status(&self, full: bool, statuses: Vec<ModuleNodeStatus>) {
+        self.send(proxy_message::Message::Status(NodeStatusReport {
+            full,
+            statuses,
+            removed: vec![],
+        }))
+        .await;
+    }
+
+    /// The next snapshot, failing after [`WAIT`].
+    pub async fn next_snapshot(&mut self) -> IntentSnapshot {
+        let message = tokio::time::timeout(WAIT, self.inbound.message())
+            .await
+            .expect("a snapshot within the deadline")
+            .expect("the stream stays healthy")
+            .expect("the stream stays open");
+        match message.message {
+            Some(hub_message::Message::Intents(snapshot)) => snapshot,
+            None => panic!("an empty HubMessage"),
+        }
+    }
+
+    /// Snapshots until one satisfies `check`.
+    pub async fn snapshot_where(
+        &mut self,
+        what: &str,
+        check: impl Fn(&IntentSnapshot) -> bool,
+    ) -> IntentSnapshot {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        let mut seen = Vec::new();
+        loop {
+            let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let next = tokio::time::timeout(remaining, self.next_snapshot()).await;
+            let Ok(snapshot) = next else {
+                panic!("no snapshot where {what}; saw {seen:#?}");
+            };
+            if check(&snapshot) {
+                return snapshot;
+            }
+            seen.push(snapshot);
+        }
+    }
+}
+
+/// The spec of the local fleet's sample module (one mapping, for Debian amd64 kernels).
+pub fn module(version: &str, image_repo_secret: Option<&str>) -> serde_json::Value {
+    let mut spec = json!({
+        "selector": {"kubernetes.io/os": "linux"},
+        "moduleLoader": {"container": {
+            "version": version,
+            "modprobe": {"moduleName": "kmm_hello"},
+            "kernelMappings": [{
+                "regexp": "^[0-9.]+-[0-9]+-(cloud-|rt-)?amd64$",
+                "containerImage": "127.0.0.1:5000/samples/kmm-hello:${KERNEL_FULL_VERSION}",
+            }],
+        }},
+    });
+    if let Some(secret) = image_repo_secret {
+        spec["imageRepoSecret"] = json!({"name": secret});
+    }
+    spec
+}
+
+pub fn node_status(module: &str, node: &str, state: ModuleState, reason: &str) -> ModuleNodeStatus {
+    ModuleNodeStatus {
+        key: Some(ModuleNodeKey {
+            module: Some(ModuleKey {
+                namespace: "kmm-test".into(),
+                name: module.into(),
+            }),
+            node: node.into(),
+        }),
+        kernel: MAPPED_KERNEL.into(),
+        state: state.into(),
+        loaded_version: if state == ModuleState::Loaded {
+            "1".into()
+        } else {
+            String::new()
+        },
+        message: if reason.is_empty() {
+            String::new()
+        } else {
+            format!("modprobe: {reason} on {node}")
+        },
+        reason: reason.into(),
+    }
+}
+
+/// The module's intent in a snapshot.
+pub fn intent<'a>(
+    snapshot: &'a IntentSnapshot,
+    name: &str,
+) -> Option<&'a kmm_proto::v1::ModuleIntent> {
+    snapshot
+        .modules
+        .iter()
+        .find(|m| m.key.as_ref().is_some_and(|k| k.name == name))
+}
