@@ -97,21 +97,31 @@ impl ClusterState {
     /// Records a Node's facts; false when they are unchanged (kubelet heartbeats touch
     /// none of them), so that nobody is woken for nothing.
     pub fn upsert_node(&mut self, node: NodeFacts) -> bool {
-        if self.nodes.get(&node.name) == Some(&node) {
+        let old = self.nodes.get(&node.name);
+        if old == Some(&node) {
             return false;
         }
-        self.nodes.insert(node.name.clone(), node);
-        self.refresh();
+        let kernel_changed =
+            old.is_none_or(|o| o.kernel != node.kernel || o.os_image != node.os_image);
+        let name = node.name.clone();
+        self.nodes.insert(name.clone(), node);
+        if kernel_changed {
+            self.inventory.update(kernels(self.nodes.values()));
+        }
+        self.place_node(&name);
         true
     }
 
     /// Forgets a deleted Node; false when it was not known.
     pub fn remove_node(&mut self, name: &str) -> bool {
-        let removed = self.nodes.remove(name).is_some();
-        if removed {
-            self.refresh();
+        if self.nodes.remove(name).is_none() {
+            return false;
         }
-        removed
+        self.work.remove(name);
+        self.agents.remove(name);
+        self.may_have.retain(|(_, node)| node != name);
+        self.inventory.update(kernels(self.nodes.values()));
+        true
     }
 
     pub fn node_count(&self) -> usize {
@@ -140,7 +150,7 @@ impl ClusterState {
             self.may_have.insert((id.clone(), node.to_owned()));
         }
         self.agents.insert(node.to_owned(), view);
-        self.refresh();
+        self.place_node(node);
     }
 
     pub fn agent_event(&mut self, node: &str, event: &ModuleEvent) {
@@ -149,7 +159,7 @@ impl ClusterState {
         for id in view.loaded.keys() {
             self.may_have.insert((id.clone(), node.to_owned()));
         }
-        self.refresh();
+        self.place_node(node);
     }
 
     /// Revision of the node's DesiredModules, cheap to compare before cloning them.
@@ -209,6 +219,7 @@ impl ClusterState {
         self.inventory.message()
     }
 
+    /// Recomputes every node: after a new snapshot or a full list of Nodes.
     fn refresh(&mut self) {
         self.inventory.update(kernels(self.nodes.values()));
         let Some(snapshot) = &self.intents else {
@@ -223,61 +234,69 @@ impl ClusterState {
             .retain(|(id, node)| known.contains(id) && self.nodes.contains_key(node));
         self.work.retain(|node, _| self.nodes.contains_key(node));
         self.agents.retain(|node, _| self.nodes.contains_key(node));
-
-        for (name, facts) in &self.nodes {
-            let mut placements = BTreeMap::new();
-            let mut modules = Vec::new();
-            for intent in &snapshot.modules {
-                let id = ModuleId::from_key(intent.key.as_ref());
-                let key = (id.clone(), name.clone());
-                let placement = place(intent, facts, self.may_have.contains(&key));
-                if placement.is_selected() {
-                    self.may_have.insert(key);
-                }
-                match &placement {
-                    Placement::Load(load) => modules.push(NodeModule {
-                        key: Some(id.key()),
-                        load: Some(load.as_ref().clone()),
-                        credential: snapshot
-                            .credentials
-                            .iter()
-                            .find(|c| {
-                                !load.pull_credential_id.is_empty()
-                                    && c.id == load.pull_credential_id
-                            })
-                            .cloned(),
-                        unload: false,
-                    }),
-                    Placement::Unload => modules.push(NodeModule {
-                        key: Some(id.key()),
-                        load: None,
-                        credential: None,
-                        unload: true,
-                    }),
-                    _ => {}
-                }
-                placements.insert(id, placement);
-            }
-            let work = self.work.entry(name.clone()).or_default();
-            if work.modules != modules || work.revision == 0 {
-                self.next_revision += 1;
-                let revision = self.next_revision;
-                for module in &modules {
-                    let id = ModuleId::from_key(module.key.as_ref());
-                    let old = work
-                        .modules
-                        .iter()
-                        .find(|m| ModuleId::from_key(m.key.as_ref()) == id);
-                    if !same_task(old, module) {
-                        work.since.insert(id, revision);
-                    }
-                }
-                work.revision = revision;
-                work.modules = modules;
-            }
-            work.since.retain(|id, _| placements.contains_key(id));
-            work.placements = placements;
+        let names: Vec<String> = self.nodes.keys().cloned().collect();
+        for name in names {
+            self.place_node(&name);
         }
+    }
+
+    /// Recomputes one node's work: what changes with one Node or one agent touches no
+    /// other node, which keeps a change O(modules) rather than O(nodes x modules).
+    fn place_node(&mut self, name: &str) {
+        let (Some(snapshot), Some(facts)) = (&self.intents, self.nodes.get(name)) else {
+            return;
+        };
+        let mut placements = BTreeMap::new();
+        let mut modules = Vec::new();
+        for intent in &snapshot.modules {
+            let id = ModuleId::from_key(intent.key.as_ref());
+            let key = (id.clone(), name.to_owned());
+            let placement = place(intent, facts, self.may_have.contains(&key));
+            if placement.is_selected() {
+                self.may_have.insert(key);
+            }
+            match &placement {
+                Placement::Load(load) => modules.push(NodeModule {
+                    key: Some(id.key()),
+                    load: Some(load.as_ref().clone()),
+                    credential: snapshot
+                        .credentials
+                        .iter()
+                        .find(|c| {
+                            !load.pull_credential_id.is_empty() && c.id == load.pull_credential_id
+                        })
+                        .cloned(),
+                    unload: false,
+                }),
+                Placement::Unload => modules.push(NodeModule {
+                    key: Some(id.key()),
+                    load: None,
+                    credential: None,
+                    unload: true,
+                }),
+                _ => {}
+            }
+            placements.insert(id, placement);
+        }
+        let work = self.work.entry(name.to_owned()).or_default();
+        if work.modules != modules || work.revision == 0 {
+            self.next_revision += 1;
+            let revision = self.next_revision;
+            for module in &modules {
+                let id = ModuleId::from_key(module.key.as_ref());
+                let old = work
+                    .modules
+                    .iter()
+                    .find(|m| ModuleId::from_key(m.key.as_ref()) == id);
+                if !same_task(old, module) {
+                    work.since.insert(id, revision);
+                }
+            }
+            work.revision = revision;
+            work.modules = modules;
+        }
+        work.since.retain(|id, _| placements.contains_key(id));
+        work.placements = placements;
     }
 }
 
