@@ -241,6 +241,17 @@ impl FleetState {
     }
 
     fn recompute_locked(&self, inner: &mut Inner) {
+        // Once the watch dropped a released module, its UID need not be remembered.
+        if !inner.gone.is_empty() {
+            let present: BTreeSet<String> = self
+                .stores
+                .modules
+                .state()
+                .iter()
+                .filter_map(|m| m.uid())
+                .collect();
+            inner.gone.retain(|uid| present.contains(uid));
+        }
         let clusters: Vec<String> = inner.sessions.connected().map(str::to_owned).collect();
         for cluster in clusters {
             self.recompute(inner, &cluster);

@@ -40,6 +40,25 @@ async fn ca_secret_is_created_once_and_reused_across_restarts() {
 }
 
 #[tokio::test]
+async fn two_hubs_starting_at_once_share_one_ca() {
+    let fleet = fleet().await;
+    let namespace = kmm_e2e::fixture::TempNamespace::create(&fleet.hub, "kmm-hub-test")
+        .await
+        .unwrap();
+    let (a, b) = tokio::join!(
+        TestHub::start_in(&fleet, &namespace.name, WAIT),
+        TestHub::start_in(&fleet, &namespace.name, WAIT),
+    );
+    // A certificate from the Secret's CA is accepted by both: neither serves another CA.
+    let mut to_a = a.proxy("spoke1", &[MAPPED_KERNEL]).await;
+    let mut to_b = b.proxy("spoke2", &[MAPPED_KERNEL]).await;
+    to_a.next_snapshot().await;
+    to_b.next_snapshot().await;
+    b.stop().await;
+    a.clean_up(namespace, &[], &[]).await;
+}
+
+#[tokio::test]
 async fn intents_follow_inventory_module_changes_and_cluster_labels() {
     let fleet = fleet().await;
     let (hub, namespace) = TestHub::start(&fleet, WAIT).await;
