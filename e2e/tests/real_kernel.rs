@@ -1,37 +1,51 @@
 //! Issue 6: the node agent's host backend on a real kernel. Debian's cloud kernel boots
-//! under qemu with the workspace's `kmm-node-agent`; the agent pulls the sample kmod
-//! image from the fleet's registry (through qemu's user network) and loads and unloads
-//! the modules with Debian's modprobe. Every assertion reads the guest kernel's own
-//! view: `/sys/module`, `/proc/modules`, the firmware_class search path, dmesg.
+//! under qemu with the workspace's `kmm-node-agent`, which attaches over TLS with a
+//! bearer token to a test peer of kmm-spoke-proxy's agent endpoint on the host
+//! (`kmm_e2e::guest::agent_peer`), exactly as it would to the proxy. The peer sends
+//! `DesiredModules`; the agent pulls the sample kmod image from the fleet's registry
+//! (through qemu's user network) and loads and unloads the modules with Debian's
+//! modprobe. What the agent did is read from its `ModuleEvent`s and hellos; what the
+//! kernel did is read from the guest kernel's own view: `/sys/module`, `/proc/modules`,
+//! the firmware_class search path, dmesg.
 //!
 //! Three boots share one disk holding the agent's state and cache:
 //! 1. load (parameters, dependency order, firmware, in-tree removal), restart the
-//!    agent (nothing reloaded), unload, load again;
-//! 2. a reboot: the state of boot 1 is stale, so the agent loads again;
+//!    agent (its hello lists the module, nothing is reloaded), unload, load again;
+//! 2. a reboot: the state of boot 1 is from another boot, so the hello lists nothing
+//!    and the agent loads again;
 //! 3. a boot with `module.sig_enforce=1`: the unsigned module is refused by the kernel
-//!    and the agent reports that refusal.
+//!    and the agent's failed event names that refusal.
 //!
-//! Figures are printed with the prefix `real-kernel:`.
+//! Figures are printed with the prefix `real-kernel:`; a failure leaves the consoles and
+//! the agent's logs in the work directory it names.
 
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use kmm_e2e::fixture::Fleet;
+use kmm_e2e::guest::agent_peer::{AgentPeer, Session};
 use kmm_e2e::guest::firmware_image::{self, FIRMWARE_FILE, FIRMWARE_PATH};
-use kmm_e2e::guest::initramfs::AGENT;
+use kmm_e2e::guest::initramfs::{AGENT, GuestFile};
 use kmm_e2e::guest::machine::Machine;
 use kmm_e2e::guest::{HOST_FROM_GUEST, KERNEL, Rig};
-use serde_json::{Value, json};
+use kmm_proto::v1 as pb;
 
-const KEY: &str = "kmm-demo/kmm-hello";
+const NAMESPACE: &str = "kmm-demo";
+const NAME: &str = "kmm-hello";
+const VERSION: &str = "1";
 const MODULE: &str = "kmm_hello_dep";
 const DEPENDENCY: &str = "kmm_hello";
 const PARAMETER: &str = "who=real-kernel";
 const IN_TREE: &str = "dummy";
 const FIRMWARE_DIR: &str = "/var/lib/firmware";
-const DESIRED: &str = "/run/desired.json";
-const EVENTS: &str = "/run/agent.out";
+const NODE: &str = "guest";
+/// The agent's bearer token: fixed, the peer accepts only this one.
+const TOKEN: &str = "kmm-real-kernel-test-token";
+const CA_FILE: &str = "/etc/kmm/ca.crt";
+const TOKEN_FILE: &str = "/etc/kmm/token";
 const AGENT_LOG: &str = "/run/agent.log";
+const METRICS: &str = "http://127.0.0.1:8082";
 const WAIT: Duration = Duration::from_secs(90);
 
 #[tokio::test(flavor = "multi_thread")]
@@ -48,52 +62,78 @@ async fn the_agent_loads_and_unloads_real_modules_on_a_real_kernel() -> Result<(
         "{HOST_FROM_GUEST}:{port}/{}:{KERNEL}",
         firmware_image::REPOSITORY
     );
+    let mut peer = AgentPeer::start(TOKEN).await?;
     let work = std::env::temp_dir().join(format!("kmm-real-kernel-{}", std::process::id()));
     let prepared = Instant::now();
-    let rig = Rig::prepare(work.clone(), &[])?;
+    let rig = Rig::prepare(
+        work.clone(),
+        &[
+            GuestFile {
+                path: CA_FILE.into(),
+                mode: 0o644,
+                contents: peer.ca_pem.clone().into_bytes(),
+            },
+            GuestFile {
+                path: TOKEN_FILE.into(),
+                mode: 0o600,
+                contents: TOKEN.as_bytes().to_vec(),
+            },
+        ],
+    )?;
     println!(
         "real-kernel: guest prepared in {:.1}s (kernel, agent build, initramfs {} MiB)",
         prepared.elapsed().as_secs_f64(),
         std::fs::metadata(&rig.initramfs)?.len() / (1024 * 1024)
     );
+    let address = peer.address_from_guest();
 
     let mut guest = rig.boot("boot1", &[]).await?;
     report_boot("boot 1", &guest);
-    let result = first_boot(&mut guest, &image).await;
-    finish(guest, result).await?;
+    let result = first_boot(&mut guest, &mut peer, &address, &image).await;
+    let boot1 = finish(guest, result, &work, "boot1").await?;
 
     let mut guest = rig.boot("boot2", &[]).await?;
     report_boot("boot 2 (reboot)", &guest);
-    let result = after_reboot(&mut guest, &image).await;
-    finish(guest, result).await?;
+    let result = after_reboot(&mut guest, &mut peer, &address, &image, &boot1).await;
+    finish(guest, result, &work, "boot2").await?;
 
     let mut guest = rig.boot("boot3", &["module.sig_enforce=1"]).await?;
     report_boot("boot 3 (sig_enforce)", &guest);
-    let result = signatures_enforced(&mut guest, &image).await;
-    finish(guest, result).await?;
+    let result = signatures_enforced(&mut guest, &mut peer, &address, &image).await;
+    finish(guest, result, &work, "boot3").await?;
 
     std::fs::remove_dir_all(&work).ok();
     Ok(())
 }
 
-/// Load, check everything from the kernel, restart the agent, unload, load again.
-async fn first_boot(guest: &mut Machine, image: &str) -> Result<()> {
+/// Load, check everything from the kernel, restart the agent, unload, load again; the
+/// boot ID the agent reported.
+async fn first_boot(
+    guest: &mut Machine,
+    peer: &mut AgentPeer,
+    address: &str,
+    image: &str,
+) -> Result<String> {
     guest.check(&format!("modprobe {IN_TREE}")).await?;
     ensure!(
         module_present(guest, IN_TREE).await?,
         "{IN_TREE} did not load"
     );
-    write_desired(guest, &snapshot(1, image, false)).await?;
-    let pid = start_agent(guest).await?;
-    let asked = Instant::now();
-    let event = wait_event(guest, 1).await?;
-    let host_observed = asked.elapsed();
-    expect_success(&event, "load")?;
+    let pid = start_agent(guest, address).await?;
+    let mut session = peer.session(WAIT).await?;
+    check_hello(guest, &session.hello).await?;
+    ensure!(
+        session.hello.loaded.is_empty(),
+        "a fresh agent reports loaded modules: {:?}",
+        session.hello.loaded
+    );
+    let boot_id = session.hello.boot_id.clone();
+    let (event, took) = load(&mut session, 1, image).await?;
+    expect_event(&event, pb::Action::Load, pb::Outcome::Succeeded, 1)?;
     println!(
-        "real-kernel: boot 1 time to loaded {:.2}s (agent: pull {} ms, kernel side {} ms)",
-        host_observed.as_secs_f64(),
-        event["pullMs"],
-        event["durationMs"]
+        "real-kernel: boot 1 time to loaded {:.2}s from DesiredModules sent to event received (agent: {} ms)",
+        took.as_secs_f64(),
+        event.duration_ms
     );
 
     // The kernel's own view of what the agent did.
@@ -146,36 +186,49 @@ async fn first_boot(guest: &mut Machine, image: &str) -> Result<()> {
     );
     report_rss(guest, pid, "boot 1 after the load").await?;
 
-    // A restart in the same boot reloads nothing: the agent finds the module in its
-    // state for this boot, acts on the same snapshot without an event, and its first
-    // event is the unload asked next; the kernel initialised kmm_hello exactly once.
-    guest.check(&format!("kill {pid}")).await?;
-    guest
-        .check(&format!(
-            "while kill -0 {pid} 2>/dev/null; do usleep 20000; done"
-        ))
-        .await?;
-    start_agent(guest).await?;
-    let hello = wait_line(guest, "hello", 1).await?;
+    // A restart in the same boot reloads nothing: the new stream's hello lists the
+    // module with the digest it was loaded from, the same desired modules are acted on
+    // without a load (the restarted agent counts none), the first event is the unload
+    // asked next, and the kernel initialised kmm_hello exactly once.
+    drop(session);
+    stop_agent(guest, pid).await?;
+    start_agent(guest, address).await?;
+    let mut session = peer.session(WAIT).await?;
+    check_hello(guest, &session.hello).await?;
+    let loaded: Vec<(Option<&pb::ModuleKey>, &str, &str)> = session
+        .hello
+        .loaded
+        .iter()
+        .map(|m| (m.key.as_ref(), m.version.as_str(), m.image_digest.as_str()))
+        .collect();
     ensure!(
-        hello["loaded"]
-            .as_array()
-            .is_some_and(|l| l.iter().any(|m| m["key"] == KEY)),
-        "the restarted agent does not know {KEY} is loaded: {hello}"
+        loaded == [(Some(&key()), VERSION, event.image_digest.as_str())],
+        "the restarted agent's hello does not list exactly {NAMESPACE}/{NAME} as loaded from {}: {:?}",
+        event.image_digest,
+        session.hello.loaded
     );
+    ensure!(
+        session.hello.boot_id == boot_id,
+        "the boot ID changed without a reboot"
+    );
+    session.send(2, vec![node_module(image, false)]).await?;
     await_in_guest(
         guest,
-        "the restarted agent to read the desired modules",
-        &format!("grep -q 'new desired modules' {AGENT_LOG}"),
+        "the restarted agent to act on revision 2 (/readyz)",
+        &format!("wget -q -O /dev/null {METRICS}/readyz"),
     )
     .await?;
-    write_desired(guest, &snapshot(2, image, true)).await?;
-    let event = wait_event(guest, 1).await?;
+    let metrics = guest
+        .check(&format!("wget -q -O - {METRICS}/metrics"))
+        .await?;
     ensure!(
-        event["action"] == "unload",
-        "after a restart in the same boot the agent did {event} before the unload"
+        metric_sum(&metrics, "kmm_agent_loads_total") == 0.0
+            && metric_sum(&metrics, "kmm_agent_modules_loaded") == 1.0,
+        "the restarted agent loaded again, or lost the loaded module:\n{metrics}"
     );
-    expect_success(&event, "unload")?;
+    session.send(3, vec![node_module(image, true)]).await?;
+    let event = session.next_event(WAIT).await?;
+    expect_event(&event, pb::Action::Unload, pb::Outcome::Succeeded, 3)?;
     let dmesg = guest.check("dmesg").await?;
     ensure!(
         dmesg.matches("kmm_hello: loaded").count() == 1,
@@ -199,42 +252,46 @@ async fn first_boot(guest: &mut Machine, image: &str) -> Result<()> {
     );
 
     // Loaded again, so that the reboot finds it recorded in the agent's state.
-    write_desired(guest, &snapshot(3, image, false)).await?;
-    let event = wait_event(guest, 2).await?;
-    expect_success(&event, "load")?;
+    let (event, _) = load(&mut session, 4, image).await?;
+    expect_event(&event, pb::Action::Load, pb::Outcome::Succeeded, 4)?;
     ensure!(
         module_present(guest, MODULE).await?,
         "{MODULE} not reloaded"
     );
-    Ok(())
+    Ok(boot_id)
 }
 
-/// The state on disk comes from another boot: the agent loads again.
-async fn after_reboot(guest: &mut Machine, image: &str) -> Result<()> {
+/// The state on disk comes from another boot: the hello lists nothing and the agent
+/// loads again.
+async fn after_reboot(
+    guest: &mut Machine,
+    peer: &mut AgentPeer,
+    address: &str,
+    image: &str,
+    previous_boot_id: &str,
+) -> Result<()> {
     ensure!(
         !module_present(guest, MODULE).await?,
         "{MODULE} loaded before the agent ran"
     );
-    write_desired(guest, &snapshot(3, image, false)).await?;
-    let pid = start_agent(guest).await?;
-    let asked = Instant::now();
-    let hello = wait_line(guest, "hello", 1).await?;
+    let pid = start_agent(guest, address).await?;
+    let mut session = peer.session(WAIT).await?;
+    check_hello(guest, &session.hello).await?;
     ensure!(
-        hello["loaded"].as_array().is_some_and(Vec::is_empty),
-        "after a reboot the agent still reports modules of the previous boot: {hello}"
+        session.hello.boot_id != previous_boot_id,
+        "the agent reports the previous boot's ID {previous_boot_id} after a reboot"
     );
-    let event = wait_event(guest, 1).await?;
-    expect_success(&event, "load")?;
-    let log = guest.check(&format!("cat {AGENT_LOG}")).await?;
     ensure!(
-        log.contains("boot ID changed since the state was saved"),
-        "the agent did not see its saved state come from another boot:\n{log}"
+        session.hello.loaded.is_empty(),
+        "after a reboot the agent still reports modules of the previous boot: {:?}",
+        session.hello.loaded
     );
+    let (event, took) = load(&mut session, 5, image).await?;
+    expect_event(&event, pb::Action::Load, pb::Outcome::Succeeded, 5)?;
     println!(
-        "real-kernel: boot 2 time to loaded {:.2}s with the image cached (agent: pull {} ms, kernel side {} ms)",
-        asked.elapsed().as_secs_f64(),
-        event["pullMs"],
-        event["durationMs"]
+        "real-kernel: boot 2 time to loaded {:.2}s with the image cached (agent: {} ms)",
+        took.as_secs_f64(),
+        event.duration_ms
     );
     ensure!(
         module_present(guest, MODULE).await?,
@@ -248,8 +305,13 @@ async fn after_reboot(guest: &mut Machine, image: &str) -> Result<()> {
     Ok(())
 }
 
-/// The kernel refuses the unsigned module and the agent says so.
-async fn signatures_enforced(guest: &mut Machine, image: &str) -> Result<()> {
+/// The kernel refuses the unsigned module and the agent's event says so.
+async fn signatures_enforced(
+    guest: &mut Machine,
+    peer: &mut AgentPeer,
+    address: &str,
+    image: &str,
+) -> Result<()> {
     let enforced = guest
         .check("cat /sys/module/module/parameters/sig_enforce")
         .await?;
@@ -258,22 +320,23 @@ async fn signatures_enforced(guest: &mut Machine, image: &str) -> Result<()> {
         "sig_enforce is `{}`",
         enforced.trim()
     );
-    write_desired(guest, &snapshot(4, image, false)).await?;
-    start_agent(guest).await?;
-    let event = wait_event(guest, 1).await?;
+    start_agent(guest, address).await?;
+    let mut session = peer.session(WAIT).await?;
+    check_hello(guest, &session.hello).await?;
+    let (event, _) = load(&mut session, 6, image).await?;
+    expect_event(&event, pb::Action::Load, pb::Outcome::Failed, 6)?;
+    println!("real-kernel: boot 3 the agent reported: {}", event.error);
     ensure!(
-        event["action"] == "load" && event["outcome"]["result"] == "failure",
-        "an unsigned module loaded under sig_enforce: {event}"
+        event
+            .error
+            .starts_with("the kernel refused the module's signature"),
+        "the agent's error does not lead with the signature refusal: {}",
+        event.error
     );
-    let error = event["outcome"]["error"].as_str().unwrap_or_default();
-    println!("real-kernel: boot 3 the agent reported: {error}");
     ensure!(
-        error.contains("Key was rejected by service"),
-        "the kernel's refusal (EKEYREJECTED) is not in the agent's error: {error}"
-    );
-    ensure!(
-        error.to_lowercase().contains("signature"),
-        "the agent's error does not say the signature was refused: {error}"
+        event.error.contains("Key was rejected by service"),
+        "the kernel's refusal (EKEYREJECTED) is not in the agent's error: {}",
+        event.error
     );
     ensure!(
         !module_present(guest, DEPENDENCY).await?,
@@ -287,44 +350,104 @@ async fn signatures_enforced(guest: &mut Machine, image: &str) -> Result<()> {
     Ok(())
 }
 
-/// What the agent is asked: the sample image with firmware, `dummy` to remove first.
-fn snapshot(revision: u64, image: &str, unload: bool) -> Value {
-    let module = json!({
-        "key": KEY,
-        "image": image,
-        "registryTls": { "insecure": true },
-        "modprobe": {
-            "moduleName": MODULE,
-            "parameters": [PARAMETER],
-            "firmwarePath": FIRMWARE_PATH,
-        },
-        "inTreeModulesToRemove": [IN_TREE],
-    });
-    if unload {
-        json!({ "revision": revision, "modules": [], "unload": [KEY] })
-    } else {
-        json!({ "revision": revision, "modules": [module] })
+fn key() -> pb::ModuleKey {
+    pb::ModuleKey {
+        namespace: NAMESPACE.into(),
+        name: NAME.into(),
     }
 }
 
-async fn write_desired(guest: &mut Machine, snapshot: &Value) -> Result<()> {
-    // Written aside and renamed, so the agent never reads half a file.
-    guest
-        .check(&format!(
-            "cat > {DESIRED}.new <<'EOF'\n{snapshot}\nEOF\nmv {DESIRED}.new {DESIRED}"
-        ))
+/// The sample image with firmware, `dummy` to remove first; or its explicit unload.
+fn node_module(image: &str, unload: bool) -> pb::NodeModule {
+    pb::NodeModule {
+        key: Some(key()),
+        load: Some(pb::ModuleLoad {
+            image: image.into(),
+            registry_tls: Some(pb::RegistryTls {
+                insecure: true,
+                insecure_skip_tls_verify: false,
+            }),
+            modprobe: Some(pb::Modprobe {
+                module_name: MODULE.into(),
+                parameters: vec![PARAMETER.into()],
+                firmware_path: FIRMWARE_PATH.into(),
+                ..Default::default()
+            }),
+            in_tree_modules_to_remove: vec![IN_TREE.into()],
+            version: VERSION.into(),
+            pull_credential_id: String::new(),
+        }),
+        credential: None,
+        unload,
+    }
+}
+
+/// Ask for the load as `revision`; the event it produced and the time from sending to
+/// receiving it.
+async fn load(
+    session: &mut Session,
+    revision: u64,
+    image: &str,
+) -> Result<(pb::ModuleEvent, Duration)> {
+    let asked = Instant::now();
+    session
+        .send(revision, vec![node_module(image, false)])
         .await?;
+    let event = session.next_event(WAIT).await?;
+    Ok((event, asked.elapsed()))
+}
+
+fn expect_event(
+    event: &pb::ModuleEvent,
+    action: pb::Action,
+    outcome: pb::Outcome,
+    revision: u64,
+) -> Result<()> {
+    ensure!(
+        event.key.as_ref() == Some(&key())
+            && event.action() == action
+            && event.outcome() == outcome
+            && event.desired_revision == revision,
+        "expected {action:?} {outcome:?} of {NAMESPACE}/{NAME} for revision {revision}, got {event:?}"
+    );
+    if outcome == pb::Outcome::Succeeded {
+        ensure!(
+            event.version == VERSION && event.error.is_empty(),
+            "a successful event with version `{}` and error `{}`",
+            event.version,
+            event.error
+        );
+    }
     Ok(())
 }
 
-/// Start the agent in the background (its output and log start empty); its PID.
-async fn start_agent(guest: &mut Machine) -> Result<u32> {
+/// The hello names this node, the guest's kernel and boot, and an agent version.
+async fn check_hello(guest: &mut Machine, hello: &pb::AgentHello) -> Result<()> {
+    let release = guest.check("uname -r").await?;
+    let boot_id = guest.check("cat /proc/sys/kernel/random/boot_id").await?;
+    ensure!(
+        hello.node_name == NODE
+            && hello.kernel_release == release.trim()
+            && hello.kernel_release == KERNEL
+            && hello.boot_id == boot_id.trim()
+            && !hello.agent_version.is_empty(),
+        "the hello does not describe node {NODE}, kernel {} and boot {}: {hello:?}",
+        release.trim(),
+        boot_id.trim()
+    );
+    Ok(())
+}
+
+/// Start the agent in the background, attached to the test peer (its log starts
+/// empty); its PID.
+async fn start_agent(guest: &mut Machine, address: &str) -> Result<u32> {
     let pid = guest
         .check(&format!(
-            "setsid {AGENT} run --node-name guest --kernel-backend host \
+            "setsid {AGENT} run --node-name {NODE} --kernel-backend host \
+             --proxy-address {address} --proxy-ca-file {CA_FILE} --token-file {TOKEN_FILE} \
              --state-dir /persist/state --cache-dir /persist/cache \
-             --firmware-dir {FIRMWARE_DIR} --desired-file {DESIRED} --desired-poll-ms 100 \
-             --retry-seconds 1 >{EVENTS} 2>{AGENT_LOG} </dev/null & echo $!"
+             --firmware-dir {FIRMWARE_DIR} --retry-seconds 1 \
+             >/dev/null 2>{AGENT_LOG} </dev/null & echo $!"
         ))
         .await?;
     pid.trim()
@@ -332,26 +455,14 @@ async fn start_agent(guest: &mut Machine) -> Result<u32> {
         .with_context(|| format!("agent PID `{pid}`"))
 }
 
-/// The `n`th event (1-based) the running agent printed.
-async fn wait_event(guest: &mut Machine, n: usize) -> Result<Value> {
-    wait_line(guest, "event", n).await
-}
-
-/// The `n`th line `{"<kind>": ...}` (1-based) the running agent printed, waiting for
-/// it in the guest.
-async fn wait_line(guest: &mut Machine, kind: &str, n: usize) -> Result<Value> {
-    let pattern = format!("^{{\"{kind}\"");
+async fn stop_agent(guest: &mut Machine, pid: u32) -> Result<()> {
+    guest.check(&format!("kill {pid}")).await?;
     await_in_guest(
         guest,
-        &format!("{kind} {n} from the agent"),
-        &format!("[ \"$(grep -c '{pattern}' {EVENTS})\" -ge {n} ]"),
+        "the agent to exit",
+        &format!("! kill -0 {pid} 2>/dev/null"),
     )
-    .await?;
-    let lines = guest.check(&format!("grep '{pattern}' {EVENTS}")).await?;
-    let line = lines.lines().nth(n - 1).context("agent output line")?;
-    let parsed: Value =
-        serde_json::from_str(line).with_context(|| format!("agent line `{line}`"))?;
-    Ok(parsed[kind].clone())
+    .await
 }
 
 /// Wait in the guest (polling every 50 ms) until the shell `condition` holds.
@@ -373,12 +484,15 @@ async fn await_in_guest(guest: &mut Machine, what: &str, condition: &str) -> Res
     Ok(())
 }
 
-fn expect_success(event: &Value, action: &str) -> Result<()> {
-    ensure!(
-        event["action"] == action && event["outcome"]["result"] == "success",
-        "expected a successful {action}, got {event}"
-    );
-    Ok(())
+/// The sum of a metric's samples (all label sets) in Prometheus text.
+fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+        })
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
 }
 
 async fn module_present(guest: &mut Machine, module: &str) -> Result<bool> {
@@ -418,18 +532,29 @@ fn report_boot(which: &str, guest: &Machine) {
     );
 }
 
-/// Power the guest off; on failure, add the agent's log and the console.
-async fn finish(mut guest: Machine, result: Result<()>) -> Result<()> {
-    if let Err(e) = result {
-        let log = guest
-            .run(&format!("cat {AGENT_LOG}"), Duration::from_secs(10))
-            .await
-            .map(|o| o.output)
-            .unwrap_or_default();
-        let console = guest.console_tail(40);
-        guest.poweroff().await.ok();
-        bail!("{e:#}\nagent log:\n{log}\nconsole:\n{console}");
+/// Power the guest off. On failure, keep the agent's log as `<work>/<boot>.agent.log`
+/// beside the console log, and name them.
+async fn finish<T>(mut guest: Machine, result: Result<T>, work: &Path, boot: &str) -> Result<T> {
+    match result {
+        Ok(value) => {
+            guest.poweroff().await?;
+            Ok(value)
+        }
+        Err(e) => {
+            let log = guest
+                .run(&format!("cat {AGENT_LOG}"), Duration::from_secs(10))
+                .await
+                .map(|o| o.output)
+                .unwrap_or_default();
+            let kept: PathBuf = work.join(format!("{boot}.agent.log"));
+            std::fs::write(&kept, &log).ok();
+            let console = guest.console_tail(40);
+            guest.poweroff().await.ok();
+            bail!(
+                "{e:#}\nagent log ({}):\n{log}\nconsole ({}):\n{console}",
+                kept.display(),
+                work.join(format!("{boot}.console.log")).display()
+            );
+        }
     }
-    guest.poweroff().await?;
-    Ok(())
 }

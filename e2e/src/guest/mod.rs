@@ -6,8 +6,10 @@
 //! * [`Rig::prepare`] checks the host packages, fetches the kernel, builds the agent
 //!   and the initramfs, and formats the disk.
 //! * [`Rig::boot`] starts one boot; [`machine::Machine::run`] runs commands in it.
+//! * [`agent_peer::AgentPeer`] is the proxy endpoint the agent in the guest attaches to.
 
 pub mod agent_binary;
+pub mod agent_peer;
 pub mod channel;
 mod cpio;
 pub mod firmware_image;
