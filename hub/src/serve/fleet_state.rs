@@ -119,7 +119,7 @@ impl FleetState {
         self.recompute_all();
     }
 
-    pub fn is_synced(&self) -> bool {
+    fn is_synced(&self) -> bool {
         self.synced.load(Ordering::SeqCst)
     }
 
@@ -172,10 +172,6 @@ impl FleetState {
             drop(inner);
             self.changed();
         }
-    }
-
-    pub fn is_current(&self, cluster: &str, id: SessionId) -> bool {
-        self.lock().sessions.is_current(cluster, id)
     }
 
     /// A kernel inventory arrived on stream `id`; late duplicates are ignored.
