@@ -419,8 +419,13 @@ async fn labels_on_proof_hub_loss_changes_nothing_unload_removes_labels() -> Res
     })
     .await?;
 
-    drop(agent);
+    // SIGTERM with the agent still attached: the proxy ends the stream and exits 0.
     proxy.stop().await?;
+    let ended = agent
+        .next_desired()
+        .await
+        .expect_err("the stream must end when the proxy stops");
+    ensure!(format!("{ended:#}").contains("shutting down"), "{ended:#}");
     spoke.cleanup().await
 }
 
