@@ -149,21 +149,19 @@ async fn first_boot(
         holders.split_whitespace().any(|h| h == MODULE),
         "the kernel does not record {MODULE} as using {DEPENDENCY}: holders `{holders}`"
     );
+    let value = expect_parameter(guest, "after the load").await?;
     let dmesg = guest.check("dmesg").await?;
     let loaded_at = dmesg
         .find("kmm_hello: loaded")
         .context("no `kmm_hello: loaded` in dmesg")?;
     let greeted_at = dmesg
-        .find("kmm_hello: hello, kmm_hello_dep")
-        .context("kmm_hello_dep never called into kmm_hello")?;
+        .find(&format!("kmm_hello: hello, {value}"))
+        .with_context(|| {
+            format!("{MODULE} never called into kmm_hello with {PARAMETER}:\n{dmesg}")
+        })?;
     ensure!(
         loaded_at < greeted_at,
         "kmm_hello initialised after kmm_hello_dep used it"
-    );
-    let (name, _) = PARAMETER.split_once('=').context("parameter")?;
-    ensure!(
-        dmesg.contains(&format!("{MODULE}: unknown parameter '{name}' ignored")),
-        "the kernel never saw the parameter {PARAMETER} for {MODULE}:\n{dmesg}"
     );
     let search_path = guest
         .check("cat /sys/module/firmware_class/parameters/path")
@@ -301,6 +299,7 @@ async fn after_reboot(
         module_present(guest, DEPENDENCY).await?,
         "{DEPENDENCY} not loaded after the reboot"
     );
+    expect_parameter(guest, "after the reboot").await?;
     report_rss(guest, pid, "boot 2 after the load").await?;
     Ok(())
 }
@@ -493,6 +492,20 @@ fn metric_sum(text: &str, name: &str) -> f64 {
         })
         .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
         .sum()
+}
+
+/// The kernel holds the parameter value that was sent; that value.
+async fn expect_parameter(guest: &mut Machine, when: &str) -> Result<&'static str> {
+    let (name, value) = PARAMETER.split_once('=').context("parameter")?;
+    let held = guest
+        .check(&format!("cat /sys/module/{MODULE}/parameters/{name}"))
+        .await?;
+    ensure!(
+        held.trim() == value,
+        "{when}, {MODULE}'s parameter {name} is `{}` in the kernel, not the `{value}` sent",
+        held.trim()
+    );
+    Ok(value)
 }
 
 async fn module_present(guest: &mut Machine, module: &str) -> Result<bool> {
