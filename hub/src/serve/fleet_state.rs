@@ -123,6 +123,22 @@ impl FleetState {
         self.synced.load(Ordering::SeqCst)
     }
 
+    /// Whether `cluster` is a ManagedCluster the hub accepts (`spec.hubAcceptsClient`);
+    /// `None` until the watches have listed. A certificate of the hub's CA outlives the
+    /// cluster it was issued to: a removed or refused cluster gets no stream.
+    pub fn accepts_cluster(&self, cluster: &str) -> Option<bool> {
+        if !self.is_synced() {
+            return None;
+        }
+        let reference = ObjectRef::new_with(cluster, self.cluster_resource.clone());
+        Some(
+            self.stores
+                .clusters
+                .get(&reference)
+                .is_some_and(|mc| mc.data["spec"]["hubAcceptsClient"] == true),
+        )
+    }
+
     /// A proxy said hello on a new stream: it becomes the cluster's stream, replacing any
     /// older one, which ends with a status saying why.
     pub fn open_session(

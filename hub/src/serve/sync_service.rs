@@ -110,6 +110,21 @@ async fn serve_stream(
             );
         }
     };
+    let mut changes = state.changes();
+    let accepted = loop {
+        if let Some(accepted) = state.accepts_cluster(cluster) {
+            break accepted;
+        }
+        if changes.changed().await.is_err() {
+            return;
+        }
+    };
+    if !accepted {
+        return refuse(
+            Code::PermissionDenied,
+            format!("cluster {cluster} is not a ManagedCluster this hub accepts"),
+        );
+    }
     let mut ended = outbound.subscribe();
     let id = state.open_session(cluster, hello.applied_intent_revision, outbound);
     tracing::info!(

@@ -234,6 +234,20 @@ async fn identity_comes_from_the_certificate() {
             .contains("system:serviceaccount:default:someone"),
         "{status:?}"
     );
+
+    // An add-on agent's subject, but for a cluster the hub does not manage (removed
+    // from the fleet while its certificate is still valid).
+    let removed = hub.proxy_certificate("no-such-cluster").await;
+    let status = match Proxy::open(hub.channel(&removed).await.unwrap()).await {
+        Ok(mut proxy) => proxy
+            .inbound
+            .message()
+            .await
+            .expect_err("the stream is refused"),
+        Err(status) => status,
+    };
+    assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+    assert!(status.message().contains("no-such-cluster"), "{status:?}");
     hub.clean_up(namespace, &["hello-b"], &["spoke1"]).await;
 }
 
