@@ -37,6 +37,8 @@ pub const AGENT_SERVICE_ACCOUNT: &str = "kmm-node-agent";
 /// Audience of the agents' tokens; the proxy accepts no other.
 pub const TOKEN_AUDIENCE: &str = "kmm-spoke-proxy";
 const HUB_CA_SECRET: &str = "kmm-hub-ca";
+/// Modules carrying this label belong to a hub started by a test, not the fleet's.
+pub const TEST_HUB_LABEL: &str = "test.kmm.sigs.x-k8s.io/hub";
 const AGENT_CA_CONFIG_MAP: &str = "kmm-agent-ca";
 /// The agent name in the proxy's certificate subject (OCM's `<addon>-agent` default).
 const PROXY_AGENT_NAME: &str = "kmm-agent";
@@ -131,14 +133,31 @@ impl Binaries {
             agent: find("kmm-node-agent")?,
         })
     }
+
+    /// Copies the binaries into the fleet's own directory, so that rebuilding the
+    /// workspace never changes (or, for the liveness check, kills) a running fleet.
+    fn copy_to(self, dir: &Path) -> Result<Self> {
+        std::fs::create_dir_all(dir).context(|| format!("creating {}", dir.display()))?;
+        let copy = |from: &Path| {
+            let to = dir.join(from.file_name().unwrap_or_default());
+            std::fs::copy(from, &to)
+                .context(|| format!("copying {} to {}", from.display(), to.display()))?;
+            Ok::<_, Error>(to)
+        };
+        Ok(Self {
+            hub: copy(&self.hub)?,
+            proxy: copy(&self.proxy)?,
+            agent: copy(&self.agent)?,
+        })
+    }
 }
 
 impl Starting {
     /// Starts the hub, then each spoke's proxy and agents, each waited on until ready.
     pub(super) async fn kmm(&mut self, hub: &ControlPlane, spokes: &[ControlPlane]) -> Result<()> {
-        let binaries = Binaries::locate()?;
         let kmm_dir = self.dir.join("kmm");
         std::fs::create_dir_all(&kmm_dir).context(|| format!("creating {}", kmm_dir.display()))?;
+        let binaries = Binaries::locate()?.copy_to(&kmm_dir.join("bin"))?;
 
         apply_crd_of_modules(&hub.client).await?;
         ensure_namespaces(&hub.client, &[HUB_NAMESPACE]).await?;
@@ -152,6 +171,9 @@ impl Starting {
                 format!("--namespace={HUB_NAMESPACE}"),
                 format!("--grpc-addr={hub_grpc}"),
                 format!("--metrics-addr=127.0.0.1:{hub_metrics_port}"),
+                // The hub's own integration tests run further hubs against this hub
+                // cluster, each for the modules labelled for it.
+                format!("--module-selector=!{TEST_HUB_LABEL}"),
             ],
             &[("KUBECONFIG", hub.kubeconfig.display().to_string())],
         )?;

@@ -208,19 +208,19 @@ pub async fn status(hub: &Client, name: &str) -> Result<Value> {
 pub async fn unloads(kmm: &Kmm) -> Result<u64> {
     let mut total = 0;
     for agent in &kmm.agents {
-        total += agent_counter(agent, "unload").await?;
+        total += unload_attempts(agent).await?;
     }
     Ok(total)
 }
 
-pub async fn agent_counter(agent: &Agent, action: &str) -> Result<u64> {
+/// Unload attempts of one agent, whatever their outcome (`kmm_agent_unloads_total`).
+pub async fn unload_attempts(agent: &Agent) -> Result<u64> {
     let text = fleet_kmm::metrics(agent.metrics_port)
         .await
         .with_context(|| format!("/metrics of the agent of {}", agent.node))?;
     Ok(text
         .lines()
-        .filter(|l| l.starts_with("kmm_node_agent_module_events_total{"))
-        .filter(|l| l.contains(&format!("action=\"{action}\"")))
+        .filter(|l| l.starts_with("kmm_agent_unloads_total{"))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
         .sum())
 }
