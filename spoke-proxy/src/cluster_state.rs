@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use kmm_proto::v1::{
     AgentHello, DesiredModules, IntentSnapshot, KernelInventory, ModuleEvent, ModuleLoad,
-    ModuleNodeStatus, NodeModule,
+    NodeModule,
 };
 use serde_json::Value;
 
@@ -16,7 +16,7 @@ use crate::inventory::{Inventory, kernels};
 use crate::labels::{label_intent, merge_patch};
 use crate::module_id::ModuleId;
 use crate::node_facts::NodeFacts;
-use crate::node_status::{StatusKey, assess, to_status};
+use crate::node_status::{NodeStatuses, StatusKey, assess, to_status};
 use crate::placement::{Placement, place};
 
 /// One node's current work.
@@ -41,6 +41,10 @@ pub struct ClusterState {
     /// Deselecting such a node unloads explicitly; other nodes are left alone.
     may_have: BTreeSet<StatusKey>,
     work: BTreeMap<String, NodeWork>,
+    /// Nodes whose status or labels may have changed since the hub link, respectively
+    /// the label patcher, last looked.
+    status_dirty: BTreeSet<String>,
+    label_dirty: BTreeSet<String>,
     next_revision: u64,
     inventory: Inventory,
 }
@@ -76,6 +80,8 @@ impl ClusterState {
             agents: BTreeMap::new(),
             may_have: BTreeSet::new(),
             work: BTreeMap::new(),
+            status_dirty: BTreeSet::new(),
+            label_dirty: BTreeSet::new(),
             next_revision: revision_base,
             inventory: Inventory::new(revision_base),
         }
@@ -119,6 +125,7 @@ impl ClusterState {
         }
         self.work.remove(name);
         self.agents.remove(name);
+        self.touch(name);
         self.may_have.retain(|(_, node)| node != name);
         self.inventory.update(kernels(self.nodes.values()));
         true
@@ -178,20 +185,53 @@ impl ClusterState {
             .unwrap_or_default()
     }
 
-    /// Every (module, node) status the hub must know.
-    pub fn statuses(&self) -> BTreeMap<StatusKey, ModuleNodeStatus> {
-        let mut out = BTreeMap::new();
-        for (node, work) in &self.work {
-            let kernel = self.nodes.get(node).map_or("", |n| n.kernel.as_str());
-            for (id, placement) in &work.placements {
+    /// The statuses of each of `nodes` (an empty map for a node without any).
+    pub fn statuses_of<'a>(
+        &self,
+        nodes: impl IntoIterator<Item = &'a String>,
+    ) -> BTreeMap<String, NodeStatuses> {
+        nodes
+            .into_iter()
+            .map(|node| (node.clone(), self.node_statuses(node)))
+            .collect()
+    }
+
+    /// Every node's statuses.
+    pub fn all_statuses(&self) -> BTreeMap<String, NodeStatuses> {
+        self.statuses_of(self.nodes.keys())
+    }
+
+    fn node_statuses(&self, node: &str) -> NodeStatuses {
+        let Some(work) = self.work.get(node) else {
+            return NodeStatuses::new();
+        };
+        let kernel = self.nodes.get(node).map_or("", |n| n.kernel.as_str());
+        work.placements
+            .iter()
+            .filter_map(|(id, placement)| {
                 let since = work.since.get(id).copied().unwrap_or(work.revision);
-                if let Some(a) = assess(placement, self.agents.get(node), id, kernel, since) {
-                    let key = (id.clone(), node.clone());
-                    out.insert(key.clone(), to_status(&key, kernel, a));
-                }
-            }
-        }
-        out
+                let a = assess(placement, self.agents.get(node), id, kernel, since)?;
+                Some((
+                    id.clone(),
+                    to_status(&(id.clone(), node.to_owned()), kernel, a),
+                ))
+            })
+            .collect()
+    }
+
+    /// Nodes whose statuses may have changed since the last call.
+    pub fn take_status_dirty(&mut self) -> BTreeSet<String> {
+        std::mem::take(&mut self.status_dirty)
+    }
+
+    /// Nodes whose labels may need a patch since the last call.
+    pub fn take_label_dirty(&mut self) -> BTreeSet<String> {
+        std::mem::take(&mut self.label_dirty)
+    }
+
+    fn touch(&mut self, node: &str) {
+        self.status_dirty.insert(node.to_owned());
+        self.label_dirty.insert(node.to_owned());
     }
 
     /// The label patch the node needs, if any.
@@ -222,6 +262,15 @@ impl ClusterState {
     /// Recomputes every node: after a new snapshot or a full list of Nodes.
     fn refresh(&mut self) {
         self.inventory.update(kernels(self.nodes.values()));
+        let gone: Vec<String> = self
+            .work
+            .keys()
+            .filter(|node| !self.nodes.contains_key(*node))
+            .cloned()
+            .collect();
+        for node in gone {
+            self.touch(&node);
+        }
         let Some(snapshot) = &self.intents else {
             return;
         };
@@ -243,6 +292,7 @@ impl ClusterState {
     /// Recomputes one node's work: what changes with one Node or one agent touches no
     /// other node, which keeps a change O(modules) rather than O(nodes x modules).
     fn place_node(&mut self, name: &str) {
+        self.touch(name);
         let (Some(snapshot), Some(facts)) = (&self.intents, self.nodes.get(name)) else {
             return;
         };
@@ -304,8 +354,8 @@ impl ClusterState {
 mod tests {
     use super::*;
     use kmm_proto::v1::{
-        Action, KernelTarget, LoadedModule, ModuleIntent, ModuleKey, ModuleState, Outcome,
-        PullCredential, Unresolved, kernel_target::Target, pull_credential::Content,
+        Action, KernelTarget, LoadedModule, ModuleIntent, ModuleKey, ModuleNodeStatus, ModuleState,
+        Outcome, PullCredential, Unresolved, kernel_target::Target, pull_credential::Content,
     };
 
     const NODES: [&str; 2] = ["a", "b"];
@@ -420,8 +470,19 @@ mod tests {
         }
     }
 
+    fn statuses(s: &ClusterState) -> BTreeMap<StatusKey, ModuleNodeStatus> {
+        s.all_statuses()
+            .into_iter()
+            .flat_map(|(node, statuses)| {
+                statuses
+                    .into_iter()
+                    .map(move |(id, status)| ((id, node.clone()), status))
+            })
+            .collect()
+    }
+
     fn state_of(s: &ClusterState, name: &str, node: &str) -> Option<ModuleState> {
-        s.statuses()
+        statuses(s)
             .get(&(id(name), node.to_string()))
             .map(|st| ModuleState::try_from(st.state).unwrap())
     }
@@ -438,7 +499,7 @@ mod tests {
         let s = cluster();
         assert!(s.nodes_listed());
         assert_eq!(s.desired_modules("a"), DesiredModules::default());
-        assert!(s.statuses().is_empty());
+        assert!(statuses(&s).is_empty());
         assert_eq!(s.inventory().kernels.len(), 1);
         assert_eq!(s.inventory().kernels[0].node_count, 2);
         assert_eq!(s.inventory().revision, 1001);
@@ -569,7 +630,7 @@ mod tests {
         s.upsert_node(node("a", "5.14", "worker"));
         s.set_intents(snapshot(1, vec![intent("m", "v1")]));
         assert!(s.desired_modules("a").modules.is_empty());
-        let st = &s.statuses()[&(id("m"), "a".to_string())];
+        let st = &statuses(&s)[&(id("m"), "a".to_string())];
         assert_eq!(st.state, ModuleState::Failed as i32);
         assert_eq!(st.reason, "NoKernelMapping");
         assert_eq!(st.kernel, "5.14");
@@ -583,7 +644,7 @@ mod tests {
         s.set_intents(snapshot(1, vec![intent("m", "v1")]));
         let rev = s.desired_modules("a").revision;
         s.agent_event("a", &event("m", Action::Load, Outcome::Failed, rev));
-        let st = &s.statuses()[&(id("m"), "a".to_string())];
+        let st = &statuses(&s)[&(id("m"), "a".to_string())];
         assert_eq!(st.state, ModuleState::Failed as i32);
         assert_eq!(st.reason, "LoadFailed");
         assert_eq!(st.message, "insmod: ERROR");
@@ -658,6 +719,32 @@ mod tests {
     }
 
     #[test]
+    fn changes_mark_only_the_nodes_they_touch() {
+        let mut s = cluster();
+        s.set_intents(snapshot(1, vec![intent("m", "v1")]));
+        assert_eq!(
+            s.take_status_dirty(),
+            ["a".to_string(), "b".to_string()].into()
+        );
+        assert_eq!(s.take_label_dirty().len(), 2);
+        assert!(s.take_status_dirty().is_empty());
+        let rev = s.desired_revision("a");
+        s.agent_event("a", &event("m", Action::Load, Outcome::Succeeded, rev));
+        assert_eq!(s.take_status_dirty(), ["a".to_string()].into());
+        s.upsert_node(node("b", "6.2", "infra"));
+        assert_eq!(
+            s.take_label_dirty(),
+            ["a".to_string(), "b".to_string()].into()
+        );
+        s.remove_node("b");
+        assert_eq!(s.take_status_dirty(), ["b".to_string()].into());
+        assert_eq!(s.statuses_of(&["b".to_string()])["b"].len(), 0);
+        s.replace_nodes(vec![node("c", "6.1", "worker")]);
+        let dirty = s.take_status_dirty();
+        assert!(dirty.contains("a") && dirty.contains("c"), "{dirty:?}");
+    }
+
+    #[test]
     fn revision_is_stable_without_change_and_node_removal_drops_entries() {
         let mut s = cluster();
         s.set_intents(snapshot(1, vec![intent("m", "v1")]));
@@ -674,7 +761,7 @@ mod tests {
         assert!(!s.remove_node("a"));
         assert_eq!(s.node_count(), 1);
         assert_eq!(s.desired_modules("a"), DesiredModules::default());
-        assert!(s.statuses().is_empty());
+        assert!(statuses(&s).is_empty());
         assert_eq!(s.inventory().kernels[0].node_count, 1);
     }
 }

@@ -166,14 +166,15 @@ async fn session(
     let (tx, rx) = mpsc::channel::<ProxyMessage>(64);
     let mut reporter = StatusReporter::default();
     changes.borrow_and_update();
-    let (hello, inventory, statuses) = state.read(|s| {
+    let (hello, inventory, statuses) = state.update_quietly(|s| {
+        s.take_status_dirty();
         (
             ProxyHello {
                 proxy_version: env!("CARGO_PKG_VERSION").to_owned(),
                 applied_intent_revision: s.applied_intent_revision(),
             },
             s.inventory(),
-            s.statuses(),
+            s.all_statuses(),
         )
     });
     let mut inventory_revision = inventory.revision;
@@ -222,7 +223,10 @@ async fn session(
                 Err(status) => return Err(SessionError::Broken(status)),
             },
             _ = changes.changed() => {
-                let (inventory, statuses) = state.read(|s| (s.inventory(), s.statuses()));
+                let (inventory, statuses) = state.update_quietly(|s| {
+                    let dirty = s.take_status_dirty();
+                    (s.inventory(), s.statuses_of(&dirty))
+                });
                 if inventory.revision != inventory_revision {
                     inventory_revision = inventory.revision;
                     send(&tx, proxy_message::Message::Inventory(inventory)).await?;

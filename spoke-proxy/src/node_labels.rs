@@ -22,7 +22,8 @@ pub async fn run(client: Client, state: SharedState, metrics: Metrics, cancel: C
     let mut changes = state.subscribe();
     let mut resync = tokio::time::interval(RESYNC);
     // What was last sent per node: the watch may not have delivered its effect yet, and
-    // sending the same patch again before it does would only add load.
+    // sending the same patch again before it does would only add load. Cleared on every
+    // resync, which also retries failed patches.
     let mut in_flight: BTreeMap<String, Value> = BTreeMap::new();
     loop {
         let resyncing = tokio::select! {
@@ -33,14 +34,26 @@ pub async fn run(client: Client, state: SharedState, metrics: Metrics, cancel: C
         if resyncing {
             in_flight.clear();
         }
-        let patches: Vec<(String, Value)> = state.read(|s| {
-            s.node_names()
+        let patches: Vec<(String, Option<Value>)> = state.update_quietly(|s| {
+            let dirty = s.take_label_dirty();
+            let nodes = if resyncing {
+                s.node_names()
+            } else {
+                dirty.into_iter().collect()
+            };
+            nodes
                 .into_iter()
-                .filter_map(|node| s.label_patch(&node).map(|p| (node, p)))
+                .map(|node| {
+                    let patch = s.label_patch(&node);
+                    (node, patch)
+                })
                 .collect()
         });
-        in_flight.retain(|node, _| patches.iter().any(|(n, _)| n == node));
         for (node, patch) in patches {
+            let Some(patch) = patch else {
+                in_flight.remove(&node);
+                continue;
+            };
             if in_flight.get(&node) == Some(&patch) {
                 continue;
             }

@@ -147,41 +147,54 @@ fn wire_key((module, node): &StatusKey) -> ModuleNodeKey {
     }
 }
 
-/// What the hub was last told, so later reports carry only changes.
+/// One node's statuses, by module.
+pub type NodeStatuses = BTreeMap<ModuleId, ModuleNodeStatus>;
+
+/// What the hub was last told, per node, so later reports carry only changes.
 #[derive(Clone, Debug, Default)]
 pub struct StatusReporter {
-    sent: BTreeMap<StatusKey, ModuleNodeStatus>,
+    sent: BTreeMap<String, NodeStatuses>,
 }
 
 impl StatusReporter {
     /// The complete state, for the first report of a stream.
-    pub fn full(&mut self, current: BTreeMap<StatusKey, ModuleNodeStatus>) -> NodeStatusReport {
-        let statuses = current.values().cloned().collect();
+    pub fn full(&mut self, current: BTreeMap<String, NodeStatuses>) -> NodeStatusReport {
         self.sent = current;
+        self.sent.retain(|_, statuses| !statuses.is_empty());
         NodeStatusReport {
             full: true,
-            statuses,
+            statuses: self
+                .sent
+                .values()
+                .flat_map(|statuses| statuses.values().cloned())
+                .collect(),
             removed: Vec::new(),
         }
     }
 
-    /// Changed and removed entries since the last report; `None` when nothing changed.
-    pub fn delta(
-        &mut self,
-        current: BTreeMap<StatusKey, ModuleNodeStatus>,
-    ) -> Option<NodeStatusReport> {
-        let statuses: Vec<_> = current
-            .iter()
-            .filter(|(key, status)| self.sent.get(*key) != Some(*status))
-            .map(|(_, status)| status.clone())
-            .collect();
-        let removed: Vec<_> = self
-            .sent
-            .keys()
-            .filter(|key| !current.contains_key(*key))
-            .map(wire_key)
-            .collect();
-        self.sent = current;
+    /// Changed and removed entries of the nodes in `current` (the nodes that may have
+    /// changed; an empty map means the node has no status left). Other nodes are as
+    /// last sent. `None` when nothing changed.
+    pub fn delta(&mut self, current: BTreeMap<String, NodeStatuses>) -> Option<NodeStatusReport> {
+        let mut statuses = Vec::new();
+        let mut removed = Vec::new();
+        for (node, now) in current {
+            let before = self.sent.remove(&node).unwrap_or_default();
+            statuses.extend(
+                now.iter()
+                    .filter(|(id, status)| before.get(*id) != Some(*status))
+                    .map(|(_, status)| status.clone()),
+            );
+            removed.extend(
+                before
+                    .keys()
+                    .filter(|id| !now.contains_key(*id))
+                    .map(|id| wire_key(&(id.clone(), node.clone()))),
+            );
+            if !now.is_empty() {
+                self.sent.insert(node, now);
+            }
+        }
         (!statuses.is_empty() || !removed.is_empty()).then_some(NodeStatusReport {
             full: false,
             statuses,
@@ -358,18 +371,25 @@ mod tests {
         assert!(!digest_matches("reg/m@sha256:x", "sha256:y"));
     }
 
-    fn entry(node: &str, state: ModuleState) -> (StatusKey, ModuleNodeStatus) {
-        let key = (id(), node.to_string());
-        let status = to_status(&key, "6.1", Assessment::new(state, "", String::new()));
-        (key, status)
+    fn node(name: &str, state: Option<ModuleState>) -> (String, NodeStatuses) {
+        let statuses = state
+            .map(|state| {
+                let key = (id(), name.to_string());
+                let status = to_status(&key, "6.1", Assessment::new(state, "", String::new()));
+                (id(), status)
+            })
+            .into_iter()
+            .collect();
+        (name.to_string(), statuses)
     }
 
     #[test]
     fn reporter_sends_full_then_only_changes_and_removals() {
         let mut reporter = StatusReporter::default();
         let first: BTreeMap<_, _> = [
-            entry("a", ModuleState::Pending),
-            entry("b", ModuleState::Pending),
+            node("a", Some(ModuleState::Pending)),
+            node("b", Some(ModuleState::Pending)),
+            node("c", None),
         ]
         .into();
         let full = reporter.full(first.clone());
@@ -377,16 +397,24 @@ mod tests {
         assert_eq!(full.statuses.len(), 2);
         assert_eq!(reporter.delta(first), None);
 
-        let second: BTreeMap<_, _> = [entry("a", ModuleState::Loaded)].into();
-        let delta = reporter.delta(second.clone()).unwrap();
+        // Only a changed: b is not mentioned, so it stays as sent.
+        let only_a: BTreeMap<_, _> = [node("a", Some(ModuleState::Loaded))].into();
+        let delta = reporter.delta(only_a).unwrap();
         assert!(!delta.full);
         assert_eq!(delta.statuses.len(), 1);
         assert_eq!(delta.statuses[0].state, ModuleState::Loaded as i32);
+        assert!(delta.removed.is_empty());
+
+        // b has nothing left: its entry is removed.
+        let b_gone: BTreeMap<_, _> = [node("b", None)].into();
+        let delta = reporter.delta(b_gone.clone()).unwrap();
+        assert!(delta.statuses.is_empty());
         assert_eq!(delta.removed.len(), 1);
         assert_eq!(delta.removed[0].node, "b");
+        assert_eq!(reporter.delta(b_gone), None);
 
         // After a reconnect the full report replaces everything again.
-        let again = reporter.full(second);
+        let again = reporter.full([node("a", Some(ModuleState::Loaded))].into());
         assert!(again.full);
         assert_eq!(again.statuses.len(), 1);
     }

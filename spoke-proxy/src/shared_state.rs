@@ -43,6 +43,12 @@ impl SharedState {
         }
     }
 
+    /// Changes bookkeeping that nobody waits for (taking dirty-node sets), without
+    /// waking anyone.
+    pub fn update_quietly<R>(&self, f: impl FnOnce(&mut ClusterState) -> R) -> R {
+        f(&mut self.lock())
+    }
+
     pub fn read<R>(&self, f: impl FnOnce(&ClusterState) -> R) -> R {
         f(&self.lock())
     }
