@@ -76,17 +76,76 @@ pub fn registry_config(dir: &Path, port: u16) -> Result<PathBuf> {
 
 /// Build (or reuse) the modules for every kernel and push one image per kernel.
 pub async fn push_samples(registry: &str, kernels: &[String]) -> Result<Vec<SampleImage>> {
+    let mut images = vec![];
+    for kernel in kernels {
+        images.push(push(registry, REPOSITORY, kernel, &[]).await?);
+    }
+    Ok(images)
+}
+
+/// A file an image carries besides the modules (firmware, ...).
+#[derive(Debug, Clone)]
+pub struct ImageFile {
+    /// Path inside the image, relative to its root (`firmware/x.fw`).
+    pub path: String,
+    pub contents: Vec<u8>,
+}
+
+/// Push `<registry>/<repository>:<kernel>` (plain HTTP): one layer with the sample
+/// modules built for `kernel` ([`build`]) under `opt/` and `extra` files.
+pub async fn push(
+    registry: &str,
+    repository: &str,
+    kernel: &str,
+    extra: &[ImageFile],
+) -> Result<SampleImage> {
+    let root = build(kernel)?;
+    let layer = layer(&root, extra)?;
+    let image = format!("{registry}/{repository}:{kernel}");
+    let reference: Reference = image
+        .parse()
+        .map_err(|e| Error::Invalid(format!("image reference {image}: {e}")))?;
+    let config = json!({
+        "architecture": "amd64",
+        "os": "linux",
+        "config": { "Labels": { "kmm-fleet.dev/kernel": kernel } },
+        "rootfs": { "type": "layers", "diff_ids": [layer.diff_id] },
+    });
+    let config = Config::new(
+        serde_json::to_vec(&config).map_err(|e| Error::Invalid(e.to_string()))?,
+        IMAGE_CONFIG_MEDIA_TYPE.to_string(),
+        None,
+    );
+    let layers = vec![ImageLayer::new(
+        layer.gzip,
+        IMAGE_LAYER_GZIP_MEDIA_TYPE.to_string(),
+        None,
+    )];
+    let manifest = OciImageManifest::build(&layers, &config, None);
     let client = Client::new(ClientConfig {
         protocol: ClientProtocol::Http,
         ..Default::default()
     });
-    let mut images = vec![];
-    for kernel in kernels {
-        let root = build(kernel)?;
-        let layer = layer(&root)?;
-        images.push(push(&client, registry, kernel, layer).await?);
-    }
-    Ok(images)
+    let response = client
+        .push(
+            &reference,
+            &layers,
+            config,
+            &RegistryAuth::Anonymous,
+            Some(manifest),
+        )
+        .await?;
+    let digest = response
+        .manifest_url
+        .rsplit('/')
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    Ok(SampleImage {
+        kernel: kernel.to_string(),
+        image,
+        digest,
+    })
 }
 
 /// Build the modules for `kernel` into `<cache>/kmod/<source hash>/<kernel>/root`,
@@ -159,18 +218,26 @@ fn run(cmd: &mut Command) -> Result<()> {
     Ok(())
 }
 
-/// The image's single layer: `opt/` of `root` as an uncompressed tar (for the
-/// config's diff_id) and gzip-compressed (the blob).
+/// The image's single layer: `opt/` of `root` and the extra files, as an uncompressed
+/// tar (for the config's diff_id) and gzip-compressed (the blob).
 struct Layer {
     gzip: Vec<u8>,
     diff_id: String,
 }
 
-fn layer(root: &Path) -> Result<Layer> {
+fn layer(root: &Path, extra: &[ImageFile]) -> Result<Layer> {
     let mut tar = tar::Builder::new(Vec::new());
     tar.mode(tar::HeaderMode::Deterministic);
     tar.append_dir_all("opt", root.join("opt"))
         .context(|| format!("archiving {}", root.display()))?;
+    for file in extra {
+        let mut header = tar::Header::new_gnu();
+        header.set_size(file.contents.len() as u64);
+        header.set_mode(0o644);
+        header.set_cksum();
+        tar.append_data(&mut header, &file.path, file.contents.as_slice())
+            .context(|| format!("archiving {}", file.path))?;
+    }
     let tar = tar
         .into_inner()
         .context(|| "finishing the layer tar".into())?;
@@ -179,48 +246,4 @@ fn layer(root: &Path) -> Result<Layer> {
     std::io::Write::write_all(&mut gz, &tar).context(|| "compressing the layer".into())?;
     let gzip = gz.finish().context(|| "compressing the layer".into())?;
     Ok(Layer { gzip, diff_id })
-}
-
-async fn push(client: &Client, registry: &str, kernel: &str, layer: Layer) -> Result<SampleImage> {
-    let image = format!("{registry}/{REPOSITORY}:{kernel}");
-    let reference: Reference = image
-        .parse()
-        .map_err(|e| Error::Invalid(format!("image reference {image}: {e}")))?;
-    let config = json!({
-        "architecture": "amd64",
-        "os": "linux",
-        "config": { "Labels": { "kmm-fleet.dev/kernel": kernel } },
-        "rootfs": { "type": "layers", "diff_ids": [layer.diff_id] },
-    });
-    let config = Config::new(
-        serde_json::to_vec(&config).map_err(|e| Error::Invalid(e.to_string()))?,
-        IMAGE_CONFIG_MEDIA_TYPE.to_string(),
-        None,
-    );
-    let layers = vec![ImageLayer::new(
-        layer.gzip,
-        IMAGE_LAYER_GZIP_MEDIA_TYPE.to_string(),
-        None,
-    )];
-    let manifest = OciImageManifest::build(&layers, &config, None);
-    let response = client
-        .push(
-            &reference,
-            &layers,
-            config,
-            &RegistryAuth::Anonymous,
-            Some(manifest),
-        )
-        .await?;
-    let digest = response
-        .manifest_url
-        .rsplit('/')
-        .next()
-        .unwrap_or_default()
-        .to_string();
-    Ok(SampleImage {
-        kernel: kernel.to_string(),
-        image,
-        digest,
-    })
 }

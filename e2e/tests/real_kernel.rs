@@ -51,7 +51,7 @@ const WAIT: Duration = Duration::from_secs(90);
 #[tokio::test(flavor = "multi_thread")]
 async fn the_agent_loads_and_unloads_real_modules_on_a_real_kernel() -> Result<()> {
     let fleet = Fleet::get().await.context("the fleet's registry")?;
-    firmware_image::push(&fleet.state.registry, KERNEL).await?;
+    let pushed = firmware_image::push(&fleet.state.registry, KERNEL).await?;
     let port = fleet
         .state
         .registry
@@ -89,7 +89,7 @@ async fn the_agent_loads_and_unloads_real_modules_on_a_real_kernel() -> Result<(
 
     let mut guest = rig.boot("boot1", &[]).await?;
     report_boot("boot 1", &guest);
-    let result = first_boot(&mut guest, &mut peer, &address, &image).await;
+    let result = first_boot(&mut guest, &mut peer, &address, &image, &pushed.digest).await;
     let boot1 = finish(guest, result, &work, "boot1").await?;
 
     let mut guest = rig.boot("boot2", &[]).await?;
@@ -107,12 +107,13 @@ async fn the_agent_loads_and_unloads_real_modules_on_a_real_kernel() -> Result<(
 }
 
 /// Load, check everything from the kernel, restart the agent, unload, load again; the
-/// boot ID the agent reported.
+/// boot ID the agent reported. `digest` is the pushed image's manifest digest.
 async fn first_boot(
     guest: &mut Machine,
     peer: &mut AgentPeer,
     address: &str,
     image: &str,
+    digest: &str,
 ) -> Result<String> {
     guest.check(&format!("modprobe {IN_TREE}")).await?;
     ensure!(
@@ -130,6 +131,11 @@ async fn first_boot(
     let boot_id = session.hello.boot_id.clone();
     let (event, took) = load(&mut session, 1, image).await?;
     expect_event(&event, pb::Action::Load, pb::Outcome::Succeeded, 1)?;
+    ensure!(
+        event.image_digest == digest,
+        "the agent loaded from {}, not the pushed image {digest}",
+        event.image_digest
+    );
     println!(
         "real-kernel: boot 1 time to loaded {:.2}s from DesiredModules sent to event received (agent: {} ms)",
         took.as_secs_f64(),
