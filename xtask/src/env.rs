@@ -117,6 +117,12 @@ fn setup() -> Result<()> {
     packages.extend(kmod::header_packages(
         &Versions::pinned().kernels.with_image,
     ));
+    // The real-kernel test (qemu guest): it checks the same list and names what is missing.
+    packages.extend(
+        kmm_e2e::guest::host_packages::REQUIRED
+            .iter()
+            .map(|(package, _)| package.to_string()),
+    );
     let missing: Vec<&String> = packages.iter().filter(|p| !installed(p)).collect();
     if missing.is_empty() {
         return Ok(());

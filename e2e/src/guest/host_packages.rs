@@ -35,7 +35,8 @@ pub fn check() -> Result<()> {
         .collect();
     Err(Error::Invalid(format!(
         "the real-kernel test needs Debian packages that are not installed: {}; \
-         install them with `apt-get install --no-install-recommends {}`",
+         `cargo xtask env setup` installs them, or \
+         `apt-get install --no-install-recommends {}`",
         why.join(", "),
         missing.join(" ")
     )))
