@@ -179,9 +179,21 @@ async fn publish_ca(
         .await
         .map_err(|e| ("get", e))?
     {
-        Some(map) if map.data.as_ref() == Some(&data) => Ok(()),
+        Some(map)
+            if map
+                .data
+                .as_ref()
+                .and_then(|d| d.get("ca.crt"))
+                .map(String::as_str)
+                == Some(ca_pem) =>
+        {
+            Ok(())
+        }
+        // Only our key changes: whatever else someone keeps in the ConfigMap stays.
         Some(mut map) => {
-            map.data = Some(data);
+            map.data
+                .get_or_insert_default()
+                .insert("ca.crt".into(), ca_pem.into());
             maps.replace(CONFIG_MAP_NAME, &PostParams::default(), &map)
                 .await
                 .map(drop)

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::{Result, bail, ensure};
-use k8s_openapi::api::core::v1::{Secret, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, Secret, ServiceAccount};
 use kmm_e2e::fixture::wait_until;
 use kmm_proto::v1::{
     Action, IntentSnapshot, KernelTarget, ModuleEvent, ModuleIntent, ModuleKey, ModuleLoad,
@@ -16,7 +16,7 @@ use kmm_proto::v1::{
     pull_credential::Content,
 };
 use kube::Api;
-use kube::api::{ObjectMeta, PostParams};
+use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
 use support::{AgentConn, HubPeer, HubPki, ProxyProcess, Spoke, WAIT, hello};
 use tonic::Code;
 
@@ -455,6 +455,48 @@ async fn renewed_client_certificate_is_used_for_the_next_stream() -> Result<()> 
     };
     drop(first);
     proxy.stop().await?;
+
+    // A restarted proxy keeps its CA (agents keep trusting it) and issues a new serving
+    // certificate; other keys of the CA ConfigMap are left alone.
+    let secrets = Api::<Secret>::namespaced(spoke.client.clone(), &spoke.namespace);
+    let data = |s: Secret, key: &str| s.data.and_then(|d| d.get(key).cloned());
+    let before = secrets.get("kmm-spoke-proxy-tls").await?;
+    let (ca_before, tls_before) = (data(before.clone(), "ca.crt"), data(before, "tls.crt"));
+    let maps = Api::<ConfigMap>::namespaced(spoke.client.clone(), &spoke.namespace);
+    let extra = serde_json::json!({"data": {"note": "kept"}});
+    maps.patch(
+        "kmm-agent-ca",
+        &PatchParams::default(),
+        &Patch::Merge(&extra),
+    )
+    .await?;
+    let mut restarted = ProxyProcess::start(
+        &spoke.proxy_kubeconfig().await?,
+        &spoke.namespace,
+        &hub.address(),
+        &pki,
+        spoke.dir.path(),
+    )?;
+    restarted.wait_ready().await?;
+    let after = secrets.get("kmm-spoke-proxy-tls").await?;
+    ensure!(
+        data(after.clone(), "ca.crt") == ca_before,
+        "the CA changed on restart"
+    );
+    ensure!(
+        data(after, "tls.crt") != tls_before,
+        "the serving certificate was not reissued"
+    );
+    let map = maps.get("kmm-agent-ca").await?.data.unwrap_or_default();
+    ensure!(
+        map.get("note").map(String::as_str) == Some("kept"),
+        "{map:?}"
+    );
+    ensure!(
+        map.get("ca.crt").map(|c| c.as_bytes().to_vec()) == ca_before.map(|c| c.0),
+        "the published CA differs from the Secret's"
+    );
+    restarted.stop().await?;
     spoke.cleanup().await
 }
 
