@@ -206,8 +206,13 @@ impl AgentService {
                 let instruction = AgentInstruction {
                     message: Some(agent_instruction::Message::Desired(desired)),
                 };
-                if tx.send(Ok(instruction)).await.is_err() {
-                    return "agent went away";
+                // An agent that stops reading must not hold up shutdown or its successor.
+                tokio::select! {
+                    sent = tx.send(Ok(instruction)) => if sent.is_err() {
+                        return "agent went away";
+                    },
+                    () = self.cancel.cancelled() => return "proxy shutting down",
+                    _ = &mut replaced => return "replaced by a newer stream",
                 }
             }
             tokio::select! {
