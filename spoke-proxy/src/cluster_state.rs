@@ -20,7 +20,7 @@ use crate::node_status::{NodeStatuses, StatusKey, assess, to_status};
 use crate::placement::{Placement, place};
 
 /// One node's current work.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Default)]
 struct NodeWork {
     /// Revision of `modules`: the value of the cluster-wide counter when they last changed.
     revision: u64,
@@ -30,8 +30,8 @@ struct NodeWork {
     since: BTreeMap<ModuleId, u64>,
 }
 
-/// See the module documentation.
-#[derive(Debug)]
+/// See the module documentation. Its `Debug` shows counts only: the intents and the
+/// nodes' work carry pull credentials, which are never printed.
 pub struct ClusterState {
     nodes: BTreeMap<String, NodeFacts>,
     nodes_listed: bool,
@@ -67,6 +67,17 @@ fn same_task(a: Option<&NodeModule>, b: &NodeModule) -> bool {
         )
     };
     a.is_some_and(|a| task(a) == task(b))
+}
+
+impl std::fmt::Debug for ClusterState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterState")
+            .field("nodes", &self.nodes.len())
+            .field("intent_revision", &self.applied_intent_revision())
+            .field("agents", &self.agents.len())
+            .field("next_revision", &self.next_revision)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ClusterState {
@@ -716,6 +727,15 @@ mod tests {
         assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Loaded));
         s.agent_hello("a", &hello("a", &[("m", "v0")]));
         assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Pending));
+    }
+
+    #[test]
+    fn debug_never_shows_credentials() {
+        let mut s = cluster();
+        s.set_intents(snapshot(1, vec![intent("m", "v1")]));
+        let text = format!("{s:?}");
+        assert!(!text.contains("auths"), "{text}");
+        assert!(text.contains("nodes: 2"), "{text}");
     }
 
     #[test]
