@@ -3,7 +3,8 @@
 //! A selected module is loaded; a module being deleted is unloaded wherever it is selected
 //! or still reported; a cluster no longer selected unloads the module while any of its
 //! nodes still reports it not unloaded, after which the module leaves the snapshot (absent
-//! means forgotten, never unloaded).
+//! means forgotten, never unloaded). A module goes nowhere until it carries the hub's
+//! finalizer: loading one whose deletion the hub could miss would leave it loaded forever.
 
 use std::collections::BTreeMap;
 
@@ -11,6 +12,20 @@ use kmm_api::ManagedClusterModule;
 
 use super::intents::{ModuleInput, selects};
 use super::node_statuses::NodeStatuses;
+
+/// Held by every ManagedClusterModule the hub acts on, until its unload is confirmed or
+/// timed out.
+pub const FINALIZER: &str = "hub.kmm.sigs.x-k8s.io/unload";
+
+/// Whether the hub's finalizer guards the module, so that its deletion waits for the hub.
+pub fn is_guarded(module: &ManagedClusterModule) -> bool {
+    module
+        .metadata
+        .finalizers
+        .iter()
+        .flatten()
+        .any(|f| f == FINALIZER)
+}
 
 /// Whether a ManagedClusterModule selects a cluster with `labels` (`None`: the
 /// ManagedCluster does not exist, so nothing selects it).
@@ -34,6 +49,7 @@ pub fn cluster_modules<'a>(
 ) -> Vec<ModuleInput<'a>> {
     modules
         .iter()
+        .filter(|module| is_guarded(module))
         .filter_map(|&module| {
             let selected = is_selected(module, labels);
             let name = module.metadata.name.as_deref().unwrap_or_default();
@@ -58,7 +74,7 @@ mod tests {
     fn mcm(name: &str, selector: &str) -> ManagedClusterModule {
         let doc = format!(
             "apiVersion: hub.kmm.sigs.x-k8s.io/v1beta1\nkind: ManagedClusterModule\n\
-             metadata: {{name: {name}}}\n\
+             metadata: {{name: {name}, finalizers: ['{FINALIZER}']}}\n\
              spec:\n  spokeNamespace: drivers\n  selector: {selector}\n  moduleSpec:\n    selector: {{}}\n    moduleLoader:\n      container:\n        modprobe: {{moduleName: {name}}}\n        kernelMappings: [{{literal: '6.1', containerImage: 'r/x:1'}}]\n"
         );
         serde_yaml_ng::from_str(&doc).expect("test MCM parses")
@@ -115,6 +131,21 @@ mod tests {
         assert_eq!(
             plan(&[&a, &b, &all], Some(&labels()), &NodeStatuses::default()),
             [("a".to_string(), false), ("all".to_string(), false)]
+        );
+    }
+
+    #[test]
+    fn a_module_not_yet_guarded_by_the_finalizer_goes_nowhere() {
+        let mut fresh = mcm("fresh", "{fleet: a}");
+        fresh.metadata.finalizers = None;
+        assert!(plan(&[&fresh], Some(&labels()), &NodeStatuses::default()).is_empty());
+        assert!(
+            plan(
+                &[&fresh],
+                Some(&labels()),
+                &reported(&[("fresh", ModuleState::Loaded)])
+            )
+            .is_empty()
         );
     }
 

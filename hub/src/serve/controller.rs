@@ -24,8 +24,7 @@ use crate::fleet::readiness::{READY, is_transition, phase, ready_condition, summ
 use super::fleet_state::FleetState;
 use super::metrics::Metrics;
 
-/// Held by every ManagedClusterModule until its unload is confirmed or timed out.
-pub const FINALIZER: &str = "hub.kmm.sigs.x-k8s.io/unload";
+pub use crate::fleet::assignment::FINALIZER;
 /// Field manager of the hub's status writes.
 pub const FIELD_MANAGER: &str = "kmm-hub";
 /// Level-based safety net: every module is reconciled at least this often.
