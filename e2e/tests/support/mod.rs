@@ -70,7 +70,7 @@ pub fn module(name: &str, selector_key: &str, mappings: Value) -> Result<Managed
                     "modprobe": {
                         "moduleName": "kmm_hello_dep",
                         "modulesLoadingOrder": ["kmm_hello_dep", "kmm_hello"],
-                        "parameters": ["greeting=e2e"],
+                        "parameters": ["who=e2e"],
                     },
                     "registryTLS": { "insecure": true },
                     "kernelMappings": mappings,
@@ -204,23 +204,30 @@ pub async fn status(hub: &Client, name: &str) -> Result<Value> {
     Ok(serde_json::to_value(module.status.unwrap_or_default())?)
 }
 
-/// The sum of every agent's unload attempts, from their `/metrics`.
-pub async fn unloads(kmm: &Kmm) -> Result<u64> {
+/// The sum of the unload attempts of every agent but the one of `except_node`.
+pub async fn unloads_except(kmm: &Kmm, except_node: &str) -> Result<u64> {
     let mut total = 0;
-    for agent in &kmm.agents {
-        total += unload_attempts(agent).await?;
+    for agent in kmm.agents.iter().filter(|a| a.node != except_node) {
+        total += agent_attempts(agent, "unloads").await?;
     }
     Ok(total)
 }
 
-/// Unload attempts of one agent, whatever their outcome (`kmm_agent_unloads_total`).
-pub async fn unload_attempts(agent: &Agent) -> Result<u64> {
+/// The sum of every agent's unload attempts.
+pub async fn unloads(kmm: &Kmm) -> Result<u64> {
+    unloads_except(kmm, "").await
+}
+
+/// Load or unload attempts (`what`: `loads`, `unloads`) of one agent since it started,
+/// whatever their outcome, from its `/metrics`.
+pub async fn agent_attempts(agent: &Agent, what: &str) -> Result<u64> {
     let text = fleet_kmm::metrics(agent.metrics_port)
         .await
         .with_context(|| format!("/metrics of the agent of {}", agent.node))?;
+    let prefix = format!("kmm_agent_{what}_total{{");
     Ok(text
         .lines()
-        .filter(|l| l.starts_with("kmm_agent_unloads_total{"))
+        .filter(|l| l.starts_with(&prefix))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
         .sum())
 }
