@@ -23,11 +23,25 @@ pub fn tolerates(toleration: &Toleration, taint: &Taint) -> bool {
     }
 }
 
+/// `NoSchedule` taints every module tolerates: cordoning a node for maintenance
+/// (`unschedulable`) or the kubelet reporting pressure must not unload the modules its
+/// running workloads use. Upstream KMM tolerates the pressure taints the same way; a
+/// DaemonSet tolerates all four by default.
+const BUILT_IN: &[&str] = &[
+    "node.kubernetes.io/unschedulable",
+    "node.kubernetes.io/disk-pressure",
+    "node.kubernetes.io/memory-pressure",
+    "node.kubernetes.io/pid-pressure",
+];
+
 /// The first taint that keeps the module off the node: a `NoSchedule` or `NoExecute`
-/// taint no toleration tolerates (`PreferNoSchedule` never does, as upstream KMM).
+/// taint no toleration tolerates (`PreferNoSchedule` never does, as upstream KMM), the
+/// built-in `NoSchedule` tolerations aside.
 pub fn blocking_taint<'a>(tolerations: &[Toleration], taints: &'a [Taint]) -> Option<&'a Taint> {
     taints.iter().find(|taint| {
+        let built_in = taint.effect == "NoSchedule" && BUILT_IN.contains(&taint.key.as_str());
         matches!(taint.effect.as_str(), "NoSchedule" | "NoExecute")
+            && !built_in
             && !tolerations.iter().any(|t| tolerates(t, taint))
     })
 }
@@ -51,6 +65,21 @@ mod tests {
             value: value.into(),
             effect: effect.into(),
         }
+    }
+
+    #[test]
+    fn cordoned_or_pressured_nodes_keep_their_modules_but_not_when_evicting() {
+        for key in BUILT_IN {
+            assert_eq!(
+                blocking_taint(&[], &[taint(key, "", "NoSchedule")]),
+                None,
+                "{key}"
+            );
+            let evicting = [taint(key, "", "NoExecute")];
+            assert_eq!(blocking_taint(&[], &evicting), evicting.first(), "{key}");
+        }
+        let other = [taint("node.kubernetes.io/not-ready", "", "NoSchedule")];
+        assert_eq!(blocking_taint(&[], &other), other.first());
     }
 
     #[test]
