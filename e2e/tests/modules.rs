@@ -421,6 +421,7 @@ async fn an_agent_token_for_one_node_cannot_obtain_another_nodes_work() -> Resul
         .unwrap_or_default();
     let token_a = fleet_kmm::request_token(
         client,
+        fleet_kmm::SPOKE_NAMESPACE,
         fleet_kmm::AGENT_SERVICE_ACCOUNT,
         Some(fleet_kmm::TOKEN_AUDIENCE),
         Some((a, &uid)),
@@ -439,6 +440,7 @@ async fn an_agent_token_for_one_node_cannot_obtain_another_nodes_work() -> Resul
 
     let unbound = fleet_kmm::request_token(
         client,
+        fleet_kmm::SPOKE_NAMESPACE,
         fleet_kmm::AGENT_SERVICE_ACCOUNT,
         Some(fleet_kmm::TOKEN_AUDIENCE),
         None,
@@ -452,6 +454,7 @@ async fn an_agent_token_for_one_node_cannot_obtain_another_nodes_work() -> Resul
 
     let other_audience = fleet_kmm::request_token(
         client,
+        fleet_kmm::SPOKE_NAMESPACE,
         fleet_kmm::AGENT_SERVICE_ACCOUNT,
         Some("someone-else"),
         Some((a, &uid)),

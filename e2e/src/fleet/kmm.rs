@@ -5,8 +5,8 @@
 //! * the hub creates its CA Secret; until the add-on packaging exists, the environment
 //!   issues each proxy's client certificate from that CA with the subject OCM's add-on
 //!   registration gives it;
-//! * each proxy runs as its ServiceAccount with the least-privilege RBAC of
-//!   `spoke-proxy/rbac.yaml`, not as an administrator;
+//! * the hub and each proxy run as their ServiceAccounts with the least-privilege RBAC of
+//!   `addon-manifests/{hub,spoke-proxy}/rbac.yaml`, not as administrators;
 //! * each agent authenticates with a ServiceAccount token bound to its Node and to the
 //!   proxy's audience; its ServiceAccount has no RBAC at all.
 
@@ -32,6 +32,7 @@ use crate::{Error, IoContext, Result};
 pub const HUB_NAMESPACE: &str = "kmm-hub";
 /// The add-on's namespace on every spoke.
 pub const SPOKE_NAMESPACE: &str = "kmm";
+pub const HUB_SERVICE_ACCOUNT: &str = "kmm-hub";
 pub const PROXY_SERVICE_ACCOUNT: &str = "kmm-spoke-proxy";
 pub const AGENT_SERVICE_ACCOUNT: &str = "kmm-node-agent";
 /// Audience of the agents' tokens; the proxy accepts no other.
@@ -161,6 +162,21 @@ impl Starting {
 
         apply_crd_of_modules(&hub.client).await?;
         ensure_namespaces(&hub.client, &[HUB_NAMESPACE]).await?;
+        apply_manifests(
+            &hub.client,
+            &read_workspace_file("addon-manifests/hub/rbac.yaml")?,
+        )
+        .await?;
+        let hub_kubeconfig = kmm_dir.join("hub.kubeconfig");
+        let token =
+            request_token(&hub.client, HUB_NAMESPACE, HUB_SERVICE_ACCOUNT, None, None).await?;
+        write_kubeconfig(
+            &hub_kubeconfig,
+            &hub.name,
+            &hub.server,
+            &hub.ca.pem,
+            Credentials::Token(&token),
+        )?;
         let hub_grpc = format!("127.0.0.1:{}", self.ports.cluster(hub.index, HUB_GRPC));
         let hub_metrics_port = self.ports.cluster(hub.index, HUB_METRICS);
         let hub_process = self.start_program(
@@ -175,7 +191,7 @@ impl Starting {
                 // cluster, each for the modules labelled for it.
                 format!("--module-selector=!{TEST_HUB_LABEL}"),
             ],
-            &[("KUBECONFIG", hub.kubeconfig.display().to_string())],
+            &[("KUBECONFIG", hub_kubeconfig.display().to_string())],
         )?;
         wait_ready(&hub_process, hub_metrics_port).await?;
         let ca = hub_ca(&hub.client).await?;
@@ -213,12 +229,19 @@ impl Starting {
         ensure_namespaces(&spoke.client, &[SPOKE_NAMESPACE]).await?;
         apply_manifests(
             &spoke.client,
-            &read_workspace_file("spoke-proxy/rbac.yaml")?,
+            &read_workspace_file("addon-manifests/spoke-proxy/rbac.yaml")?,
         )
         .await?;
         ensure_service_account(&spoke.client, AGENT_SERVICE_ACCOUNT).await?;
 
-        let token = request_token(&spoke.client, PROXY_SERVICE_ACCOUNT, None, None).await?;
+        let token = request_token(
+            &spoke.client,
+            SPOKE_NAMESPACE,
+            PROXY_SERVICE_ACCOUNT,
+            None,
+            None,
+        )
+        .await?;
         let kubeconfig = dir.join("kubeconfig");
         write_kubeconfig(
             &kubeconfig,
@@ -318,6 +341,7 @@ impl Starting {
             let uid = node_api.get(&node.name).await?.uid().unwrap_or_default();
             let token = request_token(
                 &spoke.client,
+                SPOKE_NAMESPACE,
                 AGENT_SERVICE_ACCOUNT,
                 Some(TOKEN_AUDIENCE),
                 Some((&node.name, &uid)),
@@ -462,15 +486,16 @@ async fn ensure_service_account(client: &Client, name: &str) -> Result<()> {
     Ok(())
 }
 
-/// A token of ServiceAccount `name` in the add-on namespace, optionally for one audience
-/// and bound to a Node (`(name, uid)`), as kubelet projects it into a pod on that node.
+/// A token of ServiceAccount `namespace/name`, optionally for one audience and bound to
+/// a Node (`(name, uid)`), as kubelet projects it into a pod on that node.
 pub async fn request_token(
     client: &Client,
+    namespace: &str,
     name: &str,
     audience: Option<&str>,
     node: Option<(&str, &str)>,
 ) -> Result<String> {
-    let api: Api<ServiceAccount> = Api::namespaced(client.clone(), SPOKE_NAMESPACE);
+    let api: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
     let request = TokenRequest {
         spec: TokenRequestSpec {
             audiences: audience.map(|a| vec![a.to_owned()]).unwrap_or_default(),
