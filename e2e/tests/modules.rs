@@ -629,3 +629,35 @@ mod probe {
             .unwrap_or_else(|_| Err(format!("no answer within {ANSWER:?}")))
     }
 }
+
+#[tokio::test]
+async fn the_readme_example_loads_on_every_node_of_the_labelled_cluster() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let fleet = Fleet::get().await?;
+    kmm(&fleet)?;
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../docs/examples/local-fleet.yaml"
+    );
+    let text =
+        std::fs::read_to_string(path)?.replace("registry.example.com", &fleet.state.registry);
+    let module: kmm_api::ManagedClusterModule = serde_yaml_ng::from_str(&text)?;
+    let (namespace, name) = (module.spec.spoke_namespace.clone(), module.name_any());
+    let spoke = fleet.spoke_names()[0].clone();
+    label_cluster_with(&fleet.hub, &spoke, "kmm.fleet/demo", Some("true")).await?;
+    create(&fleet.hub, &module).await?;
+    // Every node of the spoke has a sample image; the other spoke is not labelled.
+    let expected: Vec<(String, String)> = nodes_with_images(&fleet, &spoke)?
+        .into_iter()
+        .map(|(node, _)| (spoke.clone(), node))
+        .collect();
+    ensure!(
+        expected.len() == fleet.state.cluster(&spoke)?.nodes.len(),
+        "the example expects images for every node of {spoke}"
+    );
+    wait_labelled_in(&fleet, &namespace, &name, &expected).await?;
+    delete(&fleet.hub, &name).await?;
+    wait_labelled_in(&fleet, &namespace, &name, &[]).await?;
+    label_cluster_with(&fleet.hub, &spoke, "kmm.fleet/demo", None).await?;
+    Ok(())
+}

@@ -20,6 +20,8 @@ use serde_json::{Value, json};
 
 pub const WAIT: Duration = Duration::from_secs(120);
 pub const VERSION: &str = "1.0";
+/// The spokeNamespace of the tests' modules.
+pub const NAMESPACE: &str = "kmm-e2e";
 
 pub fn unique(prefix: &str) -> String {
     let nanos = std::time::SystemTime::now()
@@ -61,7 +63,7 @@ pub fn module(name: &str, selector_key: &str, mappings: Value) -> Result<Managed
         "kind": "ManagedClusterModule",
         "metadata": { "name": name },
         "spec": {
-            "spokeNamespace": "kmm-e2e",
+            "spokeNamespace": NAMESPACE,
             "selector": { selector_key: "yes" },
             "moduleSpec": {
                 "selector": { selector_key: "yes" },
@@ -89,7 +91,17 @@ pub fn sample_mapping(fleet: &Fleet) -> Value {
 }
 
 pub async fn label_cluster(hub: &Client, cluster: &str, key: &str, on: bool) -> Result<()> {
-    let value = if on { json!("yes") } else { Value::Null };
+    label_cluster_with(hub, cluster, key, on.then_some("yes")).await
+}
+
+/// Sets the ManagedCluster label `key` to `value`, or removes it (`None`).
+pub async fn label_cluster_with(
+    hub: &Client,
+    cluster: &str,
+    key: &str,
+    value: Option<&str>,
+) -> Result<()> {
+    let value = value.map_or(Value::Null, |v| json!(v));
     managed_clusters(hub)
         .patch(
             cluster,
@@ -120,9 +132,18 @@ pub async fn labelled(
     fleet: &Fleet,
     name: &str,
 ) -> Result<BTreeMap<(String, String), Option<String>>> {
+    labelled_in(fleet, NAMESPACE, name).await
+}
+
+/// [`labelled`] for a module of another spokeNamespace.
+pub async fn labelled_in(
+    fleet: &Fleet,
+    namespace: &str,
+    name: &str,
+) -> Result<BTreeMap<(String, String), Option<String>>> {
     let (ready, version) = (
-        ready_label("kmm-e2e", name),
-        version_ready_label("kmm-e2e", name),
+        ready_label(namespace, name),
+        version_ready_label(namespace, name),
     );
     let mut found = BTreeMap::new();
     for cluster in fleet.spoke_names() {
@@ -150,6 +171,16 @@ pub async fn labelled(
 
 /// Waits until exactly `expected` nodes carry the module's labels (with the version).
 pub async fn wait_labelled(fleet: &Fleet, name: &str, expected: &[(String, String)]) -> Result<()> {
+    wait_labelled_in(fleet, NAMESPACE, name, expected).await
+}
+
+/// [`wait_labelled`] for a module of another spokeNamespace.
+pub async fn wait_labelled_in(
+    fleet: &Fleet,
+    namespace: &str,
+    name: &str,
+    expected: &[(String, String)],
+) -> Result<()> {
     let expected: BTreeMap<(String, String), Option<String>> = expected
         .iter()
         .map(|key| (key.clone(), Some(VERSION.to_owned())))
@@ -158,7 +189,7 @@ pub async fn wait_labelled(fleet: &Fleet, name: &str, expected: &[(String, Strin
         &format!("exactly {expected:?} labelled for {name}"),
         WAIT,
         || async {
-            match labelled(fleet, name).await {
+            match labelled_in(fleet, namespace, name).await {
                 Ok(now) if now == expected => Ok(()),
                 Ok(now) => Err(format!("labelled: {now:?}")),
                 Err(e) => Err(e.to_string()),
