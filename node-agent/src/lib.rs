@@ -19,6 +19,5 @@ pub mod proxy_connection;
 pub mod proxy_messages;
 pub mod readiness;
 pub mod reconcile;
-pub mod reconnect_backoff;
 pub mod signature;
 pub mod state;

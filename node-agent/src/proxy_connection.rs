@@ -17,7 +17,7 @@ use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
 use crate::control::{EventReceiver, Hello, IntentSender, Progress};
 use crate::image::pull::error_chain;
 use crate::proxy_messages;
-use crate::reconnect_backoff::{ReconnectBackoff, random_unit};
+use kmm_runtime::backoff::{Backoff, random_fraction};
 
 /// Where and how to reach the proxy.
 #[derive(Clone, Debug)]
@@ -170,8 +170,7 @@ pub struct ProxyConnection {
 impl ProxyConnection {
     /// Connects, and reconnects with backoff, until the future is dropped.
     pub async fn run(mut self) {
-        let mut backoff =
-            ReconnectBackoff::new(self.config.backoff_initial, self.config.backoff_max);
+        let mut backoff = Backoff::new(self.config.backoff_initial, self.config.backoff_max);
         loop {
             let result = self.attempt().await;
             let was_connected = self.connected.send_replace(false);
@@ -187,7 +186,7 @@ impl ProxyConnection {
                     tracing::warn!(address = %self.config.address, error = %error_chain(&e), "proxy connection failed")
                 }
             }
-            let delay = backoff.next_delay(random_unit());
+            let delay = backoff.next_delay(random_fraction());
             tracing::debug!(?delay, "waiting before reconnecting");
             tokio::time::sleep(delay).await;
         }

@@ -1,7 +1,9 @@
 //! What every kmm-fleet binary shares at runtime: command-line conventions, logging,
-//! the `/metrics` `/healthz` `/readyz` endpoint, shutdown on SIGTERM, and the
+//! the `/metrics` `/healthz` `/readyz` endpoint, shutdown on SIGTERM, reconnect backoff,
+//! and the
 //! certificates the components issue to each other.
 
+pub mod backoff;
 pub mod cli;
 pub mod health;
 pub mod logging;

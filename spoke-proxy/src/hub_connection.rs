@@ -14,11 +14,11 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, Uri};
 
-use crate::backoff::{Backoff, random_fraction};
 use crate::hub_credentials::{HubCredentialFiles, HubCredentials, ReadError};
 use crate::metrics::Metrics;
 use crate::node_status::StatusReporter;
 use crate::shared_state::SharedState;
+use kmm_runtime::backoff::{Backoff, random_fraction};
 
 /// How the proxy reaches the hub.
 #[derive(Clone, Debug)]

@@ -10,7 +10,6 @@ pub mod agent_identity;
 pub mod agent_server;
 pub mod agent_tls;
 pub mod agent_view;
-pub mod backoff;
 pub mod cluster_state;
 pub mod hub_connection;
 pub mod hub_credentials;

@@ -416,7 +416,10 @@ impl Spoke {
     /// Applies rbac.yaml into the test namespace and writes a kubeconfig that speaks as
     /// the proxy's ServiceAccount, so the proxy runs with exactly those permissions.
     pub async fn proxy_kubeconfig(&self) -> Result<PathBuf> {
-        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../addon-manifests/spoke-proxy/rbac.yaml"))?;
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../addon-manifests/spoke-proxy/rbac.yaml"
+        ))?;
         let binding = format!("kmm-spoke-proxy-{}", self.namespace);
         let pp = PatchParams::apply("kmm-spoke-proxy-test").force();
         let ns = self.namespace.as_str();

@@ -1,6 +1,6 @@
-//! Jittered exponential backoff between reconnects to the hub, so that every proxy of a
-//! fleet does not knock on a restarted hub at the same instant. Pure: the caller passes
-//! the random fraction.
+//! Jittered exponential backoff between reconnects (proxies to the hub, agents to their
+//! proxy), so that a whole fleet does not knock on a restarted server at the same
+//! instant. Pure: the caller passes the random fraction.
 
 use std::time::Duration;
 
