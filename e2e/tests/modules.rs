@@ -661,3 +661,68 @@ async fn the_readme_example_loads_on_every_node_of_the_labelled_cluster() -> Res
     label_cluster_with(&fleet.hub, &spoke, "kmm.fleet/demo", None).await?;
     Ok(())
 }
+
+#[tokio::test]
+async fn a_node_whose_image_is_missing_is_reported_with_the_registrys_answer() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let fleet = Fleet::get().await?;
+    kmm(&fleet)?;
+    let (id, name) = (unique("kmm-e2e.dev/missing"), unique("missing"));
+    let images: Vec<&str> = fleet
+        .state
+        .images
+        .iter()
+        .map(|i| i.kernel.as_str())
+        .collect();
+    let (spoke, node) = fleet
+        .spoke_names()
+        .into_iter()
+        .find_map(|spoke| {
+            let cluster = fleet.state.cluster(&spoke).ok()?;
+            let node = cluster
+                .nodes
+                .iter()
+                .find(|n| !images.contains(&n.kernel.as_str()))?
+                .clone();
+            Some((spoke, node))
+        })
+        .context("the fleet has a node whose kernel has no sample image")?;
+    label_cluster(&fleet.hub, &spoke, &id, true).await?;
+    label_node(fleet.spoke(&spoke)?, &node.name, &id, true).await?;
+    create(&fleet.hub, &module(&name, &id, sample_mapping(&fleet))?).await?;
+
+    let failure = wait_until(
+        "the node's failure in the module's status",
+        WAIT,
+        || async {
+            let status = status(&fleet.hub, &name).await.map_err(|e| e.to_string())?;
+            status["failures"]
+                .as_array()
+                .and_then(|failures| {
+                    failures
+                        .iter()
+                        .find(|f| f["node"] == node.name.as_str())
+                        .cloned()
+                })
+                .ok_or_else(|| status.to_string())
+        },
+    )
+    .await?;
+    ensure!(
+        failure["cluster"] == spoke.as_str() && failure["kernel"] == node.kernel.as_str(),
+        "the failure names cluster and kernel: {failure}"
+    );
+    let message = failure["message"].as_str().unwrap_or_default();
+    ensure!(
+        message.contains(&node.kernel),
+        "the failure carries the registry's answer about the image: {failure}"
+    );
+    ensure!(
+        labelled(&fleet, &name).await?.is_empty(),
+        "a node that could not load is not labelled"
+    );
+
+    delete(&fleet.hub, &name).await?;
+    label_cluster(&fleet.hub, &spoke, &id, false).await?;
+    Ok(())
+}
