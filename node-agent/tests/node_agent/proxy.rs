@@ -239,20 +239,7 @@ impl NodeFiles {
             .arg("--token-file")
             .arg(&self.token)
             .arg(format!("--metrics-addr=127.0.0.1:{}", self.metrics_port))
-            .arg("--state-dir")
-            .arg(node.join("run-kmm"))
-            .arg("--cache-dir")
-            .arg(node.join("cache"))
-            .arg("--firmware-dir")
-            .arg(node.join("firmware"))
-            .args([
-                "--kernel-backend",
-                "simulated",
-                "--simulated-kernel",
-                kernel,
-            ])
-            .arg("--simulated-dir")
-            .arg(node.join("kernel"))
+            .args(simulated_node_args(node, kernel))
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()

@@ -459,6 +459,26 @@ pub fn tree(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
+/// The agent's flags for a simulated node whose directories (state, cache, firmware,
+/// kernel) live under `node`, running `kernel`.
+pub fn simulated_node_args(node: &Path, kernel: &str) -> Vec<std::ffi::OsString> {
+    let dir = |sub: &str| node.join(sub).into_os_string();
+    vec![
+        "--state-dir".into(),
+        dir("run-kmm"),
+        "--cache-dir".into(),
+        dir("cache"),
+        "--firmware-dir".into(),
+        dir("firmware"),
+        "--kernel-backend".into(),
+        "simulated".into(),
+        "--simulated-kernel".into(),
+        kernel.into(),
+        "--simulated-dir".into(),
+        dir("kernel"),
+    ]
+}
+
 /// Starts the real agent binary on a simulated node under `node`, reading its desired
 /// modules from `desired_file`, and streams its JSON stdout lines into the receiver.
 pub fn spawn_simulated_agent(
@@ -470,20 +490,7 @@ pub fn spawn_simulated_agent(
 ) -> (Child, std::sync::mpsc::Receiver<serde_json::Value>) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kmm-node-agent"))
         .args(["--log-format", "json", "run", "--node-name", "node-1"])
-        .arg("--state-dir")
-        .arg(node.join("run-kmm"))
-        .arg("--cache-dir")
-        .arg(node.join("cache"))
-        .arg("--firmware-dir")
-        .arg(node.join("firmware"))
-        .args([
-            "--kernel-backend",
-            "simulated",
-            "--simulated-kernel",
-            kernel,
-        ])
-        .arg("--simulated-dir")
-        .arg(node.join("kernel"))
+        .args(simulated_node_args(node, kernel))
         .arg("--desired-file")
         .arg(desired_file)
         .args(["--desired-poll-ms", &poll_ms.to_string()])
