@@ -1,4 +1,5 @@
 //! The kmm-fleet hub. The binary (`main.rs`) is thin wiring over these modules.
 
+pub mod admission;
 pub mod fleet;
 pub mod serve;

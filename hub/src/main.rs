@@ -26,7 +26,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     Render(render::Args),
-    Serve(serve_command::Args),
+    Serve(Box<serve_command::Args>),
 }
 
 fn main() -> ExitCode {
@@ -34,6 +34,6 @@ fn main() -> ExitCode {
     kmm_runtime::logging::init(&cli.logging);
     match cli.command {
         Command::Render(args) => render::run(&args),
-        Command::Serve(args) => serve_command::run(args),
+        Command::Serve(args) => serve_command::run(*args),
     }
 }

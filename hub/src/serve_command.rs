@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Args as ClapArgs;
-use kmm_hub::serve::{self, Settings, metrics::Metrics};
+use kmm_hub::serve::leadership::LeaderElection;
+use kmm_hub::serve::{self, Listeners, Settings, metrics::Metrics};
 use kmm_runtime::cli::MetricsArgs;
 use kmm_runtime::health::{self, Health};
 use prometheus_client::registry::Registry;
@@ -16,8 +17,11 @@ use tokio::net::TcpListener;
 ///
 /// Creates the CA Secret `kmm-hub-ca` in --namespace on first start (never overwritten),
 /// serves `Hub.Sync` over TLS on --grpc-addr requiring client certificates signed by that
-/// CA (as OCM's add-on registration issues them), and writes each module's status. Uses
-/// the in-cluster configuration or KUBECONFIG.
+/// CA (as OCM's add-on registration issues them), and writes each module's status. Every
+/// replica serves the validating admission webhook on --webhook-addr and keeps the CA in
+/// the caBundle of --webhook-configuration; with leader election (the default) only the
+/// replica holding the Lease reconciles and serves proxies, the others stand by. Uses the
+/// in-cluster configuration or KUBECONFIG.
 #[derive(Debug, ClapArgs)]
 pub struct Args {
     /// The hub's namespace: its CA Secret, and the modules' pull Secrets (imageRepoSecret).
@@ -43,6 +47,41 @@ pub struct Args {
     /// cluster.
     #[arg(long, value_name = "SELECTOR")]
     module_selector: Option<String>,
+
+    /// Address of the validating admission webhook (HTTPS, path
+    /// /validate-managedclustermodule).
+    #[arg(long, default_value = "0.0.0.0:9443")]
+    webhook_addr: SocketAddr,
+
+    /// Subject alternative name of the webhook's serving certificate; repeatable.
+    /// Default: kmm-hub-webhook.<namespace>.svc (and .svc.cluster.local), localhost,
+    /// 127.0.0.1.
+    #[arg(long = "webhook-san", value_name = "NAME")]
+    webhook_sans: Vec<String>,
+
+    /// The ValidatingWebhookConfiguration whose webhooks get the hub's CA as caBundle;
+    /// an empty value leaves every configuration alone.
+    #[arg(long, default_value = "kmm-hub")]
+    webhook_configuration: String,
+
+    /// Elect one working replica through a Lease (--leader-elect=false: this replica
+    /// always works; never run two such hubs for the same modules).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    leader_elect: bool,
+
+    /// Name of the leader Lease in --namespace.
+    #[arg(long, default_value = "kmm-hub")]
+    leader_election_lease: String,
+
+    /// How long the leader's hold lasts without renewal; a standby takes over after it
+    /// when the leader dies without releasing the Lease.
+    #[arg(long, default_value = "15s", value_parser = humantime::parse_duration)]
+    leader_election_lease_duration: Duration,
+
+    /// This replica's Pod (downward API), labelled with its role so the proxies' Service
+    /// reaches the leader only.
+    #[arg(long, env = "POD_NAME")]
+    pod_name: Option<String>,
 
     #[command(flatten)]
     metrics: MetricsArgs,
@@ -81,9 +120,22 @@ async fn serve_main(args: Args) -> anyhow::Result<()> {
     let client = kube::Client::try_default()
         .await
         .context("no Kubernetes configuration (in-cluster or KUBECONFIG)")?;
+    let webhook_sans = if args.webhook_sans.is_empty() {
+        vec![
+            format!("kmm-hub-webhook.{}.svc", args.namespace),
+            format!("kmm-hub-webhook.{}.svc.cluster.local", args.namespace),
+            "localhost".to_owned(),
+            "127.0.0.1".to_owned(),
+        ]
+    } else {
+        args.webhook_sans
+    };
     let grpc = TcpListener::bind(args.grpc_addr)
         .await
         .with_context(|| format!("cannot listen on --grpc-addr {}", args.grpc_addr))?;
+    let webhook = TcpListener::bind(args.webhook_addr)
+        .await
+        .with_context(|| format!("cannot listen on --webhook-addr {}", args.webhook_addr))?;
     let metrics = Metrics::default();
     let mut registry = Registry::default();
     metrics.register(&mut registry);
@@ -101,20 +153,38 @@ async fn serve_main(args: Args) -> anyhow::Result<()> {
         health.clone(),
         wait_stop(),
     ));
+    let instance = args
+        .pod_name
+        .clone()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "kmm-hub".to_owned());
+    let leader_election = args.leader_elect.then(|| LeaderElection {
+        lease: args.leader_election_lease,
+        // Unique even for two processes of one host outside Pods.
+        identity: format!("{instance}_{}", std::process::id()),
+        duration: args.leader_election_lease_duration,
+        renew_before: args.leader_election_lease_duration / 3,
+        pod: args.pod_name,
+    });
     let settings = Settings {
         namespace: args.namespace,
         grpc_sans,
         unload_timeout: args.unload_timeout,
-        instance: std::env::var("POD_NAME")
-            .or_else(|_| std::env::var("HOSTNAME"))
-            .unwrap_or_else(|_| "kmm-hub".to_owned()),
+        instance,
         module_selector: args.module_selector,
+        webhook_sans,
+        webhook_configuration: Some(args.webhook_configuration).filter(|n| !n.is_empty()),
+        leader_election,
     };
     let shutdown = async move {
         kmm_runtime::shutdown::signal().await;
         let _ = stop.send(true);
     };
-    let served = serve::run(client, settings, grpc, health, metrics, shutdown).await;
+    let listeners = Listeners {
+        grpc,
+        webhook: Some(webhook),
+    };
+    let served = serve::run(client, settings, listeners, health, metrics, shutdown).await;
     let endpoint = endpoint.await.context("the metrics endpoint panicked")?;
     served?;
     endpoint?;

@@ -65,6 +65,8 @@ async fn serves_health_and_metrics_and_stops_on_sigterm() {
             ])
             .args(["--grpc-addr", "127.0.0.1:0", "--unload-timeout", "30s"])
             .args(["--metrics-addr", &metrics.to_string()])
+            // Leave the fleet's own webhook configuration to the fleet's hub.
+            .args(["--webhook-addr", "127.0.0.1:0", "--webhook-configuration="])
             // Manage no module of anyone else sharing the fleet.
             .args([
                 "--module-selector",
@@ -96,6 +98,8 @@ async fn serves_health_and_metrics_and_stops_on_sigterm() {
     let body = get(metrics, "/metrics").await.unwrap();
     for metric in [
         "kmm_hub_connected_clusters 0",
+        // Alone, it wins the namespace's Lease.
+        "kmm_hub_leader 1",
         "kmm_hub_intent_snapshots_sent_total",
         "kmm_hub_reconcile_errors_total",
     ] {

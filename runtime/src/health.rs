@@ -6,8 +6,8 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
 
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, header};
@@ -26,11 +26,31 @@ const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=
 #[derive(Clone, Debug, Default)]
 pub struct Health {
     ready: Arc<AtomicBool>,
+    /// Said by `/readyz` instead of "ok" (e.g. "standing by"), when set.
+    note: Arc<RwLock<Option<String>>>,
 }
 
 impl Health {
     pub fn set_ready(&self, ready: bool) {
         self.ready.store(ready, Ordering::Relaxed);
+    }
+
+    /// What `/readyz` says besides its status; `None` for the plain "ok"/"not ready".
+    pub fn set_note(&self, note: Option<String>) {
+        *self.note.write().unwrap_or_else(PoisonError::into_inner) = note;
+    }
+
+    fn readiness_text(&self) -> (StatusCode, String) {
+        let note = self.note.read().unwrap_or_else(PoisonError::into_inner);
+        match (self.is_ready(), note.as_deref()) {
+            (true, None) => (StatusCode::OK, "ok\n".to_owned()),
+            (false, None) => (StatusCode::SERVICE_UNAVAILABLE, "not ready\n".to_owned()),
+            (true, Some(note)) => (StatusCode::OK, format!("ok: {note}\n")),
+            (false, Some(note)) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("not ready: {note}\n"),
+            ),
+        }
     }
 
     pub fn is_ready(&self) -> bool {
@@ -104,8 +124,10 @@ fn respond<B>(request: &Request<B>, registry: &Registry, health: &Health) -> Res
     }
     match request.uri().path() {
         "/healthz" => text(StatusCode::OK, "ok\n"),
-        "/readyz" if health.is_ready() => text(StatusCode::OK, "ok\n"),
-        "/readyz" => text(StatusCode::SERVICE_UNAVAILABLE, "not ready\n"),
+        "/readyz" => {
+            let (status, body) = health.readiness_text();
+            text(status, &body)
+        }
         "/metrics" => {
             let mut body = String::new();
             match encode(&mut body, registry) {
@@ -120,8 +142,8 @@ fn respond<B>(request: &Request<B>, registry: &Registry, health: &Health) -> Res
     }
 }
 
-fn text(status: StatusCode, body: &'static str) -> Response<Full<Bytes>> {
-    let mut response = Response::new(Full::new(Bytes::from_static(body.as_bytes())));
+fn text(status: StatusCode, body: &str) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from(body.to_owned())));
     *response.status_mut() = status;
     response.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -165,6 +187,10 @@ mod tests {
         assert!(get(addr, "/readyz").await.starts_with("HTTP/1.1 503"));
         health.set_ready(true);
         assert!(get(addr, "/readyz").await.starts_with("HTTP/1.1 200"));
+        health.set_note(Some("standing by".into()));
+        let standing_by = get(addr, "/readyz").await;
+        assert!(standing_by.starts_with("HTTP/1.1 200"), "{standing_by}");
+        assert!(standing_by.ends_with("ok: standing by\n"), "{standing_by}");
         let metrics = get(addr, "/metrics").await;
         assert!(metrics.contains("kmm_test_events_total 3"), "{metrics}");
         assert!(get(addr, "/nothing").await.starts_with("HTTP/1.1 404"));

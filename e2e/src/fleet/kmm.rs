@@ -49,6 +49,7 @@ const CLIENT_CERT_LIFETIME: Duration = Duration::from_secs(30 * 24 * 3600);
 // Port offsets in each cluster's block (see `Ports`).
 const HUB_GRPC: u16 = 90;
 const HUB_METRICS: u16 = 91;
+const HUB_WEBHOOK: u16 = 92;
 const PROXY_AGENTS: u16 = 90;
 const PROXY_METRICS: u16 = 91;
 const AGENT_METRICS_FIRST: u16 = 92;
@@ -187,6 +188,10 @@ impl Starting {
                 format!("--namespace={HUB_NAMESPACE}"),
                 format!("--grpc-addr={hub_grpc}"),
                 format!("--metrics-addr=127.0.0.1:{hub_metrics_port}"),
+                format!(
+                    "--webhook-addr=127.0.0.1:{}",
+                    self.ports.cluster(hub.index, HUB_WEBHOOK)
+                ),
                 // The hub's own integration tests run further hubs against this hub
                 // cluster, each for the modules labelled for it.
                 format!("--module-selector=!{TEST_HUB_LABEL}"),

@@ -115,14 +115,16 @@ fn from_secret(secret: &Secret, namespace: &str) -> Result<CertificateAuthority,
     })
 }
 
-/// The hub's gRPC serving certificate for `sans` (DNS names and IP addresses alike).
+/// A serving certificate of the hub named `common_name` for `sans` (DNS names and IP
+/// addresses alike): the gRPC endpoint's and the admission webhook's.
 pub fn serving_certificate(
     ca: &CertificateAuthority,
+    common_name: &str,
     sans: &[String],
 ) -> Result<IssuedCertificate, CaError> {
     let (ips, dns): (Vec<_>, Vec<_>) = sans.iter().partition(|s| s.parse::<IpAddr>().is_ok());
     let ips: Vec<IpAddr> = ips.iter().filter_map(|s| s.parse().ok()).collect();
     let dns: Vec<String> = dns.into_iter().cloned().collect();
-    ca.issue(&Leaf::server("kmm-hub", &dns, &ips, SERVING_VALIDITY))
+    ca.issue(&Leaf::server(common_name, &dns, &ips, SERVING_VALIDITY))
         .map_err(CaError::Issue)
 }

@@ -1,12 +1,29 @@
 //! The hub's Prometheus metrics.
 
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
+/// Admission decisions, by outcome.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AdmissionLabels {
+    /// `allowed` or `refused`.
+    pub decision: &'static str,
+}
+
 /// Handles to every metric; clones share the values.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct Metrics {
+    /// 1 while this replica holds the leader Lease (or runs without election), 0 while it
+    /// stands by.
+    pub leader: Gauge,
+    pub admission_reviews: Family<AdmissionLabels, Counter>,
+    pub admission_seconds: Histogram,
     pub connected_clusters: Gauge,
     pub snapshots_sent: Counter,
     pub streams_refused: Counter,
@@ -14,8 +31,47 @@ pub struct Metrics {
     pub reconcile_errors: Counter,
 }
 
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            leader: Gauge::default(),
+            admission_reviews: Family::default(),
+            // 50 µs .. ~0.4 s: validation compiles the module's regexps.
+            admission_seconds: Histogram::new(exponential_buckets(0.000_05, 2.0, 14)),
+            connected_clusters: Gauge::default(),
+            snapshots_sent: Counter::default(),
+            streams_refused: Counter::default(),
+            streams_replaced: Counter::default(),
+            reconcile_errors: Counter::default(),
+        }
+    }
+}
+
 impl Metrics {
+    pub fn observe_admission(&self, allowed: bool, took: Duration) {
+        let decision = if allowed { "allowed" } else { "refused" };
+        self.admission_reviews
+            .get_or_create(&AdmissionLabels { decision })
+            .inc();
+        self.admission_seconds.observe(took.as_secs_f64());
+    }
+
     pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "kmm_hub_leader",
+            "1 while this replica leads (reconciles, writes status, serves proxies), 0 while it stands by",
+            self.leader.clone(),
+        );
+        registry.register(
+            "kmm_hub_admission_reviews",
+            "ManagedClusterModule admission reviews answered, by decision",
+            self.admission_reviews.clone(),
+        );
+        registry.register(
+            "kmm_hub_admission_duration_seconds",
+            "Time to decide one admission review",
+            self.admission_seconds.clone(),
+        );
         registry.register(
             "kmm_hub_connected_clusters",
             "Managed clusters whose spoke proxy has a live stream",

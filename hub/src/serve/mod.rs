@@ -4,8 +4,11 @@
 pub mod ca;
 pub mod controller;
 pub mod fleet_state;
+pub mod leadership;
 pub mod metrics;
 pub mod sync_service;
+pub mod webhook;
+pub mod webhook_configuration;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -29,8 +32,10 @@ use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
 use self::ca::CaError;
 use self::controller::Context;
 use self::fleet_state::{FleetState, Stores, managed_cluster_resource};
+use self::leadership::{Election, LeaderElection, LeadershipError};
 use self::metrics::Metrics;
 use self::sync_service::SyncService;
+use self::webhook::WebhookError;
 
 /// Everything `serve` needs besides its clients and listeners.
 #[derive(Clone, Debug)]
@@ -45,6 +50,21 @@ pub struct Settings {
     pub instance: String,
     /// Label selector limiting the ManagedClusterModules this hub manages (`None`: all).
     pub module_selector: Option<String>,
+    /// Subject alternative names of the admission webhook's serving certificate.
+    pub webhook_sans: Vec<String>,
+    /// The ValidatingWebhookConfiguration whose caBundle the hub keeps (`None`: none).
+    pub webhook_configuration: Option<String>,
+    /// How replicas elect the one that works (`None`: this one always does).
+    pub leader_election: Option<LeaderElection>,
+}
+
+/// Where the hub listens.
+#[derive(Debug)]
+pub struct Listeners {
+    /// `Hub.Sync` for spoke proxies (mTLS); served by the leader only.
+    pub grpc: TcpListener,
+    /// The admission webhook (TLS); served by every replica.
+    pub webhook: Option<TcpListener>,
 }
 
 #[derive(Debug, Error)]
@@ -55,20 +75,27 @@ pub enum ServeError {
     Tls(tonic::transport::Error),
     #[error("the gRPC server failed: {0}")]
     Grpc(tonic::transport::Error),
+    #[error(transparent)]
+    Webhook(#[from] WebhookError),
+    #[error(transparent)]
+    Leadership(#[from] LeadershipError),
+    #[error("lost the leader Lease; exiting so that this replica rejoins as standby")]
+    LeadershipLost,
 }
 
-/// Runs the hub until `shutdown` resolves: the CA is loaded or created first, readiness
-/// turns true once every watch has listed.
+/// Runs the hub until `shutdown` resolves: the CA is loaded or created first, then the
+/// admission webhook serves; with leader election the replica stands by (ready) until it
+/// wins the Lease. Readiness of the leader turns true once every watch has listed.
 pub async fn run(
     client: Client,
     settings: Settings,
-    grpc: TcpListener,
+    listeners: Listeners,
     health: Health,
     metrics: Metrics,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     let ca = ca::load_or_create(&client, &settings.namespace).await?;
-    let serving = ca::serving_certificate(&ca, &settings.grpc_sans)?;
+    let serving = ca::serving_certificate(&ca, "kmm-hub", &settings.grpc_sans)?;
     let tls = ServerTlsConfig::new()
         .identity(Identity::from_pem(
             &serving.cert_pem,
@@ -76,7 +103,79 @@ pub async fn run(
         ))
         .client_ca_root(Certificate::from_pem(ca.cert_pem()))
         .timeout(Duration::from_secs(10));
+
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let stop_signal = move || {
+        let mut stopped = stopped.clone();
+        async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        }
+    };
+    let (shut, shut_down) = tokio::sync::watch::channel(false);
+    let shutdown_signal = move || {
+        let mut shut_down = shut_down.clone();
+        async move {
+            let _ = shut_down.wait_for(|s| *s).await;
+        }
+    };
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = shut.send(true);
+    });
+
+    let mut background = Vec::new();
+    if let Some(listener) = listeners.webhook {
+        let certificate = ca::serving_certificate(&ca, "kmm-hub-webhook", &settings.webhook_sans)?;
+        let acceptor = webhook::acceptor(&certificate.cert_pem, &certificate.key_pem)?;
+        background.push(abort_on_drop(tokio::spawn(webhook::serve(
+            listener,
+            acceptor,
+            metrics.clone(),
+            stop_signal(),
+        ))));
+    }
+    if let Some(name) = &settings.webhook_configuration {
+        background.push(abort_on_drop(tokio::spawn(
+            webhook_configuration::keep_ca_bundle(
+                client.clone(),
+                name.clone(),
+                ca.cert_pem().to_owned(),
+            ),
+        )));
+    }
     drop(ca);
+
+    let election = match &settings.leader_election {
+        None => None,
+        Some(election_settings) => {
+            let mut election =
+                Election::join(&client, &settings.namespace, election_settings).await?;
+            metrics.leader.set(0);
+            health.set_note(Some(format!(
+                "standing by: Lease {}/{} is held by another replica",
+                settings.namespace, election_settings.lease
+            )));
+            health.set_ready(true);
+            tracing::info!(
+                lease = election_settings.lease,
+                identity = election_settings.identity,
+                "standing by for the leader Lease"
+            );
+            tokio::select! {
+                won = election.won() => won?,
+                () = shutdown_signal() => {
+                    let _ = stop.send(true);
+                    election.resign().await;
+                    return Ok(());
+                }
+            }
+            tracing::info!(lease = election_settings.lease, "leading");
+            health.set_note(Some("leading; syncing caches".to_owned()));
+            Some(election)
+        }
+    };
+    metrics.leader.set(1);
+    let lost = election.as_ref().map(Election::lost);
 
     let modules: Api<ManagedClusterModule> = Api::all(client.clone());
     let module_watch = match &settings.module_selector {
@@ -93,14 +192,6 @@ pub async fn run(
         secrets: secrets_writer.as_reader(),
     };
     let state = Arc::new(FleetState::new(stores.clone(), metrics.clone()));
-
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let stop_signal = move || {
-        let mut stopped = stopped.clone();
-        async move {
-            let _ = stopped.wait_for(|s| *s).await;
-        }
-    };
 
     let clusters_api: Api<DynamicObject> = Api::all_with(client.clone(), &cluster_resource);
     let clusters = watch_into(
@@ -144,25 +235,49 @@ pub async fn run(
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .add_service(HubServer::new(SyncService {
             state: state.clone(),
-            metrics,
+            metrics: metrics.clone(),
         }))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), stop_signal());
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listeners.grpc), stop_signal());
     tracing::info!(namespace = settings.namespace, "kmm-hub serving");
 
     let stopping = state.clone();
     let stopper = async move {
-        shutdown.await;
-        tracing::info!("shutting down");
+        let lost_leadership = match lost {
+            Some(lost) => tokio::select! {
+                () = shutdown_signal() => false,
+                () = lost => true,
+            },
+            None => {
+                shutdown_signal().await;
+                false
+            }
+        };
+        let why = if lost_leadership {
+            tracing::error!("lost the leader Lease; stopping");
+            "the hub lost its leadership"
+        } else {
+            tracing::info!("shutting down");
+            "the hub is shutting down"
+        };
         // Streams never end by themselves; the server's graceful stop waits for them.
-        stopping.end_streams("the hub is shutting down");
+        stopping.end_streams(why);
         let _ = stop.send(true);
+        lost_leadership
     };
     let clusters = abort_on_drop(tokio::spawn(clusters));
     let secrets = abort_on_drop(tokio::spawn(secrets));
-    let (grpc_result, (), ()) = tokio::join!(grpc_server, reconciler, stopper);
-    drop((clusters, secrets));
+    let (grpc_result, (), lost_leadership) = tokio::join!(grpc_server, reconciler, stopper);
+    drop((clusters, secrets, background));
     health.set_ready(false);
-    grpc_result.map_err(ServeError::Grpc)
+    metrics.leader.set(0);
+    if let Some(election) = election {
+        election.resign().await;
+    }
+    grpc_result.map_err(ServeError::Grpc)?;
+    if lost_leadership {
+        return Err(ServeError::LeadershipLost);
+    }
+    Ok(())
 }
 
 /// Keeps a reflector store current and recomputes the fleet on every change.
@@ -195,6 +310,7 @@ async fn wait_synced(stores: Stores, state: Arc<FleetState>, health: Health) {
     if ready.await.is_ok() {
         tracing::info!("caches synced; intents may go out");
         state.set_synced();
+        health.set_note(None);
         health.set_ready(true);
     }
 }

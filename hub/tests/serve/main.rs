@@ -2,6 +2,8 @@
 //! ManagedClusters spoke1 and spoke2), with a test spoke proxy speaking `Hub.Sync`.
 //! Each test runs its own hub in its own namespace, managing only its own modules.
 
+mod admission;
+mod leadership;
 mod support;
 
 use std::time::Duration;

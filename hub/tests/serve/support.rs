@@ -8,7 +8,8 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::Secret;
 use kmm_api::ManagedClusterModule;
 use kmm_e2e::fixture::{Fleet, TempNamespace, wait_until};
-use kmm_hub::serve::{self, ServeError, Settings, metrics::Metrics};
+use kmm_hub::serve::leadership::LeaderElection;
+use kmm_hub::serve::{self, Listeners, ServeError, Settings, metrics::Metrics};
 use kmm_proto::v1::{
     HubMessage, IntentSnapshot, Kernel, KernelInventory, ModuleKey, ModuleNodeKey,
     ModuleNodeStatus, ModuleState, NodeStatusReport, ProxyHello, ProxyMessage,
@@ -27,6 +28,8 @@ use tonic::Streaming;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
 pub const WAIT: Duration = Duration::from_secs(30);
+/// Lease duration of the election tests' hubs: a standby takes over within it.
+pub const LEASE_DURATION: Duration = Duration::from_secs(6);
 /// Label of the test's modules; the test's hub manages only those.
 const HUB_LABEL: &str = "test.kmm.sigs.x-k8s.io/hub";
 /// A kernel with a mapping in [`module`] and one without.
@@ -53,9 +56,21 @@ pub async fn fleet() -> Fleet {
     fleet
 }
 
+/// What a test hub runs besides the reconciler and `Hub.Sync`.
+#[derive(Debug, Default)]
+pub struct HubOptions {
+    /// Serve the admission webhook and keep the CA in this ValidatingWebhookConfiguration.
+    pub webhook_configuration: Option<String>,
+    /// Join the election for the Lease `kmm-hub` of the namespace under this identity.
+    pub leader_identity: Option<String>,
+}
+
 /// A running hub.
 pub struct TestHub {
     pub client: Client,
+    pub webhook_addr: Option<SocketAddr>,
+    pub health: Health,
+    pub metrics: Metrics,
     pub namespace: String,
     pub addr: SocketAddr,
     stop: Option<oneshot::Sender<()>>,
@@ -72,28 +87,58 @@ impl TestHub {
     }
 
     pub async fn start_in(fleet: &Fleet, namespace: &str, unload_timeout: Duration) -> Self {
+        Self::start_with(fleet, namespace, unload_timeout, HubOptions::default()).await
+    }
+
+    pub async fn start_with(
+        fleet: &Fleet,
+        namespace: &str,
+        unload_timeout: Duration,
+        options: HubOptions,
+    ) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("a free port");
         let addr = listener.local_addr().unwrap();
+        let webhook = match options.webhook_configuration {
+            Some(_) => Some(TcpListener::bind("127.0.0.1:0").await.expect("a free port")),
+            None => None,
+        };
+        let webhook_addr = webhook.as_ref().map(|l| l.local_addr().unwrap());
         let settings = Settings {
             namespace: namespace.to_owned(),
             grpc_sans: vec!["localhost".into(), "127.0.0.1".into()],
             unload_timeout,
             instance: format!("test-{namespace}"),
             module_selector: Some(format!("{HUB_LABEL}={namespace}")),
+            webhook_sans: vec!["127.0.0.1".into()],
+            webhook_configuration: options.webhook_configuration,
+            leader_election: options.leader_identity.map(|identity| LeaderElection {
+                lease: "kmm-hub".into(),
+                identity,
+                duration: LEASE_DURATION,
+                renew_before: Duration::from_secs(2),
+                pod: None,
+            }),
         };
+        let (health, metrics) = (Health::default(), Metrics::default());
         let (stop, stopped) = oneshot::channel();
         let task = tokio::spawn(serve::run(
             fleet.hub.clone(),
             settings,
-            listener,
-            Health::default(),
-            Metrics::default(),
+            Listeners {
+                grpc: listener,
+                webhook,
+            },
+            health.clone(),
+            metrics.clone(),
             async {
                 let _ = stopped.await;
             },
         ));
         Self {
             client: fleet.hub.clone(),
+            webhook_addr,
+            health,
+            metrics,
             namespace: namespace.to_owned(),
             addr,
             stop: Some(stop),

@@ -1,0 +1,114 @@
+//! Admission review of ManagedClusterModules: the pure decision behind the hub's
+//! validating webhook. A create or update is refused with every problem the resolver's
+//! validation finds, each named by field path and value, so nothing invalid is stored.
+
+use kmm_api::ManagedClusterModule;
+use kmm_resolver::{FieldError, ModuleIdentity, validate};
+use kube::core::DynamicObject;
+use kube::core::admission::{AdmissionRequest, AdmissionResponse, Operation};
+use kube::core::response::{StatusCause, StatusDetails, StatusSummary};
+
+/// Path the webhook serves; the ValidatingWebhookConfiguration points here.
+pub const VALIDATE_PATH: &str = "/validate-managedclustermodule";
+
+/// Decides one admission request.
+pub fn review(request: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
+    let response = AdmissionResponse::from(request);
+    if !matches!(request.operation, Operation::Create | Operation::Update) {
+        return response;
+    }
+    let Some(object) = &request.object else {
+        return deny(
+            response,
+            vec![problem("", None, "the request carries no object")],
+        );
+    };
+    let module = match parse(object) {
+        Ok(module) => module,
+        Err(problem) => return deny(response, vec![problem]),
+    };
+    if request.operation == Operation::Update && !needs_validation(&module, request) {
+        return response;
+    }
+    let name = module.metadata.name.as_deref().unwrap_or(&request.name);
+    match validate(
+        &module.spec.module_spec,
+        ModuleIdentity {
+            name,
+            namespace: &module.spec.spoke_namespace,
+            spec_path: "spec.moduleSpec",
+        },
+    ) {
+        Ok(()) => response,
+        Err(errors) => deny(response, errors.0),
+    }
+}
+
+/// An update that leaves the spec as it was (finalizers, labels, annotations) or that
+/// belongs to a deletion is never refused: an object stored before a rule existed must
+/// still be labelled, and its finalizer released.
+fn needs_validation(
+    module: &ManagedClusterModule,
+    request: &AdmissionRequest<DynamicObject>,
+) -> bool {
+    if module.metadata.deletion_timestamp.is_some() {
+        return false;
+    }
+    let old = request.old_object.as_ref().and_then(|old| parse(old).ok());
+    old.is_none_or(|old| old.spec != module.spec)
+}
+
+fn parse(object: &DynamicObject) -> Result<ManagedClusterModule, FieldError> {
+    let value = serde_json::to_value(object)
+        .map_err(|e| problem("", None, &format!("the object cannot be read: {e}")))?;
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let field = e.path().to_string();
+        problem(&field, None, &e.into_inner().to_string())
+    })
+}
+
+fn problem(field: &str, value: Option<&str>, message: &str) -> FieldError {
+    FieldError {
+        field: field.to_owned(),
+        value: value.map(str::to_owned),
+        message: message.to_owned(),
+    }
+}
+
+/// Refuses with status 422 Invalid: the message lists every problem (it is what
+/// `kubectl apply` prints), and the causes carry them field by field.
+fn deny(response: AdmissionResponse, problems: Vec<FieldError>) -> AdmissionResponse {
+    let lines: Vec<String> = problems.iter().map(ToString::to_string).collect();
+    let message = format!(
+        "ManagedClusterModule is invalid ({} problem{}): {}",
+        lines.len(),
+        if lines.len() == 1 { "" } else { "s" },
+        lines.join("; ")
+    );
+    let mut response = response.deny(message);
+    response.result.status = Some(StatusSummary::Failure);
+    response.result.code = 422;
+    response.result.reason = "Invalid".to_owned();
+    response.result.details = Some(StatusDetails {
+        name: String::new(),
+        group: "hub.kmm.sigs.x-k8s.io".to_owned(),
+        kind: "managedclustermodules".to_owned(),
+        uid: String::new(),
+        retry_after_seconds: 0,
+        causes: problems
+            .iter()
+            .map(|p| StatusCause {
+                reason: "FieldValueInvalid".to_owned(),
+                message: match &p.value {
+                    Some(value) => format!("{value:?}: {}", p.message),
+                    None => p.message.clone(),
+                },
+                field: p.field.clone(),
+            })
+            .collect(),
+    });
+    response
+}
+
+#[cfg(test)]
+mod tests;

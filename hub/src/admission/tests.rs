@@ -1,0 +1,137 @@
+use kube::core::DynamicObject;
+use kube::core::admission::{AdmissionRequest, AdmissionReview};
+use serde_json::{Value, json};
+
+use super::*;
+
+fn module(image: &str) -> Value {
+    json!({
+        "apiVersion": "hub.kmm.sigs.x-k8s.io/v1beta1",
+        "kind": "ManagedClusterModule",
+        "metadata": {"name": "kmm-hello"},
+        "spec": {
+            "spokeNamespace": "kmm-demo",
+            "selector": {"kmm.fleet/demo": "true"},
+            "moduleSpec": {
+                "selector": {},
+                "moduleLoader": {"container": {
+                    "modprobe": {"moduleName": "kmm_hello"},
+                    "kernelMappings": [{"regexp": "^.+$", "containerImage": image}],
+                }},
+            },
+        },
+    })
+}
+
+const GOOD: &str = "registry.example.com/kmm-hello:${KERNEL_FULL_VERSION}";
+
+fn request(
+    operation: &str,
+    object: Option<Value>,
+    old: Option<Value>,
+) -> AdmissionRequest<DynamicObject> {
+    let review: AdmissionReview<DynamicObject> = serde_json::from_value(json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "0b7c3a4e-1d6b-4d8e-9b1a-3c2f5e6d7a8b",
+            "kind": {"group": "hub.kmm.sigs.x-k8s.io", "version": "v1beta1", "kind": "ManagedClusterModule"},
+            "resource": {"group": "hub.kmm.sigs.x-k8s.io", "version": "v1beta1", "resource": "managedclustermodules"},
+            "name": "kmm-hello",
+            "operation": operation,
+            "userInfo": {"username": "admin"},
+            "object": object,
+            "oldObject": old,
+        },
+    }))
+    .expect("a well-formed review");
+    review.try_into().expect("the review has a request")
+}
+
+#[test]
+fn a_valid_module_is_allowed() {
+    let response = review(&request("CREATE", Some(module(GOOD)), None));
+    assert!(response.allowed, "{:?}", response.result);
+    assert_eq!(response.uid, "0b7c3a4e-1d6b-4d8e-9b1a-3c2f5e6d7a8b");
+}
+
+#[test]
+fn an_invalid_create_is_refused_with_every_problem_by_path() {
+    let mut object = module("registry.example.com/kmm-hello:${NOT_A_VARIABLE}");
+    object["spec"]["moduleSpec"]["moduleLoader"]["container"]["kernelMappings"][0]["regexp"] =
+        json!("(");
+    let response = review(&request("CREATE", Some(object), None));
+    assert!(!response.allowed);
+    assert_eq!(
+        (response.result.code, response.result.reason.as_str()),
+        (422, "Invalid")
+    );
+    let m = "spec.moduleSpec.moduleLoader.container.kernelMappings[0]";
+    let fields: Vec<&str> = response
+        .result
+        .details
+        .as_ref()
+        .expect("causes")
+        .causes
+        .iter()
+        .map(|c| c.field.as_str())
+        .collect();
+    assert_eq!(
+        fields,
+        [format!("{m}.regexp"), format!("{m}.containerImage")]
+    );
+    assert!(
+        response
+            .result
+            .message
+            .starts_with("ManagedClusterModule is invalid (2 problems): "),
+        "{}",
+        response.result.message
+    );
+    assert!(
+        response.result.message.contains("NOT_A_VARIABLE"),
+        "{}",
+        response.result.message
+    );
+}
+
+#[test]
+fn a_type_error_names_its_field() {
+    let mut object = module(GOOD);
+    object["spec"]["selector"] = json!(["not", "a", "map"]);
+    let response = review(&request("CREATE", Some(object), None));
+    assert!(!response.allowed);
+    assert!(
+        response.result.message.contains("spec.selector"),
+        "{}",
+        response.result.message
+    );
+}
+
+#[test]
+fn an_update_that_keeps_the_spec_is_allowed_even_if_the_spec_is_invalid() {
+    let invalid = module("registry.example.com/no-tag");
+    let mut labelled = invalid.clone();
+    labelled["metadata"]["finalizers"] = json!(["hub.kmm.sigs.x-k8s.io/unload"]);
+    assert!(review(&request("UPDATE", Some(labelled), Some(invalid.clone()))).allowed);
+    assert!(!review(&request("UPDATE", Some(invalid), Some(module(GOOD)))).allowed);
+}
+
+#[test]
+fn a_module_being_deleted_can_always_be_updated() {
+    let mut deleting = module("registry.example.com/no-tag");
+    deleting["metadata"]["deletionTimestamp"] = json!("2026-11-23T12:00:00Z");
+    assert!(review(&request("UPDATE", Some(deleting), Some(module(GOOD)))).allowed);
+}
+
+#[test]
+fn deletes_are_never_refused() {
+    assert!(
+        review(&request(
+            "DELETE",
+            None,
+            Some(module("registry.example.com/no-tag"))
+        ))
+        .allowed
+    );
+}

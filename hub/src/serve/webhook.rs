@@ -1,0 +1,157 @@
+//! The validating admission webhook's HTTPS endpoint. Every replica serves it, leader or
+//! not: admission is stateless, and a create must not wait for a failover.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use kube::core::DynamicObject;
+use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use thiserror::Error;
+use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
+
+use super::metrics::Metrics;
+use crate::admission::{VALIDATE_PATH, review};
+
+/// The apiserver sends at most 3 MiB objects; a review wraps one or two of them.
+const MAX_BODY: usize = 8 * 1024 * 1024;
+
+#[derive(Debug, Error)]
+pub enum WebhookError {
+    #[error("the webhook's serving certificate is unusable: {0}")]
+    Certificate(String),
+    #[error("the webhook's TLS settings are invalid: {0}")]
+    Tls(#[from] rustls::Error),
+}
+
+/// A TLS acceptor for the webhook from a PEM certificate chain and key.
+pub fn acceptor(cert_pem: &str, key_pem: &str) -> Result<TlsAcceptor, WebhookError> {
+    let chain = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| WebhookError::Certificate(e.to_string()))?;
+    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes())
+        .map_err(|e| WebhookError::Certificate(e.to_string()))?;
+    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()?
+    .with_no_client_auth()
+    .with_single_cert(chain, key)?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(TlsAcceptor::from(Arc::new(config)))
+}
+
+/// Serves admission reviews on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: TcpListener,
+    acceptor: TlsAcceptor,
+    metrics: Metrics,
+    shutdown: impl Future<Output = ()>,
+) {
+    tokio::pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            () = &mut shutdown => return,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(error) => {
+                    tracing::warn!(%error, "webhook: accept failed");
+                    continue;
+                }
+            },
+        };
+        let acceptor = acceptor.clone();
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            let stream = match acceptor.accept(stream).await {
+                Ok(stream) => stream,
+                Err(error) => {
+                    tracing::debug!(%error, "webhook: TLS handshake failed");
+                    return;
+                }
+            };
+            let service = service_fn(move |request: Request<Incoming>| {
+                let metrics = metrics.clone();
+                async move { Ok::<_, Infallible>(handle(request, &metrics).await) }
+            });
+            if let Err(error) = http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await
+            {
+                tracing::debug!(%error, "webhook: connection ended");
+            }
+        });
+    }
+}
+
+async fn handle(request: Request<Incoming>, metrics: &Metrics) -> Response<Full<Bytes>> {
+    if request.uri().path() != VALIDATE_PATH {
+        return plain(StatusCode::NOT_FOUND, "not found\n");
+    }
+    if request.method() != Method::POST {
+        return plain(StatusCode::METHOD_NOT_ALLOWED, "only POST\n");
+    }
+    let started = Instant::now();
+    let body = match Limited::new(request.into_body(), MAX_BODY).collect().await {
+        Ok(body) => body.to_bytes(),
+        Err(error) => {
+            return plain(
+                StatusCode::BAD_REQUEST,
+                &format!("cannot read the body: {error}\n"),
+            );
+        }
+    };
+    let admission: AdmissionRequest<DynamicObject> =
+        match serde_json::from_slice::<AdmissionReview<DynamicObject>>(&body)
+            .map_err(|e| e.to_string())
+            .and_then(|r| {
+                r.try_into()
+                    .map_err(|e: kube::core::admission::ConvertAdmissionReviewError| e.to_string())
+            }) {
+            Ok(admission) => admission,
+            Err(error) => {
+                return plain(
+                    StatusCode::BAD_REQUEST,
+                    &format!("not an admission.k8s.io/v1 AdmissionReview: {error}\n"),
+                );
+            }
+        };
+    let response: AdmissionResponse = review(&admission);
+    metrics.observe_admission(response.allowed, started.elapsed());
+    if !response.allowed {
+        tracing::info!(
+            module = admission.name,
+            user = admission.user_info.username.as_deref().unwrap_or_default(),
+            operation = ?admission.operation,
+            reason = response.result.message,
+            "refused a ManagedClusterModule"
+        );
+    }
+    match serde_json::to_vec(&response.into_review()) {
+        Ok(json) => Response::builder()
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from(json)))
+            .unwrap_or_else(|_| plain(StatusCode::INTERNAL_SERVER_ERROR, "encoding\n")),
+        Err(error) => plain(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            &format!("cannot encode the review: {error}\n"),
+        ),
+    }
+}
+
+fn plain(status: StatusCode, text: &str) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from(text.to_owned())));
+    *response.status_mut() = status;
+    response
+}

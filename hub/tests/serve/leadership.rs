@@ -1,0 +1,110 @@
+//! Two replicas and one Lease: one leads (reconciles, writes status), the other stands by
+//! ready and says so; when the leader stops, the standby takes over within the lease
+//! duration and a spec change made meanwhile converges.
+
+use std::time::Instant;
+
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::Api;
+use kube::api::{Patch, PatchParams};
+use serde_json::json;
+
+use crate::support::*;
+
+fn options(identity: &str) -> HubOptions {
+    HubOptions {
+        leader_identity: Some(identity.to_owned()),
+        ..HubOptions::default()
+    }
+}
+
+async fn holder(leases: &Api<Lease>) -> Result<String, String> {
+    leases
+        .get_opt("kmm-hub")
+        .await
+        .map_err(|e| e.to_string())?
+        .and_then(|l| l.spec?.holder_identity)
+        .ok_or_else(|| "no holder".to_owned())
+}
+
+#[tokio::test]
+async fn one_replica_leads_and_the_other_takes_over_when_it_stops() {
+    let fleet = fleet().await;
+    let namespace = kmm_e2e::fixture::TempNamespace::create(&fleet.hub, "kmm-hub-test")
+        .await
+        .unwrap();
+    let (first, second) = tokio::join!(
+        TestHub::start_with(&fleet, &namespace.name, WAIT, options("replica-a")),
+        TestHub::start_with(&fleet, &namespace.name, WAIT, options("replica-b")),
+    );
+    let leases: Api<Lease> = Api::namespaced(fleet.hub.clone(), &namespace.name);
+    let leader_identity =
+        kmm_e2e::fixture::wait_until("a replica holds the Lease", WAIT, || holder(&leases))
+            .await
+            .unwrap();
+    let (leader, standby) = if leader_identity == "replica-a" {
+        (first, second)
+    } else {
+        (second, first)
+    };
+    kmm_e2e::fixture::wait_until(
+        "the leader is ready and the standby says it stands by",
+        WAIT,
+        || async {
+            let states = (
+                leader.metrics.leader.get(),
+                standby.metrics.leader.get(),
+                standby.health.is_ready(),
+            );
+            (states == (1, 0, true))
+                .then_some(())
+                .ok_or(format!("leader, standby, standby ready: {states:?}"))
+        },
+    )
+    .await
+    .unwrap();
+
+    // Only the leader reconciles: the module gets its status.
+    let name = format!("lead-{}", &namespace.name[namespace.name.len() - 5..]);
+    leader.create_module(&name, module("1", None)).await;
+    leader
+        .wait_module(&name, "status for generation 1", WAIT, |m| {
+            let observed = m.and_then(|m| m.status?.observed_generation);
+            (observed == Some(1))
+                .then_some(())
+                .ok_or(format!("observedGeneration {observed:?}"))
+        })
+        .await;
+
+    // The leader goes; the standby takes over at once (the Lease is released, not left
+    // to expire), and a spec change made during the handover converges.
+    let stopped = Instant::now();
+    leader.stop().await;
+    let patch = json!({"spec": {"moduleSpec": {"moduleLoader": {"container": {"version": "2"}}}}});
+    standby
+        .modules()
+        .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+    kmm_e2e::fixture::wait_until("the standby leads", LEASE_DURATION, || async {
+        let holder = holder(&leases).await?;
+        (standby.metrics.leader.get() == 1 && holder != leader_identity)
+            .then_some(())
+            .ok_or(format!("holder {holder}"))
+    })
+    .await
+    .unwrap();
+    println!(
+        "leadership: handover after a graceful stop took {:?}",
+        stopped.elapsed()
+    );
+    standby
+        .wait_module(&name, "status for generation 2", WAIT, |m| {
+            let observed = m.and_then(|m| m.status?.observed_generation);
+            (observed == Some(2))
+                .then_some(())
+                .ok_or(format!("observedGeneration {observed:?}"))
+        })
+        .await;
+    standby.clean_up(namespace, &[&name], &[]).await;
+}
