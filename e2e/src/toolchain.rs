@@ -81,6 +81,9 @@ pub fn components(v: &Versions) -> Vec<Component> {
                 "k8s.io/kubernetes/cmd/kube-apiserver",
                 "k8s.io/kubernetes/cmd/kube-controller-manager",
                 "k8s.io/kubernetes/cmd/kube-scheduler",
+                // The real nodes'.
+                "k8s.io/kubernetes/cmd/kubelet",
+                "k8s.io/kubernetes/cmd/kube-proxy",
             ],
             substitutions: vec![],
             version_vars: kubernetes_version_vars(&v.kubernetes.version),
@@ -370,6 +373,8 @@ mod tests {
             .flat_map(Component::binaries)
             .collect();
         assert!(names.contains(&"kube-apiserver"));
+        assert!(names.contains(&"kubelet"));
+        assert!(names.contains(&"kube-proxy"));
         assert!(names.contains(&"etcd"));
         assert!(names.contains(&"registration-operator"));
     }
