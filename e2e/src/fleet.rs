@@ -2,9 +2,12 @@
 //!
 //! Everything runs as processes on 127.0.0.1: one etcd (each cluster under its own key
 //! prefix), a hub control plane with the OCM hub controllers, `N` spoke control planes
-//! each with KWOK and the OCM klusterlet agent, and an OCI registry. The state directory
-//! holds certificates, kubeconfigs, logs and `state.json` (PIDs, ports, nodes).
+//! each with KWOK and the OCM klusterlet agent, and an OCI registry. Every cluster also
+//! gets real nodes (containerd, kubelet, kube-proxy), each in its own network and mount
+//! namespace on the fleet's bridge ([`network`], [`nodes`]). The state directory holds
+//! certificates, kubeconfigs, logs and `state.json` (PIDs, ports, nodes).
 
+use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -21,12 +24,18 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::pki::{self, Ca};
-use crate::process::{Tracked, spawn};
+use crate::process::{self, Confinement, Tracked, spawn};
 use crate::toolchain::{BIN_DIR_ENV, Toolchain};
 use crate::versions::Versions;
 use crate::{Error, IoContext, Result, cache_dir, kmod};
 
 pub mod kmm;
+pub mod network;
+pub mod nodes;
+
+use network::{MAX_REAL_NODES, Network, SERVICE_CIDR};
+use nodes::images::NodeImages;
+use nodes::{NODE_TYPE_LABEL, RealNode};
 
 /// Field manager for everything the environment applies.
 const MANAGER: &str = "kmm-fleet-env";
@@ -60,7 +69,15 @@ const POLL: Duration = Duration::from_millis(250);
 #[derive(Debug, Clone)]
 pub struct Options {
     pub spokes: usize,
+    /// KWOK (simulated) nodes per spoke.
     pub nodes_per_spoke: usize,
+    /// Real nodes (containerd + kubelet + kube-proxy) per cluster, hub included; at most
+    /// [`MAX_REAL_NODES`] in the whole fleet.
+    pub real_nodes_per_cluster: usize,
+    /// Run Open Cluster Management (hub controllers, klusterlet agents, acceptance).
+    /// Without it, spokes are bare clusters and kmm-fleet cannot run; only one fleet
+    /// with OCM fits on a host (its webhook-server binds :8000).
+    pub ocm: bool,
     /// Also start kmm-fleet's own components (hub, proxies, node agents).
     pub kmm: bool,
 }
@@ -70,6 +87,8 @@ impl Default for Options {
         Self {
             spokes: 2,
             nodes_per_spoke: 3,
+            real_nodes_per_cluster: 1,
+            ocm: true,
             kmm: true,
         }
     }
@@ -79,8 +98,18 @@ impl Default for Options {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct State {
     pub clusters: Vec<Cluster>,
-    /// `host:port` of the OCI registry.
+    /// `host:port` of the OCI registry, on loopback.
     pub registry: String,
+    /// The same registry as pods and containerd on the real nodes reach it, at the
+    /// bridge address (`198.18.F.1:<port>`): images pods pull are named with it.
+    #[serde(default)]
+    pub node_registry: String,
+    /// The real nodes' bridge, addresses and names.
+    #[serde(default)]
+    pub network: Option<Network>,
+    /// Images pushed for the real nodes (sandbox, busybox), named by `node_registry`.
+    #[serde(default)]
+    pub node_images: Option<NodeImages>,
     /// Sample images pushed to the registry, by kernel.
     pub images: Vec<kmod::SampleImage>,
     pub processes: Vec<Tracked>,
@@ -98,6 +127,9 @@ pub struct Cluster {
     pub server: String,
     /// Simulated nodes and their kernels (empty on the hub).
     pub nodes: Vec<SimulatedNode>,
+    /// Real nodes (`<cluster>-real1`, ...), labelled `kmm-fleet.dev/node-type=real`.
+    #[serde(default)]
+    pub real_nodes: Vec<RealNode>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -116,6 +148,11 @@ impl State {
 
     pub fn spokes(&self) -> impl Iterator<Item = &Cluster> {
         self.clusters.iter().filter(|c| c.name != "hub")
+    }
+
+    /// Every real node of every cluster.
+    pub fn real_nodes(&self) -> impl Iterator<Item = &RealNode> {
+        self.clusters.iter().flat_map(|c| &c.real_nodes)
     }
 
     pub fn load(dir: &Path) -> Result<Option<Self>> {
@@ -238,12 +275,26 @@ pub async fn up(settings: &Settings, opts: &Options) -> Result<State> {
             dir.display()
         )));
     }
+    let real_nodes = (opts.spokes + 1) * opts.real_nodes_per_cluster;
+    if real_nodes > MAX_REAL_NODES {
+        return Err(Error::Invalid(format!(
+            "{real_nodes} real nodes asked for; a fleet has at most {MAX_REAL_NODES}"
+        )));
+    }
+    if opts.kmm && !opts.ocm {
+        return Err(Error::Invalid(
+            "kmm-fleet runs on Open Cluster Management: kmm needs ocm".into(),
+        ));
+    }
+    // What a fleet that was not brought down left on the host (namespaces, cgroups).
+    release_host(settings)?;
     if dir.exists() {
         std::fs::remove_dir_all(&dir).context(|| format!("removing stale {}", dir.display()))?;
     }
     std::fs::create_dir_all(&dir).context(|| format!("creating {}", dir.display()))?;
     let versions = Versions::pinned();
     let toolchain = Toolchain::ensure(&versions, settings.bin_dir.as_deref())?;
+    let network = Network::of(settings.base_port);
     let mut starting = Starting {
         dir: dir.clone(),
         toolchain,
@@ -251,9 +302,13 @@ pub async fn up(settings: &Settings, opts: &Options) -> Result<State> {
         ports: Ports {
             base: settings.base_port,
         },
+        network: network.clone(),
         state: State {
             clusters: vec![],
             registry: String::new(),
+            node_registry: String::new(),
+            network: Some(network),
+            node_images: None,
             images: vec![],
             processes: vec![],
             kmm: None,
@@ -271,12 +326,19 @@ pub async fn up(settings: &Settings, opts: &Options) -> Result<State> {
             }
             starting.state.processes.clear();
             starting.state.save(&dir)?;
+            // The failure that stopped `up` is the one to report; a cleanup failure
+            // on top is only printed (`down` retries the cleanup).
+            if let Err(cleanup) = release_host(settings) {
+                eprintln!("fleet: cleaning up after the failed start: {cleanup}");
+            }
             Err(e)
         }
     }
 }
 
-/// Stop every process of the fleet and remove its state directory.
+/// Stop every process of the fleet, release what its real nodes hold on the host
+/// (cgroups with containerd's shims and the containers, mount and network namespaces,
+/// the bridge) and remove its state directory.
 pub fn down(settings: &Settings) -> Result<()> {
     let dir = &settings.state_dir;
     if let Some(state) = State::load(dir)? {
@@ -284,10 +346,22 @@ pub fn down(settings: &Settings) -> Result<()> {
             p.stop(Duration::from_secs(10));
         }
     }
+    release_host(settings)?;
     if dir.exists() {
         std::fs::remove_dir_all(dir).context(|| format!("removing {}", dir.display()))?;
     }
     Ok(())
+}
+
+/// Everything of the fleet's real nodes outside its processes, found by the names
+/// derived from the base port and by the state directory, so that it works without
+/// (or with a stale) `state.json`: the nodes' cgroups (killing what is left in them),
+/// the mount namespace files, the network namespaces and the bridge.
+fn release_host(settings: &Settings) -> Result<()> {
+    let network = Network::of(settings.base_port);
+    nodes::remove_cgroups(&network.prefix)?;
+    nodes::unmount_below(&settings.state_dir)?;
+    network.remove()
 }
 
 /// Stops process `name` of the running fleet (SIGTERM, then SIGKILL after `grace`); it
@@ -327,27 +401,41 @@ pub fn start_process(
         .iter()
         .map(|(k, v)| (k.as_str(), v.clone()))
         .collect();
-    *process = spawn(name, &previous.program, &args, &env, &previous.log)?;
+    *process = spawn(
+        name,
+        &previous.program,
+        &args,
+        &env,
+        &previous.log,
+        previous.confinement.as_ref(),
+    )?;
     let started = process.clone();
     state.save(dir)?;
     Ok(started)
 }
 
 /// One line per component: name, PID, health, memory (current RSS and peak), log;
-/// then the fleet's total. An apiserver is healthy when `/readyz` says ok, any other
-/// component while its process runs.
+/// then one per real node (Ready, and everything in its cgroup: daemons, shims,
+/// containers) and the fleet's total. An apiserver is healthy when `/readyz` says ok,
+/// a kubelet or kube-proxy when its `/healthz` does, containerd when it serves its
+/// metrics (all three on the node's address); any other component while it runs.
 pub async fn status(settings: &Settings) -> Result<Vec<String>> {
     let dir = &settings.state_dir;
     let Some(state) = State::load(dir)? else {
         return Ok(vec![format!("no fleet (no state in {})", dir.display())]);
     };
     let mut lines = vec![format!(
-        "state: {}  registry: {}",
+        "state: {}  registry: {} (from real nodes: {})",
         dir.display(),
-        state.registry
+        state.registry,
+        state.node_registry
     )];
     let (mut total_rss, mut total_peak) = (0, 0);
     for p in &state.processes {
+        let node_daemon = state.real_nodes().find_map(|node| {
+            let daemon = p.name.strip_prefix(&node.process(""))?;
+            Some((node, daemon))
+        });
         let health = if !p.alive() {
             "NOT RUNNING".to_string()
         } else if let Some(cluster) = p.name.strip_suffix("/kube-apiserver") {
@@ -356,6 +444,10 @@ pub async fn status(settings: &Settings) -> Result<Vec<String>> {
                 Some(text) if text.trim() == "ok" => "ready".into(),
                 _ => "NOT READY".into(),
             }
+        } else if let Some((node, daemon)) = node_daemon
+            && let Some(healthy) = node.healthy(daemon).await
+        {
+            if healthy { "healthy" } else { "NOT HEALTHY" }.into()
         } else {
             "running".into()
         };
@@ -372,6 +464,34 @@ pub async fn status(settings: &Settings) -> Result<Vec<String>> {
             p.log.display()
         ));
     }
+    for cluster in &state.clusters {
+        if cluster.real_nodes.is_empty() {
+            continue;
+        }
+        let nodes: Api<Node> = Api::all(client_for(&cluster.kubeconfig).await?);
+        for node in &cluster.real_nodes {
+            let ready = match nodes.get(&node.name).await {
+                Ok(n) if node_ready(&n) => "Ready",
+                Ok(_) => "NOT READY",
+                Err(_) => "NOT REGISTERED",
+            };
+            let pids = node.processes().unwrap_or_default();
+            let rss: u64 = pids
+                .iter()
+                .filter_map(|pid| process::memory_kib(*pid))
+                .map(|(rss, _)| rss)
+                .sum();
+            lines.push(format!(
+                "node {:<26} {} pods {}  {:<14} cgroup: {} processes, rss {} MiB",
+                node.name,
+                node.ip,
+                node.pod_cidr,
+                ready,
+                pids.len(),
+                rss / 1024
+            ));
+        }
+    }
     lines.push(format!(
         "total: {} processes, rss {} MiB, sum of per-process peaks {} MiB",
         state.processes.len(),
@@ -386,6 +506,7 @@ struct Starting {
     toolchain: Toolchain,
     versions: Versions,
     ports: Ports,
+    network: Network,
     state: State,
 }
 
@@ -409,29 +530,45 @@ impl Starting {
         let crds = ocm_crds(&api_dir)?;
         let kwok_dir = go_module_dir(&format!("sigs.k8s.io/kwok@{}", self.versions.kwok.version))?;
 
+        nodes::check_host_packages()?;
+        self.network.create()?;
         self.etcd().await?;
-        let hub = self.control_plane("hub", 0, false).await?;
-        let bootstrap = self.ocm_hub(&hub, &crds).await?;
+        // First: the real nodes pull their sandbox image from it.
+        self.registry().await?;
+        let hub = self.control_plane("hub", 0).await?;
+        self.real_nodes(&hub, opts.real_nodes_per_cluster).await?;
+        let bootstrap = match opts.ocm {
+            true => Some(self.ocm_hub(&hub, &crds).await?),
+            false => None,
+        };
 
         let kernels = self.versions.kernels.all();
         let mut spokes = vec![];
         for s in 1..=opts.spokes {
-            let spoke = self.control_plane(&format!("spoke{s}"), s, true).await?;
+            let spoke = self.control_plane(&format!("spoke{s}"), s).await?;
+            self.real_nodes(&spoke, opts.real_nodes_per_cluster).await?;
             let nodes = simulated_nodes_of(s, opts.nodes_per_spoke, &kernels);
             self.simulated_nodes(&spoke, &nodes, &kwok_dir).await?;
-            self.ocm_agent(&spoke, &hub, &bootstrap, &crds).await?;
+            if let Some(bootstrap) = &bootstrap {
+                self.ocm_agent(&spoke, &hub, bootstrap, &crds).await?;
+            }
             self.cluster_mut(&spoke.name).nodes = nodes;
             self.state.save(&self.dir)?;
             spokes.push(spoke);
         }
-        for spoke in &spokes {
-            self.accept(&hub, &spoke.name).await?;
+        if opts.ocm {
+            for spoke in &spokes {
+                self.accept(&hub, &spoke.name).await?;
+            }
         }
-        self.registry().await?;
+        self.state.images =
+            kmod::push_samples(&self.state.registry, &self.versions.kernels.with_image).await?;
+        self.state.save(&self.dir)?;
         if opts.kmm {
             self.kmm(&hub, &spokes).await?;
         }
-        Ok(())
+        let clusters: Vec<&ControlPlane> = std::iter::once(&hub).chain(&spokes).collect();
+        self.await_real_nodes(&clusters).await
     }
 
     fn cluster_mut(&mut self, name: &str) -> &mut Cluster {
@@ -462,10 +599,33 @@ impl Starting {
         args: Vec<String>,
         env: &[(&str, String)],
     ) -> Result<Tracked> {
+        self.start_in(name, program, args, env, None)
+    }
+
+    /// [`Starting::start_program`] inside a real node's namespaces and cgroup.
+    fn start_confined(
+        &mut self,
+        name: &str,
+        program: &Path,
+        args: Vec<String>,
+        env: &[(&str, String)],
+        confinement: &Confinement,
+    ) -> Result<Tracked> {
+        self.start_in(name, program, args, env, Some(confinement))
+    }
+
+    fn start_in(
+        &mut self,
+        name: &str,
+        program: &Path,
+        args: Vec<String>,
+        env: &[(&str, String)],
+        confinement: Option<&Confinement>,
+    ) -> Result<Tracked> {
         let logs = self.dir.join("logs");
         std::fs::create_dir_all(&logs).context(|| format!("creating {}", logs.display()))?;
         let log = logs.join(format!("{}.log", name.replace('/', "-")));
-        let tracked = spawn(name, program, &args, env, &log)?;
+        let tracked = spawn(name, program, &args, env, &log, confinement)?;
         self.state.processes.push(tracked.clone());
         self.state.save(&self.dir)?;
         Ok(tracked)
@@ -488,23 +648,21 @@ impl Starting {
         ];
         let etcd = self.start("etcd", "etcd", args, &[])?;
         wait_for(&etcd, "etcd /health", || async move {
-            http_get_plain(client, "/health")
+            http_get_plain(LOOPBACK, client, "/health")
                 .await
                 .is_some_and(|body| body.contains("\"health\":\"true\""))
         })
         .await
     }
 
-    async fn control_plane(
-        &mut self,
-        name: &str,
-        index: usize,
-        scheduler: bool,
-    ) -> Result<ControlPlane> {
+    /// A cluster's kube-apiserver (reachable from the real nodes at the bridge address
+    /// through a forwarder), kube-controller-manager and kube-scheduler.
+    async fn control_plane(&mut self, name: &str, index: usize) -> Result<ControlPlane> {
         let dir = self.dir.join(name);
         let pki_dir = dir.join("pki");
         std::fs::create_dir_all(&pki_dir).context(|| format!("creating {}", pki_dir.display()))?;
         let ca = Ca::create(&pki_dir, "ca", &format!("kmm-fleet {name} CA"))?;
+        let gateway = self.network.gateway.to_string();
         let serving = ca.serving(
             &pki_dir,
             "apiserver",
@@ -515,9 +673,18 @@ impl Starting {
                 "kubernetes.default.svc",
                 "kubernetes.default.svc.cluster.local",
             ],
-            &["127.0.0.1", "10.0.0.1"],
+            // Loopback for the host, the bridge for the kubelets, the `kubernetes`
+            // Service's ClusterIP for pods.
+            &["127.0.0.1", &gateway, "10.0.0.1"],
         )?;
         let admin = ca.client(&pki_dir, "admin", "kmm-fleet-admin", "system:masters")?;
+        // The apiserver's identity towards kubelets (logs, exec, port-forward).
+        let kubelet_client = ca.client(
+            &pki_dir,
+            "apiserver-kubelet-client",
+            "kube-apiserver-kubelet-client",
+            "system:masters",
+        )?;
         let sa = pki::key_pair(&pki_dir, "service-account")?;
         let port = self.ports.cluster(index, APISERVER);
         let server = format!("https://127.0.0.1:{port}");
@@ -541,7 +708,9 @@ impl Starting {
                 ),
                 format!("--etcd-prefix=/kmm-fleet/{name}"),
                 "--bind-address=127.0.0.1".into(),
-                "--advertise-address=127.0.0.1".into(),
+                // The `kubernetes` Service's endpoint: pods reach it through their
+                // node and the forwarder on the bridge.
+                format!("--advertise-address={gateway}"),
                 format!("--secure-port={port}"),
                 format!("--cert-dir={}", p(&dir.join("apiserver-certs"))),
                 format!("--tls-cert-file={}", p(&serving.cert)),
@@ -550,9 +719,18 @@ impl Starting {
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local".into(),
                 format!("--service-account-key-file={}", p(&sa.cert)),
                 format!("--service-account-signing-key-file={}", p(&sa.key)),
-                "--service-cluster-ip-range=10.0.0.0/24".into(),
-                "--authorization-mode=RBAC".into(),
+                format!("--service-cluster-ip-range={SERVICE_CIDR}"),
+                // Node: what kubelets may read and write, as in any kubeadm cluster.
+                "--authorization-mode=Node,RBAC".into(),
                 "--allow-privileged=true".into(),
+                format!("--kubelet-certificate-authority={}", p(&ca.cert)),
+                format!("--kubelet-client-certificate={}", p(&kubelet_client.cert)),
+                format!("--kubelet-client-key={}", p(&kubelet_client.key)),
+                // Nodes' host names do not resolve; their InternalIP is on the bridge.
+                "--kubelet-preferred-address-types=InternalIP".into(),
+                // Webhooks and aggregated APIs by endpoint (pod) IP, which the host
+                // routes to the real nodes; ClusterIPs exist only inside the nodes.
+                "--enable-aggregator-routing=true".into(),
                 // Only to give aggregated/extension servers a client CA to read.
                 format!("--requestheader-client-ca-file={}", p(&ca.cert)),
                 "--requestheader-allowed-names=front-proxy-client".into(),
@@ -578,8 +756,11 @@ impl Starting {
             kubeconfig: kubeconfig.clone(),
             server: server.clone(),
             nodes: vec![],
+            real_nodes: vec![],
         });
         self.state.save(&self.dir)?;
+        self.forward(&format!("{name}/apiserver-forward"), port)
+            .await?;
 
         let kc = p(&kubeconfig);
         let kcm_port = self.ports.cluster(index, CONTROLLER_MANAGER);
@@ -604,23 +785,22 @@ impl Starting {
             &[],
         )?;
         wait_healthz(&kcm, kcm_port, "/healthz").await?;
-        if scheduler {
-            let sched_port = self.ports.cluster(index, SCHEDULER);
-            let sched = self.start(
-                &format!("{name}/kube-scheduler"),
-                "kube-scheduler",
-                vec![
-                    format!("--kubeconfig={kc}"),
-                    format!("--authentication-kubeconfig={kc}"),
-                    format!("--authorization-kubeconfig={kc}"),
-                    "--bind-address=127.0.0.1".into(),
-                    format!("--secure-port={sched_port}"),
-                    "--leader-elect=false".into(),
-                ],
-                &[],
-            )?;
-            wait_healthz(&sched, sched_port, "/healthz").await?;
-        }
+        // The hub's too: Deployments on its real nodes (kmm-hub's own) need one.
+        let sched_port = self.ports.cluster(index, SCHEDULER);
+        let sched = self.start(
+            &format!("{name}/kube-scheduler"),
+            "kube-scheduler",
+            vec![
+                format!("--kubeconfig={kc}"),
+                format!("--authentication-kubeconfig={kc}"),
+                format!("--authorization-kubeconfig={kc}"),
+                "--bind-address=127.0.0.1".into(),
+                format!("--secure-port={sched_port}"),
+                "--leader-elect=false".into(),
+            ],
+            &[],
+        )?;
+        wait_healthz(&sched, sched_port, "/healthz").await?;
         Ok(ControlPlane {
             name: name.into(),
             index,
@@ -738,6 +918,7 @@ impl Starting {
                         "kubernetes.io/os": "linux",
                         "kubernetes.io/arch": "amd64",
                         "type": "kwok",
+                        NODE_TYPE_LABEL: "kwok",
                         KERNEL_LABEL: node.kernel,
                     },
                 },
@@ -931,6 +1112,7 @@ impl Starting {
         Ok(())
     }
 
+    /// The registry, its forwarder to the bridge, and the real nodes' images.
     async fn registry(&mut self) -> Result<()> {
         let port = self.ports.registry();
         let dir = self.dir.join("registry");
@@ -943,12 +1125,20 @@ impl Starting {
             &[],
         )?;
         wait_for(&registry, "the OCI registry /v2/", || async move {
-            http_get_plain(port, "/v2/").await.is_some()
+            http_get_plain(LOOPBACK, port, "/v2/").await.is_some()
         })
         .await?;
+        self.forward("registry-forward", port).await?;
         self.state.registry = format!("127.0.0.1:{port}");
-        self.state.images =
-            kmod::push_samples(&self.state.registry, &self.versions.kernels.with_image).await?;
+        self.state.node_registry = format!("{}:{port}", self.network.gateway);
+        self.state.node_images = Some(
+            nodes::images::push(
+                &self.state.registry,
+                &self.state.node_registry,
+                &self.versions.kubernetes.version,
+            )
+            .await?,
+        );
         self.state.save(&self.dir)
     }
 }
@@ -1095,12 +1285,13 @@ async fn get_text(client: &Client, path: &str) -> Option<String> {
     client.request_text(request).await.ok()
 }
 
-/// A plain-HTTP GET on loopback, for etcd and the registry; `None` unless 200 OK.
-async fn http_get_plain(port: u16, path: &str) -> Option<String> {
-    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .ok()?;
-    let request = format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
+const LOOPBACK: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
+
+/// A plain-HTTP GET, for etcd, the registry and the real nodes' daemons; `None` unless
+/// 200 OK.
+async fn http_get_plain(ip: IpAddr, port: u16, path: &str) -> Option<String> {
+    let mut stream = tokio::net::TcpStream::connect((ip, port)).await.ok()?;
+    let request = format!("GET {path} HTTP/1.0\r\nHost: {ip}\r\n\r\n");
     stream.write_all(request.as_bytes()).await.ok()?;
     let mut response = String::new();
     stream.read_to_string(&mut response).await.ok()?;

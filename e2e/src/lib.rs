@@ -1,12 +1,14 @@
 //! The kmm-fleet local fleet: real hub and spoke control planes (kube-apiserver, etcd,
 //! kube-controller-manager, kube-scheduler, KWOK, Open Cluster Management) running as
-//! processes on 127.0.0.1, a real OCI registry with sample kmod images, and the test
-//! fixture the end-to-end tests use.
+//! processes on 127.0.0.1, real kubelet nodes (containerd, kube-proxy) in their own
+//! namespaces, a real OCI registry with sample kmod images, and the test fixture the
+//! end-to-end tests use.
 //!
 //! * [`toolchain`] builds the pinned upstream programs from the Go module proxy.
 //! * [`fleet`] starts, inspects and stops the environment (`cargo xtask env ...`).
 //! * [`fixture`] attaches tests to a running environment (or starts one).
 
+mod cgroup;
 pub mod fixture;
 pub mod fleet;
 pub mod guest;

@@ -10,6 +10,7 @@ use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
 use kmm_e2e::fixture::{Fleet, TempNamespace, wait_until};
+use kmm_e2e::fleet::nodes::NODE_TYPE_LABEL;
 use kmm_e2e::fleet::{
     KERNEL_LABEL, Settings, apply_crd, condition_true, managed_clusters, node_ready,
 };
@@ -202,7 +203,11 @@ async fn a_manifestwork_lands_on_its_spoke_and_reports_status_feedback() -> Resu
                         "selector": { "matchLabels": { "app": "hello" } },
                         "template": {
                             "metadata": { "labels": { "app": "hello" } },
-                            "spec": { "containers": [{ "name": "hello", "image": "registry.invalid/hello:1" }] },
+                            // KWOK runs the pod without pulling; a real node could not.
+                            "spec": {
+                                "nodeSelector": { NODE_TYPE_LABEL: "kwok" },
+                                "containers": [{ "name": "hello", "image": "registry.invalid/hello:1" }],
+                            },
                         },
                     },
                 },

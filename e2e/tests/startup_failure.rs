@@ -7,6 +7,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail, ensure};
 use kmm_e2e::Error;
+use kmm_e2e::fleet::network::Network;
 use kmm_e2e::fleet::{self, Options, Settings, State};
 use kmm_e2e::toolchain::{Toolchain, components};
 use kmm_e2e::versions::Versions;
@@ -43,12 +44,17 @@ async fn up_names_the_component_that_failed_and_its_log_and_stops_the_rest() -> 
         &Options {
             spokes: 1,
             nodes_per_spoke: 1,
+            real_nodes_per_cluster: 1,
+            ocm: true,
             kmm: false,
         },
     )
     .await;
     let state = State::load(&settings.state_dir)?.context("up left no state behind")?;
     let logs: PathBuf = settings.state_dir.join("logs");
+    let bridge_left = std::path::Path::new("/sys/class/net")
+        .join(Network::of(settings.base_port).bridge())
+        .exists();
     fleet::down(&settings)?;
     std::fs::remove_dir_all(&root)?;
 
@@ -75,6 +81,10 @@ async fn up_names_the_component_that_failed_and_its_log_and_stops_the_rest() -> 
         state.processes.is_empty(),
         "processes left running: {:?}",
         state.processes
+    );
+    ensure!(
+        !bridge_left,
+        "the real nodes' bridge (created first) is still there"
     );
     // etcd and the hub apiserver had started; nothing may still listen on their ports.
     for port in [settings.base_port + 1, settings.base_port + 43] {

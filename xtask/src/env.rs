@@ -23,8 +23,12 @@ enum EnvCommand {
     Up {
         #[arg(long, default_value_t = 2)]
         spokes: usize,
+        /// KWOK (simulated) nodes per spoke.
         #[arg(long, default_value_t = 3)]
         nodes_per_spoke: usize,
+        /// Real nodes (containerd, kubelet, kube-proxy) per cluster, hub included.
+        #[arg(long, default_value_t = 1)]
+        real_nodes_per_cluster: usize,
         /// Only the clusters and the registry: no kmm-hub, spoke proxies or node agents.
         #[arg(long)]
         no_kmm: bool,
@@ -47,6 +51,7 @@ pub fn run(args: EnvArgs) -> Result<()> {
         EnvCommand::Up {
             spokes,
             nodes_per_spoke,
+            real_nodes_per_cluster,
             no_kmm,
         } => {
             setup()?;
@@ -59,6 +64,8 @@ pub fn run(args: EnvArgs) -> Result<()> {
                 &Options {
                     spokes,
                     nodes_per_spoke,
+                    real_nodes_per_cluster,
+                    ocm: true,
                     kmm: !no_kmm,
                 },
             ))?;
@@ -69,8 +76,14 @@ pub fn run(args: EnvArgs) -> Result<()> {
                     cluster.server,
                     cluster.kubeconfig.display()
                 );
+                for node in &cluster.real_nodes {
+                    println!("  real node {} {}", node.name, node.ip);
+                }
             }
-            println!("registry {}", state.registry);
+            println!(
+                "registry {} (from real nodes: {})",
+                state.registry, state.node_registry
+            );
             Ok(())
         }
         EnvCommand::Down => Ok(fleet::down(&settings)?),
@@ -117,12 +130,16 @@ fn setup() -> Result<()> {
     packages.extend(kmod::header_packages(
         &Versions::pinned().kernels.with_image,
     ));
-    // The real-kernel test (qemu guest): it checks the same list and names what is missing.
+    // The real-kernel test (qemu guest) and the fleet's real nodes: both check their
+    // lists and name what is missing.
     packages.extend(
         kmm_e2e::guest::host_packages::REQUIRED
             .iter()
+            .chain(kmm_e2e::fleet::nodes::HOST_PACKAGES)
             .map(|(package, _)| package.to_string()),
     );
+    packages.sort();
+    packages.dedup();
     let missing: Vec<&String> = packages.iter().filter(|p| !installed(p)).collect();
     if missing.is_empty() {
         return Ok(());

@@ -408,7 +408,7 @@ pub fn agent_args(
 /// Waits until a kmm component's `/readyz` (plain HTTP) answers ok.
 pub(crate) async fn wait_ready(process: &Tracked, port: u16) -> Result<()> {
     wait_for(process, &format!("/readyz on port {port}"), || async move {
-        super::http_get_plain(port, "/readyz")
+        super::http_get_plain(super::LOOPBACK, port, "/readyz")
             .await
             .is_some_and(|body| body.trim() == "ok")
     })
@@ -571,7 +571,7 @@ pub async fn apply_manifests(client: &Client, yaml: &str) -> Result<()> {
 
 /// The `/metrics` text of a kmm component on loopback.
 pub async fn metrics(port: u16) -> Result<String> {
-    super::http_get_plain(port, "/metrics")
+    super::http_get_plain(super::LOOPBACK, port, "/metrics")
         .await
         .ok_or_else(|| Error::Invalid(format!("no /metrics on port {port}")))
 }
@@ -579,7 +579,7 @@ pub async fn metrics(port: u16) -> Result<String> {
 /// Waits until the kmm component on `port` answers `/readyz` with ok.
 pub async fn wait_ready_port(port: u16, timeout: Duration) -> Result<()> {
     crate::fixture::wait_until(&format!("/readyz on port {port}"), timeout, || async move {
-        match super::http_get_plain(port, "/readyz").await {
+        match super::http_get_plain(super::LOOPBACK, port, "/readyz").await {
             Some(body) if body.trim() == "ok" => Ok(()),
             Some(body) => Err(body),
             None => Err("not ready or not answering".to_owned()),

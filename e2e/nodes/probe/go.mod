@@ -1,0 +1,3 @@
+module kmm-fleet.local/nodes/probe
+
+go 1.25.0
