@@ -52,7 +52,8 @@ pub fn acceptor(cert_pem: &str, key_pem: &str) -> Result<TlsAcceptor, WebhookErr
     Ok(TlsAcceptor::from(Arc::new(config)))
 }
 
-/// Serves admission reviews on `listener` until `shutdown` resolves.
+/// Serves admission reviews on `listener` until `shutdown` resolves; then open
+/// connections end too, so a stopped hub never answers from a kept-alive connection.
 pub async fn serve(
     listener: TcpListener,
     acceptor: TlsAcceptor,
@@ -60,6 +61,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) {
     tokio::pin!(shutdown);
+    let mut connections = tokio::task::JoinSet::new();
     loop {
         let stream = tokio::select! {
             () = &mut shutdown => return,
@@ -71,9 +73,11 @@ pub async fn serve(
                 }
             },
         };
+        // Reap finished connections so the set stays small.
+        while connections.try_join_next().is_some() {}
         let acceptor = acceptor.clone();
         let metrics = metrics.clone();
-        tokio::spawn(async move {
+        connections.spawn(async move {
             let stream = match acceptor.accept(stream).await {
                 Ok(stream) => stream,
                 Err(error) => {
