@@ -7,11 +7,13 @@
 //! * [`toolchain`] builds the pinned upstream programs from the Go module proxy.
 //! * [`fleet`] starts, inspects and stops the environment (`cargo xtask env ...`).
 //! * [`fixture`] attaches tests to a running environment (or starts one).
+//! * [`images`] builds kmm-fleet's container images and their bases (`cargo xtask images`).
 
 mod cgroup;
 pub mod fixture;
 pub mod fleet;
 pub mod guest;
+pub mod images;
 pub mod kmod;
 mod pki;
 mod process;

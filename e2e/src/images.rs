@@ -1,0 +1,420 @@
+//! Container images of kmm-fleet's binaries, built with buildah from the Dockerfiles
+//! beside each component (`hub/Dockerfile`, `spoke-proxy/Dockerfile`,
+//! `node-agent/Dockerfile`) on bases assembled from Debian packages ([`base`]).
+//!
+//! [`build`] builds the release binaries, makes the bases current, builds the three
+//! images and, given a registry, pushes bases and images there. Every image carries a
+//! label hashing all it is made of (binary, Dockerfile, base, build arguments); an image
+//! already carrying the hash is kept, so a call with nothing changed costs the
+//! incremental cargo build and a few buildah inspections.
+
+pub mod base;
+mod buildah;
+
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+
+pub use buildah::{Inspected, command as buildah, inspect, run_in};
+
+use crate::{Error, IoContext, Result, cache_dir};
+use base::{BASE, BASE_KMOD, Base};
+
+/// Namespace of every image and base: `<registry>/kmm-fleet/<name>`.
+pub const NAMESPACE: &str = "kmm-fleet";
+/// The workspace version: the images' `org.opencontainers.image.version` and default tag.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+/// The images' `org.opencontainers.image.source`.
+pub const SOURCE: &str = env!("CARGO_PKG_REPOSITORY");
+/// Label holding the hash of everything an image or base is made of.
+pub const KEY_LABEL: &str = "dev.kmm-fleet.content-key";
+/// Label listing the Debian packages (`name=version`) of a base and the images on it.
+pub const PACKAGES_LABEL: &str = "dev.kmm-fleet.packages";
+
+/// One of kmm-fleet's binaries and its image.
+#[derive(Debug)]
+pub struct Component {
+    /// The cargo package, its binary, and the image's name under `kmm-fleet/`.
+    pub name: &'static str,
+    /// Relative to the workspace root.
+    pub dockerfile: &'static str,
+    pub base: &'static Base,
+}
+
+pub const COMPONENTS: &[Component] = &[
+    Component {
+        name: "kmm-hub",
+        dockerfile: "hub/Dockerfile",
+        base: &BASE,
+    },
+    Component {
+        name: "kmm-spoke-proxy",
+        dockerfile: "spoke-proxy/Dockerfile",
+        base: &BASE,
+    },
+    Component {
+        name: "kmm-node-agent",
+        dockerfile: "node-agent/Dockerfile",
+        base: &BASE_KMOD,
+    },
+];
+
+/// What to build and where the images go.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// `host:port` of the registry the images are named for and pushed to, with the
+    /// bases under the names the Dockerfiles default to there
+    /// (`<registry>/kmm-fleet/base:bookworm`); `None` names them `localhost/...` and
+    /// keeps everything in buildah's local storage. A loopback registry is spoken to
+    /// over plain HTTP, any other over verified TLS.
+    pub registry: Option<String>,
+    /// The images' tag.
+    pub tag: String,
+    /// Cargo's target directory for the release build.
+    pub target_dir: PathBuf,
+}
+
+impl Options {
+    /// Tagged with the workspace version, built in cargo's usual target directory
+    /// (`$CARGO_TARGET_DIR`, else the workspace's `target/`).
+    pub fn new(registry: Option<String>) -> Self {
+        Self {
+            registry,
+            tag: VERSION.to_string(),
+            target_dir: default_target_dir(),
+        }
+    }
+}
+
+/// An image or base in local storage (and in the registry, when pushed).
+#[derive(Debug, Clone)]
+pub struct Image {
+    /// `kmm-hub`, ..., or a base's name (`base`, `base-kmod`).
+    pub name: String,
+    /// Its name in local storage, which is also its name in the registry for images.
+    pub reference: String,
+    /// In the registry, when pushed: `<registry>/kmm-fleet/<name>:<tag>`.
+    pub pushed: Option<String>,
+    /// The image ID (config digest, without `sha256:`).
+    pub id: String,
+    /// The layers' sizes uncompressed, as they are unpacked on a node.
+    pub size: u64,
+    /// The layers' sizes gzip-compressed, as a registry holds them and a pull fetches.
+    pub compressed_size: u64,
+    /// Whether this call built it; false when an image with the same content was there.
+    pub rebuilt: bool,
+}
+
+/// What [`build`] made.
+#[derive(Debug, Clone)]
+pub struct Built {
+    /// `base`, `base-kmod`.
+    pub bases: Vec<Image>,
+    /// One per [`COMPONENTS`], in that order.
+    pub images: Vec<Image>,
+}
+
+/// Build the release binaries, the bases and the three images; with a registry, push
+/// bases and images to it. Fails naming buildah if it is missing.
+pub fn build(options: &Options) -> Result<Built> {
+    buildah::check()?;
+    let workspace = workspace();
+    let cache = cache_dir().join("images");
+    let release = build_binaries(&workspace, &options.target_dir)?;
+    let base = base::ensure(&BASE, None, &cache)?;
+    let base_kmod = base::ensure(&BASE_KMOD, Some(&base), &cache)?;
+    let source = Source::of(&workspace);
+    let mut built = Built {
+        bases: vec![],
+        images: vec![],
+    };
+    for (definition, ensured) in [(&BASE, &base), (&BASE_KMOD, &base_kmod)] {
+        let pushed = match &options.registry {
+            Some(registry) => {
+                let remote = format!("{registry}/{}", base::repository(definition));
+                push(&ensured.reference, &remote, registry)?;
+                Some(remote)
+            }
+            None => None,
+        };
+        built.bases.push(Image {
+            name: definition.name.to_string(),
+            reference: ensured.reference.clone(),
+            pushed,
+            id: ensured.inspected.id.clone(),
+            size: ensured.inspected.size,
+            compressed_size: compressed_size(&ensured.inspected.id, &cache)?,
+            rebuilt: ensured.rebuilt,
+        });
+    }
+    for component in COMPONENTS {
+        let on = if component.base.name == BASE_KMOD.name {
+            &base_kmod
+        } else {
+            &base
+        };
+        built.images.push(build_image(
+            component, on, &release, &workspace, &source, options, &cache,
+        )?);
+    }
+    Ok(built)
+}
+
+/// `$CARGO_TARGET_DIR`, else the workspace's `target/`.
+pub fn default_target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| workspace().join("target"), PathBuf::from)
+}
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default()
+}
+
+/// `cargo build --release` of the three binaries; the directory holding them.
+fn build_binaries(workspace: &Path, target_dir: &Path) -> Result<PathBuf> {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = Command::new(cargo);
+    cmd.args(["build", "--release", "--target-dir"])
+        .arg(target_dir)
+        .current_dir(workspace);
+    for component in COMPONENTS {
+        cmd.args(["-p", component.name]);
+    }
+    // Cargo sets these for the program it runs (xtask, a test). Inherited, they reach
+    // build scripts that track them (ring's tracks CARGO_MANIFEST_DIR), which would then
+    // rebuild everything after them whenever a plain `cargo build --release` and this
+    // one take turns.
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        if ["CARGO_PKG_", "CARGO_MANIFEST_", "CARGO_BIN_"]
+            .iter()
+            .any(|prefix| name.starts_with(prefix))
+            || [
+                "CARGO_CRATE_NAME",
+                "CARGO_PRIMARY_PACKAGE",
+                "CARGO_TARGET_TMPDIR",
+                "CARGO_RUSTC_CURRENT_DIR",
+                "OUT_DIR",
+            ]
+            .contains(&name.as_ref())
+        {
+            cmd.env_remove(name.as_ref());
+        }
+    }
+    buildah::output(&mut cmd)?;
+    Ok(target_dir.join("release"))
+}
+
+/// The commit the images are built from, for their labels and reproducible timestamps.
+#[derive(Debug)]
+struct Source {
+    /// The commit, with `-dirty` when tracked files differ from it; `unknown` outside git.
+    revision: String,
+    /// The commit's time in seconds since the epoch: the images' creation time.
+    timestamp: Option<String>,
+}
+
+impl Source {
+    fn of(workspace: &Path) -> Self {
+        let git = |args: &[&str]| {
+            Command::new("git")
+                .arg("-C")
+                .arg(workspace)
+                .args(args)
+                .output()
+                .ok()
+        };
+        let Some(head) = git(&["log", "-1", "--format=%H %ct"])
+            .filter(|out| out.status.success())
+            .map(|out| String::from_utf8_lossy(&out.stdout).trim().to_string())
+        else {
+            return Self {
+                revision: "unknown".into(),
+                timestamp: None,
+            };
+        };
+        let (commit, time) = head.split_once(' ').unwrap_or((&head, ""));
+        let clean = git(&["diff", "--quiet", "HEAD", "--"]).is_some_and(|out| out.status.success());
+        Self {
+            revision: if clean {
+                commit.to_string()
+            } else {
+                format!("{commit}-dirty")
+            },
+            timestamp: (!time.is_empty()).then(|| time.to_string()),
+        }
+    }
+}
+
+/// Build `component`'s image on `base` unless one with the same content key exists.
+fn build_image(
+    component: &Component,
+    base: &base::Ensured,
+    release: &Path,
+    workspace: &Path,
+    source: &Source,
+    options: &Options,
+    cache: &Path,
+) -> Result<Image> {
+    let registry = options.registry.as_deref().unwrap_or("localhost");
+    let reference = format!("{registry}/{NAMESPACE}/{}:{}", component.name, options.tag);
+    let dockerfile = workspace.join(component.dockerfile);
+    let binary = release.join(component.name);
+    let build_args = [
+        ("BASE_IMAGE", base.reference.as_str()),
+        ("VERSION", VERSION),
+        ("REVISION", source.revision.as_str()),
+        ("SOURCE", SOURCE),
+    ];
+    let mut hash = Sha256::new();
+    for file in [&binary, &dockerfile] {
+        hash.update(std::fs::read(file).context(|| format!("reading {}", file.display()))?);
+    }
+    hash.update(&base.inspected.id);
+    for (arg, value) in &build_args {
+        hash.update(format!("\n{arg}={value}"));
+    }
+    hash.update(source.timestamp.as_deref().unwrap_or_default());
+    let key = format!("{:x}", hash.finalize());
+    let existing = inspect(&reference)?.filter(|i| i.labels.get(KEY_LABEL) == Some(&key));
+    let rebuilt = existing.is_none();
+    let inspected = match existing {
+        Some(inspected) => inspected,
+        None => {
+            let mut bud = buildah::command();
+            // Chroot isolation: the Dockerfiles run nothing, and no OCI runtime or
+            // container network (netavark's firewall rules) is involved.
+            bud.args(["bud", "--quiet", "--isolation", "chroot", "--pull=never"]);
+            if let Some(timestamp) = &source.timestamp {
+                bud.args(["--timestamp", timestamp]);
+            }
+            bud.arg("--file").arg(&dockerfile);
+            for (arg, value) in &build_args {
+                bud.arg("--build-arg").arg(format!("{arg}={value}"));
+            }
+            bud.arg("--label").arg(format!("{KEY_LABEL}={key}"));
+            bud.args(["--tag", &reference]).arg(release);
+            buildah::output(&mut bud)?;
+            inspect(&reference)?.ok_or_else(|| {
+                Error::Invalid(format!("{reference} is missing after buildah bud"))
+            })?
+        }
+    };
+    let pushed = match &options.registry {
+        Some(registry) => {
+            push(&reference, &reference, registry)?;
+            Some(reference.clone())
+        }
+        None => None,
+    };
+    Ok(Image {
+        name: component.name.to_string(),
+        reference,
+        pushed,
+        compressed_size: compressed_size(&inspected.id, cache)?,
+        id: inspected.id,
+        size: inspected.size,
+        rebuilt,
+    })
+}
+
+/// Push the local image `local` as `remote` to `registry`.
+fn push(local: &str, remote: &str, registry: &str) -> Result<()> {
+    let tls_verify = format!("--tls-verify={}", !loopback(registry));
+    buildah::run([
+        "push",
+        "--quiet",
+        &tls_verify,
+        local,
+        &format!("docker://{remote}"),
+    ])?;
+    Ok(())
+}
+
+/// Whether `registry` (`host[:port]`) is on this machine: the fleet's registries are
+/// plain HTTP there, as Docker also assumes for 127.0.0.0/8.
+fn loopback(registry: &str) -> bool {
+    let host = match registry.rsplit_once(':') {
+        Some((host, port)) if port.chars().all(|c| c.is_ascii_digit()) => host,
+        _ => registry,
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host == "localhost" || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+#[derive(Deserialize)]
+struct OciIndex {
+    manifests: Vec<buildah::Descriptor>,
+}
+
+/// The image's layers gzip-compressed, as `buildah push` writes them: measured once per
+/// image ID by pushing to an OCI layout, and remembered in `<cache>/compressed/<id>`.
+fn compressed_size(id: &str, cache: &Path) -> Result<u64> {
+    let dir = cache.join("compressed");
+    let remembered = dir.join(id);
+    if let Some(size) = std::fs::read_to_string(&remembered)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+    {
+        return Ok(size);
+    }
+    let layout = dir.join(format!("{id}.oci"));
+    if layout.exists() {
+        std::fs::remove_dir_all(&layout).context(|| format!("removing {}", layout.display()))?;
+    }
+    std::fs::create_dir_all(&dir).context(|| format!("creating {}", dir.display()))?;
+    buildah::run([
+        "push".to_string(),
+        "--quiet".to_string(),
+        id.to_string(),
+        format!("oci:{}", layout.display()),
+    ])?;
+    let read_json = |path: PathBuf| -> Result<Vec<u8>> {
+        std::fs::read(&path).context(|| format!("reading {}", path.display()))
+    };
+    let blob = |digest: &str| {
+        layout
+            .join("blobs/sha256")
+            .join(digest.trim_start_matches("sha256:"))
+    };
+    let index: OciIndex = serde_json::from_slice(&read_json(layout.join("index.json"))?)
+        .map_err(|e| Error::Invalid(format!("{}/index.json: {e}", layout.display())))?;
+    let manifest = index
+        .manifests
+        .first()
+        .ok_or_else(|| Error::Invalid(format!("{} holds no manifest", layout.display())))?;
+    let manifest: buildah::Manifest =
+        serde_json::from_slice(&read_json(blob(&manifest.digest))?)
+            .map_err(|e| Error::Invalid(format!("the manifest in {}: {e}", layout.display())))?;
+    let size: u64 = manifest.layers.iter().map(|l| l.size).sum();
+    std::fs::remove_dir_all(&layout).context(|| format!("removing {}", layout.display()))?;
+    std::fs::write(&remembered, size.to_string())
+        .context(|| format!("writing {}", remembered.display()))?;
+    Ok(size)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loopback_registries_are_the_plain_http_ones() {
+        for registry in [
+            "127.0.0.1:16005",
+            "localhost:5000",
+            "localhost",
+            "[::1]:5000",
+            "[::1]",
+        ] {
+            assert!(loopback(registry), "{registry}");
+        }
+        for registry in ["registry.example.com", "10.0.0.5:5000", "quay.io:443"] {
+            assert!(!loopback(registry), "{registry}");
+        }
+    }
+}

@@ -1,0 +1,188 @@
+//! The `buildah` command line, always on the same storage, and what the image code
+//! reads back from it.
+
+use std::collections::BTreeMap;
+use std::process::{Command, Output};
+
+use serde::Deserialize;
+
+use crate::{Error, IoContext, Result};
+
+/// Storage driver unless `$STORAGE_DRIVER` (buildah's own variable) names another. vfs
+/// works on any filesystem, also inside containers where overlay cannot mount; it copies
+/// layers in full, which costs little for images of a few tens of MiB.
+const STORAGE_DRIVER: &str = "vfs";
+
+/// `buildah` with the storage options every call must share: the store the images are in.
+pub fn command() -> Command {
+    let mut cmd = Command::new("buildah");
+    if std::env::var_os("STORAGE_DRIVER").is_none() {
+        cmd.args(["--storage-driver", STORAGE_DRIVER]);
+    }
+    cmd
+}
+
+/// Fail with what to install when buildah is missing.
+pub(super) fn check() -> Result<()> {
+    match command().arg("--version").output() {
+        Ok(out) if out.status.success() => Ok(()),
+        Ok(out) => Err(Error::Command {
+            command: "buildah --version".into(),
+            status: format!(
+                "{}: {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(Error::Invalid(
+            "buildah is missing: `cargo xtask env setup` installs it \
+             (apt-get install --no-install-recommends buildah)"
+                .into(),
+        )),
+        Err(e) => Err(Error::Io {
+            context: "running buildah --version".into(),
+            source: e,
+        }),
+    }
+}
+
+/// Run buildah with `args`; its standard output, trimmed.
+pub(super) fn run<I, S>(args: I) -> Result<String>
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    let mut cmd = command();
+    cmd.args(args);
+    let out = output(&mut cmd)?;
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// Run `cmd`; its output when it succeeded, an error carrying its standard error if not.
+pub(super) fn output(cmd: &mut Command) -> Result<Output> {
+    let describe = format!("{cmd:?}");
+    let out = cmd.output().context(|| format!("running {describe}"))?;
+    if !out.status.success() {
+        return Err(Error::Command {
+            command: describe,
+            status: format!(
+                "{}: {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        });
+    }
+    Ok(out)
+}
+
+/// What `buildah inspect --type image` tells about a local image.
+#[derive(Debug, Clone)]
+pub struct Inspected {
+    /// The image ID (its config's digest, without `sha256:`).
+    pub id: String,
+    pub labels: BTreeMap<String, String>,
+    /// `uid:gid` the image's processes run as.
+    pub user: String,
+    pub entrypoint: Vec<String>,
+    pub env: Vec<String>,
+    /// Sum of the layers' sizes as stored locally: uncompressed tars.
+    pub size: u64,
+    /// The layers' uncompressed digests (`rootfs.diff_ids`), base first: the same layer
+    /// has the same one in every image.
+    pub layers: Vec<String>,
+}
+
+#[derive(Deserialize)]
+struct Inspect {
+    #[serde(rename = "FromImageID")]
+    id: String,
+    #[serde(rename = "OCIv1")]
+    oci: OciImage,
+    #[serde(rename = "Manifest")]
+    manifest: String,
+}
+
+#[derive(Deserialize)]
+struct OciImage {
+    #[serde(default)]
+    config: OciConfig,
+    rootfs: RootFs,
+}
+
+#[derive(Deserialize)]
+struct RootFs {
+    diff_ids: Vec<String>,
+}
+
+#[derive(Default, Deserialize)]
+struct OciConfig {
+    #[serde(rename = "User", default)]
+    user: String,
+    #[serde(rename = "Labels", default)]
+    labels: Option<BTreeMap<String, String>>,
+    #[serde(rename = "Entrypoint", default)]
+    entrypoint: Option<Vec<String>>,
+    #[serde(rename = "Env", default)]
+    env: Option<Vec<String>>,
+}
+
+#[derive(Deserialize)]
+pub(super) struct Manifest {
+    pub(super) layers: Vec<Descriptor>,
+}
+
+#[derive(Deserialize)]
+pub(super) struct Descriptor {
+    pub(super) digest: String,
+    pub(super) size: u64,
+}
+
+/// The local image `reference`; `None` when the store has no such image.
+pub fn inspect(reference: &str) -> Result<Option<Inspected>> {
+    let out = command()
+        .args(["inspect", "--type", "image", reference])
+        .output()
+        .context(|| format!("running buildah inspect {reference}"))?;
+    if !out.status.success() {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        // buildah says "image not known" (or "...: not found") for an absent image.
+        if stderr.contains("not known") || stderr.contains("not found") {
+            return Ok(None);
+        }
+        return Err(Error::Command {
+            command: format!("buildah inspect --type image {reference}"),
+            status: format!("{}: {}", out.status, stderr.trim()),
+        });
+    }
+    let inspect: Inspect = serde_json::from_slice(&out.stdout)
+        .map_err(|e| Error::Invalid(format!("buildah inspect {reference}: {e}")))?;
+    let manifest: Manifest = serde_json::from_str(&inspect.manifest)
+        .map_err(|e| Error::Invalid(format!("the manifest of {reference}: {e}")))?;
+    let OciImage { config, rootfs } = inspect.oci;
+    Ok(Some(Inspected {
+        id: inspect.id,
+        labels: config.labels.unwrap_or_default(),
+        user: config.user,
+        entrypoint: config.entrypoint.unwrap_or_default(),
+        env: config.env.unwrap_or_default(),
+        size: manifest.layers.iter().map(|l| l.size).sum(),
+        layers: rootfs.diff_ids,
+    }))
+}
+
+/// Run `command` in a new container of the local image `reference`, as a real container
+/// process (chroot isolation: no OCI runtime needed) with the image's user, environment
+/// and working directory; the container is removed afterwards. Its output, whatever its
+/// exit status.
+pub fn run_in(reference: &str, command: &[&str]) -> Result<Output> {
+    let container = run(["from", "--pull=never", "--quiet", reference])?;
+    let out = self::command()
+        .args(["run", "--isolation", "chroot", &container, "--"])
+        .args(command)
+        .output()
+        .context(|| format!("running buildah run {reference} -- {}", command.join(" ")));
+    let removed = run(["rm", &container]);
+    let out = out?;
+    removed?;
+    Ok(out)
+}
