@@ -138,6 +138,8 @@ fn setup() -> Result<()> {
             .chain(kmm_e2e::fleet::nodes::HOST_PACKAGES)
             .map(|(package, _)| package.to_string()),
     );
+    // `cargo xtask images` and its test build the container images with buildah.
+    packages.push("buildah".into());
     packages.sort();
     packages.dedup();
     let missing: Vec<&String> = packages.iter().filter(|p| !installed(p)).collect();

@@ -2,6 +2,7 @@
 
 mod crdgen;
 mod env;
+mod images;
 mod test;
 
 use std::path::PathBuf;
@@ -27,6 +28,8 @@ enum Command {
     Test(test::Options),
     /// The local fleet: real hub and spoke control planes with OCM (see README).
     Env(env::EnvArgs),
+    /// Build the container images of the three binaries with buildah (see README).
+    Images(images::Options),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -36,6 +39,7 @@ fn main() -> anyhow::Result<()> {
         Command::Crdgen { check } => crdgen::run(&root, check),
         Command::Test(options) => test::run(&root, &options),
         Command::Env(args) => env::run(args),
+        Command::Images(options) => images::run(&options),
     }
 }
 
