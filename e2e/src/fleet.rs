@@ -286,7 +286,32 @@ pub async fn up(settings: &Settings, opts: &Options) -> Result<State> {
             "kmm-fleet runs on Open Cluster Management: kmm needs ocm".into(),
         ));
     }
-    // What a fleet that was not brought down left on the host (namespaces, cgroups).
+    let agents = opts.nodes_per_spoke + opts.real_nodes_per_cluster;
+    if opts.kmm && agents > kmm::MAX_NODES_PER_SPOKE {
+        return Err(Error::Invalid(format!(
+            "{agents} nodes per spoke (KWOK and real) need a kmm node agent each; a spoke's \
+             port block holds {}",
+            kmm::MAX_NODES_PER_SPOKE
+        )));
+    }
+    // Another fleet with this base port (from another state directory) owns the bridge
+    // and everything named after it; a fleet that was not brought down left them.
+    let network = Network::of(settings.base_port);
+    let hub_apiserver = Ports {
+        base: settings.base_port,
+    }
+    .cluster(0, APISERVER);
+    if network.exists()
+        && tokio::net::TcpStream::connect((network.gateway, hub_apiserver))
+            .await
+            .is_ok()
+    {
+        return Err(Error::Invalid(format!(
+            "a fleet with base port {} runs (its hub answers on {}:{hub_apiserver}); \
+             bring it down or choose another KMM_FLEET_BASE_PORT",
+            settings.base_port, network.gateway
+        )));
+    }
     release_host(settings)?;
     if dir.exists() {
         std::fs::remove_dir_all(&dir).context(|| format!("removing stale {}", dir.display()))?;
@@ -294,7 +319,6 @@ pub async fn up(settings: &Settings, opts: &Options) -> Result<State> {
     std::fs::create_dir_all(&dir).context(|| format!("creating {}", dir.display()))?;
     let versions = Versions::pinned();
     let toolchain = Toolchain::ensure(&versions, settings.bin_dir.as_deref())?;
-    let network = Network::of(settings.base_port);
     let mut starting = Starting {
         dir: dir.clone(),
         toolchain,
@@ -341,16 +365,34 @@ pub async fn up(settings: &Settings, opts: &Options) -> Result<State> {
 /// the bridge) and remove its state directory.
 pub fn down(settings: &Settings) -> Result<()> {
     let dir = &settings.state_dir;
-    if let Some(state) = State::load(dir)? {
-        for p in state.processes.iter().rev() {
-            p.stop(Duration::from_secs(10));
-        }
+    for p in recorded_processes(dir)?.iter().rev() {
+        p.stop(Duration::from_secs(10));
     }
     release_host(settings)?;
     if dir.exists() {
         std::fs::remove_dir_all(dir).context(|| format!("removing {}", dir.display()))?;
     }
     Ok(())
+}
+
+/// The processes in `state.json`, read on their own: a state written by another
+/// version of this crate still names what `down` must stop.
+fn recorded_processes(dir: &Path) -> Result<Vec<Tracked>> {
+    #[derive(Deserialize)]
+    struct Recorded {
+        processes: Vec<Tracked>,
+    }
+    let path = dir.join("state.json");
+    match std::fs::read(&path) {
+        Ok(bytes) => serde_json::from_slice::<Recorded>(&bytes)
+            .map(|r| r.processes)
+            .map_err(|e| Error::Invalid(format!("{}: {e}", path.display()))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(vec![]),
+        Err(e) => Err(Error::Io {
+            context: format!("reading {}", path.display()),
+            source: e,
+        }),
+    }
 }
 
 /// Everything of the fleet's real nodes outside its processes, found by the names
@@ -564,11 +606,12 @@ impl Starting {
         self.state.images =
             kmod::push_samples(&self.state.registry, &self.versions.kernels.with_image).await?;
         self.state.save(&self.dir)?;
+        let clusters: Vec<&ControlPlane> = std::iter::once(&hub).chain(&spokes).collect();
+        self.await_real_nodes(&clusters).await?;
         if opts.kmm {
             self.kmm(&hub, &spokes).await?;
         }
-        let clusters: Vec<&ControlPlane> = std::iter::once(&hub).chain(&spokes).collect();
-        self.await_real_nodes(&clusters).await
+        Ok(())
     }
 
     fn cluster_mut(&mut self, name: &str) -> &mut Cluster {

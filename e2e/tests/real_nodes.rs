@@ -38,6 +38,7 @@ async fn a_pod_on_each_clusters_real_node_reaches_its_apiserver_and_is_reached_b
         .replacen(&state.node_registry, &state.registry, 1);
     ensure!(by_loopback != images.pause, "{by_loopback}");
     let uname = std::fs::read_to_string("/proc/sys/kernel/osrelease")?;
+    let uname = uname.trim();
     for cluster in &state.clusters {
         ensure!(
             !cluster.real_nodes.is_empty(),
@@ -46,7 +47,8 @@ async fn a_pod_on_each_clusters_real_node_reaches_its_apiserver_and_is_reached_b
         );
         let client = client_for(&cluster.kubeconfig).await?;
         for node in &cluster.real_nodes {
-            check_node(&client, node, uname.trim()).await?;
+            ensure!(node.kernel == uname, "{}: kernel {}", node.name, node.kernel);
+            check_node(&client, node).await?;
             let ns = TempNamespace::create(&client, "kmm-e2e-real-node").await?;
             probe(&client, &ns.name, node, &images.probe, &by_loopback)
                 .await
@@ -58,7 +60,7 @@ async fn a_pod_on_each_clusters_real_node_reaches_its_apiserver_and_is_reached_b
 }
 
 /// Registered, Ready, labelled real, at its bridge address, with this machine's kernel.
-async fn check_node(client: &Client, expected: &RealNode, kernel: &str) -> Result<()> {
+async fn check_node(client: &Client, expected: &RealNode) -> Result<()> {
     let node = Api::<Node>::all(client.clone()).get(&expected.name).await?;
     ensure!(node_ready(&node), "{} is not Ready", expected.name);
     let label = node
@@ -85,7 +87,7 @@ async fn check_node(client: &Client, expected: &RealNode, kernel: &str) -> Resul
     );
     let info = status.node_info.as_ref().context("no nodeInfo")?;
     ensure!(
-        info.kernel_version == kernel,
+        info.kernel_version == expected.kernel,
         "{}: kernel {}",
         expected.name,
         info.kernel_version

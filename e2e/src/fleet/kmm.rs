@@ -326,7 +326,14 @@ impl Starting {
         binaries: &Binaries,
         proxy: &Proxy,
     ) -> Result<Vec<Agent>> {
-        let nodes = self.state.cluster(&spoke.name)?.nodes.clone();
+        // Real nodes get an agent too, at the kernel they report: the proxy has every
+        // node of the cluster confirm a module's unload.
+        let cluster = self.state.cluster(&spoke.name)?;
+        let mut nodes = cluster.nodes.clone();
+        nodes.extend(cluster.real_nodes.iter().map(|n| super::SimulatedNode {
+            name: n.name.clone(),
+            kernel: n.kernel.clone(),
+        }));
         if nodes.len() > MAX_NODES_PER_SPOKE {
             return Err(Error::Invalid(format!(
                 "--nodes-per-spoke {} is more than the {MAX_NODES_PER_SPOKE} node agents a \

@@ -79,6 +79,8 @@ const CNI_BIN_DIR: &str = "/usr/lib/cni";
 const CONTAINERD: &str = "/usr/bin/containerd";
 /// What the node's daemons find on PATH (runc, the shim, iptables, mount).
 const NODE_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+/// The kernel release (what `uname -r` prints and the kubelet reports).
+const OSRELEASE: &str = "/proc/sys/kernel/osrelease";
 /// Host directories each node gets a private tmpfs over.
 const PRIVATE_DIRS: &[&str] = &["/run", "/var/lib", "/var/log"];
 
@@ -114,6 +116,9 @@ pub struct RealNode {
     pub ip: Ipv4Addr,
     /// Its pods' subnet (`198.19.X.0/24`), routed from the host via `ip`.
     pub pod_cidr: String,
+    /// The kernel release it reports: this machine's.
+    #[serde(default)]
+    pub kernel: String,
     /// Its network namespace (`ip netns`), also its cgroup below every hierarchy root.
     pub netns: String,
     /// Its state: certificates, configuration, containerd's images and snapshots, the
@@ -266,6 +271,10 @@ impl Starting {
                 .arg(&ns_dir))?;
             run(Command::new("mount").arg("--make-private").arg(&ns_dir))?;
         }
+        let kernel = std::fs::read_to_string(OSRELEASE)
+            .context(|| format!("reading {OSRELEASE}"))?
+            .trim()
+            .to_string();
         Ok(Layout {
             mount_ns: ns_dir.join(name),
             pki: dir.join("pki"),
@@ -274,6 +283,7 @@ impl Starting {
                 cluster: cp.name.clone(),
                 ip: address.ip,
                 pod_cidr: address.pod_cidr.clone(),
+                kernel,
                 netns: address.netns.clone(),
                 dir,
             },
@@ -731,6 +741,7 @@ mod tests {
             cluster: "spoke1".into(),
             ip: Ipv4Addr::new(198, 18, 16, 11),
             pod_cidr: "198.19.129.0/24".into(),
+            kernel: "6.1.0-56-amd64".into(),
             netns: "kmmf16000-spoke1-real1".into(),
             dir: "/state/spoke1/real-nodes/spoke1-real1".into(),
         }
