@@ -47,7 +47,12 @@ async fn a_pod_on_each_clusters_real_node_reaches_its_apiserver_and_is_reached_b
         );
         let client = client_for(&cluster.kubeconfig).await?;
         for node in &cluster.real_nodes {
-            ensure!(node.kernel == uname, "{}: kernel {}", node.name, node.kernel);
+            ensure!(
+                node.kernel == uname,
+                "{}: kernel {}",
+                node.name,
+                node.kernel
+            );
             check_node(&client, node).await?;
             let ns = TempNamespace::create(&client, "kmm-e2e-real-node").await?;
             probe(&client, &ns.name, node, &images.probe, &by_loopback)
