@@ -86,10 +86,16 @@ impl Network {
         })
     }
 
+    /// Whether the bridge exists (only then is the gateway a local address: before,
+    /// a connection to it would be routed out of the machine).
+    pub fn exists(&self) -> bool {
+        link_exists(self.bridge())
+    }
+
     /// The host bridge with the gateway address. Fails if it exists (another fleet with
     /// the same base port, or one `down` did not clean).
     pub fn create(&self) -> Result<()> {
-        if link_exists(self.bridge()) {
+        if self.exists() {
             return Err(Error::Invalid(format!(
                 "the bridge {} exists: a fleet with this base port runs or was not cleaned up \
                  (`cargo xtask env down` with the same KMM_FLEET_BASE_PORT)",
@@ -166,7 +172,7 @@ impl Network {
                 }
             }
         }
-        if link_exists(self.bridge()) {
+        if self.exists() {
             ip(&["link", "delete", self.bridge()])?;
         }
         Ok(())
