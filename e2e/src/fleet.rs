@@ -598,6 +598,8 @@ impl Starting {
             self.state.save(&self.dir)?;
             spokes.push(spoke);
         }
+        let clusters: Vec<&ControlPlane> = std::iter::once(&hub).chain(&spokes).collect();
+        self.start_probes(&clusters).await?;
         if opts.ocm {
             for spoke in &spokes {
                 self.accept(&hub, &spoke.name).await?;
@@ -606,7 +608,6 @@ impl Starting {
         self.state.images =
             kmod::push_samples(&self.state.registry, &self.versions.kernels.with_image).await?;
         self.state.save(&self.dir)?;
-        let clusters: Vec<&ControlPlane> = std::iter::once(&hub).chain(&spokes).collect();
         self.await_real_nodes(&clusters).await?;
         if opts.kmm {
             self.kmm(&hub, &spokes).await?;

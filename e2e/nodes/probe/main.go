@@ -25,7 +25,9 @@ import (
 const (
 	serviceAccount = "/var/run/secrets/kubernetes.io/serviceaccount/"
 	review         = `{"apiVersion":"authentication.k8s.io/v1","kind":"SelfSubjectReview"}`
-	attempts       = 5
+	// A probe may start before its node's kube-proxy has written the rules for the
+	// `kubernetes` Service; it waits up to this many seconds for them.
+	attempts = 60
 )
 
 func main() {
@@ -50,8 +52,8 @@ func main() {
 	}
 }
 
-// whoAmI posts the SelfSubjectReview, retrying briefly: the pod may start a moment
-// before its node's service rules route the `kubernetes` Service.
+// whoAmI posts the SelfSubjectReview, retrying once a second until the `kubernetes`
+// Service routes.
 func whoAmI() (string, error) {
 	token, err := os.ReadFile(serviceAccount + "token")
 	if err != nil {

@@ -460,14 +460,35 @@ impl Starting {
         Ok(())
     }
 
-    /// Wait until every real node is Ready with kube-proxy's rules in place, then run a
-    /// probe pod on each: it pulls the probe image from the registry through the
-    /// bridge, gets a pod address from CNI, and asks its cluster's apiserver who it is
-    /// through the `kubernetes` Service (in-cluster configuration); its log, read
-    /// through the apiserver from the kubelet, must name its ServiceAccount.
-    pub(super) async fn await_real_nodes(&self, clusters: &[&ControlPlane]) -> Result<()> {
+    /// Create a probe pod on every real node, bound to it (no scheduling): it pulls the
+    /// probe image from the registry through the bridge, gets a pod address from CNI, and
+    /// asks its cluster's apiserver who it is through the `kubernetes` Service
+    /// (in-cluster configuration). Created early, the pods start while the rest of the
+    /// fleet does; [`Starting::await_real_nodes`] checks their outcome.
+    pub(super) async fn start_probes(&self, clusters: &[&ControlPlane]) -> Result<()> {
         let images = self.node_images()?;
-        let mut probes = vec![];
+        for cp in clusters {
+            for node in &self.state.cluster(&cp.name)?.real_nodes {
+                let kubelet = self.process(&node.process("kubelet"))?;
+                let pods: Api<Pod> = Api::namespaced(cp.client.clone(), PROBE_NAMESPACE);
+                let pod = probe_pod(&node.name, &images.probe);
+                let name = probe_name(&node.name);
+                // The namespace's ServiceAccount appears shortly after the controller
+                // manager starts; until then pods are refused.
+                wait_for(&kubelet, &format!("pod {name} to be accepted"), || {
+                    let (pods, pod) = (pods.clone(), pod.clone());
+                    async move { pods.create(&PostParams::default(), &pod).await.is_ok() }
+                })
+                .await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Wait until every real node is Ready, its kube-proxy has synced, and its probe
+    /// pod has succeeded with a log (read through the apiserver from the kubelet) that
+    /// names the pod's ServiceAccount; then delete the probe pods.
+    pub(super) async fn await_real_nodes(&self, clusters: &[&ControlPlane]) -> Result<()> {
         for cp in clusters {
             for node in &self.state.cluster(&cp.name)?.real_nodes {
                 let kubelet = self.process(&node.process("kubelet"))?;
@@ -491,49 +512,8 @@ impl Starting {
                 )
                 .await?;
                 let pods: Api<Pod> = Api::namespaced(cp.client.clone(), PROBE_NAMESPACE);
-                let pod = probe_pod(&node.name, &images.probe);
-                let name = probe_name(&node.name);
-                // The namespace's ServiceAccount appears shortly after the controller
-                // manager starts; until then pods are refused.
-                wait_for(&kubelet, &format!("pod {name} to be accepted"), || {
-                    let (pods, pod) = (pods.clone(), pod.clone());
-                    async move { pods.create(&PostParams::default(), &pod).await.is_ok() }
-                })
-                .await?;
-                probes.push((kubelet, pods, name));
+                check_probe(&kubelet, &pods, &probe_name(&node.name)).await?;
             }
-        }
-        for (kubelet, pods, name) in probes {
-            let phase = |pod: Option<Pod>| {
-                pod.and_then(|p| p.status)
-                    .and_then(|s| s.phase)
-                    .unwrap_or_default()
-            };
-            wait_for(&kubelet, &format!("probe pod {name} to finish"), || {
-                let (pods, name) = (pods.clone(), name.clone());
-                async move {
-                    let now = phase(pods.get(&name).await.ok());
-                    now == "Succeeded" || now == "Failed"
-                }
-            })
-            .await?;
-            let phase = phase(Some(pods.get(&name).await?));
-            let log = pods
-                .logs(&name, &LogParams::default())
-                .await
-                .unwrap_or_else(|e| format!("(no log: {e})"));
-            let identity = format!("system:serviceaccount:{PROBE_NAMESPACE}:default");
-            if phase != "Succeeded" || !log.contains(&identity) {
-                return Err(Error::Component {
-                    component: kubelet.name.clone(),
-                    reason: format!(
-                        "probe pod {name} ended {phase}; it did not reach the apiserver \
-                         in-cluster as {identity}; its log:\n{log}"
-                    ),
-                    log: kubelet.log.clone(),
-                });
-            }
-            pods.delete(&name, &DeleteParams::background()).await?;
         }
         Ok(())
     }
@@ -556,6 +536,42 @@ impl Starting {
 }
 
 const PROBE_NAMESPACE: &str = "default";
+
+/// Wait for probe pod `name` to finish; fail with its phase and log unless it succeeded
+/// and named its ServiceAccount.
+async fn check_probe(kubelet: &Tracked, pods: &Api<Pod>, name: &str) -> Result<()> {
+    let phase = |pod: Option<Pod>| {
+        pod.and_then(|p| p.status)
+            .and_then(|s| s.phase)
+            .unwrap_or_default()
+    };
+    wait_for(kubelet, &format!("probe pod {name} to finish"), || {
+        let (pods, name) = (pods.clone(), name.to_string());
+        async move {
+            let now = phase(pods.get(&name).await.ok());
+            now == "Succeeded" || now == "Failed"
+        }
+    })
+    .await?;
+    let phase = phase(Some(pods.get(name).await?));
+    let log = pods
+        .logs(name, &LogParams::default())
+        .await
+        .unwrap_or_else(|e| format!("(no log: {e})"));
+    let identity = format!("system:serviceaccount:{PROBE_NAMESPACE}:default");
+    if phase != "Succeeded" || !log.contains(&identity) {
+        return Err(Error::Component {
+            component: kubelet.name.clone(),
+            reason: format!(
+                "probe pod {name} ended {phase}; it did not reach the apiserver in-cluster \
+                 as {identity}; its log:\n{log}"
+            ),
+            log: kubelet.log.clone(),
+        });
+    }
+    pods.delete(name, &DeleteParams::background()).await?;
+    Ok(())
+}
 
 fn probe_name(node: &str) -> String {
     format!("kmm-fleet-probe-{node}")
