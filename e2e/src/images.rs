@@ -11,10 +11,14 @@
 pub mod base;
 mod buildah;
 
+use std::io::{Read, Seek};
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use flate2::Compression;
+use flate2::read::GzDecoder;
+use flate2::write::GzEncoder;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
@@ -140,13 +144,14 @@ pub fn build(options: &Options) -> Result<Built> {
             }
             None => None,
         };
+        let (size, compressed_size) = sizes(&ensured.inspected.id, &cache)?;
         built.bases.push(Image {
             name: definition.name.to_string(),
             reference: ensured.reference.clone(),
             pushed,
             id: ensured.inspected.id.clone(),
-            size: ensured.inspected.size,
-            compressed_size: compressed_size(&ensured.inspected.id, &cache)?,
+            size,
+            compressed_size,
             rebuilt: ensured.rebuilt,
         });
     }
@@ -312,13 +317,14 @@ fn build_image(
         }
         None => None,
     };
+    let (size, compressed_size) = sizes(&inspected.id, cache)?;
     Ok(Image {
         name: component.name.to_string(),
         reference,
         pushed,
-        compressed_size: compressed_size(&inspected.id, cache)?,
         id: inspected.id,
-        size: inspected.size,
+        size,
+        compressed_size,
         rebuilt,
     })
 }
@@ -352,16 +358,23 @@ struct OciIndex {
     manifests: Vec<buildah::Descriptor>,
 }
 
-/// The image's layers gzip-compressed, as `buildah push` writes them: measured once per
-/// image ID by pushing to an OCI layout, and remembered in `<cache>/compressed/<id>`.
-fn compressed_size(id: &str, cache: &Path) -> Result<u64> {
-    let dir = cache.join("compressed");
+/// The image's layers uncompressed and gzip-compressed (default level, as `buildah
+/// push` compresses them): measured once per image ID from an OCI layout export, and
+/// remembered in `<cache>/sizes/<id>`. Local storage's manifest cannot tell: a pull
+/// replaces it with the registry's, which lists compressed layers.
+fn sizes(id: &str, cache: &Path) -> Result<(u64, u64)> {
+    let dir = cache.join("sizes");
     let remembered = dir.join(id);
-    if let Some(size) = std::fs::read_to_string(&remembered)
+    if let Some((size, compressed)) = std::fs::read_to_string(&remembered)
         .ok()
-        .and_then(|s| s.trim().parse().ok())
+        .and_then(|s| {
+            s.trim()
+                .split_once(' ')
+                .map(|(a, b)| (a.parse(), b.parse()))
+        })
+        .and_then(|(a, b)| Some((a.ok()?, b.ok()?)))
     {
-        return Ok(size);
+        return Ok((size, compressed));
     }
     let layout = dir.join(format!("{id}.oci"));
     if layout.exists() {
@@ -371,31 +384,70 @@ fn compressed_size(id: &str, cache: &Path) -> Result<u64> {
     buildah::run([
         "push".to_string(),
         "--quiet".to_string(),
+        "--disable-compression".to_string(),
         id.to_string(),
         format!("oci:{}", layout.display()),
     ])?;
-    let read_json = |path: PathBuf| -> Result<Vec<u8>> {
-        std::fs::read(&path).context(|| format!("reading {}", path.display()))
-    };
     let blob = |digest: &str| {
         layout
             .join("blobs/sha256")
             .join(digest.trim_start_matches("sha256:"))
     };
-    let index: OciIndex = serde_json::from_slice(&read_json(layout.join("index.json"))?)
+    let read =
+        |path: PathBuf| std::fs::read(&path).context(|| format!("reading {}", path.display()));
+    let index: OciIndex = serde_json::from_slice(&read(layout.join("index.json"))?)
         .map_err(|e| Error::Invalid(format!("{}/index.json: {e}", layout.display())))?;
     let manifest = index
         .manifests
         .first()
         .ok_or_else(|| Error::Invalid(format!("{} holds no manifest", layout.display())))?;
-    let manifest: buildah::Manifest =
-        serde_json::from_slice(&read_json(blob(&manifest.digest))?)
-            .map_err(|e| Error::Invalid(format!("the manifest in {}: {e}", layout.display())))?;
-    let size: u64 = manifest.layers.iter().map(|l| l.size).sum();
+    let manifest: buildah::Manifest = serde_json::from_slice(&read(blob(&manifest.digest))?)
+        .map_err(|e| Error::Invalid(format!("the manifest in {}: {e}", layout.display())))?;
+    let (mut size, mut compressed) = (0, 0);
+    for layer in &manifest.layers {
+        let path = blob(&layer.digest);
+        let (uncompressed, gzipped) =
+            layer_sizes(&path).context(|| format!("measuring {}", path.display()))?;
+        size += uncompressed;
+        compressed += gzipped;
+    }
     std::fs::remove_dir_all(&layout).context(|| format!("removing {}", layout.display()))?;
-    std::fs::write(&remembered, size.to_string())
+    std::fs::write(&remembered, format!("{size} {compressed}"))
         .context(|| format!("writing {}", remembered.display()))?;
-    Ok(size)
+    Ok((size, compressed))
+}
+
+/// A layer blob's size uncompressed and gzip-compressed. Layers built here are stored
+/// uncompressed, but one pulled from a registry keeps its gzip form, which the export
+/// then hands out as it is.
+fn layer_sizes(path: &Path) -> std::io::Result<(u64, u64)> {
+    let mut blob = std::fs::File::open(path)?;
+    let length = blob.metadata()?.len();
+    let mut magic = [0u8; 2];
+    let gzipped = blob.read_exact(&mut magic).is_ok() && magic == [0x1f, 0x8b];
+    blob.rewind()?;
+    if gzipped {
+        let size = std::io::copy(&mut GzDecoder::new(blob), &mut std::io::sink())?;
+        Ok((size, length))
+    } else {
+        let mut gzip = GzEncoder::new(Counter(0), Compression::default());
+        std::io::copy(&mut blob, &mut gzip)?;
+        Ok((length, gzip.finish()?.0))
+    }
+}
+
+/// A writer that only counts what it is given.
+struct Counter(u64);
+
+impl std::io::Write for Counter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0 += buf.len() as u64;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 #[cfg(test)]

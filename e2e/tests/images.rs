@@ -1,8 +1,8 @@
 //! Issue 10: the container images. `kmm_e2e::images::build` makes the bases from Debian
 //! packages and the three images with buildah, exactly as `cargo xtask images` does;
-//! these tests run each image's binary as a real container process (`buildah run`,
-//! chroot isolation), read the images' configuration and files, build again to see
-//! nothing rebuilt, and push everything to a registry of their own, from which a
+//! these tests run each image's binary in the image's root filesystem as its user
+//! (`kmm_e2e::images::run_in`), read the images' configuration and files, build again
+//! to see nothing rebuilt, and push everything to a registry of their own, from which a
 //! Dockerfile build then takes its base as a `docker build` user's would.
 //!
 //! They need buildah (`cargo xtask env setup` installs it) and fail naming it when it
