@@ -29,6 +29,7 @@ use crate::toolchain::{BIN_DIR_ENV, Toolchain};
 use crate::versions::Versions;
 use crate::{Error, IoContext, Result, cache_dir, kmod};
 
+pub mod hub_install;
 pub mod kmm;
 pub mod network;
 pub mod nodes;
@@ -505,6 +506,10 @@ pub async fn status(settings: &Settings) -> Result<Vec<String>> {
             peak / 1024,
             p.log.display()
         ));
+    }
+    if state.kmm.is_some() {
+        let hub = client_for(&state.cluster("hub")?.kubeconfig).await?;
+        lines.extend(hub_install::status_lines(&hub).await);
     }
     for cluster in &state.clusters {
         if cluster.real_nodes.is_empty() {

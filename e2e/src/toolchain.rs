@@ -84,6 +84,8 @@ pub fn components(v: &Versions) -> Vec<Component> {
                 // The real nodes'.
                 "k8s.io/kubernetes/cmd/kubelet",
                 "k8s.io/kubernetes/cmd/kube-proxy",
+                // `kubectl apply -k`: the fleet installs kmm-hub as a user does.
+                "k8s.io/kubernetes/cmd/kubectl",
             ],
             substitutions: vec![],
             version_vars: kubernetes_version_vars(&v.kubernetes.version),

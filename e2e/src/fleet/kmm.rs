@@ -2,11 +2,13 @@
 //! `kmm-spoke-proxy` per spoke and one `kmm-node-agent` per simulated node (simulated
 //! kernel backend), wired the way the add-on deploys them:
 //!
+//! * the hub runs as Pods on the hub's real node from the images the fleet builds,
+//!   installed with `kubectl apply -k` of `addon-manifests/hub` ([`hub_install`]);
 //! * the hub creates its CA Secret; until the add-on packaging exists, the environment
 //!   issues each proxy's client certificate from that CA with the subject OCM's add-on
 //!   registration gives it;
-//! * the hub and each proxy run as their ServiceAccounts with the least-privilege RBAC of
-//!   `addon-manifests/{hub,spoke-proxy}/rbac.yaml`, not as administrators;
+//! * each proxy runs as its ServiceAccount with the least-privilege RBAC of
+//!   `addon-manifests/spoke-proxy/rbac.yaml`, not as an administrator;
 //! * each agent authenticates with a ServiceAccount token bound to its Node and to the
 //!   proxy's audience; its ServiceAccount has no RBAC at all.
 
@@ -23,8 +25,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use super::{
-    ControlPlane, Credentials, MANAGER, Starting, ensure_namespaces, wait_for, write_kubeconfig,
+    ControlPlane, Credentials, MANAGER, Starting, ensure_namespaces, hub_install, wait_for,
+    write_kubeconfig,
 };
+use crate::images;
 use crate::process::Tracked;
 use crate::{Error, IoContext, Result};
 
@@ -47,9 +51,6 @@ const TOKEN_LIFETIME: i64 = 7 * 24 * 3600;
 const CLIENT_CERT_LIFETIME: Duration = Duration::from_secs(30 * 24 * 3600);
 
 // Port offsets in each cluster's block (see `Ports`).
-const HUB_GRPC: u16 = 90;
-const HUB_METRICS: u16 = 91;
-const HUB_WEBHOOK: u16 = 92;
 const PROXY_AGENTS: u16 = 90;
 const PROXY_METRICS: u16 = 91;
 const AGENT_METRICS_FIRST: u16 = 92;
@@ -59,9 +60,9 @@ pub const MAX_NODES_PER_SPOKE: usize = 8;
 /// Where kmm-fleet's components of a running fleet listen, and their files.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Kmm {
-    /// `host:port` of the hub's gRPC endpoint for proxies.
+    /// `host:port` of the hub's gRPC endpoint for proxies: the NodePort of the Service
+    /// that selects the leading replica, on the hub's real node.
     pub hub_grpc: String,
-    pub hub_metrics_port: u16,
     /// The hub CA's certificate (the proxies trust the hub's serving certificate by it).
     pub hub_ca: PathBuf,
     pub proxies: Vec<Proxy>,
@@ -94,10 +95,10 @@ pub struct Agent {
     pub dir: PathBuf,
 }
 
-/// The kmm-fleet binaries, built by `cargo build` in this workspace.
+/// The kmm-fleet binaries the fleet runs as processes, built by `cargo build` in this
+/// workspace.
 #[derive(Debug, Clone)]
 pub struct Binaries {
-    pub hub: PathBuf,
     pub proxy: PathBuf,
     pub agent: PathBuf,
 }
@@ -130,7 +131,6 @@ impl Binaries {
             }
         };
         Ok(Self {
-            hub: find("kmm-hub")?,
             proxy: find("kmm-spoke-proxy")?,
             agent: find("kmm-node-agent")?,
         })
@@ -147,7 +147,6 @@ impl Binaries {
             Ok::<_, Error>(to)
         };
         Ok(Self {
-            hub: copy(&self.hub)?,
             proxy: copy(&self.proxy)?,
             agent: copy(&self.agent)?,
         })
@@ -161,44 +160,45 @@ impl Starting {
         std::fs::create_dir_all(&kmm_dir).context(|| format!("creating {}", kmm_dir.display()))?;
         let binaries = Binaries::locate()?.copy_to(&kmm_dir.join("bin"))?;
 
-        apply_crd_of_modules(&hub.client).await?;
-        ensure_namespaces(&hub.client, &[HUB_NAMESPACE]).await?;
-        apply_manifests(
-            &hub.client,
-            &read_workspace_file("addon-manifests/hub/rbac.yaml")?,
-        )
-        .await?;
-        let hub_kubeconfig = kmm_dir.join("hub.kubeconfig");
-        let token =
-            request_token(&hub.client, HUB_NAMESPACE, HUB_SERVICE_ACCOUNT, None, None).await?;
-        write_kubeconfig(
-            &hub_kubeconfig,
-            &hub.name,
-            &hub.server,
-            &hub.ca.pem,
-            Credentials::Token(&token),
+        // kmm-hub as a user installs it: images in the registry, `kubectl apply -k`.
+        let registry = self.state.registry.clone();
+        let built = tokio::task::spawn_blocking(move || {
+            images::build(&images::Options::new(Some(registry)))
+        })
+        .await
+        .map_err(|e| Error::Invalid(format!("building the images panicked: {e}")))??;
+        let tag = built
+            .images
+            .first()
+            .and_then(|i| i.reference.rsplit_once(':'))
+            .map(|(_, tag)| tag.to_owned())
+            .ok_or_else(|| Error::Invalid("no image was built".into()))?;
+        let node_ip = self
+            .state
+            .cluster(&hub.name)?
+            .real_nodes
+            .first()
+            .map(|n| n.ip.to_string())
+            .ok_or_else(|| {
+                Error::Invalid("kmm-hub runs on the hub's real node, and there is none".into())
+            })?;
+        let installed = std::time::Instant::now();
+        hub_install::apply(
+            self.toolchain.bin("kubectl"),
+            &hub.kubeconfig,
+            &kmm_dir.join("hub-install"),
+            &hub_install::Overlay {
+                registry: &self.state.node_registry,
+                tag: &tag,
+                node_ip: &node_ip,
+            },
         )?;
-        let hub_grpc = format!("127.0.0.1:{}", self.ports.cluster(hub.index, HUB_GRPC));
-        let hub_metrics_port = self.ports.cluster(hub.index, HUB_METRICS);
-        let hub_process = self.start_program(
-            "hub/kmm-hub",
-            &binaries.hub,
-            vec![
-                "serve".into(),
-                format!("--namespace={HUB_NAMESPACE}"),
-                format!("--grpc-addr={hub_grpc}"),
-                format!("--metrics-addr=127.0.0.1:{hub_metrics_port}"),
-                format!(
-                    "--webhook-addr=127.0.0.1:{}",
-                    self.ports.cluster(hub.index, HUB_WEBHOOK)
-                ),
-                // The hub's own integration tests run further hubs against this hub
-                // cluster, each for the modules labelled for it.
-                format!("--module-selector=!{TEST_HUB_LABEL}"),
-            ],
-            &[("KUBECONFIG", hub_kubeconfig.display().to_string())],
-        )?;
-        wait_ready(&hub_process, hub_metrics_port).await?;
+        let leader = hub_install::wait_installed(&hub.client).await?;
+        println!(
+            "fleet: kmm-hub installed (kubectl apply -k) and ready in {:.1}s; leader {leader}",
+            installed.elapsed().as_secs_f64()
+        );
+        let hub_grpc = format!("{node_ip}:{}", hub_install::GRPC_NODE_PORT);
         let ca = hub_ca(&hub.client).await?;
         let hub_ca = kmm_dir.join("hub-ca.crt");
         std::fs::write(&hub_ca, ca.cert_pem())
@@ -206,7 +206,6 @@ impl Starting {
 
         let mut kmm = Kmm {
             hub_grpc,
-            hub_metrics_port,
             hub_ca,
             proxies: vec![],
             agents: vec![],
@@ -420,12 +419,6 @@ pub(crate) async fn wait_ready(process: &Tracked, port: u16) -> Result<()> {
             .is_some_and(|body| body.trim() == "ok")
     })
     .await
-}
-
-async fn apply_crd_of_modules(client: &Client) -> Result<()> {
-    let crd: Value = serde_yaml_ng::from_str(&kmm_api::managed_cluster_module_crd_yaml())
-        .map_err(|e| Error::Invalid(format!("the ManagedClusterModule CRD: {e}")))?;
-    super::apply_crd(client, &crd).await
 }
 
 /// The hub's CA, read from the Secret the hub created.

@@ -154,7 +154,7 @@ impl RealNode {
 /// The state directory holding the nodes' mount namespace files. It is a private
 /// bind mount of itself: a namespace file cannot be bound into a mount that
 /// propagates (on machines whose `/` is shared).
-pub(super) fn namespace_dir(state_dir: &Path) -> PathBuf {
+fn namespace_dir(state_dir: &Path) -> PathBuf {
     state_dir.join("ns")
 }
 
@@ -736,7 +736,7 @@ fn kube_proxy_config(node: &RealNode, kubeconfig: &Path) -> Value {
 }
 
 /// How long `down` gives a node's leftover processes to die after SIGKILL.
-pub(super) const SWEEP_GRACE: Duration = Duration::from_secs(10);
+const SWEEP_GRACE: Duration = Duration::from_secs(10);
 
 /// Stop everything left in the fleet's node cgroups (containerd's shims and the
 /// containers; the daemons themselves were stopped by PID) and remove the cgroups.

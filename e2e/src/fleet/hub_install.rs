@@ -1,0 +1,345 @@
+//! kmm-hub on the hub cluster's real node, installed the way a user installs it:
+//! `kubectl apply -k` of an overlay whose only base is `addon-manifests/hub`. The overlay
+//! changes what a platform team's own overlay would: the image's registry, how the
+//! proxies reach the gRPC endpoint (a NodePort on the hub's real node, and that address
+//! as a SAN), and which modules the fleet's hub leaves to the hub tests' own hubs.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
+use kube::{Api, Client};
+
+use super::kmm::{HUB_NAMESPACE, TEST_HUB_LABEL};
+use crate::fixture::wait_until;
+use crate::{Error, IoContext, Result};
+
+/// The Deployment, and the label of its Pods.
+pub const DEPLOYMENT: &str = "kmm-hub";
+/// The port proxies reach the leader on, on the hub's real node.
+pub const GRPC_NODE_PORT: u16 = 30443;
+/// The Pod label the leader sets on itself.
+pub const ROLE_LABEL: &str = "hub.kmm.sigs.x-k8s.io/role";
+/// From `kubectl apply` to both replicas ready and one leading: image pulls on a fresh
+/// node included.
+const INSTALL_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// What the overlay sets.
+#[derive(Debug)]
+pub struct Overlay<'a> {
+    /// `host:port` of the registry as the nodes reach it.
+    pub registry: &'a str,
+    pub tag: &'a str,
+    /// The hub's real node's address: proxies connect to it.
+    pub node_ip: &'a str,
+}
+
+impl Overlay<'_> {
+    /// The overlay's `kustomization.yaml`, referring to `base` relative to `dir` (kustomize
+    /// takes no absolute bases).
+    pub fn kustomization(&self, dir: &Path, base: &Path) -> Result<String> {
+        let relative = relative_path(dir, base)?;
+        Ok(format!(
+            r#"# Written by the local fleet: addon-manifests/hub with the fleet's registry and
+# the address its proxies use.
+apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources:
+  - {base}
+images:
+  - name: 127.0.0.1:16005/kmm-fleet/kmm-hub
+    newName: {registry}/kmm-fleet/kmm-hub
+    newTag: "{tag}"
+patches:
+  - target: {{kind: Deployment, name: kmm-hub}}
+    patch: |-
+      - {{op: add, path: /spec/template/spec/containers/0/args/-, value: "--grpc-san={node_ip}"}}
+      - {{op: add, path: /spec/template/spec/containers/0/args/-, value: "--module-selector=!{test_label}"}}
+  - target: {{kind: Service, name: kmm-hub}}
+    patch: |-
+      - {{op: add, path: /spec/type, value: NodePort}}
+      - {{op: add, path: /spec/ports/0/nodePort, value: {node_port}}}
+"#,
+            base = relative.display(),
+            registry = self.registry,
+            tag = self.tag,
+            node_ip = self.node_ip,
+            test_label = TEST_HUB_LABEL,
+            node_port = GRPC_NODE_PORT,
+        ))
+    }
+}
+
+/// `to` relative to `from` (both absolute).
+fn relative_path(from: &Path, to: &Path) -> Result<PathBuf> {
+    let canonical = |p: &Path| {
+        p.canonicalize()
+            .context(|| format!("resolving {}", p.display()))
+    };
+    let (from, to) = (canonical(from)?, canonical(to)?);
+    let common = from
+        .components()
+        .zip(to.components())
+        .take_while(|(a, b)| a == b)
+        .count();
+    let mut relative = PathBuf::new();
+    for _ in from.components().skip(common) {
+        relative.push("..");
+    }
+    relative.extend(to.components().skip(common));
+    Ok(relative)
+}
+
+/// Writes the overlay into `dir` and applies it with `kubectl apply -k`.
+pub fn apply(kubectl: &Path, kubeconfig: &Path, dir: &Path, overlay: &Overlay<'_>) -> Result<()> {
+    std::fs::create_dir_all(dir).context(|| format!("creating {}", dir.display()))?;
+    let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../addon-manifests/hub");
+    let file = dir.join("kustomization.yaml");
+    std::fs::write(&file, overlay.kustomization(dir, &base)?)
+        .context(|| format!("writing {}", file.display()))?;
+    let output = Command::new(kubectl)
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(["apply", "-k"])
+        .arg(dir)
+        .output()
+        .context(|| format!("running {}", kubectl.display()))?;
+    if !output.status.success() {
+        return Err(Error::Invalid(format!(
+            "kubectl apply -k {} failed: {}",
+            dir.display(),
+            String::from_utf8_lossy(&output.stderr).trim()
+        )));
+    }
+    Ok(())
+}
+
+/// Waits until every replica is ready and one Pod is labelled leader; returns its name.
+pub async fn wait_installed(hub: &Client) -> Result<String> {
+    wait_until("kmm-hub: every replica ready", INSTALL_TIMEOUT, || {
+        replicas_ready(hub)
+    })
+    .await?;
+    wait_leader(hub, INSTALL_TIMEOUT).await
+}
+
+async fn replicas_ready(hub: &Client) -> std::result::Result<(), String> {
+    let deployments: Api<Deployment> = Api::namespaced(hub.clone(), HUB_NAMESPACE);
+    let deployment = deployments
+        .get_opt(DEPLOYMENT)
+        .await
+        .map_err(|e| e.to_string())?
+        .ok_or("no Deployment")?;
+    let wanted = deployment.spec.and_then(|s| s.replicas).unwrap_or(1);
+    let status = deployment.status.unwrap_or_default();
+    let (ready, updated) = (
+        status.ready_replicas.unwrap_or(0),
+        status.updated_replicas.unwrap_or(0),
+    );
+    if ready == wanted && updated == wanted && status.replicas.unwrap_or(0) == wanted {
+        Ok(())
+    } else {
+        Err(format!(
+            "{ready} of {wanted} ready, {updated} updated; {}",
+            pod_summary(hub).await
+        ))
+    }
+}
+
+/// The ready Pod labelled leader, once there is one.
+pub async fn wait_leader(hub: &Client, timeout: Duration) -> Result<String> {
+    wait_until("kmm-hub: a ready leader", timeout, || async {
+        let pods: Api<Pod> = Api::namespaced(hub.clone(), HUB_NAMESPACE);
+        let leaders = pods
+            .list(&ListParams::default().labels(&format!(
+                "app.kubernetes.io/name={DEPLOYMENT},{ROLE_LABEL}=leader"
+            )))
+            .await
+            .map_err(|e| e.to_string())?;
+        leaders
+            .items
+            .iter()
+            .find(|p| pod_ready(p) && p.metadata.deletion_timestamp.is_none())
+            .and_then(|p| p.metadata.name.clone())
+            .ok_or(format!("no ready leader; {}", pod_summary(hub).await))
+    })
+    .await
+}
+
+/// Kills the leader Pod without a grace period, as a crashed node would: it cannot release
+/// the Lease, so a standby takes over only once the Lease expires. Returns its name.
+pub async fn kill_leader(hub: &Client) -> Result<String> {
+    let leader = wait_leader(hub, INSTALL_TIMEOUT).await?;
+    let pods: Api<Pod> = Api::namespaced(hub.clone(), HUB_NAMESPACE);
+    pods.delete(&leader, &DeleteParams::default().grace_period(0))
+        .await?;
+    Ok(leader)
+}
+
+/// Scales the hub to `replicas` and waits until that many are ready (and, above zero, one
+/// leads).
+pub async fn scale(hub: &Client, replicas: i32) -> Result<()> {
+    let deployments: Api<Deployment> = Api::namespaced(hub.clone(), HUB_NAMESPACE);
+    let patch = serde_json::json!({"spec": {"replicas": replicas}});
+    deployments
+        .patch(DEPLOYMENT, &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    let pods: Api<Pod> = Api::namespaced(hub.clone(), HUB_NAMESPACE);
+    wait_until(
+        &format!("kmm-hub scaled to {replicas}"),
+        INSTALL_TIMEOUT,
+        || async {
+            replicas_ready(hub).await?;
+            let running = pods
+                .list(
+                    &ListParams::default().labels(&format!("app.kubernetes.io/name={DEPLOYMENT}")),
+                )
+                .await
+                .map_err(|e| e.to_string())?
+                .items
+                .len();
+            (running == usize::try_from(replicas).unwrap_or_default())
+                .then_some(())
+                .ok_or(format!("{running} Pods"))
+        },
+    )
+    .await?;
+    if replicas > 0 {
+        wait_leader(hub, INSTALL_TIMEOUT).await?;
+    }
+    Ok(())
+}
+
+/// One `env status` line per hub Pod: role, readiness, node and memory (the kubelet's
+/// working set, read through the apiserver's node proxy).
+pub async fn status_lines(hub: &Client) -> Vec<String> {
+    let pods: Api<Pod> = Api::namespaced(hub.clone(), HUB_NAMESPACE);
+    let list = match pods
+        .list(&ListParams::default().labels(&format!("app.kubernetes.io/name={DEPLOYMENT}")))
+        .await
+    {
+        Ok(list) => list.items,
+        Err(e) => return vec![format!("kmm-hub Pods: cannot list them: {e}")],
+    };
+    let mut lines = vec![];
+    for pod in &list {
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let node = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.clone())
+            .unwrap_or_default();
+        let role = pod
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(ROLE_LABEL).cloned())
+            .unwrap_or_else(|| "-".into());
+        let memory = match working_set_bytes(hub, &node, &name).await {
+            Some(bytes) => format!("{} MiB", bytes / (1024 * 1024)),
+            None => "? MiB".into(),
+        };
+        lines.push(format!(
+            "pod {HUB_NAMESPACE}/{name:<28} on {node:<14} role {role:<8} {:<9} working set {memory}",
+            if pod_ready(pod) { "Ready" } else { "NOT READY" },
+        ));
+    }
+    lines
+}
+
+async fn working_set_bytes(hub: &Client, node: &str, pod: &str) -> Option<u64> {
+    let request = http::Request::get(format!("/api/v1/nodes/{node}/proxy/stats/summary"))
+        .body(Vec::new())
+        .ok()?;
+    let summary: serde_json::Value = hub.request(request).await.ok()?;
+    summary["pods"]
+        .as_array()?
+        .iter()
+        .find(|p| p["podRef"]["name"] == pod && p["podRef"]["namespace"] == HUB_NAMESPACE)?["memory"]
+        ["workingSetBytes"]
+        .as_u64()
+}
+
+fn pod_ready(pod: &Pod) -> bool {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// One line about every hub Pod, for the waits' messages.
+async fn pod_summary(hub: &Client) -> String {
+    let pods: Api<Pod> = Api::namespaced(hub.clone(), HUB_NAMESPACE);
+    match pods
+        .list(&ListParams::default().labels(&format!("app.kubernetes.io/name={DEPLOYMENT}")))
+        .await
+    {
+        Ok(list) => list
+            .items
+            .iter()
+            .map(|p| {
+                let name = p.metadata.name.clone().unwrap_or_default();
+                let role = p
+                    .metadata
+                    .labels
+                    .as_ref()
+                    .and_then(|l| l.get(ROLE_LABEL).cloned())
+                    .unwrap_or_default();
+                let status = p.status.clone().unwrap_or_default();
+                let waiting: Vec<String> = status
+                    .container_statuses
+                    .unwrap_or_default()
+                    .iter()
+                    .filter_map(|c| {
+                        let waiting = c.state.as_ref()?.waiting.as_ref()?;
+                        Some(format!(
+                            "{} {}",
+                            waiting.reason.clone().unwrap_or_default(),
+                            waiting.message.clone().unwrap_or_default()
+                        ))
+                    })
+                    .collect();
+                format!(
+                    "{name} {} role={role} ready={} {}",
+                    status.phase.unwrap_or_default(),
+                    pod_ready(p),
+                    waiting.join(", ")
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("; "),
+        Err(e) => format!("cannot list the hub's Pods: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_overlay_names_its_base_relatively_and_sets_registry_and_address() {
+        let dir = std::env::temp_dir().join(format!("kmm-overlay-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../addon-manifests/hub");
+        let text = Overlay {
+            registry: "198.18.16.1:16005",
+            tag: "0.1.0",
+            node_ip: "198.18.16.10",
+        }
+        .kustomization(&dir, &base)
+        .unwrap();
+        let yaml: serde_json::Value = serde_yaml_ng::from_str(&text).unwrap();
+        let resource = yaml["resources"][0].as_str().unwrap();
+        assert!(resource.starts_with("..") && resource.ends_with("addon-manifests/hub"));
+        assert!(dir.join(resource).join("kustomization.yaml").is_file());
+        assert_eq!(
+            yaml["images"][0]["newName"],
+            "198.18.16.1:16005/kmm-fleet/kmm-hub"
+        );
+        assert!(text.contains("--grpc-san=198.18.16.10"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
