@@ -26,17 +26,6 @@ static SERIAL: Mutex<()> = Mutex::const_new(());
 /// A killed leader's Lease expires after its duration (15 s); then a standby takes it.
 const LEASE_TAKEOVER: Duration = Duration::from_secs(40);
 
-async fn lease_holder(hub: &kube::Client) -> Result<String> {
-    let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
-        Api::namespaced(hub.clone(), fleet_kmm::HUB_NAMESPACE);
-    leases
-        .get("kmm-hub")
-        .await?
-        .spec
-        .and_then(|s| s.holder_identity)
-        .context("the Lease has a holder")
-}
-
 #[tokio::test]
 async fn a_module_labels_exactly_the_selected_nodes_of_the_selected_cluster_until_deleted()
 -> Result<()> {
@@ -264,16 +253,11 @@ async fn killing_the_leader_hub_mid_rollout_moves_the_lease_and_unloads_nothing(
     let unloads_before = unloads(&kmm).await?;
 
     create(&fleet.hub, &module(&name, &id, sample_mapping(&fleet))?).await?;
-    // Mid-rollout the leader dies without releasing its Lease. (A spec change during the
-    // handover is `kmm-hub`'s leadership test; see the e2e README for why not here.)
-    let killed = hub_install::kill_leader(&fleet.hub).await?;
-    let leader = hub_install::wait_leader(&fleet.hub, LEASE_TAKEOVER).await?;
-    ensure!(leader != killed, "the killed Pod {killed} still leads");
-    let holder = lease_holder(&fleet.hub).await?;
-    ensure!(
-        holder.starts_with(&leader),
-        "the Lease moved to the new leader {leader}: held by {holder}"
-    );
+    // Mid-rollout the leader crashes (SIGKILL) without releasing its Lease. (A spec change
+    // during the handover is kmm-hub's leadership test; see the closing note of issue 10.)
+    let former = hub_install::lease_holder(&fleet.hub).await?;
+    hub_install::crash_leader(&fleet.hub).await?;
+    hub_install::wait_lease_moved(&fleet.hub, LEASE_TAKEOVER, &former).await?;
     wait_labelled(&fleet, &name, &targets).await?;
     wait_until(
         "the new leader's status to count every node",

@@ -141,6 +141,7 @@ async fn serve_main(args: Args) -> anyhow::Result<()> {
     metrics.register(&mut registry);
     let health = Health::default();
     let (stop, stopped) = tokio::sync::watch::channel(false);
+    let stop = std::sync::Arc::new(stop);
     let wait_stop = move || {
         let mut stopped = stopped.clone();
         async move {
@@ -160,8 +161,9 @@ async fn serve_main(args: Args) -> anyhow::Result<()> {
         .unwrap_or_else(|| "kmm-hub".to_owned());
     let leader_election = args.leader_elect.then(|| LeaderElection {
         lease: args.leader_election_lease,
-        // Unique even for two processes of one host outside Pods.
-        identity: format!("{instance}_{}", std::process::id()),
+        // Unique per incarnation: a restarted container (pid 1 again) must not find the
+        // Lease still its own and lead without the others having had their chance.
+        identity: format!("{instance}_{}", incarnation()),
         duration: args.leader_election_lease_duration,
         renew_before: args.leader_election_lease_duration / 3,
         pod: args.pod_name,
@@ -176,17 +178,31 @@ async fn serve_main(args: Args) -> anyhow::Result<()> {
         webhook_configuration: Some(args.webhook_configuration).filter(|n| !n.is_empty()),
         leader_election,
     };
-    let shutdown = async move {
-        kmm_runtime::shutdown::signal().await;
-        let _ = stop.send(true);
+    let shutdown = {
+        let stop = stop.clone();
+        async move {
+            kmm_runtime::shutdown::signal().await;
+            let _ = stop.send(true);
+        }
     };
     let listeners = Listeners {
         grpc,
         webhook: Some(webhook),
     };
     let served = serve::run(client, settings, listeners, health, metrics, shutdown).await;
+    // However serving ended (a lost Lease too), the endpoint ends with it and the process
+    // exits; a replica that lost its leadership restarts as standby.
+    let _ = stop.send(true);
     let endpoint = endpoint.await.context("the metrics endpoint panicked")?;
     served?;
     endpoint?;
     Ok(())
+}
+
+/// The process id and start time, in hex: distinct for every start of the binary.
+fn incarnation() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{:x}{nanos:x}", std::process::id())
 }

@@ -9,9 +9,12 @@ use std::process::Command;
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
+use kube::api::{ListParams, Patch, PatchParams};
 use kube::{Api, Client};
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
 
 use super::kmm::{HUB_NAMESPACE, TEST_HUB_LABEL};
 use crate::fixture::wait_until;
@@ -21,6 +24,8 @@ use crate::{Error, IoContext, Result};
 pub const DEPLOYMENT: &str = "kmm-hub";
 /// The port proxies reach the leader on, on the hub's real node.
 pub const GRPC_NODE_PORT: u16 = 30443;
+/// The hub's leader Lease, in its namespace.
+pub const LEASE: &str = "kmm-hub";
 /// The Pod label the leader sets on itself.
 pub const ROLE_LABEL: &str = "hub.kmm.sigs.x-k8s.io/role";
 /// From `kubectl apply` to both replicas ready and one leading: image pulls on a fresh
@@ -133,8 +138,16 @@ async fn replicas_ready(hub: &Client) -> std::result::Result<(), String> {
         .await
         .map_err(|e| e.to_string())?
         .ok_or("no Deployment")?;
+    let generation = deployment.metadata.generation;
     let wanted = deployment.spec.and_then(|s| s.replicas).unwrap_or(1);
     let status = deployment.status.unwrap_or_default();
+    // Counts of an older generation say nothing about a change just made.
+    if status.observed_generation < generation {
+        return Err(format!(
+            "generation {generation:?} not observed yet ({:?})",
+            status.observed_generation
+        ));
+    }
     let (ready, updated) = (
         status.ready_replicas.unwrap_or(0),
         status.updated_replicas.unwrap_or(0),
@@ -152,30 +165,90 @@ async fn replicas_ready(hub: &Client) -> std::result::Result<(), String> {
 /// The ready Pod labelled leader, once there is one.
 pub async fn wait_leader(hub: &Client, timeout: Duration) -> Result<String> {
     wait_until("kmm-hub: a ready leader", timeout, || async {
-        let pods: Api<Pod> = Api::namespaced(hub.clone(), HUB_NAMESPACE);
-        let leaders = pods
-            .list(&ListParams::default().labels(&format!(
-                "app.kubernetes.io/name={DEPLOYMENT},{ROLE_LABEL}=leader"
-            )))
-            .await
-            .map_err(|e| e.to_string())?;
-        leaders
-            .items
-            .iter()
-            .find(|p| pod_ready(p) && p.metadata.deletion_timestamp.is_none())
-            .and_then(|p| p.metadata.name.clone())
+        ready_leader(hub)
+            .await?
             .ok_or(format!("no ready leader; {}", pod_summary(hub).await))
     })
     .await
 }
 
-/// Kills the leader Pod without a grace period, as a crashed node would: it cannot release
-/// the Lease, so a standby takes over only once the Lease expires. Returns its name.
-pub async fn kill_leader(hub: &Client) -> Result<String> {
+/// The Lease's holder identity (`<pod>_<incarnation>`).
+pub async fn lease_holder(hub: &Client) -> Result<String> {
+    let leases: Api<Lease> = Api::namespaced(hub.clone(), HUB_NAMESPACE);
+    leases
+        .get(LEASE)
+        .await?
+        .spec
+        .and_then(|s| s.holder_identity)
+        .filter(|h| !h.is_empty())
+        .ok_or_else(|| Error::Invalid(format!("Lease {HUB_NAMESPACE}/{LEASE} has no holder")))
+}
+
+/// Waits until the Lease has a holder other than `former` and that holder's Pod is the
+/// ready leader (a crashed leader keeps its label, and its readiness until a probe
+/// fails); returns the Pod. The new holder may be the crashed Pod's restarted container.
+pub async fn wait_lease_moved(hub: &Client, timeout: Duration, former: &str) -> Result<String> {
+    wait_until("kmm-hub: the Lease held anew", timeout, || async {
+        let holder = lease_holder(hub).await.map_err(|e| e.to_string())?;
+        if holder == former {
+            return Err(format!("still held by {former}"));
+        }
+        match ready_leader(hub).await? {
+            Some(pod) if holder.starts_with(&format!("{pod}_")) => Ok(pod),
+            other => Err(format!("held by {holder}, ready leader Pod {other:?}")),
+        }
+    })
+    .await
+}
+
+async fn ready_leader(hub: &Client) -> std::result::Result<Option<String>, String> {
+    let pods: Api<Pod> = Api::namespaced(hub.clone(), HUB_NAMESPACE);
+    let leaders = pods
+        .list(&ListParams::default().labels(&format!(
+            "app.kubernetes.io/name={DEPLOYMENT},{ROLE_LABEL}=leader"
+        )))
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(leaders
+        .items
+        .iter()
+        .find(|p| pod_ready(p) && p.metadata.deletion_timestamp.is_none())
+        .and_then(|p| p.metadata.name.clone()))
+}
+
+/// Crashes the leader: SIGKILL to its `kmm-hub` process (found on the host by the Pod's
+/// cgroup, `.../pod<uid>/...`), so it cannot release the Lease and a standby takes over
+/// only once the Lease expires. The kubelet restarts the container, which rejoins as
+/// standby. Returns the Pod's name.
+pub async fn crash_leader(hub: &Client) -> Result<String> {
     let leader = wait_leader(hub, INSTALL_TIMEOUT).await?;
     let pods: Api<Pod> = Api::namespaced(hub.clone(), HUB_NAMESPACE);
-    pods.delete(&leader, &DeleteParams::default().grace_period(0))
-        .await?;
+    let uid = pods
+        .get(&leader)
+        .await?
+        .metadata
+        .uid
+        .ok_or_else(|| Error::Invalid(format!("Pod {leader} has no uid")))?;
+    let cgroup = format!("/pod{uid}/");
+    let mut killed = 0;
+    let proc_dir = Path::new("/proc");
+    for entry in std::fs::read_dir(proc_dir).context(|| "listing /proc".to_owned())? {
+        let Ok(pid) = entry.map(|e| e.file_name().to_string_lossy().parse::<i32>()) else {
+            continue;
+        };
+        let Ok(pid) = pid else { continue };
+        let read = |file: &str| std::fs::read_to_string(proc_dir.join(pid.to_string()).join(file));
+        let ours = read("cgroup").is_ok_and(|c| c.contains(&cgroup))
+            && read("comm").is_ok_and(|c| c.trim() == "kmm-hub");
+        if ours && nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL).is_ok() {
+            killed += 1;
+        }
+    }
+    if killed == 0 {
+        return Err(Error::Invalid(format!(
+            "no kmm-hub process of Pod {leader} (cgroup pod{uid}) found to kill"
+        )));
+    }
     Ok(leader)
 }
 
