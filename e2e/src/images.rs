@@ -211,7 +211,7 @@ fn build_binaries(workspace: &Path, target_dir: &Path) -> Result<PathBuf> {
             cmd.env_remove(name.as_ref());
         }
     }
-    buildah::output(&mut cmd)?;
+    crate::process::output(&mut cmd)?;
     Ok(target_dir.join("release"))
 }
 
@@ -304,7 +304,7 @@ fn build_image(
             }
             bud.arg("--label").arg(format!("{KEY_LABEL}={key}"));
             bud.args(["--tag", &reference]).arg(release);
-            buildah::output(&mut bud)?;
+            crate::process::output(&mut bud)?;
             inspect(&reference)?.ok_or_else(|| {
                 Error::Invalid(format!("{reference} is missing after buildah bud"))
             })?

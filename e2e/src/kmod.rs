@@ -3,6 +3,7 @@
 //! (`/opt/lib/modules/<kernel>/` with `modules.dep` from `depmod -b`), and pushed to
 //! the fleet's registry (Debian's `docker-registry`) as `samples/kmm-hello:<kernel>`.
 
+use crate::process::run;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -200,22 +201,6 @@ pub fn build(kernel: &str) -> Result<PathBuf> {
         .arg(root.join("opt"))
         .arg(kernel))?;
     Ok(root)
-}
-
-fn run(cmd: &mut Command) -> Result<()> {
-    let describe = format!("{cmd:?}");
-    let out = cmd.output().context(|| format!("running {describe}"))?;
-    if !out.status.success() {
-        return Err(Error::Command {
-            command: describe,
-            status: format!(
-                "{}: {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            ),
-        });
-    }
-    Ok(())
 }
 
 /// The image's single layer: `opt/` of `root` and the extra files, as an uncompressed

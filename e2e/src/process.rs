@@ -5,7 +5,7 @@
 use std::fs::File;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{Signal, kill};
@@ -211,4 +211,27 @@ fn pid_exists(pid: i32) -> bool {
             .next()
             .is_some_and(|r| r.trim_start().starts_with('Z'))
     })
+}
+
+/// Run `cmd` to completion; its output when it succeeded, an error carrying its standard
+/// error if not.
+pub(crate) fn output(cmd: &mut Command) -> Result<Output> {
+    let describe = format!("{cmd:?}");
+    let out = cmd.output().context(|| format!("running {describe}"))?;
+    if !out.status.success() {
+        return Err(Error::Command {
+            command: describe,
+            status: format!(
+                "{}: {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        });
+    }
+    Ok(out)
+}
+
+/// Run `cmd` to completion; its standard output, or an error carrying its standard error.
+pub(crate) fn run(cmd: &mut Command) -> Result<String> {
+    output(cmd).map(|out| String::from_utf8_lossy(&out.stdout).into_owned())
 }

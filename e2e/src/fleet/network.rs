@@ -10,6 +10,7 @@
 //! the bridge subnet and the service range (via the bridge), never a default route:
 //! nothing a node or pod sends can leave through the machine's own interfaces.
 
+use crate::process::run;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -17,7 +18,7 @@ use std::process::Command;
 use serde::{Deserialize, Serialize};
 
 use super::{Starting, wait_for};
-use crate::{Error, IoContext, Result};
+use crate::{Error, Result};
 
 /// Real nodes per fleet: each gets its own /24 of pods out of the fleet's /21.
 pub const MAX_REAL_NODES: usize = 8;
@@ -190,23 +191,6 @@ fn link_exists(name: &str) -> bool {
 
 fn ip(args: &[&str]) -> Result<()> {
     run(Command::new("ip").args(args)).map(drop)
-}
-
-/// Run a host command to completion; fails with its stderr.
-pub(crate) fn run(cmd: &mut Command) -> Result<String> {
-    let describe = format!("{cmd:?}");
-    let out = cmd.output().context(|| format!("running {describe}"))?;
-    if !out.status.success() {
-        return Err(Error::Command {
-            command: describe,
-            status: format!(
-                "{}: {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            ),
-        });
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// `socat`, which forwards the bridge address to loopback.

@@ -29,11 +29,12 @@ use kube::api::{DeleteParams, LogParams, PostParams};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use super::network::{NodeAddress, POD_RANGE, netns_path, run};
+use super::network::{NodeAddress, POD_RANGE, netns_path};
 use super::{
     APISERVER, ControlPlane, Credentials, Starting, http_get_plain, node_ready, wait_for,
     write_kubeconfig,
 };
+use crate::process::run;
 use crate::process::{Confinement, Tracked};
 use crate::{Error, IoContext, Result, cgroup};
 

@@ -5,8 +5,8 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use super::kernel_package::run;
 use crate::Result;
+use crate::process::run;
 
 /// Build (incrementally) the release agent; its path.
 pub fn build() -> Result<PathBuf> {

@@ -8,8 +8,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use super::cpio::Archive;
-use super::kernel_package::{KernelPackage, run};
+use super::kernel_package::KernelPackage;
 use super::shared_libraries;
+use crate::process::run;
 use crate::{Error, IoContext, Result};
 
 const INIT: &str = include_str!("../../guest/init");

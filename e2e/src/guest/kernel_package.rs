@@ -1,6 +1,7 @@
 //! A real Debian kernel for the guest: `linux-image-<release>` from the archive,
 //! extracted once into `<cache>/guest/kernel/<release>/` with its `modules.dep`.
 
+use crate::process::run;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -123,23 +124,6 @@ fn only_deb(dir: &Path) -> Result<PathBuf> {
             dir.display()
         ))),
     }
-}
-
-/// Run a program, returning its standard output; failures carry its standard error.
-pub(super) fn run(cmd: &mut Command) -> Result<String> {
-    let describe = format!("{cmd:?}");
-    let out = cmd.output().context(|| format!("running {describe}"))?;
-    if !out.status.success() {
-        return Err(Error::Command {
-            command: describe,
-            status: format!(
-                "{}: {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            ),
-        });
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@ use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::process::{Child, Command};
 
 use super::channel::{self, Frame};
-use super::kernel_package::run;
+use crate::process::run;
 use crate::{Error, IoContext, Result};
 
 /// Longest wait for the guest to boot under software emulation (2 busy cores included).

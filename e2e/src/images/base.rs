@@ -14,8 +14,9 @@ use std::process::Command;
 
 use sha2::{Digest, Sha256};
 
-use super::buildah::{self, Inspected, output};
+use super::buildah::{self, Inspected};
 use super::{KEY_LABEL, PACKAGES_LABEL, SOURCE};
+use crate::process::output;
 use crate::{Error, IoContext, Result};
 
 /// Every base's tag: the Debian release its packages come from.

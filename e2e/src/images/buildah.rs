@@ -1,6 +1,7 @@
 //! The `buildah` command line, always on the same storage, and what the image code
 //! reads back from it.
 
+use crate::process::output;
 use std::collections::BTreeMap;
 use std::process::{Command, Output};
 
@@ -56,23 +57,6 @@ where
     cmd.args(args);
     let out = output(&mut cmd)?;
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
-}
-
-/// Run `cmd`; its output when it succeeded, an error carrying its standard error if not.
-pub(super) fn output(cmd: &mut Command) -> Result<Output> {
-    let describe = format!("{cmd:?}");
-    let out = cmd.output().context(|| format!("running {describe}"))?;
-    if !out.status.success() {
-        return Err(Error::Command {
-            command: describe,
-            status: format!(
-                "{}: {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            ),
-        });
-    }
-    Ok(out)
 }
 
 /// What `buildah inspect --type image` tells about a local image.

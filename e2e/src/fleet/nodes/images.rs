@@ -21,7 +21,7 @@ use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
 use super::super::go_module_dir;
-use super::super::network::run;
+use crate::process::run;
 use crate::{Error, IoContext, Result, cache_dir};
 
 /// The probe's sources (standard library only).
