@@ -42,6 +42,7 @@ pub async fn fleet() -> Fleet {
     LOGS.call_once(|| {
         kmm_runtime::logging::init(&kmm_runtime::cli::LoggingArgs {
             log_format: kmm_runtime::cli::LogFormat::Text,
+            log_level: None,
             verbose: 0,
         })
     });
