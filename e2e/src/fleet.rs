@@ -287,13 +287,12 @@ pub async fn up(settings: &Settings, opts: &Options) -> Result<State> {
             "kmm-fleet runs on Open Cluster Management: kmm needs ocm".into(),
         ));
     }
-    let agents = opts.nodes_per_spoke + opts.real_nodes_per_cluster;
-    if opts.kmm && agents > kmm::MAX_NODES_PER_SPOKE {
-        return Err(Error::Invalid(format!(
-            "{agents} nodes per spoke (KWOK and real) need a kmm node agent each; a spoke's \
-             port block holds {}",
-            kmm::MAX_NODES_PER_SPOKE
-        )));
+    if opts.kmm && opts.real_nodes_per_cluster == 0 {
+        return Err(Error::Invalid(
+            "kmm-fleet runs as Pods on real nodes (and runs KWOK nodes' agents in a real \
+             node's network): kmm needs --real-nodes-per-cluster of at least 1"
+                .into(),
+        ));
     }
     // Another fleet with this base port (from another state directory) owns the bridge
     // and everything named after it; a fleet that was not brought down left them.
@@ -1009,7 +1008,7 @@ impl Starting {
                 self.ports.cluster(spoke.index, KWOK)
             ),
             "--node-ip=127.0.0.1".into(),
-            format!("--cidr=10.{}.0.0/16", 100 + spoke.index),
+            format!("--cidr={}", kwok_pod_cidr(&self.state.cluster(&spoke.name)?.real_nodes, spoke.index)),
         ];
         for stage in [
             "node/fast/node-initialize.yaml",
@@ -1259,6 +1258,19 @@ async fn bootstrap_kubeconfig(hub: &ControlPlane) -> Result<PathBuf> {
 
 /// The nodes of spoke `spoke` (1-based): kernels are dealt round-robin across the whole
 /// fleet, so that `spokes * nodes_per_spoke >= kernels.len()` covers every kernel.
+/// Where KWOK takes its Pods' IPs from: the upper half of the spoke's first real node's
+/// pod subnet (routed to that node, where `kwok-pod-runner` runs their processes), else
+/// a range of its own no route leads to.
+fn kwok_pod_cidr(real_nodes: &[RealNode], spoke_index: usize) -> String {
+    match real_nodes.first() {
+        Some(node) => {
+            let network = node.pod_cidr.trim_end_matches("0/24");
+            format!("{network}{}", kmm::KWOK_POD_RANGE)
+        }
+        None => format!("10.{}.0.0/16", 100 + spoke_index),
+    }
+}
+
 fn simulated_nodes_of(
     spoke: usize,
     nodes_per_spoke: usize,

@@ -1,7 +1,8 @@
 //! The fleet data path end to end: a ManagedClusterModule on the hub becomes modules
 //! loaded (simulated kernels, real images, real modprobe resolution) and labelled on the
 //! right nodes of the right clusters, through the real kmm-hub, kmm-spoke-proxy and
-//! kmm-node-agent processes of the local fleet.
+//! kmm-node-agent of the local fleet (Pods deployed by OCM; KWOK nodes' agents run by
+//! `kwok-pod-runner`).
 //!
 //! The tests restart and stop fleet components, so they run one at a time.
 
@@ -12,7 +13,6 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail, ensure};
 use k8s_openapi::api::core::v1::Node;
 use kmm_e2e::fixture::{Fleet, wait_until};
-use kmm_e2e::fleet;
 use kmm_e2e::fleet::hub_install;
 use kmm_e2e::fleet::kmm::{self as fleet_kmm, Agent};
 use kube::api::{Patch, PatchParams};
@@ -97,7 +97,7 @@ async fn a_node_whose_kernel_has_no_mapping_is_reported_and_not_labelled() -> Re
     }
     let mapping = json!([{
         "literal": mapped.kernel,
-        "containerImage": format!("{}/samples/kmm-hello:{}", fleet.state.registry, mapped.kernel),
+        "containerImage": format!("{}/samples/kmm-hello:{}", fleet.state.node_registry, mapped.kernel),
     }]);
     create(&fleet.hub, &module(&name, &id, mapping)?).await?;
 
@@ -143,7 +143,7 @@ async fn a_node_whose_kernel_has_no_mapping_is_reported_and_not_labelled() -> Re
 
 /// What the agent of `agent` recorded as loaded for the module: the image reference.
 fn recorded_image(agent: &Agent, name: &str) -> Result<Option<String>> {
-    let path = agent.dir.join("run/state.json");
+    let path = agent.state_file();
     let state: Value = match std::fs::read(&path) {
         Ok(bytes) => serde_json::from_slice(&bytes)?,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -154,21 +154,15 @@ fn recorded_image(agent: &Agent, name: &str) -> Result<Option<String>> {
         .map(str::to_owned))
 }
 
-/// Moves a simulated node to `kernel` as a node upgrade would: the agent stops, the
-/// node reboots into the new kernel (fresh simulated kernel), the kubelet reports the
-/// new release, the agent starts again.
+/// Moves a simulated node to `kernel` as a node upgrade would: the node powers off (its
+/// agent is killed), reboots into the new kernel (a fresh simulated kernel reporting the
+/// new release), the kubelet reports it, and the agent of the same Pod starts again.
 async fn upgrade_node(fleet: &Fleet, agent: &Agent, kernel: &str) -> Result<()> {
-    let settings = settings()?;
-    let kmm = kmm(fleet)?;
-    let proxy = kmm
-        .proxies
-        .iter()
-        .find(|p| p.cluster == agent.cluster)
-        .context("the node's proxy")?;
-    fleet::stop_process(&settings, &agent.process, Duration::from_secs(10))?;
-    let kernel_dir = agent.dir.join("kernel");
+    agent.power_off().await?;
+    let kernel_dir = agent.kernel_dir();
     std::fs::remove_dir_all(&kernel_dir)?;
     std::fs::create_dir_all(&kernel_dir)?;
+    std::fs::write(kernel_dir.join("release"), kernel)?;
     Api::<Node>::all(fleet.spoke(&agent.cluster)?.clone())
         .patch_status(
             &agent.node,
@@ -176,8 +170,7 @@ async fn upgrade_node(fleet: &Fleet, agent: &Agent, kernel: &str) -> Result<()> 
             &Patch::Merge(json!({ "status": { "nodeInfo": { "kernelVersion": kernel } } })),
         )
         .await?;
-    let args = fleet_kmm::agent_args(&agent.dir, &agent.node, kernel, proxy, agent.metrics_port);
-    fleet::start_process(&settings, &agent.process, Some(args))?;
+    agent.power_on()?;
     Ok(())
 }
 
@@ -240,7 +233,6 @@ async fn killing_the_leader_hub_mid_rollout_moves_the_lease_and_unloads_nothing(
     let _serial = SERIAL.lock().await;
     let fleet = Fleet::get().await?;
     let kmm = kmm(&fleet)?.clone();
-    let settings = settings()?;
     let (id, name) = (unique("kmm-e2e.dev/failover"), unique("failover"));
     let mut targets = vec![];
     for spoke in fleet.spoke_names() {
@@ -250,7 +242,7 @@ async fn killing_the_leader_hub_mid_rollout_moves_the_lease_and_unloads_nothing(
             targets.push((spoke.clone(), node));
         }
     }
-    let unloads_before = unloads(&kmm).await?;
+    let unloads_before = unloads(&fleet, &kmm).await?;
 
     create(&fleet.hub, &module(&name, &id, sample_mapping(&fleet))?).await?;
     // Mid-rollout the leader crashes (SIGKILL) without releasing its Lease. (A spec change
@@ -273,11 +265,9 @@ async fn killing_the_leader_hub_mid_rollout_moves_the_lease_and_unloads_nothing(
     )
     .await?;
     // A proxy restart after the failover resyncs without unloading either.
-    let proxy = &kmm.proxies[0];
-    fleet::start_process(&settings, &proxy.process, None)?;
-    fleet_kmm::wait_ready_port(proxy.metrics_port, WAIT).await?;
+    fleet_kmm::restart_proxy(fleet.spoke(&fleet.spoke_names()[0])?, WAIT).await?;
     wait_labelled(&fleet, &name, &targets).await?;
-    let unloads_after = unloads(&kmm).await?;
+    let unloads_after = unloads(&fleet, &kmm).await?;
     ensure!(
         unloads_after == unloads_before,
         "the failover caused {} unload(s)",
@@ -299,7 +289,6 @@ async fn a_severed_hub_connection_leaves_modules_loaded_and_labelled() -> Result
     let _serial = SERIAL.lock().await;
     let fleet = Fleet::get().await?;
     let kmm = kmm(&fleet)?.clone();
-    let settings = settings()?;
     let (id, name) = (unique("kmm-e2e.dev/severed"), unique("severed"));
     let spoke = fleet.spoke_names()[0].clone();
     let (node, _) = nodes_with_images(&fleet, &spoke)?
@@ -311,16 +300,12 @@ async fn a_severed_hub_connection_leaves_modules_loaded_and_labelled() -> Result
     create(&fleet.hub, &module(&name, &id, sample_mapping(&fleet))?).await?;
     let target = [(spoke.clone(), node.clone())];
     wait_labelled(&fleet, &name, &target).await?;
-    let unloads_before = unloads_except(&kmm, &node).await?;
+    let unloads_before = unloads_except(&fleet, &kmm, &node).await?;
 
     hub_install::scale(&fleet.hub, 0).await?;
-    let proxy = kmm
-        .proxies
-        .iter()
-        .find(|p| p.cluster == spoke)
-        .context("the spoke's proxy")?;
+    let spoke_client = fleet.spoke(&spoke)?;
     wait_until("the proxy to notice the hub is gone", WAIT, || async {
-        let text = fleet_kmm::metrics(proxy.metrics_port)
+        let text = fleet_kmm::proxy_metrics(spoke_client)
             .await
             .map_err(|e| e.to_string())?;
         if text
@@ -339,8 +324,7 @@ async fn a_severed_hub_connection_leaves_modules_loaded_and_labelled() -> Result
         .iter()
         .find(|a| a.node == node)
         .context("the node's agent")?;
-    fleet::start_process(&settings, &agent.process, None)?;
-    fleet_kmm::wait_ready_port(agent.metrics_port, WAIT).await?;
+    fleet_kmm::restart_agent(spoke_client, &agent.node, WAIT).await?;
     ensure!(
         labelled(&fleet, &name).await?.len() == 1,
         "the label stays while the hub is away"
@@ -351,11 +335,11 @@ async fn a_severed_hub_connection_leaves_modules_loaded_and_labelled() -> Result
     );
     // The restarted agent counts from zero; it neither reloads nor unloads.
     ensure!(
-        agent_attempts(agent, "loads").await? == 0,
+        agent_attempts(&fleet, agent, "loads").await? == 0,
         "the restarted agent reloaded the module"
     );
     ensure!(
-        unloads_except(&kmm, &node).await? + agent_attempts(agent, "unloads").await?
+        unloads_except(&fleet, &kmm, &node).await? + agent_attempts(&fleet, agent, "unloads").await?
             == unloads_before,
         "nothing was unloaded"
     );
@@ -371,7 +355,7 @@ async fn a_severed_hub_connection_leaves_modules_loaded_and_labelled() -> Result
     })
     .await?;
     ensure!(
-        unloads_except(&kmm, &node).await? + agent_attempts(agent, "unloads").await?
+        unloads_except(&fleet, &kmm, &node).await? + agent_attempts(&fleet, agent, "unloads").await?
             == unloads_before,
         "nothing was unloaded once the hub returned"
     );
@@ -421,14 +405,10 @@ async fn the_hub_refuses_proxies_without_a_valid_certificate_of_its_ca() -> Resu
 async fn an_agent_token_for_one_node_cannot_obtain_another_nodes_work() -> Result<()> {
     let _serial = SERIAL.lock().await;
     let fleet = Fleet::get().await?;
-    let kmm = kmm(&fleet)?;
+    kmm(&fleet)?;
     let spoke = fleet.spoke_names()[0].clone();
     let client = fleet.spoke(&spoke)?;
-    let proxy = kmm
-        .proxies
-        .iter()
-        .find(|p| p.cluster == spoke)
-        .context("the spoke's proxy")?;
+    let endpoint = fleet_kmm::proxy_agent_endpoint(client).await?;
     let nodes = &fleet.state.cluster(&spoke)?.nodes;
     ensure!(nodes.len() >= 2, "the spoke needs two nodes");
     let (a, b) = (&nodes[0].name, &nodes[1].name);
@@ -445,9 +425,9 @@ async fn an_agent_token_for_one_node_cannot_obtain_another_nodes_work() -> Resul
         Some((a, &uid)),
     )
     .await?;
-    let agent_ca = std::fs::read_to_string(&proxy.agent_ca)?;
+    let agent_ca = probe::agent_ca(client).await?;
 
-    let reply = probe::first_agent_instruction(&proxy.agent_endpoint, &agent_ca, &token_a, b).await;
+    let reply = probe::first_agent_instruction(&endpoint, &agent_ca, &token_a, b).await;
     match reply {
         Err(status) => ensure!(
             status.contains(b.as_str()) || status.contains(a.as_str()),
@@ -464,7 +444,7 @@ async fn an_agent_token_for_one_node_cannot_obtain_another_nodes_work() -> Resul
         None,
     )
     .await?;
-    let reply = probe::first_agent_instruction(&proxy.agent_endpoint, &agent_ca, &unbound, a).await;
+    let reply = probe::first_agent_instruction(&endpoint, &agent_ca, &unbound, a).await;
     ensure!(
         reply.is_err(),
         "a token bound to no node is refused: {reply:?}"
@@ -479,7 +459,7 @@ async fn an_agent_token_for_one_node_cannot_obtain_another_nodes_work() -> Resul
     )
     .await?;
     let reply =
-        probe::first_agent_instruction(&proxy.agent_endpoint, &agent_ca, &other_audience, a).await;
+        probe::first_agent_instruction(&endpoint, &agent_ca, &other_audience, a).await;
     ensure!(
         reply.is_err(),
         "a token for another audience is refused: {reply:?}"
@@ -493,8 +473,8 @@ mod probe {
     use std::time::Duration;
 
     use anyhow::{Context, Result};
-    use k8s_openapi::api::core::v1::Secret;
-    use kmm_e2e::fleet::kmm::{HUB_NAMESPACE, proxy_subject};
+    use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+    use kmm_e2e::fleet::kmm::{HUB_NAMESPACE, SPOKE_NAMESPACE, proxy_subject};
     use kmm_proto::v1::{
         AgentHello, AgentMessage, KernelInventory, ProxyHello, ProxyMessage,
         agent_client::AgentClient, agent_message, hub_client::HubClient, proxy_message,
@@ -508,6 +488,8 @@ mod probe {
     use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
     const DAY: Duration = Duration::from_secs(24 * 3600);
+    /// The name the proxy's agent-facing certificate carries (the agents' Service).
+    const PROXY_SERVER_NAME: &str = "kmm-spoke-proxy.kmm.svc";
     const ANSWER: Duration = Duration::from_secs(10);
 
     /// A client certificate for `cluster`'s proxy from the hub's own CA.
@@ -542,17 +524,28 @@ mod probe {
         Ok(ca.issue(&Leaf::client(&common_name, &organizations, DAY))?)
     }
 
+    /// The CA of the proxy's agent endpoint, as it publishes it for the agents.
+    pub async fn agent_ca(spoke: &Client) -> Result<String> {
+        Api::<ConfigMap>::namespaced(spoke.clone(), SPOKE_NAMESPACE)
+            .get("kmm-agent-ca")
+            .await?
+            .data
+            .and_then(|mut d| d.remove("ca.crt"))
+            .context("ConfigMap kmm-agent-ca has no ca.crt")
+    }
+
     async fn channel(
         endpoint: &str,
         ca_pem: &str,
         identity: Option<&IssuedCertificate>,
+        server_name: Option<&str>,
     ) -> Result<Channel, String> {
         // The serving certificate is checked against the address dialled, as the
-        // proxies do.
+        // proxies do, or against the Service name the agents use.
         let host = endpoint.rsplit_once(':').map_or(endpoint, |(host, _)| host);
         let mut tls = ClientTlsConfig::new()
             .ca_certificate(Certificate::from_pem(ca_pem))
-            .domain_name(host);
+            .domain_name(server_name.unwrap_or(host));
         if let Some(cert) = identity {
             tls = tls.identity(Identity::from_pem(&cert.cert_pem, cert.key_pem.as_bytes()));
         }
@@ -572,7 +565,7 @@ mod probe {
         ca_pem: &str,
         cert: &IssuedCertificate,
     ) -> Result<String, String> {
-        let mut client = HubClient::new(channel(endpoint, ca_pem, Some(cert)).await?);
+        let mut client = HubClient::new(channel(endpoint, ca_pem, Some(cert), None).await?);
         let (tx, rx) = mpsc::channel(4);
         for message in [
             proxy_message::Message::Hello(ProxyHello {
@@ -615,7 +608,8 @@ mod probe {
         token: &str,
         node: &str,
     ) -> Result<String, String> {
-        let mut client = AgentClient::new(channel(endpoint, ca_pem, None).await?);
+        let mut client =
+            AgentClient::new(channel(endpoint, ca_pem, None, Some(PROXY_SERVER_NAME)).await?);
         let (tx, rx) = mpsc::channel(4);
         tx.send(AgentMessage {
             message: Some(agent_message::Message::Hello(AgentHello {
@@ -661,7 +655,7 @@ async fn the_readme_example_loads_on_every_node_of_the_labelled_cluster() -> Res
         "/../docs/examples/local-fleet.yaml"
     );
     let text =
-        std::fs::read_to_string(path)?.replace("registry.example.com", &fleet.state.registry);
+        std::fs::read_to_string(path)?.replace("registry.example.com", &fleet.state.node_registry);
     let module: kmm_api::ManagedClusterModule = serde_yaml_ng::from_str(&text)?;
     let (namespace, name) = (module.spec.spoke_namespace.clone(), module.name_any());
     let spoke = fleet.spoke_names()[0].clone();

@@ -39,8 +39,13 @@ enum EnvCommand {
     Status,
     /// Print the admin kubeconfig path of `hub`, `spoke1`, ...
     Kubeconfig { cluster: String },
-    /// Print the address of the fleet's OCI registry.
-    Registry,
+    /// Print the address of the fleet's OCI registry (on loopback: where to push).
+    Registry {
+        /// The address the nodes and their Pods pull from (the fleet's bridge; this
+        /// machine reaches it too): the one for images in ManagedClusterModules.
+        #[arg(long)]
+        nodes: bool,
+    },
 }
 
 pub fn run(args: EnvArgs) -> Result<()> {
@@ -104,8 +109,16 @@ pub fn run(args: EnvArgs) -> Result<()> {
             );
             Ok(())
         }
-        EnvCommand::Registry => {
-            println!("{}", fleet::running(&settings)?.registry);
+        EnvCommand::Registry { nodes } => {
+            let state = fleet::running(&settings)?;
+            println!(
+                "{}",
+                if nodes {
+                    state.node_registry
+                } else {
+                    state.registry
+                }
+            );
             Ok(())
         }
     }
@@ -183,7 +196,7 @@ fn installed(package: &str) -> bool {
 /// Builds the kmm-fleet binaries the fleet runs (the tests' `cargo test` builds them too).
 pub fn build_kmm() -> Result<()> {
     let root = crate::repository_root();
-    eprintln!("==> cargo build --bins (kmm-hub, kmm-spoke-proxy, kmm-node-agent)");
+    eprintln!("==> cargo build --bins (kmm-hub, kmm-spoke-proxy, kmm-node-agent, kwok-pod-runner)");
     let status = std::process::Command::new(env!("CARGO"))
         .args([
             "build",
@@ -194,6 +207,8 @@ pub fn build_kmm() -> Result<()> {
             "kmm-spoke-proxy",
             "-p",
             "kmm-node-agent",
+            "-p",
+            "kmm-e2e",
         ])
         .current_dir(root)
         .status()

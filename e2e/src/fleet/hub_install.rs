@@ -42,23 +42,47 @@ pub struct Overlay<'a> {
     pub node_ip: &'a str,
 }
 
+/// The images the overlay points at the fleet's registry: the hub's, and the two the
+/// AddOnTemplate deploys on the spokes.
+const IMAGES: [&str; 3] = ["kmm-hub", "kmm-spoke-proxy", "kmm-node-agent"];
+/// Where the simulated kernel of a node lives (a hostPath of the agents' DaemonSet).
+pub const SIMULATED_KERNEL_DIR: &str = "/var/lib/kmm/simulated-kernel";
+
 impl Overlay<'_> {
     /// The overlay's `kustomization.yaml`, referring to `base` relative to `dir` (kustomize
-    /// takes no absolute bases).
-    pub fn kustomization(&self, dir: &Path, base: &Path) -> Result<String> {
+    /// takes no absolute bases). `manifests` locates the proxy and the agents among the
+    /// AddOnTemplate's manifests.
+    pub fn kustomization(
+        &self,
+        dir: &Path,
+        base: &Path,
+        manifests: TemplateManifests,
+    ) -> Result<String> {
         let relative = relative_path(dir, base)?;
+        let images: String = IMAGES
+            .iter()
+            .map(|image| {
+                format!(
+                    "  - name: 127.0.0.1:16005/kmm-fleet/{image}\n    newName: {registry}/kmm-fleet/{image}\n    newTag: \"{tag}\"\n",
+                    registry = self.registry,
+                    tag = self.tag,
+                )
+            })
+            .collect();
+        let pod_spec = |index: usize| {
+            format!("/spec/agentSpec/workload/manifests/{index}/spec/template/spec")
+        };
+        let (proxy, agent) = (pod_spec(manifests.proxy), pod_spec(manifests.agent));
         Ok(format!(
-            r#"# Written by the local fleet: addon-manifests/hub with the fleet's registry and
-# the address its proxies use.
+            r#"# Written by the local fleet: addon-manifests/hub with the fleet's registry, the
+# address its proxies use, and node agents on the simulated kernel backend (this
+# machine's kernel cannot load modules).
 apiVersion: kustomize.config.k8s.io/v1beta1
 kind: Kustomization
 resources:
   - {base}
 images:
-  - name: 127.0.0.1:16005/kmm-fleet/kmm-hub
-    newName: {registry}/kmm-fleet/kmm-hub
-    newTag: "{tag}"
-patches:
+{images}patches:
   - target: {{kind: Deployment, name: kmm-hub}}
     patch: |-
       - {{op: add, path: /spec/template/spec/containers/0/args/-, value: "--grpc-san={node_ip}"}}
@@ -67,14 +91,56 @@ patches:
     patch: |-
       - {{op: add, path: /spec/type, value: NodePort}}
       - {{op: add, path: /spec/ports/0/nodePort, value: {node_port}}}
+  - target: {{kind: AddOnDeploymentConfig, name: kmm}}
+    patch: |-
+      - {{op: add, path: /spec/customizedVariables/-, value: {{name: HUB_ADDRESS, value: "https://{node_ip}:{node_port}"}}}}
+  - target: {{kind: AddOnTemplate}}
+    patch: |-
+      - {{op: add, path: {proxy}/nodeSelector, value: {{{node_type}: real}}}}
+      - {{op: add, path: {agent}/containers/0/args/-, value: "--kernel-backend=simulated"}}
+      - {{op: add, path: {agent}/containers/0/args/-, value: "--simulated-dir={kernel_dir}"}}
+      - {{op: add, path: {agent}/containers/0/args/-, value: "--retry-seconds=1"}}
+      - {{op: add, path: {agent}/containers/0/volumeMounts/-, value: {{name: simulated-kernel, mountPath: {kernel_dir}}}}}
+      - {{op: add, path: {agent}/volumes/-, value: {{name: simulated-kernel, hostPath: {{path: {kernel_dir}, type: DirectoryOrCreate}}}}}}
 "#,
             base = relative.display(),
-            registry = self.registry,
-            tag = self.tag,
             node_ip = self.node_ip,
             test_label = TEST_HUB_LABEL,
             node_port = GRPC_NODE_PORT,
+            kernel_dir = SIMULATED_KERNEL_DIR,
+            node_type = super::nodes::NODE_TYPE_LABEL,
         ))
+    }
+}
+
+/// Where the proxy's Deployment and the agents' DaemonSet are among the AddOnTemplate's
+/// manifests: the overlay patches them (the proxy stays off KWOK nodes, whose Pods do not
+/// run; the agents use the simulated kernel).
+#[derive(Debug, Clone, Copy)]
+pub struct TemplateManifests {
+    pub proxy: usize,
+    pub agent: usize,
+}
+
+impl TemplateManifests {
+    fn of(template_yaml: &str) -> Result<Self> {
+        let template: serde_json::Value = serde_yaml_ng::from_str(template_yaml).map_err(|e| {
+            Error::Invalid(format!("addon-manifests/addon/addon-template.yaml: {e}"))
+        })?;
+        let manifests = template["spec"]["agentSpec"]["workload"]["manifests"].as_array();
+        let find = |kind: &str| {
+            manifests
+                .and_then(|m| m.iter().position(|m| m["kind"] == kind))
+                .ok_or_else(|| {
+                    Error::Invalid(format!(
+                        "addon-manifests/addon/addon-template.yaml has no {kind}"
+                    ))
+                })
+        };
+        Ok(Self {
+            proxy: find("Deployment")?,
+            agent: find("DaemonSet")?,
+        })
     }
 }
 
@@ -101,9 +167,15 @@ fn relative_path(from: &Path, to: &Path) -> Result<PathBuf> {
 /// Writes the overlay into `dir` and applies it with `kubectl apply -k`.
 pub fn apply(kubectl: &Path, kubeconfig: &Path, dir: &Path, overlay: &Overlay<'_>) -> Result<()> {
     std::fs::create_dir_all(dir).context(|| format!("creating {}", dir.display()))?;
-    let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../addon-manifests/hub");
+    let manifests = Path::new(env!("CARGO_MANIFEST_DIR")).join("../addon-manifests");
+    let template = manifests.join("addon/addon-template.yaml");
+    let template = std::fs::read_to_string(&template)
+        .context(|| format!("reading {}", template.display()))?;
     let file = dir.join("kustomization.yaml");
-    std::fs::write(&file, overlay.kustomization(dir, &base)?)
+    std::fs::write(
+        &file,
+        overlay.kustomization(dir, &manifests.join("hub"), TemplateManifests::of(&template)?)?,
+    )
         .context(|| format!("writing {}", file.display()))?;
     let output = Command::new(kubectl)
         .arg("--kubeconfig")
@@ -402,7 +474,7 @@ mod tests {
             tag: "0.1.0",
             node_ip: "198.18.16.10",
         }
-        .kustomization(&dir, &base)
+        .kustomization(&dir, &base, TemplateManifests { proxy: 9, agent: 10 })
         .unwrap();
         let yaml: serde_json::Value = serde_yaml_ng::from_str(&text).unwrap();
         let resource = yaml["resources"][0].as_str().unwrap();
@@ -412,7 +484,26 @@ mod tests {
             yaml["images"][0]["newName"],
             "198.18.16.1:16005/kmm-fleet/kmm-hub"
         );
+        assert_eq!(
+            yaml["images"][2]["newName"],
+            "198.18.16.1:16005/kmm-fleet/kmm-node-agent"
+        );
         assert!(text.contains("--grpc-san=198.18.16.10"));
+        assert!(text.contains("value: \"https://198.18.16.10:30443\""));
+        assert!(text.contains("/manifests/10/spec/template/spec/volumes/-"));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_proxy_and_the_agents_are_found_in_the_shipped_template() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../addon-manifests/addon/addon-template.yaml");
+        let template = std::fs::read_to_string(path).unwrap();
+        let found = TemplateManifests::of(&template).unwrap();
+        let yaml: serde_json::Value = serde_yaml_ng::from_str(&template).unwrap();
+        let manifests = &yaml["spec"]["agentSpec"]["workload"]["manifests"];
+        assert_eq!(manifests[found.proxy]["metadata"]["name"], "kmm-spoke-proxy");
+        assert_eq!(manifests[found.agent]["metadata"]["name"], "kmm-node-agent");
+        assert!(TemplateManifests::of("spec: {}").is_err());
     }
 }

@@ -1,106 +1,174 @@
-//! kmm-fleet's own components in the local fleet: `kmm-hub` on the hub, one
-//! `kmm-spoke-proxy` per spoke and one `kmm-node-agent` per simulated node (simulated
-//! kernel backend), wired the way the add-on deploys them:
+//! kmm-fleet's own components in the local fleet, deployed the way a user deploys them:
 //!
-//! * the hub runs as Pods on the hub's real node from the images the fleet builds,
-//!   installed with `kubectl apply -k` of `addon-manifests/hub` ([`hub_install`]);
-//! * the hub creates its CA Secret; until the add-on packaging exists, the environment
-//!   issues each proxy's client certificate from that CA with the subject OCM's add-on
-//!   registration gives it;
-//! * each proxy runs as its ServiceAccount with the least-privilege RBAC of
-//!   `addon-manifests/spoke-proxy/rbac.yaml`, not as an administrator;
-//! * each agent authenticates with a ServiceAccount token bound to its Node and to the
-//!   proxy's audience; its ServiceAccount has no RBAC at all.
+//! * `kmm-hub` runs as Pods on the hub's real node from the images the fleet builds,
+//!   installed with `kubectl apply -k` of an overlay of `addon-manifests/hub`
+//!   ([`hub_install`]), which also installs the add-on (`ClusterManagementAddOn` kmm, its
+//!   `AddOnTemplate` and `AddOnDeploymentConfig`);
+//! * every spoke gets the add-on with `clusteradm addon enable --names kmm`: OCM's
+//!   addon-manager renders the template into a ManifestWork, signs the proxy's client
+//!   certificate with kmm-hub's CA, and reports health. The proxy and the node agents on
+//!   real nodes are Pods; the fleet issues no certificate for any kmm component;
+//! * on KWOK nodes, whose Pods are API objects only, `kwok-pod-runner` (one per spoke)
+//!   runs the agent binary as a process per Pod with the command, arguments,
+//!   environment and volumes of the Pod OCM's DaemonSet created: the only simulated
+//!   part. Agents everywhere use the simulated kernel backend (the overlay's patch):
+//!   this machine's kernel cannot load modules.
 
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
-use k8s_openapi::api::core::v1::{ConfigMap, Node, Secret, ServiceAccount};
+use k8s_openapi::api::core::v1::{Pod, Secret, ServiceAccount};
 use kmm_runtime::pki::{CertificateAuthority, Leaf};
-use kube::api::{Patch, PatchParams, PostParams};
-use kube::discovery::{ApiCapabilities, Scope};
-use kube::{Api, Client, Discovery, ResourceExt};
-use serde::{Deserialize, Serialize};
-use serde_json::{Value, json};
-
-use super::{
-    ControlPlane, Credentials, MANAGER, Starting, ensure_namespaces, hub_install, wait_for,
-    write_kubeconfig,
+use kube::api::{
+    ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, PostParams,
 };
+use kube::{Api, Client, ResourceExt};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::{ControlPlane, Starting, condition_true, hub_install};
+use crate::fixture::wait_until;
 use crate::images;
-use crate::process::Tracked;
 use crate::{Error, IoContext, Result};
 
 /// The hub's namespace: its CA Secret and the pull secrets modules reference.
 pub const HUB_NAMESPACE: &str = "kmm-hub";
 /// The add-on's namespace on every spoke.
 pub const SPOKE_NAMESPACE: &str = "kmm";
-pub const HUB_SERVICE_ACCOUNT: &str = "kmm-hub";
-pub const PROXY_SERVICE_ACCOUNT: &str = "kmm-spoke-proxy";
+/// The add-on's name: the ClusterManagementAddOn, and every ManagedClusterAddOn.
+pub const ADDON: &str = "kmm";
 pub const AGENT_SERVICE_ACCOUNT: &str = "kmm-node-agent";
 /// Audience of the agents' tokens; the proxy accepts no other.
 pub const TOKEN_AUDIENCE: &str = "kmm-spoke-proxy";
+/// The Secret OCM's registration agent writes the proxy's hub client certificate to
+/// (`<addon>-<signer, "/" -> "-">-client-cert`), in the add-on's namespace.
+pub const CLIENT_CERT_SECRET: &str = "kmm-kmm.sigs.x-k8s.io-hub-client-client-cert";
 const HUB_CA_SECRET: &str = "kmm-hub-ca";
 /// Modules carrying this label belong to a hub started by a test, not the fleet's.
 pub const TEST_HUB_LABEL: &str = "test.kmm.sigs.x-k8s.io/hub";
-const AGENT_CA_CONFIG_MAP: &str = "kmm-agent-ca";
+const PROXY_LABEL: &str = "app.kubernetes.io/name=kmm-spoke-proxy";
+const AGENT_LABEL: &str = "app.kubernetes.io/name=kmm-node-agent";
+const AGENT_DAEMONSET: &str = "kmm-node-agent";
+/// The proxy's and the agents' ports, as the AddOnTemplate sets them.
+pub const PROXY_AGENTS_PORT: u16 = 7444;
+pub const PROXY_METRICS_PORT: u16 = 8081;
+pub const AGENT_METRICS_PORT: u16 = 8082;
+/// KWOK's Pods are marked running with an IP from this part of the spoke's real node's
+/// pod subnet (the CNI's host-local range keeps to the lower half).
+pub const KWOK_POD_RANGE: &str = "128/25";
+/// From `clusteradm addon enable` to the add-on Available and every agent ready, image
+/// pulls on a fresh node included.
+const ENABLE_TIMEOUT: Duration = Duration::from_secs(180);
+/// The issued certificates' lifetime in tests that present their own.
+const CLIENT_CERT_LIFETIME: Duration = Duration::from_secs(24 * 3600);
 /// The agent name in the proxy's certificate subject (OCM's `<addon>-agent` default).
 const PROXY_AGENT_NAME: &str = "kmm-agent";
 const TOKEN_LIFETIME: i64 = 7 * 24 * 3600;
-const CLIENT_CERT_LIFETIME: Duration = Duration::from_secs(30 * 24 * 3600);
 
-// Port offsets in each cluster's block (see `Ports`).
-const PROXY_AGENTS: u16 = 90;
-const PROXY_METRICS: u16 = 91;
-const AGENT_METRICS_FIRST: u16 = 92;
-/// Agents' metrics ports must stay inside the cluster's block of 100.
-pub const MAX_NODES_PER_SPOKE: usize = 8;
-
-/// Where kmm-fleet's components of a running fleet listen, and their files.
+/// Where kmm-fleet's components of a running fleet are.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Kmm {
     /// `host:port` of the hub's gRPC endpoint for proxies: the NodePort of the Service
     /// that selects the leading replica, on the hub's real node.
     pub hub_grpc: String,
-    /// The hub CA's certificate (the proxies trust the hub's serving certificate by it).
+    /// The hub CA's certificate (what the proxies trust the hub's serving certificate by).
     pub hub_ca: PathBuf,
-    pub proxies: Vec<Proxy>,
+    /// Spokes with the add-on enabled.
+    pub spokes: Vec<String>,
     pub agents: Vec<Agent>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Proxy {
-    pub cluster: String,
-    /// Process name in `State::processes`.
-    pub process: String,
-    /// `host:port` agents connect to.
-    pub agent_endpoint: String,
-    pub metrics_port: u16,
-    /// The proxy's serving CA, as published in its ConfigMap.
-    pub agent_ca: PathBuf,
-    /// Directory holding the proxy's hub client certificate (`tls.crt`, `tls.key`).
-    pub client_cert_dir: PathBuf,
-}
-
+/// The node agent of one node.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Agent {
     pub cluster: String,
     pub node: String,
-    /// Process name in `State::processes`.
-    pub process: String,
-    pub metrics_port: u16,
-    /// The node's directory: `kernel/` (simulated kernel), `run/` (agent state),
-    /// `cache/`, `firmware/`, `token`.
-    pub dir: PathBuf,
+    /// The node's root filesystem as the host sees it: the agent's hostPath volumes
+    /// (`run/kmm`, the simulated kernel in `var/lib/kmm/simulated-kernel`) are below.
+    /// For a KWOK node, the runner's directory of that node; for a real node, its
+    /// private mount namespace through `/proc/<kubelet>/root`.
+    pub root: PathBuf,
+    /// Whether it runs under `kwok-pod-runner` (else it is a real node's Pod).
+    pub simulated: bool,
+}
+
+impl Agent {
+    /// The agent's state file: what it loaded.
+    pub fn state_file(&self) -> PathBuf {
+        self.root.join("run/kmm/state.json")
+    }
+
+    /// The node's simulated kernel.
+    pub fn kernel_dir(&self) -> PathBuf {
+        self.root
+            .join(hub_install::SIMULATED_KERNEL_DIR.trim_start_matches('/'))
+    }
+
+    /// The runner's power switch of a KWOK node: while the file exists the node is off.
+    fn power_switch(&self) -> Result<PathBuf> {
+        if !self.simulated {
+            return Err(Error::Invalid(format!(
+                "{} is a real node: only KWOK nodes have a power switch",
+                self.node
+            )));
+        }
+        Ok(self.root.parent().unwrap_or(&self.root).join("powered-off"))
+    }
+
+    /// Cuts the node's power: `kwok-pod-runner` kills its agent (SIGKILL) and starts
+    /// nothing there until [`Agent::power_on`].
+    pub async fn power_off(&self) -> Result<()> {
+        let switch = self.power_switch()?;
+        std::fs::write(&switch, b"").context(|| format!("writing {}", switch.display()))?;
+        let status = self.root.parent().and_then(Path::parent).map(|d| d.join("status.json"));
+        let node = self.node.clone();
+        wait_until(
+            &format!("the runner to stop the agent of {node}"),
+            ENABLE_TIMEOUT,
+            || {
+                let status = status.clone();
+                let node = node.clone();
+                async move {
+                    let text = status
+                        .map(std::fs::read_to_string)
+                        .transpose()
+                        .map_err(|e| e.to_string())?
+                        .unwrap_or_default();
+                    match runner_pid(&text, &node) {
+                        None => Ok(()),
+                        Some(pid) => Err(format!("agent still running as pid {pid}")),
+                    }
+                }
+            },
+        )
+        .await
+    }
+
+    pub fn power_on(&self) -> Result<()> {
+        let switch = self.power_switch()?;
+        std::fs::remove_file(&switch).context(|| format!("removing {}", switch.display()))
+    }
+}
+
+/// The PID `kwok-pod-runner`'s `status.json` records for `node`'s agent, if running.
+fn runner_pid(status: &str, node: &str) -> Option<u64> {
+    let status: Value = serde_json::from_str(status).ok()?;
+    status["pods"]
+        .as_array()?
+        .iter()
+        .filter(|p| p["node"] == node)
+        .find_map(|p| p["pid"].as_u64())
 }
 
 /// The kmm-fleet binaries the fleet runs as processes, built by `cargo build` in this
-/// workspace.
+/// workspace: the node agent (on KWOK nodes) and the runner that starts it.
 #[derive(Debug, Clone)]
 pub struct Binaries {
-    pub proxy: PathBuf,
     pub agent: PathBuf,
+    pub runner: PathBuf,
 }
 
 impl Binaries {
@@ -131,8 +199,8 @@ impl Binaries {
             }
         };
         Ok(Self {
-            proxy: find("kmm-spoke-proxy")?,
             agent: find("kmm-node-agent")?,
+            runner: find("kwok-pod-runner")?,
         })
     }
 
@@ -147,20 +215,22 @@ impl Binaries {
             Ok::<_, Error>(to)
         };
         Ok(Self {
-            proxy: copy(&self.proxy)?,
             agent: copy(&self.agent)?,
+            runner: copy(&self.runner)?,
         })
     }
 }
 
 impl Starting {
-    /// Starts the hub, then each spoke's proxy and agents, each waited on until ready.
+    /// Installs the hub, starts a KWOK runner per spoke, enables the add-on on every
+    /// spoke and waits until each reports Available with every node's agent ready.
     pub(super) async fn kmm(&mut self, hub: &ControlPlane, spokes: &[ControlPlane]) -> Result<()> {
         let kmm_dir = self.dir.join("kmm");
         std::fs::create_dir_all(&kmm_dir).context(|| format!("creating {}", kmm_dir.display()))?;
         let binaries = Binaries::locate()?.copy_to(&kmm_dir.join("bin"))?;
 
-        // kmm-hub as a user installs it: images in the registry, `kubectl apply -k`.
+        // kmm-hub and the add-on as a user installs them: images in the registry,
+        // `kubectl apply -k`.
         let registry = self.state.registry.clone();
         let built = tokio::task::spawn_blocking(move || {
             images::build(&images::Options::new(Some(registry)))
@@ -182,7 +252,7 @@ impl Starting {
             .ok_or_else(|| {
                 Error::Invalid("kmm-hub runs on the hub's real node, and there is none".into())
             })?;
-        let installed = std::time::Instant::now();
+        let installed = Instant::now();
         hub_install::apply(
             self.toolchain.bin("kubectl"),
             &hub.kubeconfig,
@@ -198,227 +268,315 @@ impl Starting {
             "fleet: kmm-hub installed (kubectl apply -k) and ready in {:.1}s; leader {leader}",
             installed.elapsed().as_secs_f64()
         );
-        let hub_grpc = format!("{node_ip}:{}", hub_install::GRPC_NODE_PORT);
         let ca = hub_ca(&hub.client).await?;
         let hub_ca = kmm_dir.join("hub-ca.crt");
         std::fs::write(&hub_ca, ca.cert_pem())
             .context(|| format!("writing {}", hub_ca.display()))?;
 
-        let mut kmm = Kmm {
-            hub_grpc,
-            hub_ca,
-            proxies: vec![],
-            agents: vec![],
-        };
+        let mut agents = vec![];
         for spoke in spokes {
-            let proxy = self.proxy(spoke, &binaries, &ca, &kmm).await?;
-            let agents = self.agents(spoke, &binaries, &proxy).await?;
-            kmm.proxies.push(proxy);
-            kmm.agents.extend(agents);
-            self.state.kmm = Some(kmm.clone());
-            self.state.save(&self.dir)?;
+            agents.extend(self.kwok_runner(spoke, &binaries)?);
         }
-        Ok(())
+        let names: Vec<String> = spokes.iter().map(|s| s.name.clone()).collect();
+        let enabled = Instant::now();
+        enable(self.toolchain.bin("clusteradm"), &hub.kubeconfig, &names)?;
+        for spoke in spokes {
+            wait_available(&hub.client, &spoke.name, ENABLE_TIMEOUT).await?;
+            let available = enabled.elapsed();
+            wait_agents_ready(&spoke.client, ENABLE_TIMEOUT).await?;
+            println!(
+                "fleet: add-on kmm on {}: Available {:.1}s and every agent ready {:.1}s after \
+                 `clusteradm addon enable`",
+                spoke.name,
+                available.as_secs_f64(),
+                enabled.elapsed().as_secs_f64()
+            );
+        }
+        self.state.kmm = Some(Kmm {
+            hub_grpc: format!("{node_ip}:{}", hub_install::GRPC_NODE_PORT),
+            hub_ca,
+            spokes: names,
+            agents,
+        });
+        self.state.save(&self.dir)
     }
 
-    async fn proxy(
-        &mut self,
-        spoke: &ControlPlane,
-        binaries: &Binaries,
-        hub_ca: &CertificateAuthority,
-        kmm: &Kmm,
-    ) -> Result<Proxy> {
-        let dir = spoke.dir.join("kmm-spoke-proxy");
-        std::fs::create_dir_all(&dir).context(|| format!("creating {}", dir.display()))?;
-        ensure_namespaces(&spoke.client, &[SPOKE_NAMESPACE]).await?;
-        apply_manifests(
-            &spoke.client,
-            &read_workspace_file("addon-manifests/spoke-proxy/rbac.yaml")?,
-        )
-        .await?;
-        ensure_service_account(&spoke.client, AGENT_SERVICE_ACCOUNT).await?;
-
-        let token = request_token(
-            &spoke.client,
-            SPOKE_NAMESPACE,
-            PROXY_SERVICE_ACCOUNT,
-            None,
-            None,
-        )
-        .await?;
-        let kubeconfig = dir.join("kubeconfig");
-        write_kubeconfig(
-            &kubeconfig,
-            &spoke.name,
-            &spoke.server,
-            &spoke.ca.pem,
-            Credentials::Token(&token),
-        )?;
-        let client_cert_dir = dir.join("hub-client-cert");
-        write_proxy_client_certificate(hub_ca, &spoke.name, &client_cert_dir)?;
-
-        let agent_endpoint = format!(
-            "127.0.0.1:{}",
-            self.ports.cluster(spoke.index, PROXY_AGENTS)
-        );
-        let metrics_port = self.ports.cluster(spoke.index, PROXY_METRICS);
-        let process = format!("{}/kmm-spoke-proxy", spoke.name);
-        let tracked = self.start_program(
-            &process,
-            &binaries.proxy,
-            vec![
-                "run".into(),
-                format!("--cluster-name={}", spoke.name),
-                format!("--namespace={SPOKE_NAMESPACE}"),
-                format!("--hub-address=https://{}", kmm.hub_grpc),
-                format!("--hub-ca-file={}", kmm.hub_ca.display()),
-                format!(
-                    "--client-cert-file={}",
-                    client_cert_dir.join("tls.crt").display()
-                ),
-                format!(
-                    "--client-key-file={}",
-                    client_cert_dir.join("tls.key").display()
-                ),
-                format!("--agent-addr={agent_endpoint}"),
-                format!("--metrics-addr=127.0.0.1:{metrics_port}"),
-            ],
-            &[("KUBECONFIG", kubeconfig.display().to_string())],
-        )?;
-        wait_ready(&tracked, metrics_port).await?;
-        let agent_ca = dir.join("agent-ca.crt");
-        let config_maps: Api<ConfigMap> = Api::namespaced(spoke.client.clone(), SPOKE_NAMESPACE);
-        let published = || {
-            let config_maps = config_maps.clone();
-            async move {
-                config_maps
-                    .get_opt(AGENT_CA_CONFIG_MAP)
-                    .await
-                    .ok()
-                    .flatten()
-                    .and_then(|cm| cm.data?.remove("ca.crt"))
-            }
-        };
-        wait_for(&tracked, "the agents' CA ConfigMap", || async {
-            published().await.is_some()
-        })
-        .await?;
-        let ca_pem = published().await.ok_or_else(|| {
+    /// Starts `kwok-pod-runner` for `spoke` (its agents' processes run in the network
+    /// namespace of the spoke's first real node) and returns every node's agent.
+    fn kwok_runner(&mut self, spoke: &ControlPlane, binaries: &Binaries) -> Result<Vec<Agent>> {
+        let cluster = self.state.cluster(&spoke.name)?.clone();
+        let real = cluster.real_nodes.first().ok_or_else(|| {
             Error::Invalid(format!(
-                "ConfigMap {SPOKE_NAMESPACE}/{AGENT_CA_CONFIG_MAP} vanished"
+                "{}: KWOK nodes' agents run in a real node's network, and there is none",
+                spoke.name
             ))
         })?;
-        std::fs::write(&agent_ca, ca_pem).context(|| format!("writing {}", agent_ca.display()))?;
-        Ok(Proxy {
-            cluster: spoke.name.clone(),
-            process,
-            agent_endpoint,
-            metrics_port,
-            agent_ca,
-            client_cert_dir,
-        })
-    }
-
-    async fn agents(
-        &mut self,
-        spoke: &ControlPlane,
-        binaries: &Binaries,
-        proxy: &Proxy,
-    ) -> Result<Vec<Agent>> {
-        // Real nodes get an agent too, at the kernel they report: the proxy has every
-        // node of the cluster confirm a module's unload.
-        let cluster = self.state.cluster(&spoke.name)?;
-        let mut nodes = cluster.nodes.clone();
-        nodes.extend(cluster.real_nodes.iter().map(|n| super::SimulatedNode {
-            name: n.name.clone(),
-            kernel: n.kernel.clone(),
-        }));
-        if nodes.len() > MAX_NODES_PER_SPOKE {
-            return Err(Error::Invalid(format!(
-                "--nodes-per-spoke {} is more than the {MAX_NODES_PER_SPOKE} node agents a \
-                 spoke's port block holds",
-                nodes.len()
-            )));
-        }
-        let node_api: Api<Node> = Api::all(spoke.client.clone());
+        let root = spoke.dir.join("kwok-pods");
         let mut agents = vec![];
-        let mut started = vec![];
-        for (i, node) in nodes.iter().enumerate() {
-            let dir = spoke.dir.join("nodes").join(&node.name);
-            for sub in ["kernel", "run", "cache", "firmware"] {
-                std::fs::create_dir_all(dir.join(sub))
-                    .context(|| format!("creating {}", dir.join(sub).display()))?;
-            }
-            let uid = node_api.get(&node.name).await?.uid().unwrap_or_default();
-            let token = request_token(
-                &spoke.client,
-                SPOKE_NAMESPACE,
-                AGENT_SERVICE_ACCOUNT,
-                Some(TOKEN_AUDIENCE),
-                Some((&node.name, &uid)),
-            )
-            .await?;
-            let token_file = dir.join("token");
-            std::fs::write(&token_file, token)
-                .context(|| format!("writing {}", token_file.display()))?;
-            let offset = AGENT_METRICS_FIRST + u16::try_from(i).unwrap_or(u16::MAX);
-            let metrics_port = self.ports.cluster(spoke.index, offset);
-            let process = format!("{}/kmm-node-agent/{}", spoke.name, node.name);
-            let tracked = self.start_program(
-                &process,
-                &binaries.agent,
-                agent_args(&dir, &node.name, &node.kernel, proxy, metrics_port),
-                &[],
-            )?;
-            started.push((tracked, metrics_port));
+        for node in &cluster.nodes {
+            let agent = Agent {
+                cluster: spoke.name.clone(),
+                node: node.name.clone(),
+                root: root.join(&node.name).join("host"),
+                simulated: true,
+            };
+            // The simulated node's `uname -r`.
+            let kernel = agent.kernel_dir();
+            std::fs::create_dir_all(&kernel).context(|| format!("creating {}", kernel.display()))?;
+            std::fs::write(kernel.join("release"), &node.kernel)
+                .context(|| format!("writing {}", kernel.join("release").display()))?;
+            agents.push(agent);
+        }
+        let kubelet = self
+            .state
+            .processes
+            .iter()
+            .find(|p| p.name == real.process("kubelet"))
+            .map(|p| p.pid)
+            .ok_or_else(|| Error::Invalid(format!("{}: no kubelet process", real.name)))?;
+        for node in &cluster.real_nodes {
             agents.push(Agent {
                 cluster: spoke.name.clone(),
                 node: node.name.clone(),
-                process,
-                metrics_port,
-                dir,
+                root: PathBuf::from(format!("/proc/{kubelet}/root")),
+                simulated: false,
             });
         }
-        for (tracked, port) in &started {
-            wait_ready(tracked, *port).await?;
-        }
+        let logs = self.dir.join("logs").join(format!("{}-kwok-pods", spoke.name));
+        std::fs::create_dir_all(&logs).context(|| format!("creating {}", logs.display()))?;
+        self.start_program(
+            &format!("{}/kwok-pod-runner", spoke.name),
+            &binaries.runner,
+            vec![
+                format!("--kubeconfig={}", spoke.kubeconfig.display()),
+                format!("--namespace={SPOKE_NAMESPACE}"),
+                format!("--selector={AGENT_LABEL}"),
+                format!("--node-annotation={}=fake", super::KWOK_NODE_ANNOTATION),
+                format!("--netns={}", real.netns),
+                format!("--root={}", root.display()),
+                format!(
+                    "--program=/usr/local/bin/kmm-node-agent={}",
+                    binaries.agent.display()
+                ),
+                format!("--logs={}", logs.display()),
+            ],
+            &[],
+        )?;
         Ok(agents)
     }
 }
 
-/// The agent's command line; also used to restart it on a new kernel.
-pub fn agent_args(
-    dir: &Path,
-    node: &str,
-    kernel: &str,
-    proxy: &Proxy,
-    metrics_port: u16,
-) -> Vec<String> {
-    vec![
-        "run".into(),
-        format!("--node-name={node}"),
-        format!("--proxy-address=https://{}", proxy.agent_endpoint),
-        format!("--proxy-ca-file={}", proxy.agent_ca.display()),
-        format!("--token-file={}", dir.join("token").display()),
-        "--kernel-backend=simulated".into(),
-        format!("--simulated-dir={}", dir.join("kernel").display()),
-        format!("--simulated-kernel={kernel}"),
-        format!("--state-dir={}", dir.join("run").display()),
-        format!("--cache-dir={}", dir.join("cache").display()),
-        format!("--firmware-dir={}", dir.join("firmware").display()),
-        format!("--metrics-addr=127.0.0.1:{metrics_port}"),
-        "--retry-seconds=1".into(),
-    ]
+/// `clusteradm addon enable --names kmm --clusters <clusters>` against the hub.
+pub fn enable(clusteradm: &Path, hub_kubeconfig: &Path, clusters: &[String]) -> Result<()> {
+    clusteradm_addon(clusteradm, hub_kubeconfig, "enable", clusters)
 }
 
-/// Waits until a kmm component's `/readyz` (plain HTTP) answers ok.
-pub(crate) async fn wait_ready(process: &Tracked, port: u16) -> Result<()> {
-    wait_for(process, &format!("/readyz on port {port}"), || async move {
-        super::http_get_plain(super::LOOPBACK, port, "/readyz")
+/// `clusteradm addon disable --names kmm --clusters <clusters>`.
+pub fn disable(clusteradm: &Path, hub_kubeconfig: &Path, clusters: &[String]) -> Result<()> {
+    clusteradm_addon(clusteradm, hub_kubeconfig, "disable", clusters)
+}
+
+fn clusteradm_addon(
+    clusteradm: &Path,
+    hub_kubeconfig: &Path,
+    verb: &str,
+    clusters: &[String],
+) -> Result<()> {
+    let out = crate::process::run(
+        std::process::Command::new(clusteradm)
+            .args(["addon", verb, "--names", ADDON, "--clusters"])
+            .arg(clusters.join(","))
+            .arg("--kubeconfig")
+            .arg(hub_kubeconfig),
+    )?;
+    println!("fleet: clusteradm addon {verb}: {}", out.trim());
+    Ok(())
+}
+
+/// The ManagedClusterAddOns on the hub, in `cluster`'s namespace.
+pub fn addons(hub: &Client, cluster: &str) -> Api<DynamicObject> {
+    let gvk = GroupVersionKind::gvk(
+        "addon.open-cluster-management.io",
+        "v1alpha1",
+        "ManagedClusterAddOn",
+    );
+    Api::namespaced_with(
+        hub.clone(),
+        cluster,
+        &ApiResource::from_gvk_with_plural(&gvk, "managedclusteraddons"),
+    )
+}
+
+/// Waits until the add-on on `cluster` is Available on the hub (OCM's health check: the
+/// proxy ready, i.e. connected to the hub, and every agent Pod ready).
+pub async fn wait_available(hub: &Client, cluster: &str, timeout: Duration) -> Result<()> {
+    let api = addons(hub, cluster);
+    wait_until(
+        &format!("ManagedClusterAddOn {cluster}/{ADDON} to be Available"),
+        timeout,
+        || {
+            let api = api.clone();
+            async move {
+                let addon = api
+                    .get_opt(ADDON)
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .ok_or("no ManagedClusterAddOn")?;
+                if condition_true(&addon.data, "Available") {
+                    Ok(())
+                } else {
+                    Err(format!("conditions {}", addon.data["status"]["conditions"]))
+                }
+            }
+        },
+    )
+    .await
+}
+
+/// Waits until the agents' DaemonSet covers every node and each agent answers `/readyz`
+/// (real Pods and KWOK runner processes alike: KWOK marks its Pods ready regardless).
+pub async fn wait_agents_ready(spoke: &Client, timeout: Duration) -> Result<()> {
+    wait_until("every node's agent to be ready", timeout, || async {
+        let daemonsets: Api<DaemonSet> = Api::namespaced(spoke.clone(), SPOKE_NAMESPACE);
+        let status = daemonsets
+            .get_opt(AGENT_DAEMONSET)
             .await
-            .is_some_and(|body| body.trim() == "ok")
+            .map_err(|e| e.to_string())?
+            .ok_or("no DaemonSet")?
+            .status
+            .unwrap_or_default();
+        if status.desired_number_scheduled == 0
+            || status.number_ready < status.desired_number_scheduled
+        {
+            return Err(format!(
+                "{} of {} agent Pods ready",
+                status.number_ready, status.desired_number_scheduled
+            ));
+        }
+        let pods = pods(spoke, AGENT_LABEL).await.map_err(|e| e.to_string())?;
+        let mut waiting = vec![];
+        for pod in &pods {
+            if !answers_ok(pod, AGENT_METRICS_PORT, "/readyz").await {
+                waiting.push(pod.spec.as_ref().and_then(|s| s.node_name.clone()).unwrap_or_default());
+            }
+        }
+        match waiting.is_empty() {
+            true => Ok(()),
+            false => Err(format!("not ready on {}", waiting.join(", "))),
+        }
     })
     .await
+}
+
+async fn pods(spoke: &Client, selector: &str) -> Result<Vec<Pod>> {
+    let api: Api<Pod> = Api::namespaced(spoke.clone(), SPOKE_NAMESPACE);
+    Ok(api
+        .list(&ListParams::default().labels(selector))
+        .await?
+        .items
+        .into_iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .collect())
+}
+
+fn pod_ip(pod: &Pod) -> Option<IpAddr> {
+    pod.status.as_ref()?.pod_ip.as_ref()?.parse().ok()
+}
+
+async fn answers_ok(pod: &Pod, port: u16, path: &str) -> bool {
+    match pod_ip(pod) {
+        Some(ip) => super::http_get_plain(ip, port, path)
+            .await
+            .is_some_and(|body| body.trim() == "ok"),
+        None => false,
+    }
+}
+
+/// The agent Pod on `node`.
+pub async fn agent_pod(spoke: &Client, node: &str) -> Result<Pod> {
+    pods(spoke, AGENT_LABEL)
+        .await?
+        .into_iter()
+        .find(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node))
+        .ok_or_else(|| Error::Invalid(format!("no kmm-node-agent Pod on {node}")))
+}
+
+/// The proxy's Pod.
+pub async fn proxy_pod(spoke: &Client) -> Result<Pod> {
+    pods(spoke, PROXY_LABEL)
+        .await?
+        .into_iter()
+        .next()
+        .ok_or_else(|| Error::Invalid("no kmm-spoke-proxy Pod".into()))
+}
+
+async fn get(pod: &Pod, port: u16, path: &str) -> Result<String> {
+    let ip = pod_ip(pod)
+        .ok_or_else(|| Error::Invalid(format!("Pod {} has no IP yet", pod.name_any())))?;
+    super::http_get_plain(ip, port, path)
+        .await
+        .ok_or_else(|| Error::Invalid(format!("no {path} on {ip}:{port} ({})", pod.name_any())))
+}
+
+/// The `/metrics` text of the agent on `node`.
+pub async fn agent_metrics(spoke: &Client, node: &str) -> Result<String> {
+    get(&agent_pod(spoke, node).await?, AGENT_METRICS_PORT, "/metrics").await
+}
+
+/// The `/metrics` text of the spoke's proxy.
+pub async fn proxy_metrics(spoke: &Client) -> Result<String> {
+    get(&proxy_pod(spoke).await?, PROXY_METRICS_PORT, "/metrics").await
+}
+
+/// `ip:port` of the proxy's agent endpoint (the Pod's address, routed from the host).
+pub async fn proxy_agent_endpoint(spoke: &Client) -> Result<String> {
+    let pod = proxy_pod(spoke).await?;
+    let ip = pod_ip(&pod).ok_or_else(|| Error::Invalid("the proxy Pod has no IP".into()))?;
+    Ok(format!("{ip}:{PROXY_AGENTS_PORT}"))
+}
+
+/// Deletes the Pod selected by `find` and waits until its replacement answers `/readyz`.
+async fn replace_pod(spoke: &Client, old: Pod, port: u16, timeout: Duration) -> Result<Pod> {
+    let api: Api<Pod> = Api::namespaced(spoke.clone(), SPOKE_NAMESPACE);
+    let (name, uid) = (old.name_any(), old.uid());
+    let labels = old.labels().clone();
+    let node = old.spec.as_ref().and_then(|s| s.node_name.clone());
+    api.delete(&name, &DeleteParams::default()).await?;
+    let selector = labels
+        .get("app.kubernetes.io/name")
+        .map(|n| format!("app.kubernetes.io/name={n}"))
+        .unwrap_or_default();
+    wait_until(&format!("a ready replacement of Pod {name}"), timeout, || async {
+        let pods = pods(spoke, &selector).await.map_err(|e| e.to_string())?;
+        let Some(new) = pods.into_iter().find(|p| {
+            p.uid() != uid
+                && (node.is_none() || p.spec.as_ref().and_then(|s| s.node_name.clone()) == node)
+        }) else {
+            return Err("no replacement yet".to_owned());
+        };
+        if answers_ok(&new, port, "/readyz").await {
+            Ok(new)
+        } else {
+            Err(format!("{} not ready", new.name_any()))
+        }
+    })
+    .await
+}
+
+/// Restarts the agent on `node` the way the DaemonSet would: its Pod is deleted and the
+/// replacement's agent (a container, or a runner process) comes up ready.
+pub async fn restart_agent(spoke: &Client, node: &str, timeout: Duration) -> Result<()> {
+    let old = agent_pod(spoke, node).await?;
+    replace_pod(spoke, old, AGENT_METRICS_PORT, timeout).await?;
+    Ok(())
+}
+
+/// Restarts the proxy (its Pod is deleted; the Deployment creates another) and waits
+/// until the new one is ready, i.e. connected to the hub.
+pub async fn restart_proxy(spoke: &Client, timeout: Duration) -> Result<()> {
+    let old = proxy_pod(spoke).await?;
+    replace_pod(spoke, old, PROXY_METRICS_PORT, timeout).await?;
+    Ok(())
 }
 
 /// The hub's CA, read from the Secret the hub created.
@@ -455,40 +613,39 @@ pub fn proxy_subject(cluster: &str) -> (String, Vec<String>) {
     )
 }
 
-/// Writes `tls.crt` and `tls.key` for `cluster`'s proxy into `dir`, as OCM would mount
-/// them; rewriting them is how a test renews the certificate.
-pub fn write_proxy_client_certificate(
+/// A client certificate of `hub_ca` with the subject OCM's add-on registration gives
+/// the kmm agent of `cluster`, valid for `lifetime` (a test's own, e.g. for a cluster
+/// that is not accepted); returns the PEM certificate and key.
+pub fn issue_proxy_certificate(
     hub_ca: &CertificateAuthority,
     cluster: &str,
-    dir: &Path,
-) -> Result<()> {
+    lifetime: Option<Duration>,
+) -> Result<(String, String)> {
     let (common_name, organizations) = proxy_subject(cluster);
     let issued = hub_ca
         .issue(&Leaf::client(
             &common_name,
             &organizations,
-            CLIENT_CERT_LIFETIME,
+            lifetime.unwrap_or(CLIENT_CERT_LIFETIME),
         ))
         .map_err(|e| Error::Invalid(format!("issuing {cluster}'s proxy certificate: {e}")))?;
-    std::fs::create_dir_all(dir).context(|| format!("creating {}", dir.display()))?;
-    // The key first: a proxy that sees the new certificate must find its key.
-    let key = dir.join("tls.key");
-    std::fs::write(&key, issued.key_pem.as_bytes())
-        .context(|| format!("writing {}", key.display()))?;
-    let cert = dir.join("tls.crt");
-    std::fs::write(&cert, &issued.cert_pem).context(|| format!("writing {}", cert.display()))
+    Ok((issued.cert_pem, issued.key_pem.to_string()))
 }
 
-async fn ensure_service_account(client: &Client, name: &str) -> Result<()> {
-    let api: Api<ServiceAccount> = Api::namespaced(client.clone(), SPOKE_NAMESPACE);
-    let sa = json!({ "apiVersion": "v1", "kind": "ServiceAccount", "metadata": { "name": name } });
-    api.patch(
-        name,
-        &PatchParams::apply(MANAGER).force(),
-        &Patch::Apply(&sa),
-    )
-    .await?;
-    Ok(())
+/// The client certificate and key OCM issued to `cluster`'s proxy, from the Secret the
+/// registration agent wrote on that cluster.
+pub async fn ocm_client_certificate(spoke: &Client) -> Result<(String, String)> {
+    let secrets: Api<Secret> = Api::namespaced(spoke.clone(), SPOKE_NAMESPACE);
+    let secret = secrets.get(CLIENT_CERT_SECRET).await?;
+    let field = |key: &str| {
+        secret
+            .data
+            .as_ref()
+            .and_then(|d| d.get(key))
+            .map(|v| String::from_utf8_lossy(&v.0).into_owned())
+            .ok_or_else(|| Error::Invalid(format!("Secret {CLIENT_CERT_SECRET} has no {key}")))
+    };
+    Ok((field("tls.crt")?, field("tls.key")?))
 }
 
 /// A token of ServiceAccount `namespace/name`, optionally for one audience and bound to
@@ -519,71 +676,4 @@ pub async fn request_token(
         .status
         .map(|s| s.token)
         .ok_or_else(|| Error::Invalid(format!("the TokenRequest for {name} returned no token")))
-}
-
-fn read_workspace_file(relative: &str) -> Result<String> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("..")
-        .join(relative);
-    std::fs::read_to_string(&path).context(|| format!("reading {}", path.display()))
-}
-
-/// Server-side applies every object of a multi-document YAML manifest, finding each
-/// kind's resource through discovery.
-pub async fn apply_manifests(client: &Client, yaml: &str) -> Result<()> {
-    let discovery = Discovery::new(client.clone()).run().await?;
-    for document in serde_yaml_ng::Deserializer::from_str(yaml) {
-        let object: Value =
-            Value::deserialize(document).map_err(|e| Error::Invalid(format!("manifest: {e}")))?;
-        if object.is_null() {
-            continue;
-        }
-        let (api_version, kind) = (
-            object["apiVersion"].as_str().unwrap_or_default(),
-            object["kind"].as_str().unwrap_or_default(),
-        );
-        let name = object["metadata"]["name"].as_str().unwrap_or_default();
-        let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
-        let gvk = kube::api::GroupVersionKind::gvk(group, version, kind);
-        let (resource, capabilities): (_, ApiCapabilities) =
-            discovery.resolve_gvk(&gvk).ok_or_else(|| {
-                Error::Invalid(format!("manifest: unknown kind {api_version} {kind}"))
-            })?;
-        let api: Api<kube::api::DynamicObject> = match capabilities.scope {
-            Scope::Cluster => Api::all_with(client.clone(), &resource),
-            Scope::Namespaced => Api::namespaced_with(
-                client.clone(),
-                object["metadata"]["namespace"]
-                    .as_str()
-                    .unwrap_or(SPOKE_NAMESPACE),
-                &resource,
-            ),
-        };
-        api.patch(
-            name,
-            &PatchParams::apply(MANAGER).force(),
-            &Patch::Apply(&object),
-        )
-        .await?;
-    }
-    Ok(())
-}
-
-/// The `/metrics` text of a kmm component on loopback.
-pub async fn metrics(port: u16) -> Result<String> {
-    super::http_get_plain(super::LOOPBACK, port, "/metrics")
-        .await
-        .ok_or_else(|| Error::Invalid(format!("no /metrics on port {port}")))
-}
-
-/// Waits until the kmm component on `port` answers `/readyz` with ok.
-pub async fn wait_ready_port(port: u16, timeout: Duration) -> Result<()> {
-    crate::fixture::wait_until(&format!("/readyz on port {port}"), timeout, || async move {
-        match super::http_get_plain(super::LOOPBACK, port, "/readyz").await {
-            Some(body) if body.trim() == "ok" => Ok(()),
-            Some(body) => Err(body),
-            None => Err("not ready or not answering".to_owned()),
-        }
-    })
-    .await
 }

@@ -649,9 +649,11 @@ fn containerd_config(dir: &Path, ip: Ipv4Addr, pause: &str) -> Result<String> {
     toml::to_string(&config).map_err(|e| Error::Invalid(format!("containerd config: {e}")))
 }
 
-/// One bridge (`cni0`, the pods' gateway) per node with host-local addresses from its
-/// pod subnet; no masquerading: the host routes the subnet to the node.
+/// One bridge (`cni0`, the pods' gateway) per node with host-local addresses from the
+/// lower half of its pod subnet (KWOK's Pods, run by `kwok-pod-runner` in this node's
+/// network, take the upper half); no masquerading: the host routes the subnet to the node.
 fn cni_config(pod_cidr: &str) -> Value {
+    let range_end = pod_cidr.replace("0/24", "127");
     json!({
         "cniVersion": "0.4.0",
         "name": "kmm-fleet",
@@ -664,7 +666,7 @@ fn cni_config(pod_cidr: &str) -> Value {
                 "hairpinMode": true,
                 "ipam": {
                     "type": "host-local",
-                    "ranges": [[{ "subnet": pod_cidr }]],
+                    "ranges": [[{ "subnet": pod_cidr, "rangeEnd": range_end }]],
                     "routes": [{ "dst": "0.0.0.0/0" }],
                 },
             },
@@ -678,6 +680,9 @@ fn kubelet_config(node: &RealNode, ca: &Path, serving: &crate::pki::Pair) -> Val
         "apiVersion": "kubelet.config.k8s.io/v1beta1",
         "kind": "KubeletConfiguration",
         "cgroupDriver": "cgroupfs",
+        // Mounted Secrets and ConfigMaps (OCM's renewed client certificate) follow their
+        // objects within seconds rather than the default minute.
+        "syncFrequency": "10s",
         "cgroupRoot": format!("/{}", node.netns),
         "failCgroupV1": false,
         "failSwapOn": false,

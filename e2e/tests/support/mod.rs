@@ -86,7 +86,7 @@ pub fn module(name: &str, selector_key: &str, mappings: Value) -> Result<Managed
 pub fn sample_mapping(fleet: &Fleet) -> Value {
     json!([{
         "regexp": "^.+$",
-        "containerImage": format!("{}/samples/kmm-hello:${{KERNEL_FULL_VERSION}}", fleet.state.registry),
+        "containerImage": format!("{}/samples/kmm-hello:${{KERNEL_FULL_VERSION}}", fleet.state.node_registry),
     }])
 }
 
@@ -236,23 +236,23 @@ pub async fn status(hub: &Client, name: &str) -> Result<Value> {
 }
 
 /// The sum of the unload attempts of every agent but the one of `except_node`.
-pub async fn unloads_except(kmm: &Kmm, except_node: &str) -> Result<u64> {
+pub async fn unloads_except(fleet: &Fleet, kmm: &Kmm, except_node: &str) -> Result<u64> {
     let mut total = 0;
     for agent in kmm.agents.iter().filter(|a| a.node != except_node) {
-        total += agent_attempts(agent, "unloads").await?;
+        total += agent_attempts(fleet, agent, "unloads").await?;
     }
     Ok(total)
 }
 
 /// The sum of every agent's unload attempts.
-pub async fn unloads(kmm: &Kmm) -> Result<u64> {
-    unloads_except(kmm, "").await
+pub async fn unloads(fleet: &Fleet, kmm: &Kmm) -> Result<u64> {
+    unloads_except(fleet, kmm, "").await
 }
 
 /// Load or unload attempts (`what`: `loads`, `unloads`) of one agent since it started,
 /// whatever their outcome, from its `/metrics`.
-pub async fn agent_attempts(agent: &Agent, what: &str) -> Result<u64> {
-    let text = fleet_kmm::metrics(agent.metrics_port)
+pub async fn agent_attempts(fleet: &Fleet, agent: &Agent, what: &str) -> Result<u64> {
+    let text = fleet_kmm::agent_metrics(fleet.spoke(&agent.cluster)?, &agent.node)
         .await
         .with_context(|| format!("/metrics of the agent of {}", agent.node))?;
     let prefix = format!("kmm_agent_{what}_total{{");

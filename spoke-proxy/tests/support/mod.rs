@@ -413,18 +413,30 @@ impl Spoke {
             .unwrap_or_default()
     }
 
-    /// Applies rbac.yaml into the test namespace and writes a kubeconfig that speaks as
-    /// the proxy's ServiceAccount, so the proxy runs with exactly those permissions.
+    /// Applies the ServiceAccounts and RBAC of the add-on's AddOnTemplate into the test
+    /// namespace and writes a kubeconfig that speaks as the proxy's ServiceAccount, so
+    /// the proxy runs with exactly the permissions OCM gives it.
     pub async fn proxy_kubeconfig(&self) -> Result<PathBuf> {
         let text = std::fs::read_to_string(concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/../addon-manifests/spoke-proxy/rbac.yaml"
+            "/../addon-manifests/addon/addon-template.yaml"
         ))?;
+        let template: serde_json::Value = serde_yaml_ng::from_str(&text)?;
+        let rbac = template["spec"]["agentSpec"]["workload"]["manifests"]
+            .as_array()
+            .context("the AddOnTemplate has manifests")?
+            .iter()
+            .filter(|m| {
+                m["kind"].as_str().is_some_and(|kind| {
+                    kind == "ServiceAccount" || kind.ends_with("Role") || kind.ends_with("Binding")
+                })
+            })
+            .cloned()
+            .collect::<Vec<_>>();
         let binding = format!("kmm-spoke-proxy-{}", self.namespace);
         let pp = PatchParams::apply("kmm-spoke-proxy-test").force();
         let ns = self.namespace.as_str();
-        for document in serde_yaml_ng::Deserializer::from_str(&text) {
-            let mut value: serde_json::Value = serde::Deserialize::deserialize(document)?;
+        for mut value in rbac {
             if value["metadata"].get("namespace").is_some() {
                 value["metadata"]["namespace"] = ns.into();
             }
