@@ -118,29 +118,31 @@ impl Agent {
         Ok(self.root.parent().unwrap_or(&self.root).join("powered-off"))
     }
 
+    /// Whether `kwok-pod-runner` runs this node's agent now (from its `status.json`).
+    pub fn running(&self) -> bool {
+        let status = self
+            .root
+            .parent()
+            .and_then(Path::parent)
+            .map(|dir| dir.join("status.json"));
+        status
+            .and_then(|path| std::fs::read_to_string(path).ok())
+            .and_then(|text| runner_pid(&text, &self.node))
+            .is_some()
+    }
+
     /// Cuts the node's power: `kwok-pod-runner` kills its agent (SIGKILL) and starts
     /// nothing there until [`Agent::power_on`].
     pub async fn power_off(&self) -> Result<()> {
         let switch = self.power_switch()?;
         std::fs::write(&switch, b"").context(|| format!("writing {}", switch.display()))?;
-        let status = self.root.parent().and_then(Path::parent).map(|d| d.join("status.json"));
-        let node = self.node.clone();
         wait_until(
-            &format!("the runner to stop the agent of {node}"),
+            &format!("the runner to stop the agent of {}", self.node),
             ENABLE_TIMEOUT,
-            || {
-                let status = status.clone();
-                let node = node.clone();
-                async move {
-                    let text = status
-                        .map(std::fs::read_to_string)
-                        .transpose()
-                        .map_err(|e| e.to_string())?
-                        .unwrap_or_default();
-                    match runner_pid(&text, &node) {
-                        None => Ok(()),
-                        Some(pid) => Err(format!("agent still running as pid {pid}")),
-                    }
+            || async {
+                match self.running() {
+                    false => Ok(()),
+                    true => Err("the agent still runs".to_owned()),
                 }
             },
         )

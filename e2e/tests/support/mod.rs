@@ -37,7 +37,7 @@ pub fn kmm(fleet: &Fleet) -> Result<&Kmm> {
     )
 }
 
-/// A node of the fleet with the sample image for its kernel.
+/// The nodes of `cluster` (KWOK and real) with a sample image for their kernel.
 pub fn nodes_with_images(fleet: &Fleet, cluster: &str) -> Result<Vec<(String, String)>> {
     let images: BTreeSet<&str> = fleet
         .state
@@ -45,13 +45,13 @@ pub fn nodes_with_images(fleet: &Fleet, cluster: &str) -> Result<Vec<(String, St
         .iter()
         .map(|i| i.kernel.as_str())
         .collect();
-    Ok(fleet
-        .state
-        .cluster(cluster)?
-        .nodes
-        .iter()
-        .filter(|n| images.contains(n.kernel.as_str()))
-        .map(|n| (n.name.clone(), n.kernel.clone()))
+    let cluster = fleet.state.cluster(cluster)?;
+    let kwok = cluster.nodes.iter().map(|n| (&n.name, &n.kernel));
+    let real = cluster.real_nodes.iter().map(|n| (&n.name, &n.kernel));
+    Ok(kwok
+        .chain(real)
+        .filter(|(_, kernel)| images.contains(kernel.as_str()))
+        .map(|(name, kernel)| (name.clone(), kernel.clone()))
         .collect())
 }
 

@@ -1,0 +1,544 @@
+//! kmm as an OCM add-on, end to end with OCM's real addon-manager, registration and work
+//! agents: `clusteradm addon enable` deploys the proxy and the agents' DaemonSet (real
+//! Pods on the real nodes; KWOK nodes' Pods run by `kwok-pod-runner`), OCM signs and
+//! renews the proxy's hub certificate with kmm-hub's CA, and disabling, re-enabling and
+//! upgrading the add-on never unloads a module.
+//!
+//! The tests disable, renew and roll the add-on of whole spokes, so they run one at a time.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
+use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
+use k8s_openapi::api::core::v1::{Namespace, Secret};
+use kmm_e2e::fixture::{Fleet, wait_until};
+use kmm_e2e::fleet::kmm::{self as fleet_kmm, ADDON, CLIENT_CERT_SECRET, SPOKE_NAMESPACE};
+use kmm_e2e::toolchain::Toolchain;
+use kmm_e2e::versions::Versions;
+use kube::api::{
+    ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams,
+    PostParams,
+};
+use kube::{Api, Client, ResourceExt};
+use oci_client::client::{ClientConfig, ClientProtocol};
+use oci_client::secrets::RegistryAuth;
+use serde_json::{Value, json};
+use support::*;
+use tokio::sync::Mutex;
+
+static SERIAL: Mutex<()> = Mutex::const_new(());
+const SIGNER: &str = "kmm.sigs.x-k8s.io/hub-client";
+/// OCM's klusterlet notices a missing certificate Secret and the addon-manager signs a
+/// new CSR within seconds; the kubelet then updates the mounted files (sync period 10 s).
+const RENEWAL: Duration = Duration::from_secs(120);
+
+fn toolchain() -> Result<Toolchain> {
+    Ok(Toolchain::locate(
+        &Versions::pinned(),
+        settings()?.bin_dir.as_deref(),
+    )?)
+}
+
+fn addon_api(hub: &Client, kind: &str, plural: &str) -> Api<DynamicObject> {
+    let gvk = GroupVersionKind::gvk("addon.open-cluster-management.io", "v1alpha1", kind);
+    Api::all_with(hub.clone(), &ApiResource::from_gvk_with_plural(&gvk, plural))
+}
+
+fn condition<'a>(object: &'a Value, type_: &str) -> Option<&'a Value> {
+    object["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == type_)
+}
+
+/// Labels `cluster` and its nodes that have a sample image, creates a module for them
+/// and waits until they are labelled; returns the module's name and the nodes.
+async fn loaded_module(
+    fleet: &Fleet,
+    cluster: &str,
+    prefix: &str,
+) -> Result<(String, String, Vec<(String, String)>)> {
+    let (id, name) = (unique(&format!("kmm-e2e.dev/{prefix}")), unique(prefix));
+    label_cluster(&fleet.hub, cluster, &id, true).await?;
+    let mut targets = vec![];
+    for (node, _) in nodes_with_images(fleet, cluster)? {
+        label_node(fleet.spoke(cluster)?, &node, &id, true).await?;
+        targets.push((cluster.to_owned(), node));
+    }
+    ensure!(!targets.is_empty(), "{cluster} has no node with a sample image");
+    create(&fleet.hub, &module(&name, &id, sample_mapping(fleet))?).await?;
+    wait_labelled(fleet, &name, &targets).await?;
+    Ok((id, name, targets))
+}
+
+async fn unload_module(fleet: &Fleet, cluster: &str, id: &str, name: &str) -> Result<()> {
+    delete(&fleet.hub, name).await?;
+    wait_labelled(fleet, name, &[]).await?;
+    label_cluster(&fleet.hub, cluster, id, false).await
+}
+
+/// The sum of `kmm_agent_<what>_total` over the agents of `cluster`.
+async fn attempts_on(fleet: &Fleet, cluster: &str, what: &str) -> Result<u64> {
+    let mut total = 0;
+    for agent in kmm(fleet)?.agents.iter().filter(|a| a.cluster == cluster) {
+        total += agent_attempts(fleet, agent, what).await?;
+    }
+    Ok(total)
+}
+
+async fn proxy_gauge(spoke: &Client, name: &str) -> Result<f64> {
+    let text = fleet_kmm::proxy_metrics(spoke).await?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().parse::<f64>().ok())
+        .with_context(|| format!("no {name} in the proxy's metrics"))
+}
+
+#[tokio::test]
+async fn ocm_deploys_kmm_signs_its_certificate_and_reports_it_available() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let fleet = Fleet::get().await?;
+    let spoke = fleet.spoke_names()[0].clone();
+    let client = fleet.spoke(&spoke)?;
+
+    let gvk = GroupVersionKind::gvk("work.open-cluster-management.io", "v1", "ManifestWork");
+    let works: Api<DynamicObject> = Api::namespaced_with(
+        fleet.hub.clone(),
+        &spoke,
+        &ApiResource::from_gvk_with_plural(&gvk, "manifestworks"),
+    );
+    let work = works.get("addon-kmm-deploy-0").await?;
+    for type_ in ["Applied", "Available"] {
+        ensure!(
+            condition(&work.data, type_).is_some_and(|c| c["status"] == "True"),
+            "ManifestWork addon-kmm-deploy-0 is not {type_}: {}",
+            work.data["status"]
+        );
+    }
+
+    let csrs = Api::<CertificateSigningRequest>::all(fleet.hub.clone())
+        .list(&ListParams::default().labels(&format!(
+            "open-cluster-management.io/cluster-name={spoke},open-cluster-management.io/addon-name={ADDON}"
+        )))
+        .await?;
+    let signed = csrs
+        .items
+        .iter()
+        .filter(|csr| csr.spec.signer_name == SIGNER)
+        .filter(|csr| {
+            let status = csr.status.clone().unwrap_or_default();
+            status
+                .conditions
+                .unwrap_or_default()
+                .iter()
+                .any(|c| c.type_ == "Approved" && c.status == "True")
+                && status.certificate.is_some_and(|c| !c.0.is_empty())
+        })
+        .count();
+    ensure!(
+        signed >= 1,
+        "no CSR of {spoke} for {SIGNER} was approved and signed ({} CSRs)",
+        csrs.items.len()
+    );
+
+    let (cert, _) = fleet_kmm::ocm_client_certificate(client).await?;
+    ensure!(cert.contains("BEGIN CERTIFICATE"), "the Secret holds a certificate");
+    let proxy = fleet_kmm::proxy_pod(client).await?;
+    let mounted = proxy
+        .spec
+        .as_ref()
+        .and_then(|s| s.volumes.as_ref())
+        .is_some_and(|volumes| {
+            volumes.iter().any(|v| {
+                v.secret
+                    .as_ref()
+                    .and_then(|s| s.secret_name.as_deref())
+                    == Some(CLIENT_CERT_SECRET)
+            })
+        });
+    ensure!(mounted, "the proxy Pod mounts {CLIENT_CERT_SECRET}");
+    ensure!(
+        proxy_gauge(client, "kmm_spoke_proxy_hub_connected").await? == 1.0,
+        "the proxy's hub session is open"
+    );
+
+    let addon = fleet_kmm::addons(&fleet.hub, &spoke).get(ADDON).await?;
+    ensure!(
+        condition(&addon.data, "Available").is_some_and(|c| c["status"] == "True"),
+        "the add-on is Available: {}",
+        addon.data["status"]
+    );
+    let degraded = condition(&addon.data, "Degraded").context("kmm-hub's Degraded condition")?;
+    ensure!(
+        degraded["status"] == "False" && degraded["reason"] == "HubSessionOpen",
+        "kmm-hub reports the session open: {degraded}"
+    );
+
+    // Every node of the cluster with an image loads it: real-node Pods and KWOK agents.
+    let (id, name, targets) = loaded_module(&fleet, &spoke, "enabled").await?;
+    let kinds: Vec<bool> = kmm(&fleet)?
+        .agents
+        .iter()
+        .filter(|a| targets.iter().any(|(_, n)| *n == a.node))
+        .map(|a| a.simulated)
+        .collect();
+    println!("loaded on {} nodes ({} KWOK)", kinds.len(), kinds.iter().filter(|k| **k).count());
+    unload_module(&fleet, &spoke, &id, &name).await
+}
+
+#[tokio::test]
+async fn a_renewed_certificate_is_used_without_a_restart_or_an_unload() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let fleet = Fleet::get().await?;
+    let spoke = fleet.spoke_names()[0].clone();
+    let client = fleet.spoke(&spoke)?;
+    let (id, name, targets) = loaded_module(&fleet, &spoke, "renewal").await?;
+    let (loads, unloads) = (
+        attempts_on(&fleet, &spoke, "loads").await?,
+        attempts_on(&fleet, &spoke, "unloads").await?,
+    );
+    let proxy = fleet_kmm::proxy_pod(client).await?;
+    let (old_cert, _) = fleet_kmm::ocm_client_certificate(client).await?;
+    let old_expiry =
+        proxy_gauge(client, "kmm_spoke_proxy_hub_client_certificate_expiry_timestamp_seconds")
+            .await?;
+
+    // Forces a renewal: OCM's registration agent issues a new CSR for the missing Secret.
+    let started = Instant::now();
+    Api::<Secret>::namespaced(client.clone(), SPOKE_NAMESPACE)
+        .delete(CLIENT_CERT_SECRET, &DeleteParams::default())
+        .await?;
+    wait_until("OCM to write a new certificate", RENEWAL, || async {
+        match fleet_kmm::ocm_client_certificate(client).await {
+            Ok((cert, _)) if cert != old_cert => Ok(()),
+            Ok(_) => Err("the old certificate".to_owned()),
+            Err(e) => Err(e.to_string()),
+        }
+    })
+    .await?;
+    let issued = started.elapsed();
+    wait_until("the proxy to use the new certificate", RENEWAL, || async {
+        let expiry = proxy_gauge(
+            client,
+            "kmm_spoke_proxy_hub_client_certificate_expiry_timestamp_seconds",
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        let connected = proxy_gauge(client, "kmm_spoke_proxy_hub_connected")
+            .await
+            .map_err(|e| e.to_string())?;
+        if expiry > old_expiry && connected == 1.0 {
+            Ok(())
+        } else {
+            Err(format!("expiry {expiry} (was {old_expiry}), connected {connected}"))
+        }
+    })
+    .await?;
+    println!(
+        "renewal: new certificate issued after {:.1}s, in use after {:.1}s",
+        issued.as_secs_f64(),
+        started.elapsed().as_secs_f64()
+    );
+    let same = fleet_kmm::proxy_pod(client).await?;
+    ensure!(
+        same.uid() == proxy.uid()
+            && same
+                .status
+                .and_then(|s| s.container_statuses)
+                .is_some_and(|c| c.iter().all(|c| c.restart_count == 0)),
+        "the proxy was not restarted"
+    );
+    wait_labelled(&fleet, &name, &targets).await?;
+    ensure!(
+        attempts_on(&fleet, &spoke, "loads").await? == loads
+            && attempts_on(&fleet, &spoke, "unloads").await? == unloads,
+        "the renewal caused no load and no unload"
+    );
+    unload_module(&fleet, &spoke, &id, &name).await
+}
+
+/// Waits until nothing of kmm is left on the spoke: the add-on's namespace is gone and
+/// no KWOK agent process runs.
+async fn wait_removed(fleet: &Fleet, spoke: &str) -> Result<()> {
+    let client = fleet.spoke(spoke)?;
+    let agents: Vec<_> = kmm(fleet)?
+        .agents
+        .iter()
+        .filter(|a| a.cluster == spoke && a.simulated)
+        .cloned()
+        .collect();
+    wait_until("the add-on's components to be removed", WAIT, || async {
+        if Api::<Namespace>::all(client.clone())
+            .get_opt(SPOKE_NAMESPACE)
+            .await
+            .map_err(|e| e.to_string())?
+            .is_some()
+        {
+            return Err(format!("namespace {SPOKE_NAMESPACE} still exists"));
+        }
+        let running: Vec<&str> = agents
+            .iter()
+            .filter(|a| a.running())
+            .map(|a| a.node.as_str())
+            .collect();
+        match running.is_empty() {
+            true => Ok(()),
+            false => Err(format!("agents still run on {running:?}")),
+        }
+    })
+    .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn disabling_leaves_modules_loaded_and_labelled_and_enabling_resumes_without_loading()
+-> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let fleet = Fleet::get().await?;
+    let spoke = fleet.spoke_names().last().context("a spoke")?.clone();
+    let hub_kubeconfig = fleet.state.cluster("hub")?.kubeconfig.clone();
+    let clusteradm = toolchain()?.bin("clusteradm").to_path_buf();
+    let (id, name, targets) = loaded_module(&fleet, &spoke, "disable").await?;
+    let loaded_on: Vec<_> = kmm(&fleet)?
+        .agents
+        .iter()
+        .filter(|a| targets.iter().any(|(_, n)| *n == a.node))
+        .cloned()
+        .collect();
+
+    fleet_kmm::disable(&clusteradm, &hub_kubeconfig, std::slice::from_ref(&spoke))?;
+    wait_removed(&fleet, &spoke).await?;
+    ensure!(
+        labelled(&fleet, &name).await?.len() == targets.len(),
+        "the ready labels stay while the add-on is disabled"
+    );
+    for agent in &loaded_on {
+        let state = std::fs::read_to_string(agent.state_file())
+            .with_context(|| format!("the state of {}", agent.node))?;
+        ensure!(
+            state.contains(&name),
+            "{} still records the module loaded",
+            agent.node
+        );
+    }
+
+    let enabled = Instant::now();
+    fleet_kmm::enable(&clusteradm, &hub_kubeconfig, std::slice::from_ref(&spoke))?;
+    fleet_kmm::wait_available(&fleet.hub, &spoke, WAIT).await?;
+    let available = enabled.elapsed();
+    fleet_kmm::wait_agents_ready(fleet.spoke(&spoke)?, WAIT).await?;
+    println!(
+        "re-enable on {spoke}: Available after {:.1}s, every agent ready after {:.1}s",
+        available.as_secs_f64(),
+        enabled.elapsed().as_secs_f64()
+    );
+    wait_labelled(&fleet, &name, &targets).await?;
+    ensure!(
+        attempts_on(&fleet, &spoke, "loads").await? == 0
+            && attempts_on(&fleet, &spoke, "unloads").await? == 0,
+        "re-enabling loaded or unloaded nothing"
+    );
+    unload_module(&fleet, &spoke, &id, &name).await
+}
+
+/// Copies `image:from` to `image:to` in `registry` (the same manifest under a new tag):
+/// a new version of the image without rebuilding it.
+async fn retag(registry: &str, image: &str, from: &str, to: &str) -> Result<()> {
+    let client = oci_client::Client::new(ClientConfig {
+        protocol: ClientProtocol::Http,
+        ..Default::default()
+    });
+    let source: oci_client::Reference = format!("{registry}/{image}:{from}").parse()?;
+    let target: oci_client::Reference = format!("{registry}/{image}:{to}").parse()?;
+    let (manifest, _) = client
+        .pull_manifest_raw(
+            &source,
+            &RegistryAuth::Anonymous,
+            &[
+                "application/vnd.oci.image.manifest.v1+json",
+                "application/vnd.docker.distribution.manifest.v2+json",
+            ],
+        )
+        .await?;
+    let media_type = serde_json::from_slice::<Value>(&manifest)?["mediaType"]
+        .as_str()
+        .unwrap_or("application/vnd.oci.image.manifest.v1+json")
+        .to_owned();
+    client
+        .push_manifest_raw(&target, manifest.to_vec(), media_type.parse()?)
+        .await?;
+    Ok(())
+}
+
+/// Points the ClusterManagementAddOn at the AddOnTemplate `template`.
+async fn use_template(hub: &Client, template: &str) -> Result<()> {
+    let cmas = addon_api(hub, "ClusterManagementAddOn", "clustermanagementaddons");
+    let mut cma = cmas.get(ADDON).await?;
+    let configs = cma.data["spec"]["supportedConfigs"]
+        .as_array_mut()
+        .context("supportedConfigs")?;
+    for config in configs {
+        if config["resource"] == "addontemplates" {
+            config["defaultConfig"] = json!({ "name": template });
+        }
+    }
+    cmas.replace(ADDON, &PostParams::default(), &cma).await?;
+    Ok(())
+}
+
+/// Waits until the proxy Deployment and the agents' DaemonSet on `spoke` run `tag`
+/// everywhere and every agent is ready.
+async fn wait_rolled(spoke: &Client, tag: &str) -> Result<()> {
+    wait_until(&format!("the add-on on {tag} everywhere"), WAIT, || async {
+        let image_tag = |image: Option<&String>| {
+            image
+                .and_then(|i| i.rsplit_once(':'))
+                .map(|(_, t)| t.to_owned())
+                .unwrap_or_default()
+        };
+        let deployment = Api::<Deployment>::namespaced(spoke.clone(), SPOKE_NAMESPACE)
+            .get("kmm-spoke-proxy")
+            .await
+            .map_err(|e| e.to_string())?;
+        let proxy_image = deployment
+            .spec
+            .as_ref()
+            .and_then(|s| s.template.spec.as_ref())
+            .and_then(|s| s.containers[0].image.clone());
+        let status = deployment.status.unwrap_or_default();
+        let daemonset = Api::<DaemonSet>::namespaced(spoke.clone(), SPOKE_NAMESPACE)
+            .get("kmm-node-agent")
+            .await
+            .map_err(|e| e.to_string())?;
+        let agent_image = daemonset
+            .spec
+            .as_ref()
+            .and_then(|s| s.template.spec.as_ref())
+            .and_then(|s| s.containers[0].image.clone());
+        let ds = daemonset.status.unwrap_or_default();
+        let done = image_tag(proxy_image.as_ref()) == tag
+            && image_tag(agent_image.as_ref()) == tag
+            && status.updated_replicas == Some(1)
+            && status.ready_replicas == Some(1)
+            && status.replicas == Some(1)
+            && ds.updated_number_scheduled == Some(ds.desired_number_scheduled)
+            && ds.number_ready == ds.desired_number_scheduled;
+        match done {
+            true => Ok(()),
+            false => Err(format!(
+                "proxy {proxy_image:?} {status:?}; agents {agent_image:?} {} of {} updated, {} ready",
+                ds.updated_number_scheduled.unwrap_or_default(),
+                ds.desired_number_scheduled,
+                ds.number_ready
+            )),
+        }
+    })
+    .await?;
+    fleet_kmm::wait_agents_ready(spoke, WAIT).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_new_template_version_rolls_the_proxy_and_agents_without_unloading() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let fleet = Fleet::get().await?;
+    let spoke = fleet.spoke_names()[0].clone();
+    let client = fleet.spoke(&spoke)?;
+    let (id, name, targets) = loaded_module(&fleet, &spoke, "upgrade").await?;
+
+    let templates = addon_api(&fleet.hub, "AddOnTemplate", "addontemplates");
+    let current = templates.get("kmm-0.1.0").await?;
+    let old_tag = serde_json::to_string(&current.data)?
+        .split("kmm-node-agent:")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .context("the agent image's tag in the template")?
+        .to_owned();
+    let new_tag = format!("{old_tag}-next");
+    for image in ["kmm-fleet/kmm-spoke-proxy", "kmm-fleet/kmm-node-agent"] {
+        retag(&fleet.state.registry, image, &old_tag, &new_tag).await?;
+    }
+    let next_name = unique("kmm-next");
+    let mut next: Value = serde_json::from_str(
+        &serde_json::to_string(&current.data)?.replace(&format!(":{old_tag}\""), &format!(":{new_tag}\"")),
+    )?;
+    next["metadata"] = json!({ "name": next_name });
+    templates
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+                "kind": "AddOnTemplate",
+                "metadata": next["metadata"],
+                "spec": next["spec"],
+            }))?,
+        )
+        .await?;
+    let (loads, unloads) = (
+        attempts_on(&fleet, &spoke, "loads").await?,
+        attempts_on(&fleet, &spoke, "unloads").await?,
+    );
+
+    let started = Instant::now();
+    use_template(&fleet.hub, &next_name).await?;
+    wait_rolled(client, &new_tag).await?;
+    println!(
+        "template {next_name}: proxy and agents rolled in {:.1}s",
+        started.elapsed().as_secs_f64()
+    );
+    wait_labelled(&fleet, &name, &targets).await?;
+    // The agents are new processes: their counters start at zero.
+    ensure!(
+        attempts_on(&fleet, &spoke, "loads").await? == 0
+            && attempts_on(&fleet, &spoke, "unloads").await? == 0,
+        "the roll loaded or unloaded something (before: {loads} loads, {unloads} unloads)"
+    );
+
+    use_template(&fleet.hub, "kmm-0.1.0").await?;
+    wait_rolled(client, &old_tag).await?;
+    templates.delete(&next_name, &DeleteParams::default()).await?;
+    wait_labelled(&fleet, &name, &targets).await?;
+    unload_module(&fleet, &spoke, &id, &name).await
+}
+
+#[tokio::test]
+async fn kmm_hub_reports_a_spoke_without_a_session_degraded() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let fleet = Fleet::get().await?;
+    let spoke = fleet.spoke_names()[0].clone();
+    let client = fleet.spoke(&spoke)?;
+    let proxies: Api<Deployment> = Api::namespaced(client.clone(), SPOKE_NAMESPACE);
+    let scale = |replicas: i32| {
+        let proxies = proxies.clone();
+        async move {
+            proxies
+                .patch_scale(
+                    "kmm-spoke-proxy",
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({ "spec": { "replicas": replicas } })),
+                )
+                .await
+        }
+    };
+    // The work agent restores the replica count OCM rendered; until then the proxy is gone.
+    scale(0).await?;
+    let addons = fleet_kmm::addons(&fleet.hub, &spoke);
+    let seen = wait_until("kmm-hub to report the add-on Degraded", WAIT, || async {
+        let addon = addons.get(ADDON).await.map_err(|e| e.to_string())?;
+        match condition(&addon.data, "Degraded") {
+            Some(c) if c["status"] == "True" && c["reason"] == "NoHubSession" => Ok(c.clone()),
+            other => Err(format!("Degraded: {other:?}")),
+        }
+    })
+    .await;
+    scale(1).await?;
+    let degraded = seen?;
+    ensure!(
+        degraded["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "the condition says why: {degraded}"
+    );
+    fleet_kmm::wait_available(&fleet.hub, &spoke, WAIT).await?;
+    Ok(())
+}
