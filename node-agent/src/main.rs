@@ -86,6 +86,11 @@ struct RunArgs {
         requires_all = ["proxy_ca_file", "token_file"]
     )]
     proxy_address: Option<String>,
+    /// The name the proxy's serving certificate must carry, verified by TLS instead of
+    /// the host of --proxy-address (default). Needed when the address is the Service's
+    /// ClusterIP: kmm-spoke-proxy.<namespace>.svc, which the proxy's certificate names.
+    #[arg(long, value_parser = parse_server_name, requires = "proxy_address")]
+    proxy_server_name: Option<String>,
     /// PEM CA certificate the proxy's serving certificate must chain to (the
     /// kmm-agent-ca ConfigMap, mounted); re-read at every connection.
     #[arg(long, requires = "proxy_address")]
@@ -195,6 +200,10 @@ fn parse_proxy_address(address: &str) -> Result<String, String> {
     proxy_connection::validate_address(address).map(|()| address.to_string())
 }
 
+fn parse_server_name(name: &str) -> Result<String, String> {
+    proxy_connection::validate_server_name(name).map(|()| name.to_string())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     kmm_runtime::logging::init(&cli.logging);
@@ -277,11 +286,14 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         (Some(address), _) => {
             let (connected_tx, connected_rx) = watch::channel(false);
             let connection = ProxyConnection {
-                config: ProxyConfig::new(
-                    address.clone(),
-                    args.proxy_ca_file.clone().context("--proxy-ca-file")?,
-                    args.token_file.clone().context("--token-file")?,
-                ),
+                config: ProxyConfig {
+                    server_name: args.proxy_server_name.clone(),
+                    ..ProxyConfig::new(
+                        address.clone(),
+                        args.proxy_ca_file.clone().context("--proxy-ca-file")?,
+                        args.token_file.clone().context("--token-file")?,
+                    )
+                },
                 hello,
                 agent_version: env!("CARGO_PKG_VERSION").into(),
                 progress: progress.clone(),
@@ -522,6 +534,18 @@ mod tests {
         );
         let e = run_error(&["--desired-file", "d", "--token-file", "t"]);
         assert!(e.contains("--proxy-address"), "{e}");
+        let e = run_error(&["--desired-file", "d", "--proxy-server-name", "p.kmm.svc"]);
+        assert!(e.contains("--proxy-address"), "{e}");
+        let e = run_error(&[
+            "--proxy-address",
+            "https://10.96.0.12:7444",
+            "--proxy-server-name=",
+            "--proxy-ca-file",
+            "ca",
+            "--token-file",
+            "t",
+        ]);
+        assert!(e.contains("--proxy-server-name"), "{e}");
         let e = run_error(&[
             "--proxy-address",
             "http://127.0.0.1:7444",
@@ -548,5 +572,6 @@ mod tests {
             unreachable!()
         };
         assert_eq!(args.metrics_addr.to_string(), "0.0.0.0:8082");
+        assert_eq!(args.proxy_server_name, None);
     }
 }

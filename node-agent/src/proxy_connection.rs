@@ -24,6 +24,10 @@ use kmm_runtime::backoff::{Backoff, random_fraction};
 pub struct ProxyConfig {
     /// `https://host:port`.
     pub address: String,
+    /// The name the proxy's serving certificate must carry; `None`: the host of
+    /// `address`. Set when the address is one the certificate cannot name, such as the
+    /// Service's ClusterIP.
+    pub server_name: Option<String>,
     /// PEM CA certificate(s) the proxy's serving certificate must chain to.
     pub ca_file: PathBuf,
     /// The projected ServiceAccount token.
@@ -37,6 +41,7 @@ impl ProxyConfig {
     pub fn new(address: String, ca_file: PathBuf, token_file: PathBuf) -> Self {
         Self {
             address,
+            server_name: None,
             ca_file,
             token_file,
             connect_timeout: Duration::from_secs(10),
@@ -101,6 +106,14 @@ enum Ended {
 
 /// Reads `--proxy-address` as this client needs it.
 pub fn validate_address(address: &str) -> Result<(), String> {
+    // Kubernetes leaves `$(VAR)` as it is when VAR is not defined, and the kubelet
+    // defines a Service's variables only for Services that existed when the pod started.
+    if address.contains("$(") {
+        return Err(format!(
+            "--proxy-address {address:?} holds an unexpanded $(VARIABLE): the kubelet sets \
+             a Service's variables only if the Service exists when the pod starts"
+        ));
+    }
     let uri: tonic::transport::Uri = address
         .parse()
         .map_err(|e| format!("--proxy-address {address:?} is not a URI: {e}"))?;
@@ -113,6 +126,15 @@ pub fn validate_address(address: &str) -> Result<(), String> {
         return Err(format!("--proxy-address {address:?} has no host"));
     }
     Ok(())
+}
+
+/// Reads `--proxy-server-name`: what TLS can verify, a DNS name or an IP address.
+pub fn validate_server_name(name: &str) -> Result<(), String> {
+    rustls_pki_types::ServerName::try_from(name)
+        .map(drop)
+        .map_err(|e| {
+            format!("--proxy-server-name {name:?} is neither a DNS name nor an IP address: {e}")
+        })
 }
 
 fn read_ca(path: &Path) -> Result<Vec<u8>, ConnectionError> {
@@ -151,6 +173,26 @@ fn read_token(path: &Path) -> Result<MetadataValue<tonic::metadata::Ascii>, Conn
             })?;
     value.set_sensitive(true);
     Ok(value)
+}
+
+/// The TLS endpoint of the proxy, trusting only `ca_pem`.
+fn endpoint(config: &ProxyConfig, ca_pem: Vec<u8>) -> Result<Endpoint, ConnectionError> {
+    let mut tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca_pem));
+    if let Some(name) = &config.server_name {
+        tls = tls.domain_name(name);
+    }
+    let endpoint = Endpoint::from_shared(config.address.clone())
+        .and_then(|e| e.tls_config(tls))
+        .map_err(|source| ConnectionError::Address {
+            address: config.address.clone(),
+            source,
+        })?;
+    Ok(endpoint
+        .connect_timeout(config.connect_timeout)
+        // A silently dead peer (node network cut) is noticed without waiting for TCP.
+        .http2_keep_alive_interval(Duration::from_secs(30))
+        .keep_alive_timeout(Duration::from_secs(10))
+        .keep_alive_while_idle(true))
 }
 
 /// The client: owns the event receiver and feeds the intent sender, across reconnects.
@@ -196,20 +238,7 @@ impl ProxyConnection {
         let address = self.config.address.clone();
         let ca = read_ca(&self.config.ca_file)?;
         let token = read_token(&self.config.token_file)?;
-        let endpoint = Endpoint::from_shared(address.clone())
-            .and_then(|e| {
-                e.tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)))
-            })
-            .map_err(|source| ConnectionError::Address {
-                address: address.clone(),
-                source,
-            })?
-            .connect_timeout(self.config.connect_timeout)
-            // A silently dead peer (node network cut) is noticed without waiting for TCP.
-            .http2_keep_alive_interval(Duration::from_secs(30))
-            .keep_alive_timeout(Duration::from_secs(10))
-            .keep_alive_while_idle(true);
-        let channel = endpoint
+        let channel = endpoint(&self.config, ca)?
             .connect()
             .await
             .map_err(|source| ConnectionError::Connect {
@@ -309,7 +338,67 @@ impl ProxyConnection {
 
 #[cfg(test)]
 mod tests {
+    use kmm_runtime::pki::{CertificateAuthority, Leaf};
+    use tokio_stream::wrappers::TcpListenerStream;
+    use tonic::transport::{Identity, Server, ServerTlsConfig};
+
     use super::*;
+
+    /// Agents reach the proxy by its Service's ClusterIP, which the proxy's certificate
+    /// does not name: TLS verifies the name given instead.
+    #[tokio::test]
+    async fn tls_verifies_the_server_name_rather_than_the_address() {
+        let hour = Duration::from_secs(3600);
+        let ca = CertificateAuthority::generate("test-agent-ca", hour).unwrap();
+        let service = "kmm-spoke-proxy.kmm.svc".to_string();
+        let serving = ca
+            .issue(&Leaf::server(
+                "kmm-spoke-proxy",
+                std::slice::from_ref(&service),
+                &[],
+                hour,
+            ))
+            .unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = format!("https://{}", listener.local_addr().unwrap());
+        let tls = ServerTlsConfig::new().identity(Identity::from_pem(
+            &serving.cert_pem,
+            serving.key_pem.as_bytes(),
+        ));
+        let server = tokio::spawn(
+            Server::builder()
+                .tls_config(tls)
+                .unwrap()
+                .add_routes(tonic::service::Routes::default())
+                .serve_with_incoming(TcpListenerStream::new(listener)),
+        );
+        let ca_pem = ca.cert_pem().as_bytes().to_vec();
+        let mut config = ProxyConfig::new(address, "unused".into(), "unused".into());
+
+        let refused = endpoint(&config, ca_pem.clone())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap_err();
+        let refused = error_chain(&refused);
+        assert!(
+            refused.contains("not valid for name \"127.0.0.1\""),
+            "{refused}"
+        );
+        config.server_name = Some(service);
+        endpoint(&config, ca_pem).unwrap().connect().await.unwrap();
+        server.abort();
+    }
+
+    #[test]
+    fn server_names_are_dns_names_or_ip_addresses() {
+        assert!(validate_server_name("kmm-spoke-proxy.kmm.svc").is_ok());
+        assert!(validate_server_name("10.96.0.12").is_ok());
+        for bad in ["", "not a name", "-x."] {
+            let e = validate_server_name(bad).unwrap_err();
+            assert!(e.contains("--proxy-server-name"), "{e}");
+        }
+    }
 
     #[test]
     fn addresses_must_be_https_with_a_host() {
@@ -324,6 +413,13 @@ mod tests {
         assert!(e.contains("127.0.0.1:7444"), "{e}");
         let e = validate_address("https:// bad").unwrap_err();
         assert!(e.contains("not a URI"), "{e}");
+        let unexpanded =
+            "https://$(KMM_SPOKE_PROXY_SERVICE_HOST):$(KMM_SPOKE_PROXY_SERVICE_PORT_AGENTS)";
+        let e = validate_address(unexpanded).unwrap_err();
+        assert!(
+            e.contains("unexpanded") && e.contains("Service exists"),
+            "{e}"
+        );
     }
 
     #[test]
