@@ -15,6 +15,7 @@ use k8s_openapi::api::core::v1::Node;
 use kmm_e2e::fixture::{Fleet, wait_until};
 use kmm_e2e::fleet::hub_install;
 use kmm_e2e::fleet::kmm::{self as fleet_kmm, Agent};
+use kmm_runtime::pki::IssuedCertificate;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, ResourceExt};
 use serde_json::{Value, json};
@@ -398,6 +399,51 @@ async fn the_hub_refuses_proxies_without_a_valid_certificate_of_its_ca() -> Resu
         reply.is_err(),
         "a certificate of a cluster the hub does not manage is refused: {reply:?}"
     );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_clusters_ocm_certificate_receives_only_that_clusters_intents() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let fleet = Fleet::get().await?;
+    let kmm = kmm(&fleet)?;
+    let hub_ca = std::fs::read_to_string(&kmm.hub_ca)?;
+    let names = fleet.spoke_names();
+    let (this, other) = (names[0].clone(), names[1].clone());
+    // A module for the other cluster only, applied there before the probe.
+    let (id, name) = (unique("kmm-e2e.dev/isolation"), unique("isolation"));
+    label_cluster(&fleet.hub, &other, &id, true).await?;
+    let mut targets = vec![];
+    for (node, _) in nodes_with_images(&fleet, &other)? {
+        label_node(fleet.spoke(&other)?, &node, &id, true).await?;
+        targets.push((other.clone(), node));
+    }
+    create(&fleet.hub, &module(&name, &id, sample_mapping(&fleet))?).await?;
+    wait_labelled(&fleet, &name, &targets).await?;
+
+    let identity = |(cert_pem, key_pem): (String, String)| IssuedCertificate {
+        cert_pem,
+        key_pem: key_pem.into(),
+    };
+    let theirs = identity(fleet_kmm::ocm_client_certificate(fleet.spoke(&other)?).await?);
+    let reply = probe::first_hub_message(&kmm.hub_grpc, &hub_ca, &theirs).await;
+    ensure!(
+        reply.as_ref().is_ok_and(|m| m.contains(&name)),
+        "{other}'s own OCM certificate receives its intent: {reply:?}"
+    );
+    let ours = identity(fleet_kmm::ocm_client_certificate(fleet.spoke(&this)?).await?);
+    let reply = probe::first_hub_message(&kmm.hub_grpc, &hub_ca, &ours).await;
+    ensure!(
+        reply.as_ref().is_ok_and(|m| !m.contains(&name)),
+        "{this}'s OCM certificate is served, without {other}'s intent: {reply:?}"
+    );
+    // The probes displaced the real proxies' sessions; they reconnect.
+    for spoke in [&this, &other] {
+        fleet_kmm::wait_available(&fleet.hub, spoke, WAIT).await?;
+    }
+    delete(&fleet.hub, &name).await?;
+    wait_labelled(&fleet, &name, &[]).await?;
+    label_cluster(&fleet.hub, &other, &id, false).await?;
     Ok(())
 }
 
