@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use clap::builder::NonEmptyStringValueParser;
 use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
 use kmm_node_agent::agent::{self, LoopTiming};
 use kmm_node_agent::check_image::{self, CheckOptions, EXIT_CODES};
@@ -118,8 +119,10 @@ struct RunArgs {
     /// Simulated backend: the node's kernel state directory.
     #[arg(long, required_if_eq("kernel_backend", "simulated"))]
     simulated_dir: Option<PathBuf>,
-    /// Simulated backend: the node's kernel release.
-    #[arg(long, required_if_eq("kernel_backend", "simulated"))]
+    /// Simulated backend: the node's kernel release (`uname -r`). Default: what
+    /// <simulated-dir>/release holds (trimmed), or, when there is no such file, the
+    /// release of the machine the agent runs on.
+    #[arg(long, value_parser = NonEmptyStringValueParser::new())]
     simulated_kernel: Option<String>,
     /// JSON file with the desired modules (a stand-in for the proxy connection):
     /// {revision?, modules: [{key, version?, image, digest?, modprobe: {moduleName,
@@ -237,15 +240,15 @@ fn main() -> ExitCode {
 async fn run(args: RunArgs) -> anyhow::Result<()> {
     let kernel: Arc<dyn Kernel> = match args.kernel_backend {
         Backend::Host => Arc::new(HostKernel::default()),
-        Backend::Simulated => Arc::new(
-            SimulatedKernel::open(
-                args.simulated_dir.clone().context("--simulated-dir")?,
-                args.simulated_kernel
-                    .clone()
-                    .context("--simulated-kernel")?,
-            )
-            .context("opening the simulated kernel")?,
-        ),
+        Backend::Simulated => {
+            let dir = args.simulated_dir.clone().context("--simulated-dir")?;
+            let release = match args.simulated_kernel.clone() {
+                Some(release) => release,
+                None => SimulatedKernel::node_release(&dir)
+                    .context("without --simulated-kernel, reading the node's release")?,
+            };
+            Arc::new(SimulatedKernel::open(dir, release).context("opening the simulated kernel")?)
+        }
     };
     let cache = Cache::open(&args.cache_dir).context("opening the image cache")?;
     let images = ImageStore::new(cache, args.limits.limits());
@@ -486,10 +489,26 @@ mod tests {
             "--kernel-backend",
             "simulated",
         ]);
-        assert!(
-            cli.is_err(),
-            "the simulated backend needs its directory and kernel"
-        );
+        assert!(cli.is_err(), "the simulated backend needs its directory");
+        let cli = Cli::try_parse_from([
+            "kmm-node-agent",
+            "run",
+            "--node-name",
+            "n",
+            "--desired-file",
+            "d.json",
+            "--kernel-backend",
+            "simulated",
+            "--simulated-dir",
+            "kernel",
+        ])
+        .unwrap();
+        let Command::Run(args) = cli.command else {
+            unreachable!()
+        };
+        assert_eq!(args.simulated_kernel, None, "read from the directory");
+        let e = run_error(&["--desired-file", "d", "--simulated-kernel="]);
+        assert!(e.contains("--simulated-kernel"), "{e}");
         assert!(
             Cli::try_parse_from([
                 "kmm-node-agent",

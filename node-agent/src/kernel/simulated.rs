@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::{Kernel, KernelError, io_err};
+use super::{HostKernel, Kernel, KernelError, io_err};
 use crate::modprobe::{
     ModprobeCommand, modinfo_field, parse_command, resolve_with_dry_run, vermagic_kernel,
 };
@@ -37,6 +37,22 @@ pub struct SimulatedKernel {
 }
 
 impl SimulatedKernel {
+    /// The kernel release (`uname -r`) of the simulated node in `dir`: what
+    /// `<dir>/release` holds, trimmed, or when there is no such file, the machine's own,
+    /// so that modules built for the machine's kernel load on a node nobody configured.
+    pub fn node_release(dir: &Path) -> Result<String, KernelError> {
+        let path = dir.join("release");
+        match std::fs::read_to_string(&path) {
+            Ok(text) if text.trim().is_empty() => Err(KernelError::Refused(format!(
+                "{} is empty: it must hold the simulated node's kernel release",
+                path.display()
+            ))),
+            Ok(text) => Ok(text.trim().to_owned()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => HostKernel::default().release(),
+            Err(e) => Err(io_err("reading", &path)(e)),
+        }
+    }
+
     /// Opens (or creates, with a fresh boot ID) the simulated kernel in `dir`.
     pub fn open(dir: impl Into<PathBuf>, release: impl Into<String>) -> Result<Self, KernelError> {
         let kernel = Self {
@@ -289,6 +305,33 @@ mod tests {
         assert_ne!(kernel.boot_id().unwrap(), first);
         assert!(kernel.loaded_modules().unwrap().is_empty());
         assert_eq!(kernel.firmware_class_path(), None);
+    }
+
+    #[test]
+    fn the_release_is_the_nodes_release_file_or_the_machines() {
+        let dir = tempfile::tempdir().unwrap();
+        let machine = HostKernel::default().release().unwrap();
+        assert_eq!(SimulatedKernel::node_release(dir.path()).unwrap(), machine);
+        let absent = dir.path().join("not-created-yet");
+        assert_eq!(SimulatedKernel::node_release(&absent).unwrap(), machine);
+
+        let file = dir.path().join("release");
+        std::fs::write(&file, "6.1.0-56-amd64\n").unwrap();
+        assert_eq!(
+            SimulatedKernel::node_release(dir.path()).unwrap(),
+            "6.1.0-56-amd64"
+        );
+        std::fs::write(&file, " \n").unwrap();
+        let err = SimulatedKernel::node_release(dir.path()).unwrap_err();
+        assert!(
+            err.to_string().contains(&file.display().to_string())
+                && err.to_string().contains("empty"),
+            "{err}"
+        );
+        std::fs::remove_file(&file).unwrap();
+        std::fs::create_dir(&file).unwrap();
+        let err = SimulatedKernel::node_release(dir.path()).unwrap_err();
+        assert!(matches!(err, KernelError::Io { .. }), "{err}");
     }
 
     #[test]
