@@ -609,8 +609,21 @@ impl Starting {
                 self.accept(&hub, &spoke.name).await?;
             }
         }
-        self.state.images =
-            kmod::push_samples(&self.state.registry, &self.versions.kernels.with_image).await?;
+        let with_image = &self.versions.kernels.with_image;
+        self.state.images = kmod::push_samples(&self.state.registry, with_image).await?;
+        // The real nodes report this machine's kernel, which has no headers: their sample
+        // is the first kernel's, retargeted (the simulated backend checks the release).
+        let mut real_kernels: Vec<String> =
+            self.state.real_nodes().map(|n| n.kernel.clone()).collect();
+        real_kernels.sort();
+        real_kernels.dedup();
+        if let Some(donor) = with_image.first() {
+            for release in real_kernels.iter().filter(|k| !with_image.contains(k)) {
+                self.state
+                    .images
+                    .push(kmod::push_retargeted(&self.state.registry, donor, release).await?);
+            }
+        }
         self.state.save(&self.dir)?;
         self.await_real_nodes(&clusters).await?;
         if opts.kmm {
@@ -1008,7 +1021,10 @@ impl Starting {
                 self.ports.cluster(spoke.index, KWOK)
             ),
             "--node-ip=127.0.0.1".into(),
-            format!("--cidr={}", kwok_pod_cidr(&self.state.cluster(&spoke.name)?.real_nodes, spoke.index)),
+            format!(
+                "--cidr={}",
+                kwok_pod_cidr(&self.state.cluster(&spoke.name)?.real_nodes, spoke.index)
+            ),
         ];
         for stage in [
             "node/fast/node-initialize.yaml",

@@ -100,8 +100,24 @@ pub async fn push(
     kernel: &str,
     extra: &[ImageFile],
 ) -> Result<SampleImage> {
-    let root = build(kernel)?;
-    let layer = layer(&root, extra)?;
+    push_root(registry, repository, kernel, &build(kernel)?, extra).await
+}
+
+/// Push the sample for a kernel release no headers exist for (the real nodes report this
+/// machine's): the modules built for `donor`, retargeted to `release` ([`retarget`]).
+pub async fn push_retargeted(registry: &str, donor: &str, release: &str) -> Result<SampleImage> {
+    let root = retarget(&build(donor)?, donor, release)?;
+    push_root(registry, REPOSITORY, release, &root, &[]).await
+}
+
+async fn push_root(
+    registry: &str,
+    repository: &str,
+    kernel: &str,
+    root: &Path,
+    extra: &[ImageFile],
+) -> Result<SampleImage> {
+    let layer = layer(root, extra)?;
     let image = format!("{registry}/{repository}:{kernel}");
     let reference: Reference = image
         .parse()
@@ -203,6 +219,83 @@ pub fn build(kernel: &str) -> Result<PathBuf> {
     Ok(root)
 }
 
+/// The modules of `donor_root` (built for `donor`) with `vermagic` naming `release`
+/// instead, rewritten in their `.modinfo` sections with `objcopy`, in
+/// `<donor_root>/../retargeted/<release>/root`. Only the simulated kernel backend takes
+/// them (it checks the release a module was built for; no kernel loads them): it is how
+/// the real nodes, whose kernel has no headers, get a sample image.
+pub fn retarget(donor_root: &Path, donor: &str, release: &str) -> Result<PathBuf> {
+    let base = donor_root
+        .parent()
+        .unwrap_or(donor_root)
+        .join("retargeted")
+        .join(release);
+    let root = base.join("root");
+    let modules = root.join("opt/lib/modules").join(release);
+    if modules.join("modules.dep").is_file() {
+        return Ok(root);
+    }
+    let extra = modules.join("extra");
+    std::fs::create_dir_all(&extra).context(|| format!("creating {}", extra.display()))?;
+    for module in MODULES {
+        let ko = format!("{module}.ko");
+        let from = donor_root
+            .join("opt/lib/modules")
+            .join(donor)
+            .join("extra")
+            .join(&ko);
+        let modinfo = base.join(format!("{module}.modinfo"));
+        run(Command::new("objcopy")
+            .arg(format!("--dump-section=.modinfo={}", modinfo.display()))
+            .arg(&from)
+            .arg(base.join("scratch.ko")))?;
+        let original =
+            std::fs::read(&modinfo).context(|| format!("reading {}", modinfo.display()))?;
+        std::fs::write(&modinfo, retarget_modinfo(&original, donor, release)?)
+            .context(|| format!("writing {}", modinfo.display()))?;
+        run(Command::new("objcopy")
+            .arg(format!("--update-section=.modinfo={}", modinfo.display()))
+            .arg(&from)
+            .arg(extra.join(&ko)))?;
+    }
+    let order: String = MODULES.iter().map(|m| format!("extra/{m}.ko\n")).collect();
+    for (file, contents) in [
+        ("modules.order", order.as_str()),
+        ("modules.builtin", ""),
+        ("modules.builtin.modinfo", ""),
+    ] {
+        std::fs::write(modules.join(file), contents).context(|| format!("writing {file}"))?;
+    }
+    run(Command::new("depmod")
+        .arg("-b")
+        .arg(root.join("opt"))
+        .arg(release))?;
+    Ok(root)
+}
+
+/// `.modinfo` (NUL-separated `key=value` entries) with the release in `vermagic=`
+/// replaced; the rest of the vermagic (SMP, preempt, ...) is kept.
+fn retarget_modinfo(modinfo: &[u8], donor: &str, release: &str) -> Result<Vec<u8>> {
+    let prefix = format!("vermagic={donor} ");
+    let mut found = false;
+    let entries: Vec<Vec<u8>> = modinfo
+        .split(|b| *b == 0)
+        .map(|entry| match entry.strip_prefix(prefix.as_bytes()) {
+            Some(rest) => {
+                found = true;
+                [format!("vermagic={release} ").as_bytes(), rest].concat()
+            }
+            None => entry.to_vec(),
+        })
+        .collect();
+    if !found {
+        return Err(Error::Invalid(format!(
+            "no `{prefix}` entry in the module's .modinfo"
+        )));
+    }
+    Ok(entries.join(&0u8))
+}
+
 /// The image's single layer: `opt/` of `root` and the extra files, as an uncompressed
 /// tar (for the config's diff_id) and gzip-compressed (the blob).
 struct Layer {
@@ -231,4 +324,20 @@ fn layer(root: &Path, extra: &[ImageFile]) -> Result<Layer> {
     std::io::Write::write_all(&mut gz, &tar).context(|| "compressing the layer".into())?;
     let gzip = gz.finish().context(|| "compressing the layer".into())?;
     Ok(Layer { gzip, diff_id })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retargeting_replaces_only_the_release_of_the_vermagic() {
+        let modinfo = b"license=GPL\0vermagic=6.1.0-1-amd64 SMP preempt mod_unload \0name=x\0";
+        let out = retarget_modinfo(modinfo, "6.1.0-1-amd64", "6.18.7").unwrap();
+        assert_eq!(
+            out,
+            b"license=GPL\0vermagic=6.18.7 SMP preempt mod_unload \0name=x\0".to_vec()
+        );
+        assert!(retarget_modinfo(b"license=GPL\0", "6.1.0-1-amd64", "6.18.7").is_err());
+    }
 }
