@@ -34,6 +34,11 @@ pub struct HubLink {
 
 #[derive(Debug, Error)]
 pub enum HubAddressError {
+    #[error(
+        "--hub-address is empty: it is the variable HUB_ADDRESS of the add-on's \
+         AddOnDeploymentConfig, which OCM renders as an empty string while it is unset"
+    )]
+    Empty,
     #[error("--hub-address {0:?} is not a URL: {1}")]
     NotAUrl(String, String),
     #[error("--hub-address {0:?} must be https://HOST:PORT")]
@@ -42,6 +47,9 @@ pub enum HubAddressError {
 
 /// Parses `--hub-address`.
 pub fn parse_address(address: &str) -> Result<Uri, HubAddressError> {
+    if address.trim().is_empty() {
+        return Err(HubAddressError::Empty);
+    }
     let uri: Uri = address
         .parse()
         .map_err(|e: tonic::codegen::http::uri::InvalidUri| {
@@ -292,5 +300,10 @@ mod tests {
         assert!(plain.contains("--hub-address") && plain.contains("http://hub:7443"));
         assert!(parse_address("hub:7443").is_err());
         assert!(parse_address("not a url").is_err());
+        let empty = parse_address("").unwrap_err().to_string();
+        assert!(
+            empty.starts_with("--hub-address is empty") && empty.contains("HUB_ADDRESS"),
+            "{empty}"
+        );
     }
 }

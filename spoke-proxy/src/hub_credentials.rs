@@ -1,19 +1,32 @@
 //! The hub address's CA and the proxy's client certificate and key, read from the files
 //! OCM's add-on registration mounts. Read again on every (re)connect and polled for
 //! changes, so a renewed certificate is used without a restart.
+//!
+//! The CA file is the add-on's ConfigMap rendered from the variable HUB_CA_BUNDLE, which
+//! kmm-hub writes into the AddOnDeploymentConfig once it runs: until then it is empty,
+//! which is reported as such (and retried) rather than as a failed TLS handshake.
 
 use std::fmt;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::{Path, PathBuf};
 
 use thiserror::Error;
+use x509_parser::certificate::X509Certificate;
+use x509_parser::pem::Pem;
 
 #[derive(Debug, Error)]
-#[error("cannot read {flag} {path}: {source}")]
-pub struct ReadError {
-    flag: &'static str,
-    path: PathBuf,
-    source: std::io::Error,
+pub enum ReadError {
+    #[error("cannot read {flag} {path}: {source}")]
+    Io {
+        flag: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "--hub-ca-file {path} {problem}; its content is the variable HUB_CA_BUNDLE of the \
+         add-on's AddOnDeploymentConfig, which kmm-hub publishes (its CA): retrying until it does"
+    )]
+    HubCa { path: PathBuf, problem: String },
 }
 
 /// Where the files are.
@@ -50,17 +63,43 @@ impl HubCredentials {
 }
 
 fn read(flag: &'static str, path: &Path) -> Result<Vec<u8>, ReadError> {
-    std::fs::read(path).map_err(|source| ReadError {
+    std::fs::read(path).map_err(|source| ReadError::Io {
         flag,
         path: path.to_owned(),
         source,
     })
 }
 
+/// The first certificate of a PEM file, parsed; `Err` says what is wrong with the file.
+fn first_certificate<T>(
+    pem: &[u8],
+    f: impl FnOnce(&X509Certificate<'_>) -> T,
+) -> Result<T, String> {
+    for block in Pem::iter_from_buffer(pem) {
+        let block = block.map_err(|e| format!("is not PEM: {e}"))?;
+        if block.label == "CERTIFICATE" {
+            return block
+                .parse_x509()
+                .map(|certificate| f(&certificate))
+                .map_err(|e| format!("holds an unreadable certificate: {e}"));
+        }
+    }
+    Err(if pem.iter().all(u8::is_ascii_whitespace) {
+        "is empty".to_owned()
+    } else {
+        "holds no PEM certificate".to_owned()
+    })
+}
+
 impl HubCredentialFiles {
     pub fn read(&self) -> Result<HubCredentials, ReadError> {
+        let ca_pem = read("--hub-ca-file", &self.ca)?;
+        first_certificate(&ca_pem, |_| ()).map_err(|problem| ReadError::HubCa {
+            path: self.ca.clone(),
+            problem,
+        })?;
         Ok(HubCredentials {
-            ca_pem: read("--hub-ca-file", &self.ca)?,
+            ca_pem,
             cert_pem: read("--client-cert-file", &self.cert)?,
             key_pem: read("--client-key-file", &self.key)?,
         })
@@ -69,27 +108,39 @@ impl HubCredentialFiles {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
+    use kmm_runtime::pki::{CertificateAuthority, Leaf};
+
     use super::*;
+
+    /// Files as OCM mounts them: the hub's CA, a client certificate and its key.
+    fn files(dir: &Path) -> (HubCredentialFiles, CertificateAuthority) {
+        let ca = CertificateAuthority::generate("test-hub-ca", Duration::from_secs(3600)).unwrap();
+        let files = HubCredentialFiles {
+            ca: dir.join("ca.crt"),
+            cert: dir.join("tls.crt"),
+            key: dir.join("tls.key"),
+        };
+        std::fs::write(&files.ca, ca.cert_pem()).unwrap();
+        issue(&ca, &files, Duration::from_secs(3600));
+        (files, ca)
+    }
+
+    fn issue(ca: &CertificateAuthority, files: &HubCredentialFiles, validity: Duration) {
+        let client = ca.issue(&Leaf::client("agent", &[], validity)).unwrap();
+        std::fs::write(&files.cert, &client.cert_pem).unwrap();
+        std::fs::write(&files.key, client.key_pem.as_bytes()).unwrap();
+    }
 
     #[test]
     fn reads_all_three_and_notices_a_change() {
         let dir = tempfile::tempdir().unwrap();
-        let files = HubCredentialFiles {
-            ca: dir.path().join("ca.crt"),
-            cert: dir.path().join("tls.crt"),
-            key: dir.path().join("tls.key"),
-        };
-        for (path, text) in [
-            (&files.ca, "ca"),
-            (&files.cert, "cert"),
-            (&files.key, "key"),
-        ] {
-            std::fs::write(path, text).unwrap();
-        }
+        let (files, ca) = files(dir.path());
         let first = files.read().unwrap();
-        assert_eq!(first.cert_pem, b"cert");
-        assert!(!format!("{first:?}").contains("key\""));
-        std::fs::write(&files.cert, "renewed").unwrap();
+        assert_eq!(first.cert_pem, std::fs::read(&files.cert).unwrap());
+        assert!(!format!("{first:?}").contains("PRIVATE"), "{first:?}");
+        issue(&ca, &files, Duration::from_secs(7200));
         let second = files.read().unwrap();
         assert_ne!(first.fingerprint(), second.fingerprint());
         assert_eq!(second.fingerprint(), files.read().unwrap().fingerprint());
@@ -98,13 +149,31 @@ mod tests {
     #[test]
     fn a_missing_file_names_its_flag_and_path() {
         let dir = tempfile::tempdir().unwrap();
-        let files = HubCredentialFiles {
-            ca: dir.path().join("absent-ca.crt"),
-            cert: dir.path().join("tls.crt"),
-            key: dir.path().join("tls.key"),
-        };
+        let (mut files, _) = files(dir.path());
+        files.key = dir.path().join("absent.key");
         let error = files.read().unwrap_err().to_string();
-        assert!(error.contains("--hub-ca-file"), "{error}");
-        assert!(error.contains("absent-ca.crt"), "{error}");
+        assert!(error.contains("--client-key-file"), "{error}");
+        assert!(error.contains("absent.key"), "{error}");
+    }
+
+    /// OCM renders the unset variable HUB_CA_BUNDLE as an empty ConfigMap value.
+    #[test]
+    fn a_hub_ca_without_a_certificate_names_the_variable() {
+        let dir = tempfile::tempdir().unwrap();
+        let (files, _) = files(dir.path());
+        let broken = "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n";
+        for (content, problem) in [
+            ("", "is empty"),
+            ("\n", "is empty"),
+            ("not a certificate", "holds no PEM certificate"),
+            (broken, "holds an unreadable certificate"),
+        ] {
+            std::fs::write(&files.ca, content).unwrap();
+            let error = files.read().unwrap_err().to_string();
+            assert!(error.starts_with("--hub-ca-file "), "{error}");
+            assert!(error.contains("ca.crt"), "{error}");
+            assert!(error.contains(problem), "{content:?}: {error}");
+            assert!(error.contains("HUB_CA_BUNDLE"), "{error}");
+        }
     }
 }

@@ -11,6 +11,7 @@ use kmm_spoke_proxy::agent_tls::default_sans;
 use kmm_spoke_proxy::hub_connection::{HubLink, parse_address};
 use kmm_spoke_proxy::hub_credentials::HubCredentialFiles;
 use kmm_spoke_proxy::run::{ProxyConfig, run};
+use tonic::transport::Uri;
 
 /// The kmm-fleet add-on agent that runs once on every managed cluster.
 ///
@@ -40,10 +41,12 @@ enum Command {
 
 #[derive(Debug, clap::Args)]
 struct RunArgs {
-    /// kmm-hub's gRPC endpoint, https://HOST:PORT.
-    #[arg(long, env = "KMM_HUB_ADDRESS")]
-    hub_address: String,
-    /// CA certificate (PEM) that signed kmm-hub's serving certificate.
+    /// kmm-hub's gRPC endpoint, https://HOST:PORT (the add-on's variable HUB_ADDRESS).
+    #[arg(long, env = "KMM_HUB_ADDRESS", value_parser = parse_hub_address)]
+    hub_address: Uri,
+    /// CA certificate (PEM) that signed kmm-hub's serving certificate (the add-on's
+    /// variable HUB_CA_BUNDLE, which kmm-hub publishes). Re-read at every connect: while
+    /// it holds no certificate the proxy reports it and retries.
     #[arg(long)]
     hub_ca_file: PathBuf,
     /// The proxy's client certificate (PEM), as OCM's add-on registration mounts it
@@ -57,9 +60,9 @@ struct RunArgs {
     /// (kmm-agent-ca) the node agents mount.
     #[arg(long, default_value = "kmm")]
     namespace: String,
-    /// The managed cluster's name, for logs only (the hub takes the identity from the
-    /// client certificate).
-    #[arg(long, default_value = "")]
+    /// The managed cluster's name (OCM's built-in variable CLUSTER_NAME), for logs only:
+    /// the hub takes the identity from the client certificate.
+    #[arg(long, value_parser = parse_cluster_name)]
     cluster_name: String,
     /// Address of the TLS gRPC server for node agents.
     #[arg(long, default_value = "0.0.0.0:7444")]
@@ -90,6 +93,22 @@ struct RunArgs {
     reconnect_max_seconds: u64,
 }
 
+fn parse_hub_address(address: &str) -> Result<Uri, String> {
+    parse_address(address).map_err(|e| e.to_string())
+}
+
+/// A template variable OCM could not render arrives as an empty string.
+fn parse_cluster_name(name: &str) -> Result<String, String> {
+    if name.trim().is_empty() {
+        return Err(
+            "--cluster-name is empty: it is OCM's built-in variable CLUSTER_NAME in \
+                    the add-on's manifests"
+                .to_owned(),
+        );
+    }
+    Ok(name.to_owned())
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
@@ -108,7 +127,7 @@ async fn main() -> anyhow::Result<()> {
     };
     let config = ProxyConfig {
         hub: HubLink {
-            address: parse_address(&args.hub_address)?,
+            address: args.hub_address,
             files: HubCredentialFiles {
                 ca: args.hub_ca_file,
                 cert: args.client_cert_file,
@@ -131,4 +150,43 @@ async fn main() -> anyhow::Result<()> {
         .context("no Kubernetes configuration (in-cluster or KUBECONFIG)")?;
     run(config, client, kmm_runtime::shutdown::signal()).await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    fn run_error(args: &[&str]) -> String {
+        let required = [
+            "kmm-spoke-proxy",
+            "run",
+            "--hub-ca-file=ca.crt",
+            "--client-cert-file=tls.crt",
+            "--client-key-file=tls.key",
+        ];
+        let argv = required.iter().chain(args);
+        Cli::try_parse_from(argv).unwrap_err().to_string()
+    }
+
+    /// What an AddOnTemplate renders when a variable is unset: `--flag=`.
+    #[test]
+    fn unset_add_on_variables_are_refused_naming_flag_and_variable() {
+        Cli::command().debug_assert();
+        let e = run_error(&["--hub-address=", "--cluster-name=spoke1"]);
+        assert!(
+            e.contains("--hub-address is empty") && e.contains("HUB_ADDRESS"),
+            "{e}"
+        );
+        let e = run_error(&["--hub-address=https://hub:7443", "--cluster-name="]);
+        assert!(
+            e.contains("--cluster-name is empty") && e.contains("CLUSTER_NAME"),
+            "{e}"
+        );
+        let e = run_error(&["--hub-address=https://hub:7443"]);
+        assert!(e.contains("--cluster-name"), "required: {e}");
+        let e = run_error(&["--hub-address=http://hub:7443", "--cluster-name=spoke1"]);
+        assert!(e.contains("https://HOST:PORT"), "{e}");
+    }
 }
