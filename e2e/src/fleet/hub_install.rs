@@ -69,9 +69,8 @@ impl Overlay<'_> {
                 )
             })
             .collect();
-        let pod_spec = |index: usize| {
-            format!("/spec/agentSpec/workload/manifests/{index}/spec/template/spec")
-        };
+        let pod_spec =
+            |index: usize| format!("/spec/agentSpec/workload/manifests/{index}/spec/template/spec");
         let (proxy, agent) = (pod_spec(manifests.proxy), pod_spec(manifests.agent));
         Ok(format!(
             r#"# Written by the local fleet: addon-manifests/hub with the fleet's registry, the
@@ -164,23 +163,28 @@ fn relative_path(from: &Path, to: &Path) -> Result<PathBuf> {
     Ok(relative)
 }
 
-/// Writes the overlay into `dir` and applies it with `kubectl apply -k`.
+/// Writes the overlay into `dir` and applies it with `kubectl apply --server-side -k`
+/// (kmm-hub owns one entry of the AddOnDeploymentConfig's variables, the user the others).
 pub fn apply(kubectl: &Path, kubeconfig: &Path, dir: &Path, overlay: &Overlay<'_>) -> Result<()> {
     std::fs::create_dir_all(dir).context(|| format!("creating {}", dir.display()))?;
     let manifests = Path::new(env!("CARGO_MANIFEST_DIR")).join("../addon-manifests");
     let template = manifests.join("addon/addon-template.yaml");
-    let template = std::fs::read_to_string(&template)
-        .context(|| format!("reading {}", template.display()))?;
+    let template =
+        std::fs::read_to_string(&template).context(|| format!("reading {}", template.display()))?;
     let file = dir.join("kustomization.yaml");
     std::fs::write(
         &file,
-        overlay.kustomization(dir, &manifests.join("hub"), TemplateManifests::of(&template)?)?,
+        overlay.kustomization(
+            dir,
+            &manifests.join("hub"),
+            TemplateManifests::of(&template)?,
+        )?,
     )
-        .context(|| format!("writing {}", file.display()))?;
+    .context(|| format!("writing {}", file.display()))?;
     let output = Command::new(kubectl)
         .arg("--kubeconfig")
         .arg(kubeconfig)
-        .args(["apply", "-k"])
+        .args(["apply", "--server-side", "-k"])
         .arg(dir)
         .output()
         .context(|| format!("running {}", kubectl.display()))?;
@@ -474,7 +478,14 @@ mod tests {
             tag: "0.1.0",
             node_ip: "198.18.16.10",
         }
-        .kustomization(&dir, &base, TemplateManifests { proxy: 9, agent: 10 })
+        .kustomization(
+            &dir,
+            &base,
+            TemplateManifests {
+                proxy: 9,
+                agent: 10,
+            },
+        )
         .unwrap();
         let yaml: serde_json::Value = serde_yaml_ng::from_str(&text).unwrap();
         let resource = yaml["resources"][0].as_str().unwrap();
@@ -502,7 +513,10 @@ mod tests {
         let found = TemplateManifests::of(&template).unwrap();
         let yaml: serde_json::Value = serde_yaml_ng::from_str(&template).unwrap();
         let manifests = &yaml["spec"]["agentSpec"]["workload"]["manifests"];
-        assert_eq!(manifests[found.proxy]["metadata"]["name"], "kmm-spoke-proxy");
+        assert_eq!(
+            manifests[found.proxy]["metadata"]["name"],
+            "kmm-spoke-proxy"
+        );
         assert_eq!(manifests[found.agent]["metadata"]["name"], "kmm-node-agent");
         assert!(TemplateManifests::of("spec: {}").is_err());
     }
