@@ -3,6 +3,10 @@
 //! full status after every (re)connect, then changes as they happen; applies the hub's
 //! intent snapshots. Losing the hub changes nothing on the nodes: the last snapshot
 //! stays in force, and the status is resent in full when the hub is back.
+//!
+//! The proxy is ready exactly while this stream is open: OCM's health check of a
+//! template add-on is its workloads' readiness, so the add-on is Available only while
+//! its cluster is connected to kmm-hub.
 
 use std::time::{Duration, Instant};
 
@@ -19,6 +23,7 @@ use crate::metrics::Metrics;
 use crate::node_status::StatusReporter;
 use crate::shared_state::SharedState;
 use kmm_runtime::backoff::{Backoff, random_fraction};
+use kmm_runtime::health::Health;
 
 /// How the proxy reaches the hub.
 #[derive(Clone, Debug)]
@@ -94,8 +99,16 @@ enum SessionEnd {
     CredentialsChanged,
 }
 
-/// Runs until `cancel` fires, reconnecting with jittered exponential backoff.
-pub async fn run(link: HubLink, state: SharedState, metrics: Metrics, cancel: CancellationToken) {
+/// Runs until `cancel` fires, reconnecting with jittered exponential backoff; `health`
+/// is ready while a stream is open, and otherwise says why not.
+pub async fn run(
+    link: HubLink,
+    state: SharedState,
+    metrics: Metrics,
+    health: Health,
+    cancel: CancellationToken,
+) {
+    health.set_note(Some("waiting for the first list of the Nodes".to_owned()));
     let mut changes = state.subscribe();
     while !state.read(|s| s.nodes_listed()) {
         tokio::select! {
@@ -103,20 +116,26 @@ pub async fn run(link: HubLink, state: SharedState, metrics: Metrics, cancel: Ca
             _ = changes.changed() => {}
         }
     }
+    health.set_note(Some("connecting to kmm-hub".to_owned()));
     let mut backoff = Backoff::new(link.backoff_initial, link.backoff_max);
     loop {
         let started = Instant::now();
-        let outcome = session(&link, &state, &metrics, &cancel, &mut backoff).await;
+        let outcome = session(&link, &state, &metrics, &health, &cancel, &mut backoff).await;
         metrics.hub_connected.set(0);
+        health.set_ready(false);
         match outcome {
             Ok(SessionEnd::Shutdown) => return,
             Ok(SessionEnd::CredentialsChanged) => {
                 metrics.hub_disconnects.inc();
+                health.set_note(Some(
+                    "reconnecting to kmm-hub with renewed credentials".to_owned(),
+                ));
                 tracing::info!("hub credential files changed; reconnecting with them");
                 continue;
             }
             Err(error) => {
                 metrics.hub_disconnects.inc();
+                health.set_note(Some(format!("no stream to kmm-hub: {error}")));
                 let delay = backoff.next_delay(random_fraction());
                 tracing::warn!(
                     %error,
@@ -160,6 +179,7 @@ async fn session(
     link: &HubLink,
     state: &SharedState,
     metrics: &Metrics,
+    health: &Health,
     cancel: &CancellationToken,
     backoff: &mut Backoff,
 ) -> Result<SessionEnd, SessionError> {
@@ -208,6 +228,8 @@ async fn session(
     let mut inbound = response.into_inner();
     metrics.hub_connected.set(1);
     metrics.hub_connects.inc();
+    health.set_note(None);
+    health.set_ready(true);
     backoff.reset();
     tracing::info!(address = %link.address, "hub stream open");
 
@@ -270,7 +292,181 @@ async fn send(
 
 #[cfg(test)]
 mod tests {
+    use std::net::SocketAddr;
+
+    use kmm_proto::v1::hub_server::{Hub, HubServer};
+    use kmm_runtime::pki::{CertificateAuthority, Leaf};
+    use prometheus_client::registry::Registry;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+    use tokio::sync::oneshot;
+    use tokio_stream::wrappers::TcpListenerStream;
+    use tonic::transport::{Server, ServerTlsConfig};
+    use tonic::{Request, Response, Status, Streaming};
+
     use super::*;
+    use crate::cluster_state::ClusterState;
+
+    const WAIT: Duration = Duration::from_secs(20);
+
+    /// An open Sync stream as the test hub holds it: dropping it ends the stream.
+    type Open = (
+        Streaming<ProxyMessage>,
+        mpsc::Sender<Result<HubMessage, Status>>,
+    );
+
+    /// A hub that accepts every stream and keeps it open for the test.
+    struct Peer(mpsc::UnboundedSender<Open>);
+
+    #[tonic::async_trait]
+    impl Hub for Peer {
+        type SyncStream = ReceiverStream<Result<HubMessage, Status>>;
+
+        async fn sync(
+            &self,
+            request: Request<Streaming<ProxyMessage>>,
+        ) -> Result<Response<Self::SyncStream>, Status> {
+            let (tx, rx) = mpsc::channel(1);
+            let _ = self.0.send((request.into_inner(), tx));
+            Ok(Response::new(ReceiverStream::new(rx)))
+        }
+    }
+
+    async fn get(addr: SocketAddr, path: &str) -> String {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.unwrap();
+        response
+    }
+
+    /// Polls `path` until its response satisfies `done`, and returns that response.
+    async fn wait_for(addr: SocketAddr, path: &str, done: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let response = get(addr, path).await;
+            if done(&response) {
+                return response;
+            }
+            assert!(Instant::now() < deadline, "{path} still answers {response}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// OCM's health check of the add-on is the proxy's readiness: /readyz says ok while
+    /// the hub stream is open and only then; /healthz does not care about the hub.
+    #[tokio::test]
+    async fn ready_exactly_while_the_hub_stream_is_open() {
+        let hour = Duration::from_secs(3600);
+        let ca = CertificateAuthority::generate("test-hub-ca", hour).unwrap();
+        let serving = ca
+            .issue(&Leaf::server(
+                "kmm-hub",
+                &[],
+                &["127.0.0.1".parse().unwrap()],
+                hour,
+            ))
+            .unwrap();
+        let client = ca.issue(&Leaf::client("agent", &[], hour)).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let files = HubCredentialFiles {
+            ca: dir.path().join("ca.crt"),
+            cert: dir.path().join("tls.crt"),
+            key: dir.path().join("tls.key"),
+        };
+        // HUB_CA_BUNDLE not published yet.
+        std::fs::write(&files.ca, "").unwrap();
+        std::fs::write(&files.cert, &client.cert_pem).unwrap();
+        std::fs::write(&files.key, client.key_pem.as_bytes()).unwrap();
+
+        let hub_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let hub_addr = hub_listener.local_addr().unwrap();
+        let (streams_tx, mut streams) = mpsc::unbounded_channel();
+        let (stop_hub, hub_stopped) = oneshot::channel::<()>();
+        let tls = ServerTlsConfig::new()
+            .identity(Identity::from_pem(
+                &serving.cert_pem,
+                serving.key_pem.as_bytes(),
+            ))
+            .client_ca_root(Certificate::from_pem(ca.cert_pem()));
+        let hub = tokio::spawn(
+            Server::builder()
+                .tls_config(tls)
+                .unwrap()
+                .add_service(HubServer::new(Peer(streams_tx)))
+                .serve_with_incoming_shutdown(TcpListenerStream::new(hub_listener), async {
+                    let _ = hub_stopped.await;
+                }),
+        );
+
+        let health = Health::default();
+        let metrics = Metrics::default();
+        let mut registry = Registry::default();
+        metrics.register(&mut registry);
+        let endpoint = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let endpoint_addr = endpoint.local_addr().unwrap();
+        let cancel = CancellationToken::new();
+        tokio::spawn(kmm_runtime::health::serve_on(
+            endpoint,
+            registry,
+            health.clone(),
+            cancel.clone().cancelled_owned(),
+        ));
+        let state = SharedState::new(ClusterState::new(1));
+        let link = HubLink {
+            address: parse_address(&format!("https://{hub_addr}")).unwrap(),
+            files: files.clone(),
+            poll: Duration::from_secs(3600),
+            backoff_initial: Duration::from_millis(20),
+            backoff_max: Duration::from_millis(100),
+        };
+        let proxy = tokio::spawn(run(
+            link,
+            state.clone(),
+            metrics.clone(),
+            health.clone(),
+            cancel.clone(),
+        ));
+
+        let waiting = wait_for(endpoint_addr, "/readyz", |r| r.contains("Nodes")).await;
+        assert!(waiting.starts_with("HTTP/1.1 503"), "{waiting}");
+        state.update(|s| s.replace_nodes(Vec::new()));
+        let no_ca = wait_for(endpoint_addr, "/readyz", |r| r.contains("HUB_CA_BUNDLE")).await;
+        assert!(no_ca.starts_with("HTTP/1.1 503"), "{no_ca}");
+        assert!(
+            get(endpoint_addr, "/healthz")
+                .await
+                .starts_with("HTTP/1.1 200")
+        );
+
+        std::fs::write(&files.ca, ca.cert_pem()).unwrap();
+        let open = tokio::time::timeout(WAIT, streams.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        let ready = wait_for(endpoint_addr, "/readyz", |r| r.starts_with("HTTP/1.1 200")).await;
+        assert!(ready.ends_with("\r\n\r\nok\n"), "{ready}");
+        let exposed = get(endpoint_addr, "/metrics").await;
+        assert!(
+            exposed.contains("kmm_spoke_proxy_hub_connected 1"),
+            "{exposed}"
+        );
+
+        // The hub goes away: not ready (saying why), still alive.
+        let _ = stop_hub.send(());
+        drop(open);
+        hub.await.unwrap().unwrap();
+        let lost = wait_for(endpoint_addr, "/readyz", |r| r.starts_with("HTTP/1.1 503")).await;
+        assert!(lost.contains("no stream to kmm-hub"), "{lost}");
+        assert!(
+            get(endpoint_addr, "/healthz")
+                .await
+                .starts_with("HTTP/1.1 200")
+        );
+        cancel.cancel();
+        proxy.await.unwrap();
+    }
 
     #[test]
     fn errors_show_their_causes() {

@@ -2,7 +2,6 @@
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
-use kmm_runtime::health::Health;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use kube::{Api, Client};
@@ -12,14 +11,8 @@ use crate::metrics::Metrics;
 use crate::node_facts::NodeFacts;
 use crate::shared_state::SharedState;
 
-/// Runs until `cancel` fires. The proxy is ready once the first full list is in.
-pub async fn run(
-    client: Client,
-    state: SharedState,
-    metrics: Metrics,
-    health: Health,
-    cancel: CancellationToken,
-) {
+/// Runs until `cancel` fires.
+pub async fn run(client: Client, state: SharedState, metrics: Metrics, cancel: CancellationToken) {
     let api: Api<Node> = Api::all(client);
     let mut events = watcher::watcher(api, watcher::Config::default())
         .default_backoff()
@@ -40,7 +33,6 @@ pub async fn run(
                 metrics.nodes.set(nodes.len() as i64);
                 tracing::info!(nodes = nodes.len(), "Nodes listed");
                 state.update(|s| s.replace_nodes(nodes));
-                health.set_ready(true);
             }
             Some(Ok(Event::Apply(node))) => {
                 if let Some(facts) = NodeFacts::from_node(&node) {

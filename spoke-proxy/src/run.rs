@@ -101,7 +101,6 @@ pub async fn run(
         client.clone(),
         state.clone(),
         metrics.clone(),
-        health.clone(),
         cancel.clone(),
     ));
     tasks.spawn(node_labels::run(
@@ -110,10 +109,12 @@ pub async fn run(
         metrics.clone(),
         cancel.clone(),
     ));
+    // Ready only while connected to the hub (hub_connection says why); alive regardless.
     tasks.spawn(hub_connection::run(
         config.hub.clone(),
         state.clone(),
         metrics.clone(),
+        health.clone(),
         cancel.clone(),
     ));
     {

@@ -313,7 +313,7 @@ impl ProxyProcess {
         Ok(response)
     }
 
-    /// Waits for /readyz (Nodes listed, agent server up).
+    /// Waits for /readyz: the stream to the hub is open (after the Nodes were listed).
     pub async fn wait_ready(&mut self) -> Result<()> {
         let deadline = Instant::now() + WAIT;
         while Instant::now() < deadline {
