@@ -184,6 +184,9 @@ async fn session(
     backoff: &mut Backoff,
 ) -> Result<SessionEnd, SessionError> {
     let credentials = link.files.read()?;
+    metrics
+        .hub_client_certificate_expiry
+        .set(credentials.cert_not_after);
     let endpoint = endpoint(link, &credentials)?;
     let channel = tokio::select! {
         () = cancel.cancelled() => return Ok(SessionEnd::Shutdown),
@@ -354,118 +357,203 @@ mod tests {
         }
     }
 
+    /// A test hub (TLS, client certificates of its CA required) and the hub link of a
+    /// proxy reading its credential files from a temporary directory, with /metrics,
+    /// /healthz and /readyz served on `endpoint`.
+    struct Fixture {
+        ca: CertificateAuthority,
+        files: HubCredentialFiles,
+        _dir: tempfile::TempDir,
+        streams: mpsc::UnboundedReceiver<Open>,
+        stop_hub: oneshot::Sender<()>,
+        hub: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+        endpoint: SocketAddr,
+        state: SharedState,
+        cancel: CancellationToken,
+        link: tokio::task::JoinHandle<()>,
+    }
+
+    impl Fixture {
+        /// `hub_ca`: whether HUB_CA_BUNDLE is published yet; `poll`: how often the
+        /// credential files are checked for a renewal.
+        async fn start(hub_ca: bool, poll: Duration) -> Self {
+            let hour = Duration::from_secs(3600);
+            let ca = CertificateAuthority::generate("test-hub-ca", hour).unwrap();
+            let serving = ca
+                .issue(&Leaf::server(
+                    "kmm-hub",
+                    &[],
+                    &["127.0.0.1".parse().unwrap()],
+                    hour,
+                ))
+                .unwrap();
+            let dir = tempfile::tempdir().unwrap();
+            let files = HubCredentialFiles {
+                ca: dir.path().join("ca.crt"),
+                cert: dir.path().join("tls.crt"),
+                key: dir.path().join("tls.key"),
+            };
+            let published = if hub_ca { ca.cert_pem() } else { "" };
+            std::fs::write(&files.ca, published).unwrap();
+
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let hub_addr = listener.local_addr().unwrap();
+            let (streams_tx, streams) = mpsc::unbounded_channel();
+            let (stop_hub, hub_stopped) = oneshot::channel::<()>();
+            let tls = ServerTlsConfig::new()
+                .identity(Identity::from_pem(
+                    &serving.cert_pem,
+                    serving.key_pem.as_bytes(),
+                ))
+                .client_ca_root(Certificate::from_pem(ca.cert_pem()));
+            let hub = tokio::spawn(
+                Server::builder()
+                    .tls_config(tls)
+                    .unwrap()
+                    .add_service(HubServer::new(Peer(streams_tx)))
+                    .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+                        let _ = hub_stopped.await;
+                    }),
+            );
+
+            let health = Health::default();
+            let metrics = Metrics::default();
+            let mut registry = Registry::default();
+            metrics.register(&mut registry);
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let endpoint = listener.local_addr().unwrap();
+            let cancel = CancellationToken::new();
+            tokio::spawn(kmm_runtime::health::serve_on(
+                listener,
+                registry,
+                health.clone(),
+                cancel.clone().cancelled_owned(),
+            ));
+            let state = SharedState::new(ClusterState::new(1));
+            let link = HubLink {
+                address: parse_address(&format!("https://{hub_addr}")).unwrap(),
+                files: files.clone(),
+                poll,
+                backoff_initial: Duration::from_millis(20),
+                backoff_max: Duration::from_millis(100),
+            };
+            let link = tokio::spawn(run(link, state.clone(), metrics, health, cancel.clone()));
+            let fixture = Self {
+                ca,
+                files,
+                _dir: dir,
+                streams,
+                stop_hub,
+                hub,
+                endpoint,
+                state,
+                cancel,
+                link,
+            };
+            fixture.issue_client(hour);
+            fixture
+        }
+
+        /// Writes a client certificate as a renewal does; returns its NotAfter.
+        fn issue_client(&self, validity: Duration) -> i64 {
+            let leaf = Leaf::client("agent", &[], validity);
+            let client = self.ca.issue(&leaf).unwrap();
+            std::fs::write(&self.files.key, client.key_pem.as_bytes()).unwrap();
+            std::fs::write(&self.files.cert, &client.cert_pem).unwrap();
+            leaf.not_after.unix_timestamp()
+        }
+
+        fn nodes_listed(&self) {
+            self.state.update(|s| s.replace_nodes(Vec::new()));
+        }
+
+        async fn next_stream(&mut self) -> Open {
+            tokio::time::timeout(WAIT, self.streams.recv())
+                .await
+                .expect("a stream in time")
+                .expect("the hub runs")
+        }
+
+        async fn wait_for(&self, path: &str, done: impl Fn(&str) -> bool) -> String {
+            wait_for(self.endpoint, path, done).await
+        }
+
+        async fn stop(self) {
+            self.cancel.cancel();
+            self.link.await.unwrap();
+            let _ = self.stop_hub.send(());
+            drop(self.streams);
+            self.hub.await.unwrap().unwrap();
+        }
+    }
+
     /// OCM's health check of the add-on is the proxy's readiness: /readyz says ok while
     /// the hub stream is open and only then; /healthz does not care about the hub.
     #[tokio::test]
     async fn ready_exactly_while_the_hub_stream_is_open() {
-        let hour = Duration::from_secs(3600);
-        let ca = CertificateAuthority::generate("test-hub-ca", hour).unwrap();
-        let serving = ca
-            .issue(&Leaf::server(
-                "kmm-hub",
-                &[],
-                &["127.0.0.1".parse().unwrap()],
-                hour,
-            ))
-            .unwrap();
-        let client = ca.issue(&Leaf::client("agent", &[], hour)).unwrap();
-        let dir = tempfile::tempdir().unwrap();
-        let files = HubCredentialFiles {
-            ca: dir.path().join("ca.crt"),
-            cert: dir.path().join("tls.crt"),
-            key: dir.path().join("tls.key"),
-        };
         // HUB_CA_BUNDLE not published yet.
-        std::fs::write(&files.ca, "").unwrap();
-        std::fs::write(&files.cert, &client.cert_pem).unwrap();
-        std::fs::write(&files.key, client.key_pem.as_bytes()).unwrap();
-
-        let hub_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let hub_addr = hub_listener.local_addr().unwrap();
-        let (streams_tx, mut streams) = mpsc::unbounded_channel();
-        let (stop_hub, hub_stopped) = oneshot::channel::<()>();
-        let tls = ServerTlsConfig::new()
-            .identity(Identity::from_pem(
-                &serving.cert_pem,
-                serving.key_pem.as_bytes(),
-            ))
-            .client_ca_root(Certificate::from_pem(ca.cert_pem()));
-        let hub = tokio::spawn(
-            Server::builder()
-                .tls_config(tls)
-                .unwrap()
-                .add_service(HubServer::new(Peer(streams_tx)))
-                .serve_with_incoming_shutdown(TcpListenerStream::new(hub_listener), async {
-                    let _ = hub_stopped.await;
-                }),
-        );
-
-        let health = Health::default();
-        let metrics = Metrics::default();
-        let mut registry = Registry::default();
-        metrics.register(&mut registry);
-        let endpoint = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let endpoint_addr = endpoint.local_addr().unwrap();
-        let cancel = CancellationToken::new();
-        tokio::spawn(kmm_runtime::health::serve_on(
-            endpoint,
-            registry,
-            health.clone(),
-            cancel.clone().cancelled_owned(),
-        ));
-        let state = SharedState::new(ClusterState::new(1));
-        let link = HubLink {
-            address: parse_address(&format!("https://{hub_addr}")).unwrap(),
-            files: files.clone(),
-            poll: Duration::from_secs(3600),
-            backoff_initial: Duration::from_millis(20),
-            backoff_max: Duration::from_millis(100),
-        };
-        let proxy = tokio::spawn(run(
-            link,
-            state.clone(),
-            metrics.clone(),
-            health.clone(),
-            cancel.clone(),
-        ));
-
-        let waiting = wait_for(endpoint_addr, "/readyz", |r| r.contains("Nodes")).await;
+        let mut fixture = Fixture::start(false, Duration::from_secs(3600)).await;
+        let waiting = fixture.wait_for("/readyz", |r| r.contains("Nodes")).await;
         assert!(waiting.starts_with("HTTP/1.1 503"), "{waiting}");
-        state.update(|s| s.replace_nodes(Vec::new()));
-        let no_ca = wait_for(endpoint_addr, "/readyz", |r| r.contains("HUB_CA_BUNDLE")).await;
+        fixture.nodes_listed();
+        let no_ca = fixture
+            .wait_for("/readyz", |r| r.contains("HUB_CA_BUNDLE"))
+            .await;
         assert!(no_ca.starts_with("HTTP/1.1 503"), "{no_ca}");
-        assert!(
-            get(endpoint_addr, "/healthz")
-                .await
-                .starts_with("HTTP/1.1 200")
-        );
+        let alive = get(fixture.endpoint, "/healthz").await;
+        assert!(alive.starts_with("HTTP/1.1 200"), "{alive}");
 
-        std::fs::write(&files.ca, ca.cert_pem()).unwrap();
-        let open = tokio::time::timeout(WAIT, streams.recv())
-            .await
-            .unwrap()
-            .unwrap();
-        let ready = wait_for(endpoint_addr, "/readyz", |r| r.starts_with("HTTP/1.1 200")).await;
+        std::fs::write(&fixture.files.ca, fixture.ca.cert_pem()).unwrap();
+        let open = fixture.next_stream().await;
+        let ready = fixture
+            .wait_for("/readyz", |r| r.starts_with("HTTP/1.1 200"))
+            .await;
         assert!(ready.ends_with("\r\n\r\nok\n"), "{ready}");
-        let exposed = get(endpoint_addr, "/metrics").await;
+        let exposed = get(fixture.endpoint, "/metrics").await;
         assert!(
             exposed.contains("kmm_spoke_proxy_hub_connected 1"),
             "{exposed}"
         );
 
         // The hub goes away: not ready (saying why), still alive.
+        let Fixture {
+            stop_hub,
+            hub,
+            endpoint,
+            cancel,
+            link,
+            ..
+        } = fixture;
         let _ = stop_hub.send(());
         drop(open);
         hub.await.unwrap().unwrap();
-        let lost = wait_for(endpoint_addr, "/readyz", |r| r.starts_with("HTTP/1.1 503")).await;
+        let lost = wait_for(endpoint, "/readyz", |r| r.starts_with("HTTP/1.1 503")).await;
         assert!(lost.contains("no stream to kmm-hub"), "{lost}");
-        assert!(
-            get(endpoint_addr, "/healthz")
-                .await
-                .starts_with("HTTP/1.1 200")
-        );
+        let alive = get(endpoint, "/healthz").await;
+        assert!(alive.starts_with("HTTP/1.1 200"), "{alive}");
         cancel.cancel();
-        proxy.await.unwrap();
+        link.await.unwrap();
+    }
+
+    /// Production alerts on the expiry; OCM renews the files under the mount.
+    #[tokio::test]
+    async fn the_certificate_expiry_follows_renewals() {
+        const EXPIRY: &str = "kmm_spoke_proxy_hub_client_certificate_expiry_timestamp_seconds";
+        let mut fixture = Fixture::start(true, Duration::from_millis(50)).await;
+        let before = get(fixture.endpoint, "/metrics").await;
+        assert!(before.contains(&format!("{EXPIRY} 0\n")), "{before}");
+        let first_until = fixture.issue_client(Duration::from_secs(3600));
+        fixture.nodes_listed();
+        let first = fixture.next_stream().await;
+        let shown = |until: i64| move |r: &str| r.contains(&format!("{EXPIRY} {until}\n"));
+        fixture.wait_for("/metrics", shown(first_until)).await;
+
+        let renewed_until = fixture.issue_client(Duration::from_secs(7200));
+        assert!(renewed_until > first_until);
+        let _second = fixture.next_stream().await;
+        fixture.wait_for("/metrics", shown(renewed_until)).await;
+        drop(first);
+        fixture.stop().await;
     }
 
     #[test]

@@ -27,6 +27,8 @@ pub enum ReadError {
          add-on's AddOnDeploymentConfig, which kmm-hub publishes (its CA): retrying until it does"
     )]
     HubCa { path: PathBuf, problem: String },
+    #[error("--client-cert-file {path} {problem}")]
+    ClientCertificate { path: PathBuf, problem: String },
 }
 
 /// Where the files are.
@@ -43,12 +45,16 @@ pub struct HubCredentials {
     pub ca_pem: Vec<u8>,
     pub cert_pem: Vec<u8>,
     pub key_pem: Vec<u8>,
+    /// NotAfter of the client certificate (the first of its file), in seconds since the
+    /// Unix epoch.
+    pub cert_not_after: i64,
 }
 
 impl fmt::Debug for HubCredentials {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("HubCredentials")
             .field("fingerprint", &self.fingerprint())
+            .field("cert_not_after", &self.cert_not_after)
             .finish_non_exhaustive()
     }
 }
@@ -98,10 +104,17 @@ impl HubCredentialFiles {
             path: self.ca.clone(),
             problem,
         })?;
+        let cert_pem = read("--client-cert-file", &self.cert)?;
+        let cert_not_after = first_certificate(&cert_pem, |c| c.validity().not_after.timestamp())
+            .map_err(|problem| ReadError::ClientCertificate {
+            path: self.cert.clone(),
+            problem,
+        })?;
         Ok(HubCredentials {
             ca_pem,
-            cert_pem: read("--client-cert-file", &self.cert)?,
+            cert_pem,
             key_pem: read("--client-key-file", &self.key)?,
+            cert_not_after,
         })
     }
 }
@@ -127,10 +140,13 @@ mod tests {
         (files, ca)
     }
 
-    fn issue(ca: &CertificateAuthority, files: &HubCredentialFiles, validity: Duration) {
-        let client = ca.issue(&Leaf::client("agent", &[], validity)).unwrap();
+    /// Writes a client certificate as a renewal does; returns its NotAfter.
+    fn issue(ca: &CertificateAuthority, files: &HubCredentialFiles, validity: Duration) -> i64 {
+        let leaf = Leaf::client("agent", &[], validity);
+        let client = ca.issue(&leaf).unwrap();
         std::fs::write(&files.cert, &client.cert_pem).unwrap();
         std::fs::write(&files.key, client.key_pem.as_bytes()).unwrap();
+        leaf.not_after.unix_timestamp()
     }
 
     #[test]
@@ -140,9 +156,11 @@ mod tests {
         let first = files.read().unwrap();
         assert_eq!(first.cert_pem, std::fs::read(&files.cert).unwrap());
         assert!(!format!("{first:?}").contains("PRIVATE"), "{first:?}");
-        issue(&ca, &files, Duration::from_secs(7200));
+        let renewed_until = issue(&ca, &files, Duration::from_secs(7200));
         let second = files.read().unwrap();
         assert_ne!(first.fingerprint(), second.fingerprint());
+        assert_eq!(second.cert_not_after, renewed_until);
+        assert!(second.cert_not_after > first.cert_not_after);
         assert_eq!(second.fingerprint(), files.read().unwrap().fingerprint());
     }
 
@@ -154,6 +172,16 @@ mod tests {
         let error = files.read().unwrap_err().to_string();
         assert!(error.contains("--client-key-file"), "{error}");
         assert!(error.contains("absent.key"), "{error}");
+    }
+
+    #[test]
+    fn the_client_certificate_must_be_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let (files, _) = files(dir.path());
+        std::fs::write(&files.cert, "").unwrap();
+        let error = files.read().unwrap_err().to_string();
+        assert!(error.starts_with("--client-cert-file "), "{error}");
+        assert!(error.contains("tls.crt is empty"), "{error}");
     }
 
     /// OCM renders the unset variable HUB_CA_BUNDLE as an empty ConfigMap value.

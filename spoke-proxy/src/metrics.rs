@@ -14,6 +14,7 @@ pub struct Metrics {
     pub hub_connected: Gauge,
     pub hub_connects: Counter,
     pub hub_disconnects: Counter,
+    pub hub_client_certificate_expiry: Gauge,
     pub intent_revision: Gauge,
     pub nodes: Gauge,
     pub agents_connected: Gauge,
@@ -40,6 +41,12 @@ impl Metrics {
             "hub_disconnects",
             "Streams to kmm-hub that ended or failed to open",
             self.hub_disconnects.clone(),
+        );
+        r.register(
+            "hub_client_certificate_expiry_timestamp_seconds",
+            "NotAfter of the client certificate for kmm-hub, in Unix seconds; read at every \
+             (re)connect, so a renewal shows (0 until the credential files were first read)",
+            self.hub_client_certificate_expiry.clone(),
         );
         r.register(
             "intent_revision",
