@@ -20,8 +20,10 @@ use tokio::net::TcpListener;
 /// CA (as OCM's add-on registration issues them), and writes each module's status. Every
 /// replica serves the validating admission webhook on --webhook-addr and keeps the CA in
 /// the caBundle of --webhook-configuration; with leader election (the default) only the
-/// replica holding the Lease reconciles and serves proxies, the others stand by. Uses the
-/// in-cluster configuration or KUBECONFIG.
+/// replica holding the Lease reconciles, serves proxies, publishes the CA into the
+/// --addon-name add-on's AddOnDeploymentConfigs and keeps its ManagedClusterAddOns'
+/// Degraded condition; the others stand by. Uses the in-cluster configuration or
+/// KUBECONFIG.
 #[derive(Debug, ClapArgs)]
 pub struct Args {
     /// The hub's namespace: its CA Secret, and the modules' pull Secrets (imageRepoSecret).
@@ -77,6 +79,13 @@ pub struct Args {
     /// when the leader dies without releasing the Lease.
     #[arg(long, default_value = "15s", value_parser = humantime::parse_duration)]
     leader_election_lease_duration: Duration,
+
+    /// Name of the OCM add-on: its ClusterManagementAddOn and every cluster's
+    /// ManagedClusterAddOn (whose AddOnDeploymentConfigs get the hub's CA and whose
+    /// Degraded condition the hub keeps), and the add-on in the proxies' certificate
+    /// subjects.
+    #[arg(long, default_value = "kmm")]
+    addon_name: String,
 
     /// This replica's Pod (downward API), labelled with its role so the proxies' Service
     /// reaches the leader only.
@@ -177,6 +186,7 @@ async fn serve_main(args: Args) -> anyhow::Result<()> {
         webhook_sans,
         webhook_configuration: Some(args.webhook_configuration).filter(|n| !n.is_empty()),
         leader_election,
+        addon_name: args.addon_name,
     };
     let shutdown = {
         let stop = stop.clone();

@@ -72,6 +72,8 @@ async fn serves_health_and_metrics_and_stops_on_sigterm() {
                 "--module-selector",
                 &format!("test.kmm.sigs.x-k8s.io/hub={}", namespace.name),
             ])
+            // Nor the fleet's own add-on: this one has no OCM objects.
+            .args(["--addon-name", &namespace.name])
             .env("KUBECONFIG", kubeconfig)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())

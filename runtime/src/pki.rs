@@ -2,6 +2,9 @@
 //! certificates, the hub's serving certificate) and the spoke proxy's CA (its serving
 //! certificate for node agents). Private keys are only ever in memory here, wrapped so
 //! that they are wiped on drop and never printed by `Debug`.
+//!
+//! CA keys are RSA: OCM's addon-manager signs the proxies' client certificates with the
+//! hub's CA key and can only sign with RSA. Leaf keys are ECDSA P-256 (smaller, faster).
 
 use std::fmt;
 use std::net::IpAddr;
@@ -9,7 +12,8 @@ use std::time::Duration;
 
 use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
-    Issuer, KeyPair, KeyUsagePurpose, SanType,
+    Issuer, KeyPair, KeyUsagePurpose, PKCS_RSA_SHA256, PKCS_RSA_SHA384, PKCS_RSA_SHA512,
+    RsaKeySize, SanType,
 };
 use time::OffsetDateTime;
 use zeroize::Zeroizing;
@@ -122,13 +126,15 @@ impl fmt::Debug for CertificateAuthority {
 }
 
 impl CertificateAuthority {
-    /// A new self-signed CA valid for `validity`.
+    /// A new self-signed CA valid for `validity`, with an RSA-2048 key (PKCS#8) signing
+    /// with SHA-256.
     pub fn generate(common_name: &str, validity: Duration) -> Result<Self, Error> {
         let sign_error = |source| Error::Sign {
             common_name: common_name.to_owned(),
             source,
         };
-        let key = KeyPair::generate().map_err(sign_error)?;
+        let key =
+            KeyPair::generate_rsa_for(&PKCS_RSA_SHA256, RsaKeySize::_2048).map_err(sign_error)?;
         let mut params = CertificateParams::default();
         params.distinguished_name = distinguished_name(common_name, &[]);
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -163,6 +169,12 @@ impl CertificateAuthority {
 
     pub fn key_pem(&self) -> &str {
         &self.key_pem
+    }
+
+    /// Whether the CA's key is RSA (the only kind OCM's addon-manager signs with).
+    pub fn is_rsa(&self) -> bool {
+        let algorithm = self.issuer.key().algorithm();
+        [&PKCS_RSA_SHA256, &PKCS_RSA_SHA384, &PKCS_RSA_SHA512].contains(&algorithm)
     }
 
     /// Issues `leaf` with a fresh key.
@@ -217,7 +229,9 @@ fn distinguished_name(common_name: &str, organizations: &[String]) -> Distinguis
 #[cfg(test)]
 mod tests {
     use x509_parser::extensions::GeneralName;
+    use x509_parser::oid_registry::OID_PKCS1_SHA256WITHRSA;
     use x509_parser::pem::parse_x509_pem;
+    use x509_parser::public_key::PublicKey;
 
     use super::*;
 
@@ -225,6 +239,39 @@ mod tests {
 
     fn parse(pem: &str) -> x509_parser::pem::Pem {
         parse_x509_pem(pem.as_bytes()).unwrap().1
+    }
+
+    #[test]
+    fn a_generated_ca_has_an_rsa_2048_pkcs8_key_and_signs_with_sha256() {
+        let ca = CertificateAuthority::generate("kmm-hub-ca", DAY).unwrap();
+        assert!(ca.is_rsa());
+        // PKCS#8 ("PRIVATE KEY"), which OCM's addon-manager reads, not PKCS#1 only.
+        assert!(ca.key_pem().starts_with("-----BEGIN PRIVATE KEY-----"));
+        let pem = parse(ca.cert_pem());
+        let cert = pem.parse_x509().unwrap();
+        let Ok(PublicKey::RSA(key)) = cert.public_key().parsed() else {
+            panic!("not an RSA key: {:?}", cert.public_key().algorithm);
+        };
+        assert_eq!(key.key_size(), 2048);
+        assert_eq!(cert.signature_algorithm.algorithm, OID_PKCS1_SHA256WITHRSA);
+        cert.verify_signature(None).unwrap();
+
+        let leaf = ca.issue(&Leaf::client("c", &[], DAY)).unwrap();
+        let pem = parse(&leaf.cert_pem);
+        let leaf = pem.parse_x509().unwrap();
+        assert_eq!(leaf.signature_algorithm.algorithm, OID_PKCS1_SHA256WITHRSA);
+        assert!(matches!(leaf.public_key().parsed(), Ok(PublicKey::EC(_))));
+    }
+
+    #[test]
+    fn a_ca_with_an_ec_key_is_read_but_is_not_rsa() {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::default();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let cert = params.self_signed(&key).unwrap();
+        let ca = CertificateAuthority::from_pem(&cert.pem(), &key.serialize_pem()).unwrap();
+        assert!(!ca.is_rsa());
+        ca.issue(&Leaf::client("c", &[], DAY)).unwrap();
     }
 
     #[test]

@@ -3,9 +3,6 @@
 
 use thiserror::Error;
 
-/// The add-on's name, as `clusteradm addon enable --names kmm` registers it.
-pub const ADDON_NAME: &str = "kmm";
-
 /// A spoke proxy's identity.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ClusterIdentity {
@@ -17,17 +14,22 @@ pub struct ClusterIdentity {
 
 /// Why a certificate subject is not a kmm add-on agent's.
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
-#[error("client certificate common name {common_name:?} is not a kmm add-on agent's: {reason}")]
+#[error(
+    "client certificate common name {common_name:?} is not an agent's of add-on {addon}: {reason}"
+)]
 pub struct IdentityError {
     common_name: String,
+    addon: String,
     reason: &'static str,
 }
 
 impl ClusterIdentity {
-    /// Parses `system:open-cluster-management:cluster:<cluster>:addon:kmm:agent:<agent>`.
-    pub fn from_common_name(common_name: &str) -> Result<Self, IdentityError> {
+    /// Parses `system:open-cluster-management:cluster:<cluster>:addon:<addon>:agent:<agent>`
+    /// for the add-on `addon` (`kmm` as `clusteradm addon enable --names kmm` registers it).
+    pub fn from_common_name(common_name: &str, addon: &str) -> Result<Self, IdentityError> {
         let fail = |reason| IdentityError {
             common_name: common_name.to_owned(),
+            addon: addon.to_owned(),
             reason,
         };
         let rest = common_name
@@ -40,9 +42,9 @@ impl ClusterIdentity {
             .ok_or_else(|| fail("it names no add-on"))?;
         let agent = rest
             .strip_prefix("addon:")
-            .and_then(|r| r.strip_prefix(ADDON_NAME))
+            .and_then(|r| r.strip_prefix(addon))
             .and_then(|r| r.strip_prefix(":agent:"))
-            .ok_or_else(|| fail("it is not for the kmm add-on's agent"))?;
+            .ok_or_else(|| fail("it is not for this add-on's agent"))?;
         if !is_dns_subdomain(cluster) {
             return Err(fail("the cluster name is not a valid ManagedCluster name"));
         }
@@ -74,9 +76,20 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_add_on_name_is_the_hubs() {
+        let cn =
+            "system:open-cluster-management:cluster:spoke2:addon:kmm-test:agent:kmm-test-agent";
+        let id = ClusterIdentity::from_common_name(cn, "kmm-test").unwrap();
+        assert_eq!(id.cluster, "spoke2");
+        let error = ClusterIdentity::from_common_name(cn, "kmm").unwrap_err();
+        assert!(error.to_string().contains("add-on kmm:"), "{error}");
+    }
+
+    #[test]
     fn ocm_issued_subject_names_the_cluster() {
         let id = ClusterIdentity::from_common_name(
             "system:open-cluster-management:cluster:spoke1:addon:kmm:agent:kmm-agent",
+            "kmm",
         )
         .unwrap();
         assert_eq!(
@@ -100,9 +113,10 @@ mod tests {
             "system:open-cluster-management:cluster:spoke1:addon:kmm:agent:",
             "system:open-cluster-management:cluster:spoke1:addon:kmm:agent:a:b",
             "system:serviceaccount:default:kmm",
+            "system:open-cluster-management:cluster:spoke1:addon:kmm-test:agent:a",
         ] {
             assert!(
-                ClusterIdentity::from_common_name(cn).is_err(),
+                ClusterIdentity::from_common_name(cn, "kmm").is_err(),
                 "{cn:?} was accepted"
             );
         }

@@ -1,7 +1,9 @@
 //! The hub's pure fleet logic: who a proxy is, what each cluster must run, how a module's
-//! status and deletion progress. No I/O: the runtime feeds it watched objects and stream
-//! messages and ships its answers.
+//! status and deletion progress, what the add-on's configs and status must say. No I/O:
+//! the runtime feeds it watched objects and stream messages and ships its answers.
 
+pub mod addon_config;
+pub mod addon_status;
 pub mod assignment;
 pub mod cluster_identity;
 pub mod deletion;

@@ -1,6 +1,7 @@
 //! The hub's certificate authority: Secret `kmm-hub-ca` in the hub's namespace, created on
 //! first start and never overwritten (OCM's CustomSigner registration signs the proxies'
 //! client certificates with it), and the gRPC serving certificate issued from it in memory.
+//! OCM's addon-manager signs only with an RSA key, so a CA with another key is refused.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -35,6 +36,13 @@ pub enum CaError {
         namespace: String,
         source: kmm_runtime::pki::Error,
     },
+    #[error(
+        "Secret {namespace}/{CA_SECRET} holds a CA whose key is not RSA, and OCM's \
+         addon-manager can sign the proxies' certificates only with an RSA key: delete the \
+         Secret (kubectl -n {namespace} delete secret {CA_SECRET}) and restart the hub, which \
+         then creates a new RSA CA"
+    )]
+    NotRsa { namespace: String },
     #[error("cannot issue the hub's serving certificate: {0}")]
     Issue(kmm_runtime::pki::Error),
 }
@@ -59,7 +67,23 @@ pub async fn load_or_create(
             source,
         }
     })?;
-    let secret = Secret {
+    let secret = ca_secret(&ca, namespace);
+    match api.create(&PostParams::default(), &secret).await {
+        Ok(_) => {
+            tracing::info!(namespace, secret = CA_SECRET, "created the hub CA");
+            Ok(ca)
+        }
+        Err(kube::Error::Api(status)) if status.code == 409 => {
+            let secret = api.get(CA_SECRET).await.map_err(api_error)?;
+            from_secret(&secret, namespace)
+        }
+        Err(e) => Err(api_error(e)),
+    }
+}
+
+/// The `kubernetes.io/tls` Secret holding `ca`, as OCM's CustomSigner reads it.
+fn ca_secret(ca: &CertificateAuthority, namespace: &str) -> Secret {
+    Secret {
         metadata: ObjectMeta {
             name: Some(CA_SECRET.to_owned()),
             namespace: Some(namespace.to_owned()),
@@ -81,17 +105,6 @@ pub async fn load_or_create(
             ),
         ])),
         ..Secret::default()
-    };
-    match api.create(&PostParams::default(), &secret).await {
-        Ok(_) => {
-            tracing::info!(namespace, secret = CA_SECRET, "created the hub CA");
-            Ok(ca)
-        }
-        Err(kube::Error::Api(status)) if status.code == 409 => {
-            let secret = api.get(CA_SECRET).await.map_err(api_error)?;
-            from_secret(&secret, namespace)
-        }
-        Err(e) => Err(api_error(e)),
     }
 }
 
@@ -107,12 +120,19 @@ fn from_secret(secret: &Secret, namespace: &str) -> Result<CertificateAuthority,
                 key,
             })
     };
-    CertificateAuthority::from_pem(key("tls.crt")?, key("tls.key")?).map_err(|source| {
-        CaError::Invalid {
+    let ca =
+        CertificateAuthority::from_pem(key("tls.crt")?, key("tls.key")?).map_err(|source| {
+            CaError::Invalid {
+                namespace: namespace.to_owned(),
+                source,
+            }
+        })?;
+    if !ca.is_rsa() {
+        return Err(CaError::NotRsa {
             namespace: namespace.to_owned(),
-            source,
-        }
-    })
+        });
+    }
+    Ok(ca)
 }
 
 /// A serving certificate of the hub named `common_name` for `sans` (DNS names and IP
@@ -127,4 +147,52 @@ pub fn serving_certificate(
     let dns: Vec<String> = dns.into_iter().cloned().collect();
     ca.issue(&Leaf::server(common_name, &dns, &ips, SERVING_VALIDITY))
         .map_err(CaError::Issue)
+}
+
+#[cfg(test)]
+mod tests {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
+
+    use super::*;
+
+    const DAY: Duration = Duration::from_secs(24 * 3600);
+
+    #[test]
+    fn a_secret_written_by_the_hub_reads_back_as_an_rsa_ca() {
+        let ca = CertificateAuthority::generate("kmm-hub-ca", DAY).unwrap();
+        let secret = ca_secret(&ca, "kmm-hub");
+        assert_eq!(secret.type_.as_deref(), Some("kubernetes.io/tls"));
+        let read = from_secret(&secret, "kmm-hub").unwrap();
+        assert!(read.is_rsa());
+        assert_eq!(read.cert_pem(), ca.cert_pem());
+        serving_certificate(&read, "kmm-hub", &["localhost".into(), "127.0.0.1".into()]).unwrap();
+    }
+
+    #[test]
+    fn an_ec_ca_secret_is_refused_telling_to_delete_it() {
+        // A CA as hubs before the RSA requirement created it.
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::default();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let cert = params.self_signed(&key).unwrap();
+        let ec = CertificateAuthority::from_pem(&cert.pem(), &key.serialize_pem()).unwrap();
+        let error = from_secret(&ca_secret(&ec, "hub-ns"), "hub-ns").unwrap_err();
+        assert!(matches!(error, CaError::NotRsa { .. }), "{error:?}");
+        let message = error.to_string();
+        assert!(message.contains("Secret hub-ns/kmm-hub-ca"), "{message}");
+        assert!(message.contains("not RSA"), "{message}");
+        assert!(
+            message.contains("kubectl -n hub-ns delete secret kmm-hub-ca"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn a_secret_without_the_key_names_it() {
+        let ca = CertificateAuthority::generate("kmm-hub-ca", DAY).unwrap();
+        let mut secret = ca_secret(&ca, "kmm-hub");
+        secret.data.as_mut().unwrap().remove("tls.key");
+        let error = from_secret(&secret, "kmm-hub").unwrap_err();
+        assert!(error.to_string().contains("has no tls.key"), "{error}");
+    }
 }

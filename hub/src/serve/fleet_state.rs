@@ -8,6 +8,8 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
 use kmm_api::{ManagedClusterModule, ManagedClusterModuleStatus};
 use kmm_proto::v1::{
     IntentSnapshot, KernelInventory, NodeStatusReport, PullCredential, pull_credential::Content,
@@ -41,6 +43,14 @@ pub enum Outbound {
     Snapshot(IntentSnapshot),
     /// End the stream with this gRPC status.
     End(tonic::Code, String),
+}
+
+/// Which clusters' proxies have a session with this hub, and when the others' last one
+/// closed (as far as this hub saw).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Connections {
+    pub open: BTreeSet<String>,
+    pub closed_at: BTreeMap<String, Time>,
 }
 
 /// The watched objects the hub computes from.
@@ -81,6 +91,8 @@ pub struct FleetState {
     synced: AtomicBool,
     /// Bumped on every change a module's status may depend on.
     changes: watch::Sender<u64>,
+    /// Changes only when a session opens or closes, unlike `changes`.
+    connections: watch::Sender<Connections>,
     metrics: Metrics,
 }
 
@@ -92,8 +104,14 @@ impl FleetState {
             cluster_resource: managed_cluster_resource(),
             synced: AtomicBool::new(false),
             changes: watch::Sender::new(0),
+            connections: watch::Sender::new(Connections::default()),
             metrics,
         }
+    }
+
+    /// Follows the clusters' sessions as they open and close.
+    pub fn connections(&self) -> watch::Receiver<Connections> {
+        self.connections.subscribe()
     }
 
     /// Fires whenever module statuses may have changed.
@@ -163,6 +181,11 @@ impl FleetState {
         self.metrics
             .connected_clusters
             .set(gauge(inner.sessions.len()));
+        // Under the lock: a close and an open of the same cluster must not swap places.
+        self.connections.send_if_modified(|c| {
+            c.closed_at.remove(cluster);
+            c.open.insert(cluster.to_owned())
+        });
         drop(inner);
         self.changed();
         id
@@ -185,6 +208,11 @@ impl FleetState {
             self.metrics
                 .connected_clusters
                 .set(gauge(inner.sessions.len()));
+            self.connections.send_modify(|c| {
+                c.open.remove(cluster);
+                c.closed_at
+                    .insert(cluster.to_owned(), Time(Timestamp::now()));
+            });
             drop(inner);
             self.changed();
         }
@@ -435,4 +463,41 @@ fn pull_credential(secret: &Secret) -> Option<PullCredential> {
 
 fn gauge(n: usize) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use kube::runtime::reflector::store::{Writer, store};
+
+    use super::*;
+
+    fn state() -> FleetState {
+        let stores = Stores {
+            modules: store().0,
+            clusters: Writer::<DynamicObject>::new(managed_cluster_resource()).as_reader(),
+            secrets: store().0,
+        };
+        FleetState::new(stores, Metrics::default())
+    }
+
+    #[test]
+    fn connections_follow_the_current_stream_of_each_cluster() {
+        let state = state();
+        let mut connections = state.connections();
+        let first = state.open_session("spoke1", 0, watch::Sender::new(Outbound::Idle));
+        assert!(connections.has_changed().unwrap());
+        assert!(connections.borrow_and_update().open.contains("spoke1"));
+        let second = state.open_session("spoke1", 0, watch::Sender::new(Outbound::Idle));
+        // The replaced stream's end leaves the cluster connected.
+        state.close_session("spoke1", first);
+        assert!(!connections.has_changed().unwrap());
+        state.close_session("spoke1", second);
+        let now = connections.borrow_and_update().clone();
+        assert!(now.open.is_empty());
+        assert!(now.closed_at.contains_key("spoke1"));
+        state.open_session("spoke1", 0, watch::Sender::new(Outbound::Idle));
+        let again = connections.borrow_and_update().clone();
+        assert!(again.open.contains("spoke1"));
+        assert!(again.closed_at.is_empty(), "open again: no longer closed");
+    }
 }

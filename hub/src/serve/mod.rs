@@ -1,6 +1,8 @@
 //! `kmm-hub serve`: the hub's runtime. Watches feed the fleet view, the gRPC service
-//! streams intents to spoke proxies, the controller writes status and guards deletion.
+//! streams intents to spoke proxies, the controller writes status and guards deletion,
+//! the add-on publisher keeps the OCM add-on's configs and status.
 
+pub mod addon;
 pub mod ca;
 pub mod controller;
 pub mod fleet_state;
@@ -56,6 +58,9 @@ pub struct Settings {
     pub webhook_configuration: Option<String>,
     /// How replicas elect the one that works (`None`: this one always does).
     pub leader_election: Option<LeaderElection>,
+    /// The OCM add-on's name: its ClusterManagementAddOn, every cluster's
+    /// ManagedClusterAddOn, and the add-on named in the proxies' certificate subjects.
+    pub addon_name: String,
 }
 
 /// Where the hub listens.
@@ -143,6 +148,7 @@ pub async fn run(
             ),
         )));
     }
+    let ca_pem = ca.cert_pem().to_owned();
     drop(ca);
 
     let election = match &settings.leader_election {
@@ -208,6 +214,12 @@ pub async fn run(
         "Secrets",
     );
     tokio::spawn(wait_synced(stores, state.clone(), health.clone()));
+    let addon = abort_on_drop(tokio::spawn(addon::run(
+        client.clone(),
+        settings.addon_name.clone(),
+        ca_pem,
+        state.connections(),
+    )));
 
     let context = Arc::new(Context {
         api: modules,
@@ -236,6 +248,7 @@ pub async fn run(
         .add_service(HubServer::new(SyncService {
             state: state.clone(),
             metrics: metrics.clone(),
+            addon_name: settings.addon_name.clone(),
         }))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listeners.grpc), stop_signal());
     tracing::info!(namespace = settings.namespace, "kmm-hub serving");
@@ -267,7 +280,7 @@ pub async fn run(
     let clusters = abort_on_drop(tokio::spawn(clusters));
     let secrets = abort_on_drop(tokio::spawn(secrets));
     let (grpc_result, (), lost_leadership) = tokio::join!(grpc_server, reconciler, stopper);
-    drop((clusters, secrets, background));
+    drop((clusters, secrets, addon, background));
     health.set_ready(false);
     metrics.leader.set(0);
     if let Some(election) = election {

@@ -25,6 +25,8 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
 pub struct SyncService {
     pub state: Arc<FleetState>,
     pub metrics: Metrics,
+    /// The add-on whose agents' certificates name a cluster.
+    pub addon_name: String,
 }
 
 type Outgoing = Pin<Box<dyn Stream<Item = Result<HubMessage, Status>> + Send>>;
@@ -37,7 +39,7 @@ impl Hub for SyncService {
         &self,
         request: Request<Streaming<ProxyMessage>>,
     ) -> Result<Response<Self::SyncStream>, Status> {
-        let identity = peer_identity(&request).inspect_err(|status| {
+        let identity = peer_identity(&request, &self.addon_name).inspect_err(|status| {
             self.metrics.streams_refused.inc();
             tracing::warn!(error = status.message(), "refused a proxy stream");
         })?;
@@ -54,7 +56,7 @@ impl Hub for SyncService {
 }
 
 /// The cluster named by the verified client certificate's common name.
-fn peer_identity<T>(request: &Request<T>) -> Result<ClusterIdentity, Status> {
+fn peer_identity<T>(request: &Request<T>, addon_name: &str) -> Result<ClusterIdentity, Status> {
     let certs = request
         .peer_certs()
         .ok_or_else(|| Status::unauthenticated("a client certificate is required"))?;
@@ -69,7 +71,7 @@ fn peer_identity<T>(request: &Request<T>) -> Result<ClusterIdentity, Status> {
         .next()
         .and_then(|cn| cn.as_str().ok())
         .ok_or_else(|| Status::unauthenticated("the client certificate has no common name"))?;
-    ClusterIdentity::from_common_name(common_name)
+    ClusterIdentity::from_common_name(common_name, addon_name)
         .map_err(|e| Status::permission_denied(e.to_string()))
 }
 

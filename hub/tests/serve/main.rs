@@ -2,6 +2,7 @@
 //! ManagedClusters spoke1 and spoke2), with a test spoke proxy speaking `Hub.Sync`.
 //! Each test runs its own hub in its own namespace, managing only its own modules.
 
+mod addon;
 mod admission;
 mod leadership;
 mod support;
@@ -278,7 +279,10 @@ async fn try_certificate(
 async fn foreign_and_expired_certificates_fail_the_handshake() {
     let fleet = fleet().await;
     let (hub, namespace) = TestHub::start(&fleet, WAIT).await;
-    let subject = "system:open-cluster-management:cluster:spoke1:addon:kmm:agent:kmm-agent";
+    let subject = &format!(
+        "system:open-cluster-management:cluster:spoke1:addon:{0}:agent:{0}-agent",
+        hub.addon_name
+    );
     let good = hub.proxy_certificate("spoke1").await;
     try_certificate(&hub, &good)
         .await

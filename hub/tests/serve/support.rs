@@ -64,6 +64,9 @@ pub struct HubOptions {
     pub webhook_configuration: Option<String>,
     /// Join the election for the Lease `kmm-hub` of the namespace under this identity.
     pub leader_identity: Option<String>,
+    /// The OCM add-on the hub serves. Default: the test's namespace, an add-on with no
+    /// OCM objects, so that test hubs never write to the fleet's real `kmm` add-on.
+    pub addon_name: Option<String>,
 }
 
 /// A running hub.
@@ -74,6 +77,7 @@ pub struct TestHub {
     pub metrics: Metrics,
     pub namespace: String,
     pub addr: SocketAddr,
+    pub addon_name: String,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<Result<(), ServeError>>>,
 }
@@ -104,6 +108,7 @@ impl TestHub {
             None => None,
         };
         let webhook_addr = webhook.as_ref().map(|l| l.local_addr().unwrap());
+        let addon_name = options.addon_name.unwrap_or_else(|| namespace.to_owned());
         let settings = Settings {
             namespace: namespace.to_owned(),
             grpc_sans: vec!["localhost".into(), "127.0.0.1".into()],
@@ -119,6 +124,7 @@ impl TestHub {
                 renew_before: Duration::from_secs(2),
                 pod: None,
             }),
+            addon_name: addon_name.clone(),
         };
         let (health, metrics) = (Health::default(), Metrics::default());
         let (stop, stopped) = oneshot::channel();
@@ -142,6 +148,7 @@ impl TestHub {
             metrics,
             namespace: namespace.to_owned(),
             addr,
+            addon_name,
             stop: Some(stop),
             task: Some(task),
         }
@@ -179,15 +186,16 @@ impl TestHub {
 
     /// A client certificate as OCM's add-on registration issues it for `cluster`.
     pub async fn proxy_certificate(&self, cluster: &str) -> IssuedCertificate {
+        let addon = &self.addon_name;
         self.ca()
             .await
             .issue(&Leaf::client(
                 &format!(
-                    "system:open-cluster-management:cluster:{cluster}:addon:kmm:agent:kmm-agent"
+                    "system:open-cluster-management:cluster:{cluster}:addon:{addon}:agent:{addon}-agent"
                 ),
                 &[
-                    format!("system:open-cluster-management:cluster:{cluster}:addon:kmm"),
-                    "system:open-cluster-management:addon:kmm".into(),
+                    format!("system:open-cluster-management:cluster:{cluster}:addon:{addon}"),
+                    format!("system:open-cluster-management:addon:{addon}"),
                     "system:authenticated".into(),
                 ],
                 Duration::from_secs(3600),

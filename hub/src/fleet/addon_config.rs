@@ -1,0 +1,489 @@
+//! The add-on's AddOnDeploymentConfigs (ADCs) as the hub sees them: which ones the add-on
+//! uses, the variables holding the hub's CA that the hub keeps in each (the proxies learn
+//! the CA only from there), and the variables users must set. Pure: the runtime passes
+//! the watched objects' contents.
+
+use std::collections::BTreeSet;
+use std::fmt;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// API group of OCM's add-on resources.
+pub const GROUP: &str = "addon.open-cluster-management.io";
+/// Resource (plural) of AddOnDeploymentConfigs in config references.
+pub const ADC_RESOURCE: &str = "addondeploymentconfigs";
+/// Prefix of the variables holding the hub's CA bundle: `HUB_CA_BUNDLE_1`,
+/// `HUB_CA_BUNDLE_2`, ... Concatenated in order they are the base64 of the CA certificate
+/// PEM.
+pub const CA_BUNDLE_PREFIX: &str = "HUB_CA_BUNDLE_";
+/// How many bundle variables the add-on's template concatenates. Unused ones render empty.
+pub const CA_BUNDLE_PARTS: usize = 4;
+/// OCM's CRD limits a variable's value to 1024 characters, and the base64 of an RSA-2048
+/// CA's PEM is about 1460: the bundle is split over several variables.
+pub const MAX_VALUE_LEN: usize = 1024;
+/// Variables users must set, non-empty, for the proxy to work.
+pub const REQUIRED_VARIABLES: [&str; 2] = ["HUB_ADDRESS", "LOG_LEVEL"];
+
+/// Parses a watched object's field leniently: a field OCM left out, or shaped unlike the
+/// subset read here, reads as empty rather than stopping the controller.
+pub fn parse<T: DeserializeOwned + Default>(value: &serde_json::Value) -> T {
+    T::deserialize(value).unwrap_or_default()
+}
+
+/// One entry of an ADC's `spec.customizedVariables`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Variable {
+    pub name: String,
+    pub value: String,
+}
+
+/// The part of an AddOnDeploymentConfig's spec the hub reads.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+pub struct DeploymentConfigSpec {
+    pub customized_variables: Vec<Variable>,
+}
+
+/// Namespace and name of a namespaced config.
+#[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Deserialize)]
+#[serde(default)]
+pub struct ConfigName {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl ConfigName {
+    pub fn new(namespace: &str, name: &str) -> Self {
+        Self {
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+        }
+    }
+
+    fn is_complete(&self) -> bool {
+        !self.namespace.is_empty() && !self.name.is_empty()
+    }
+}
+
+impl fmt::Display for ConfigName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// A config reference: an MCA's `spec.configs[]` or `status.configReferences[]`, a
+/// placement's `configs[]`.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+pub struct ConfigRef {
+    pub group: String,
+    pub resource: String,
+    #[serde(flatten)]
+    pub referent: ConfigName,
+    /// In `status.configReferences`: the config OCM renders with.
+    pub desired_config: Option<ConfigName>,
+}
+
+impl ConfigRef {
+    /// The ADC this references, if it references one.
+    fn deployment_config(&self) -> Option<ConfigName> {
+        if self.group != GROUP || self.resource != ADC_RESOURCE {
+            return None;
+        }
+        let desired = self.desired_config.as_ref().filter(|d| d.is_complete());
+        Some(desired.unwrap_or(&self.referent).clone()).filter(ConfigName::is_complete)
+    }
+}
+
+/// The part of a ClusterManagementAddOn's spec the hub reads.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+pub struct ManagementAddOnSpec {
+    pub supported_configs: Vec<SupportedConfig>,
+    pub install_strategy: InstallStrategy,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+pub struct SupportedConfig {
+    pub group: String,
+    pub resource: String,
+    pub default_config: Option<ConfigName>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct InstallStrategy {
+    pub placements: Vec<PlacementStrategy>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct PlacementStrategy {
+    pub configs: Vec<ConfigRef>,
+}
+
+impl ManagementAddOnSpec {
+    /// The default ADC of every cluster's add-on.
+    fn default_config(&self) -> Option<ConfigName> {
+        self.supported_configs
+            .iter()
+            .filter(|c| c.group == GROUP && c.resource == ADC_RESOURCE)
+            .find_map(|c| c.default_config.clone())
+            .filter(ConfigName::is_complete)
+    }
+}
+
+/// The part of a ManagedClusterAddOn's spec the hub reads.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct AddOnSpec {
+    pub configs: Vec<ConfigRef>,
+}
+
+/// The part of a ManagedClusterAddOn's status the hub reads (conditions apart).
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+pub struct AddOnStatus {
+    pub config_references: Vec<ConfigRef>,
+}
+
+/// Every ADC the add-on uses: the ClusterManagementAddOn's default and its placements'
+/// configs, and what each ManagedClusterAddOn names or OCM resolved for it.
+pub fn used_configs<'a>(
+    management: Option<&ManagementAddOnSpec>,
+    addons: impl IntoIterator<Item = (&'a AddOnSpec, &'a AddOnStatus)>,
+) -> BTreeSet<ConfigName> {
+    let mut used: BTreeSet<ConfigName> = BTreeSet::new();
+    if let Some(management) = management {
+        used.extend(management.default_config());
+        used.extend(
+            management
+                .install_strategy
+                .placements
+                .iter()
+                .flat_map(|p| &p.configs)
+                .filter_map(ConfigRef::deployment_config),
+        );
+    }
+    for (spec, status) in addons {
+        used.extend(
+            spec.configs
+                .iter()
+                .chain(&status.config_references)
+                .filter_map(ConfigRef::deployment_config),
+        );
+    }
+    used
+}
+
+/// The ADC OCM renders a cluster's add-on with: the first ADC reference of
+/// `status.configReferences` (OCM reads only that one). Until OCM's addon-manager has
+/// filled them in, what it will fill in: the add-on's own config, else the default.
+pub fn effective_config(
+    management: Option<&ManagementAddOnSpec>,
+    spec: &AddOnSpec,
+    status: &AddOnStatus,
+) -> Option<ConfigName> {
+    status
+        .config_references
+        .iter()
+        .find_map(ConfigRef::deployment_config)
+        .or_else(|| spec.configs.iter().find_map(ConfigRef::deployment_config))
+        .or_else(|| management.and_then(ManagementAddOnSpec::default_config))
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+#[error(
+    "the hub's CA bundle needs {parts} variables of at most {MAX_VALUE_LEN} characters, more \
+     than the {CA_BUNDLE_PARTS} the add-on's template reads"
+)]
+pub struct BundleTooLarge {
+    parts: usize,
+}
+
+/// The variables carrying `ca_pem`: its base64, split into values OCM accepts.
+pub fn ca_bundle_variables(ca_pem: &str) -> Result<Vec<Variable>, BundleTooLarge> {
+    let encoded = STANDARD.encode(ca_pem);
+    let parts: Vec<&[u8]> = encoded.as_bytes().chunks(MAX_VALUE_LEN).collect();
+    if parts.len() > CA_BUNDLE_PARTS {
+        return Err(BundleTooLarge { parts: parts.len() });
+    }
+    Ok(parts
+        .iter()
+        .enumerate()
+        .map(|(i, part)| Variable {
+            name: format!("{CA_BUNDLE_PREFIX}{}", i + 1),
+            // Base64 is ASCII: every split is valid UTF-8.
+            value: String::from_utf8_lossy(part).into_owned(),
+        })
+        .collect())
+}
+
+/// Whether the ADC lacks any of `bundle` as it is.
+pub fn lacks(spec: &DeploymentConfigSpec, bundle: &[Variable]) -> bool {
+    bundle
+        .iter()
+        .any(|wanted| !spec.customized_variables.contains(wanted))
+}
+
+/// Why the add-on of a cluster cannot be rendered as the proxy needs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ConfigProblem {
+    /// No ADC configures it at all.
+    NoConfig,
+    /// The ADC it references does not exist.
+    NotFound(ConfigName),
+    /// Required variables are unset or empty.
+    Missing {
+        config: ConfigName,
+        variables: Vec<&'static str>,
+    },
+}
+
+impl fmt::Display for ConfigProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let required = REQUIRED_VARIABLES.join(", ");
+        match self {
+            Self::NoConfig => write!(
+                f,
+                "no AddOnDeploymentConfig configures the add-on for this cluster (neither the \
+                 ClusterManagementAddOn's default nor the ManagedClusterAddOn's configs); one \
+                 must set {required}"
+            ),
+            Self::NotFound(config) => write!(
+                f,
+                "AddOnDeploymentConfig {config}, which configures the add-on for this \
+                 cluster, does not exist; it must set {required}"
+            ),
+            Self::Missing { config, variables } => write!(
+                f,
+                "AddOnDeploymentConfig {config} does not set {} (required, non-empty, in \
+                 spec.customizedVariables)",
+                variables.join(", ")
+            ),
+        }
+    }
+}
+
+/// What is wrong with the ADC `effective` (looked up with `lookup`), if anything.
+pub fn config_problem<'a>(
+    effective: Option<&ConfigName>,
+    lookup: impl Fn(&ConfigName) -> Option<&'a DeploymentConfigSpec>,
+) -> Option<ConfigProblem> {
+    let Some(config) = effective else {
+        return Some(ConfigProblem::NoConfig);
+    };
+    let Some(spec) = lookup(config) else {
+        return Some(ConfigProblem::NotFound(config.clone()));
+    };
+    let variables: Vec<&'static str> = REQUIRED_VARIABLES
+        .into_iter()
+        .filter(|required| {
+            !spec
+                .customized_variables
+                .iter()
+                .any(|v| v.name == *required && !v.value.trim().is_empty())
+        })
+        .collect();
+    (!variables.is_empty()).then(|| ConfigProblem::Missing {
+        config: config.clone(),
+        variables,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use serde_json::json;
+
+    use super::*;
+
+    fn adc_ref(namespace: &str, name: &str) -> serde_json::Value {
+        json!({"group": GROUP, "resource": ADC_RESOURCE, "namespace": namespace, "name": name})
+    }
+
+    fn management(default: Option<(&str, &str)>) -> ManagementAddOnSpec {
+        let mut supported = vec![json!({"group": GROUP, "resource": "addontemplates",
+            "defaultConfig": {"name": "kmm-template"}})];
+        if let Some((namespace, name)) = default {
+            supported.push(json!({"group": GROUP, "resource": ADC_RESOURCE,
+                "defaultConfig": {"namespace": namespace, "name": name}}));
+        }
+        parse(&json!({"supportedConfigs": supported, "installStrategy": {"type": "Manual"}}))
+    }
+
+    fn variables(pairs: &[(&str, &str)]) -> DeploymentConfigSpec {
+        DeploymentConfigSpec {
+            customized_variables: pairs
+                .iter()
+                .map(|(name, value)| Variable {
+                    name: (*name).into(),
+                    value: (*value).into(),
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn used_configs_are_the_default_placements_and_every_add_on_reference() {
+        let mut cma = management(Some(("kmm", "defaults")));
+        cma.install_strategy = parse(&json!({"type": "Placements", "placements": [
+            {"name": "p", "namespace": "kmm", "configs": [adc_ref("kmm", "canary")]},
+        ]}));
+        let spec: AddOnSpec = parse(&json!({"configs": [
+            adc_ref("spoke1", "own"),
+            {"group": GROUP, "resource": "addontemplates", "name": "t"},
+        ]}));
+        let status: AddOnStatus = parse(&json!({"configReferences": [{
+            "group": GROUP, "resource": ADC_RESOURCE, "namespace": "old", "name": "old",
+            "desiredConfig": {"namespace": "spoke1", "name": "own", "specHash": "h"},
+            "lastObservedGeneration": 1,
+        }]}));
+        let other_status: AddOnStatus =
+            parse(&json!({"configReferences": [adc_ref("spoke2", "theirs")]}));
+        let empty = AddOnSpec::default();
+        let used = used_configs(Some(&cma), [(&spec, &status), (&empty, &other_status)]);
+        assert_eq!(
+            used.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            ["kmm/canary", "kmm/defaults", "spoke1/own", "spoke2/theirs"]
+        );
+    }
+
+    #[test]
+    fn incomplete_or_foreign_references_are_ignored() {
+        let spec: AddOnSpec = parse(&json!({"configs": [
+            {"group": GROUP, "resource": ADC_RESOURCE, "name": "no-namespace"},
+            {"group": "other.example", "resource": ADC_RESOURCE, "namespace": "a", "name": "b"},
+        ]}));
+        let status = AddOnStatus::default();
+        assert!(used_configs(None, [(&spec, &status)]).is_empty());
+        assert!(used_configs(Some(&management(None)), []).is_empty());
+    }
+
+    #[test]
+    fn the_effective_config_is_the_first_resolved_reference_then_the_own_then_the_default() {
+        let cma = management(Some(("kmm", "defaults")));
+        let own: AddOnSpec = parse(&json!({"configs": [adc_ref("spoke1", "own")]}));
+        let resolved: AddOnStatus = parse(&json!({"configReferences": [
+            {"group": GROUP, "resource": "addontemplates", "name": "t"},
+            adc_ref("kmm", "first"),
+            adc_ref("kmm", "second"),
+        ]}));
+        let none = AddOnStatus::default();
+        let effective = |spec, status| effective_config(Some(&cma), spec, status);
+        assert_eq!(
+            effective(&own, &resolved),
+            Some(ConfigName::new("kmm", "first"))
+        );
+        assert_eq!(
+            effective(&own, &none),
+            Some(ConfigName::new("spoke1", "own"))
+        );
+        assert_eq!(
+            effective(&AddOnSpec::default(), &none),
+            Some(ConfigName::new("kmm", "defaults"))
+        );
+        assert_eq!(effective_config(None, &AddOnSpec::default(), &none), None);
+    }
+
+    #[test]
+    fn the_bundle_is_the_pems_base64_in_parts_ocm_accepts() {
+        let pem = format!(
+            "-----BEGIN CERTIFICATE-----\n{}\n-----END CERTIFICATE-----\n",
+            "A".repeat(1040)
+        );
+        let bundle = ca_bundle_variables(&pem).unwrap();
+        let names: Vec<&str> = bundle.iter().map(|v| v.name.as_str()).collect();
+        assert_eq!(names, ["HUB_CA_BUNDLE_1", "HUB_CA_BUNDLE_2"]);
+        assert!(bundle.iter().all(|v| v.value.len() <= MAX_VALUE_LEN));
+        let joined: String = bundle.iter().map(|v| v.value.as_str()).collect();
+        assert_eq!(STANDARD.decode(joined).unwrap(), pem.as_bytes());
+    }
+
+    #[test]
+    fn a_bundle_beyond_what_the_template_reads_is_refused() {
+        assert_eq!(ca_bundle_variables(&"x".repeat(3072)).unwrap().len(), 4);
+        let error = ca_bundle_variables(&"x".repeat(3073)).unwrap_err();
+        assert!(error.to_string().contains("needs 5 variables"), "{error}");
+    }
+
+    #[test]
+    fn an_adc_lacks_the_bundle_until_every_part_is_there_as_is() {
+        let bundle = ca_bundle_variables("pem").unwrap();
+        let user = ("HUB_ADDRESS", "https://hub:7443");
+        assert!(lacks(&variables(&[user]), &bundle));
+        assert!(lacks(
+            &variables(&[user, ("HUB_CA_BUNDLE_1", "stale")]),
+            &bundle
+        ));
+        let value = bundle[0].value.clone();
+        assert!(!lacks(
+            &variables(&[user, ("HUB_CA_BUNDLE_1", &value)]),
+            &bundle
+        ));
+    }
+
+    #[test]
+    fn required_variables_must_be_set_and_non_empty() {
+        let configs = BTreeMap::from([
+            (
+                ConfigName::new("kmm", "complete"),
+                variables(&[("HUB_ADDRESS", "https://hub:7443"), ("LOG_LEVEL", "info")]),
+            ),
+            (
+                ConfigName::new("kmm", "partial"),
+                variables(&[("HUB_ADDRESS", " "), ("LOG_LEVEL", "info")]),
+            ),
+            (ConfigName::new("kmm", "empty"), variables(&[])),
+        ]);
+        let problem =
+            |name: &str| config_problem(Some(&ConfigName::new("kmm", name)), |c| configs.get(c));
+        assert_eq!(problem("complete"), None);
+        let partial = problem("partial").unwrap();
+        assert_eq!(
+            partial,
+            ConfigProblem::Missing {
+                config: ConfigName::new("kmm", "partial"),
+                variables: vec!["HUB_ADDRESS"],
+            }
+        );
+        assert!(
+            partial
+                .to_string()
+                .starts_with("AddOnDeploymentConfig kmm/partial does not set HUB_ADDRESS "),
+            "{partial}"
+        );
+        assert!(
+            problem("empty")
+                .unwrap()
+                .to_string()
+                .contains("does not set HUB_ADDRESS, LOG_LEVEL"),
+        );
+        let absent = problem("absent").unwrap();
+        assert_eq!(
+            absent,
+            ConfigProblem::NotFound(ConfigName::new("kmm", "absent"))
+        );
+        assert!(absent.to_string().contains("kmm/absent"), "{absent}");
+        let none = config_problem(None, |c| configs.get(c)).unwrap();
+        assert!(
+            none.to_string().contains("HUB_ADDRESS, LOG_LEVEL"),
+            "{none}"
+        );
+    }
+
+    #[test]
+    fn misshapen_fields_read_as_empty() {
+        let spec: DeploymentConfigSpec = parse(&json!({"customizedVariables": "nonsense"}));
+        assert!(spec.customized_variables.is_empty());
+        let spec: AddOnSpec = parse(&serde_json::Value::Null);
+        assert!(spec.configs.is_empty());
+    }
+}
