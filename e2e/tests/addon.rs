@@ -44,7 +44,10 @@ fn toolchain() -> Result<Toolchain> {
 
 fn addon_api(hub: &Client, kind: &str, plural: &str) -> Api<DynamicObject> {
     let gvk = GroupVersionKind::gvk("addon.open-cluster-management.io", "v1alpha1", kind);
-    Api::all_with(hub.clone(), &ApiResource::from_gvk_with_plural(&gvk, plural))
+    Api::all_with(
+        hub.clone(),
+        &ApiResource::from_gvk_with_plural(&gvk, plural),
+    )
 }
 
 fn condition<'a>(object: &'a Value, type_: &str) -> Option<&'a Value> {
@@ -68,7 +71,10 @@ async fn loaded_module(
         label_node(fleet.spoke(cluster)?, &node, &id, true).await?;
         targets.push((cluster.to_owned(), node));
     }
-    ensure!(!targets.is_empty(), "{cluster} has no node with a sample image");
+    ensure!(
+        !targets.is_empty(),
+        "{cluster} has no node with a sample image"
+    );
     create(&fleet.hub, &module(&name, &id, sample_mapping(fleet))?).await?;
     wait_labelled(fleet, &name, &targets).await?;
     Ok((id, name, targets))
@@ -144,7 +150,10 @@ async fn ocm_deploys_kmm_signs_its_certificate_and_reports_it_available() -> Res
     );
 
     let (cert, _) = fleet_kmm::ocm_client_certificate(client).await?;
-    ensure!(cert.contains("BEGIN CERTIFICATE"), "the Secret holds a certificate");
+    ensure!(
+        cert.contains("BEGIN CERTIFICATE"),
+        "the Secret holds a certificate"
+    );
     let proxy = fleet_kmm::proxy_pod(client).await?;
     let mounted = proxy
         .spec
@@ -152,10 +161,7 @@ async fn ocm_deploys_kmm_signs_its_certificate_and_reports_it_available() -> Res
         .and_then(|s| s.volumes.as_ref())
         .is_some_and(|volumes| {
             volumes.iter().any(|v| {
-                v.secret
-                    .as_ref()
-                    .and_then(|s| s.secret_name.as_deref())
-                    == Some(CLIENT_CERT_SECRET)
+                v.secret.as_ref().and_then(|s| s.secret_name.as_deref()) == Some(CLIENT_CERT_SECRET)
             })
         });
     ensure!(mounted, "the proxy Pod mounts {CLIENT_CERT_SECRET}");
@@ -184,7 +190,11 @@ async fn ocm_deploys_kmm_signs_its_certificate_and_reports_it_available() -> Res
         .filter(|a| targets.iter().any(|(_, n)| *n == a.node))
         .map(|a| a.simulated)
         .collect();
-    println!("loaded on {} nodes ({} KWOK)", kinds.len(), kinds.iter().filter(|k| **k).count());
+    println!(
+        "loaded on {} nodes ({} KWOK)",
+        kinds.len(),
+        kinds.iter().filter(|k| **k).count()
+    );
     unload_module(&fleet, &spoke, &id, &name).await
 }
 
@@ -201,9 +211,11 @@ async fn a_renewed_certificate_is_used_without_a_restart_or_an_unload() -> Resul
     );
     let proxy = fleet_kmm::proxy_pod(client).await?;
     let (old_cert, _) = fleet_kmm::ocm_client_certificate(client).await?;
-    let old_expiry =
-        proxy_gauge(client, "kmm_spoke_proxy_hub_client_certificate_expiry_timestamp_seconds")
-            .await?;
+    let old_expiry = proxy_gauge(
+        client,
+        "kmm_spoke_proxy_hub_client_certificate_expiry_timestamp_seconds",
+    )
+    .await?;
 
     // Forces a renewal: OCM's registration agent issues a new CSR for the missing Secret.
     let started = Instant::now();
@@ -232,7 +244,9 @@ async fn a_renewed_certificate_is_used_without_a_restart_or_an_unload() -> Resul
         if expiry > old_expiry && connected == 1.0 {
             Ok(())
         } else {
-            Err(format!("expiry {expiry} (was {old_expiry}), connected {connected}"))
+            Err(format!(
+                "expiry {expiry} (was {old_expiry}), connected {connected}"
+            ))
         }
     })
     .await?;
@@ -462,7 +476,8 @@ async fn a_new_template_version_rolls_the_proxy_and_agents_without_unloading() -
     }
     let next_name = unique("kmm-next");
     let mut next: Value = serde_json::from_str(
-        &serde_json::to_string(&current.data)?.replace(&format!(":{old_tag}\""), &format!(":{new_tag}\"")),
+        &serde_json::to_string(&current.data)?
+            .replace(&format!(":{old_tag}\""), &format!(":{new_tag}\"")),
     )?;
     next["metadata"] = json!({ "name": next_name });
     templates
@@ -498,7 +513,9 @@ async fn a_new_template_version_rolls_the_proxy_and_agents_without_unloading() -
 
     use_template(&fleet.hub, "kmm-0.1.0").await?;
     wait_rolled(client, &old_tag).await?;
-    templates.delete(&next_name, &DeleteParams::default()).await?;
+    templates
+        .delete(&next_name, &DeleteParams::default())
+        .await?;
     wait_labelled(&fleet, &name, &targets).await?;
     unload_module(&fleet, &spoke, &id, &name).await
 }

@@ -340,7 +340,8 @@ async fn a_severed_hub_connection_leaves_modules_loaded_and_labelled() -> Result
         "the restarted agent reloaded the module"
     );
     ensure!(
-        unloads_except(&fleet, &kmm, &node).await? + agent_attempts(&fleet, agent, "unloads").await?
+        unloads_except(&fleet, &kmm, &node).await?
+            + agent_attempts(&fleet, agent, "unloads").await?
             == unloads_before,
         "nothing was unloaded"
     );
@@ -356,7 +357,8 @@ async fn a_severed_hub_connection_leaves_modules_loaded_and_labelled() -> Result
     })
     .await?;
     ensure!(
-        unloads_except(&fleet, &kmm, &node).await? + agent_attempts(&fleet, agent, "unloads").await?
+        unloads_except(&fleet, &kmm, &node).await?
+            + agent_attempts(&fleet, agent, "unloads").await?
             == unloads_before,
         "nothing was unloaded once the hub returned"
     );
@@ -504,8 +506,7 @@ async fn an_agent_token_for_one_node_cannot_obtain_another_nodes_work() -> Resul
         Some((a, &uid)),
     )
     .await?;
-    let reply =
-        probe::first_agent_instruction(&endpoint, &agent_ca, &other_audience, a).await;
+    let reply = probe::first_agent_instruction(&endpoint, &agent_ca, &other_audience, a).await;
     ensure!(
         reply.is_err(),
         "a token for another audience is refused: {reply:?}"

@@ -324,7 +324,8 @@ impl Starting {
             };
             // The simulated node's `uname -r`.
             let kernel = agent.kernel_dir();
-            std::fs::create_dir_all(&kernel).context(|| format!("creating {}", kernel.display()))?;
+            std::fs::create_dir_all(&kernel)
+                .context(|| format!("creating {}", kernel.display()))?;
             std::fs::write(kernel.join("release"), &node.kernel)
                 .context(|| format!("writing {}", kernel.join("release").display()))?;
             agents.push(agent);
@@ -344,7 +345,10 @@ impl Starting {
                 simulated: false,
             });
         }
-        let logs = self.dir.join("logs").join(format!("{}-kwok-pods", spoke.name));
+        let logs = self
+            .dir
+            .join("logs")
+            .join(format!("{}-kwok-pods", spoke.name));
         std::fs::create_dir_all(&logs).context(|| format!("creating {}", logs.display()))?;
         self.start_program(
             &format!("{}/kwok-pod-runner", spoke.name),
@@ -459,7 +463,12 @@ pub async fn wait_agents_ready(spoke: &Client, timeout: Duration) -> Result<()> 
         let mut waiting = vec![];
         for pod in &pods {
             if !answers_ok(pod, AGENT_METRICS_PORT, "/readyz").await {
-                waiting.push(pod.spec.as_ref().and_then(|s| s.node_name.clone()).unwrap_or_default());
+                waiting.push(
+                    pod.spec
+                        .as_ref()
+                        .and_then(|s| s.node_name.clone())
+                        .unwrap_or_default(),
+                );
             }
         }
         match waiting.is_empty() {
@@ -522,7 +531,12 @@ async fn get(pod: &Pod, port: u16, path: &str) -> Result<String> {
 
 /// The `/metrics` text of the agent on `node`.
 pub async fn agent_metrics(spoke: &Client, node: &str) -> Result<String> {
-    get(&agent_pod(spoke, node).await?, AGENT_METRICS_PORT, "/metrics").await
+    get(
+        &agent_pod(spoke, node).await?,
+        AGENT_METRICS_PORT,
+        "/metrics",
+    )
+    .await
 }
 
 /// The `/metrics` text of the spoke's proxy.
@@ -548,20 +562,24 @@ async fn replace_pod(spoke: &Client, old: Pod, port: u16, timeout: Duration) -> 
         .get("app.kubernetes.io/name")
         .map(|n| format!("app.kubernetes.io/name={n}"))
         .unwrap_or_default();
-    wait_until(&format!("a ready replacement of Pod {name}"), timeout, || async {
-        let pods = pods(spoke, &selector).await.map_err(|e| e.to_string())?;
-        let Some(new) = pods.into_iter().find(|p| {
-            p.uid() != uid
-                && (node.is_none() || p.spec.as_ref().and_then(|s| s.node_name.clone()) == node)
-        }) else {
-            return Err("no replacement yet".to_owned());
-        };
-        if answers_ok(&new, port, "/readyz").await {
-            Ok(new)
-        } else {
-            Err(format!("{} not ready", new.name_any()))
-        }
-    })
+    wait_until(
+        &format!("a ready replacement of Pod {name}"),
+        timeout,
+        || async {
+            let pods = pods(spoke, &selector).await.map_err(|e| e.to_string())?;
+            let Some(new) = pods.into_iter().find(|p| {
+                p.uid() != uid
+                    && (node.is_none() || p.spec.as_ref().and_then(|s| s.node_name.clone()) == node)
+            }) else {
+                return Err("no replacement yet".to_owned());
+            };
+            if answers_ok(&new, port, "/readyz").await {
+                Ok(new)
+            } else {
+                Err(format!("{} not ready", new.name_any()))
+            }
+        },
+    )
     .await
 }
 
