@@ -89,7 +89,11 @@
 //! * **Timing.** ConfigMap changes reach the files within 500 ms (a kubelet may take a
 //!   minute).
 
+mod container;
 mod expansion;
 mod fields;
 mod paths;
+mod selection;
 mod service_env;
+mod tokens;
+mod volumes;
