@@ -89,11 +89,18 @@
 //! * **Timing.** ConfigMap changes reach the files within 500 ms (a kubelet may take a
 //!   minute).
 
+mod address;
+mod child;
 mod container;
 mod expansion;
 mod fields;
+mod files;
 mod paths;
 mod selection;
 mod service_env;
+mod status;
 mod tokens;
 mod volumes;
+
+pub use child::Exec;
+pub use status::{ContainerStatus, State, Status};
