@@ -99,8 +99,315 @@ mod paths;
 mod selection;
 mod service_env;
 mod status;
+mod supervisor;
 mod tokens;
 mod volumes;
 
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, ResourceExt};
+use tokio::sync::Notify;
+use tokio::task::{self, JoinSet};
+use tokio_stream::StreamExt;
+
 pub use child::Exec;
 pub use status::{ContainerStatus, State, Status};
+
+use crate::{Error, IoContext, Result};
+
+/// The power switch's file name in a node's directory.
+pub const POWERED_OFF: &str = "powered-off";
+/// The runner's view, in the root directory.
+pub const STATUS_FILE: &str = "status.json";
+
+/// What the runner serves and where it puts things (the command line).
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The cluster's admin kubeconfig.
+    pub kubeconfig: PathBuf,
+    /// The pods' namespace.
+    pub namespace: String,
+    /// The pods' label selector.
+    pub selector: String,
+    /// Only pods on nodes with this annotation (KWOK's `kwok.x-k8s.io/node=fake`).
+    pub node_annotation: (String, String),
+    /// The real node's network namespace (`/run/netns/<name>`).
+    pub netns: String,
+    /// The interface the runner owns in that namespace for pod IPs.
+    pub address_interface: String,
+    /// Per-node directories and `status.json`.
+    pub root: PathBuf,
+    /// Image path of a program -> host path.
+    pub programs: BTreeMap<String, PathBuf>,
+    /// Containers' logs.
+    pub logs: PathBuf,
+}
+
+/// `KEY=VALUE` as a pair; the key must not be empty.
+pub fn split_assignment(text: &str) -> Result<(String, String)> {
+    match text.split_once('=') {
+        Some((key, value)) if !key.is_empty() => Ok((key.to_owned(), value.to_owned())),
+        _ => Err(Error::Invalid(format!("{text:?} is not KEY=VALUE"))),
+    }
+}
+
+/// Serves the cluster until `shutdown` resolves, then stops every pod (SIGTERM, grace,
+/// SIGKILL), removes its interface and exits.
+pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<()> {
+    let netns = crate::fleet::network::netns_path(&config.netns);
+    if !netns.exists() {
+        return Err(Error::Invalid(format!(
+            "network namespace {} does not exist",
+            netns.display()
+        )));
+    }
+    for (image, host) in &config.programs {
+        if !host.is_file() {
+            return Err(Error::Invalid(format!(
+                "--program {image}={}: no such file",
+                host.display()
+            )));
+        }
+    }
+    for dir in [&config.root, &config.logs] {
+        std::fs::create_dir_all(dir).context(|| format!("creating {}", dir.display()))?;
+    }
+    let client = crate::fleet::client_for(&config.kubeconfig).await?;
+    let addresses = address::Addresses::create(&config.netns, &config.address_interface)?;
+
+    let changed = Arc::new(Notify::new());
+    let (pods, pods_writer) = reflector::store::<Pod>();
+    let (nodes, nodes_writer) = reflector::store::<Node>();
+    let (config_maps, config_maps_writer) = reflector::store::<ConfigMap>();
+    let mut watches = JoinSet::new();
+    watches.spawn(keep(
+        pods_writer,
+        Api::namespaced(client.clone(), &config.namespace),
+        watcher::Config::default().labels(&config.selector),
+        Some(changed.clone()),
+    ));
+    watches.spawn(keep(
+        nodes_writer,
+        Api::all(client.clone()),
+        watcher::Config::default(),
+        Some(changed.clone()),
+    ));
+    watches.spawn(keep(
+        config_maps_writer,
+        Api::namespaced(client.clone(), &config.namespace),
+        watcher::Config::default(),
+        None,
+    ));
+
+    let ctx = Arc::new(supervisor::Context {
+        client,
+        root: config.root.clone(),
+        logs: config.logs.clone(),
+        netns,
+        programs: config.programs.clone(),
+        host_path: std::env::var("PATH").ok(),
+        config_maps: config_maps.clone(),
+        addresses,
+        board: status::Board::new(&config.root.join(STATUS_FILE)),
+    });
+    ctx.board.write()?;
+    let board = ctx.clone();
+    watches.spawn(async move {
+        loop {
+            board.board.changed().await;
+            if let Err(e) = board.board.write() {
+                tracing::warn!(error = %e, "cannot write the status");
+            }
+        }
+    });
+
+    let mut shutdown = std::pin::pin!(shutdown);
+    let synced = async {
+        let _ = pods.wait_until_ready().await;
+        let _ = nodes.wait_until_ready().await;
+        let _ = config_maps.wait_until_ready().await;
+    };
+    tokio::select! {
+        () = &mut shutdown => return finish(&ctx, watches),
+        () = synced => {}
+    }
+    tracing::info!(
+        namespace = config.namespace,
+        selector = config.selector,
+        netns = config.netns,
+        "caches synced; serving"
+    );
+
+    let annotation = (
+        config.node_annotation.0.as_str(),
+        config.node_annotation.1.as_str(),
+    );
+    let mut runner = Runner::default();
+    loop {
+        runner.reconcile(&ctx, &pods, &nodes, annotation);
+        tokio::select! {
+            () = &mut shutdown => break,
+            () = changed.notified() => {}
+            Some(done) = runner.tasks.join_next_with_id() => runner.finished(done),
+        }
+    }
+    tracing::info!("stopping every pod");
+    for (_, handle) in runner.running.drain() {
+        handle.stop();
+    }
+    while let Some(done) = runner.tasks.join_next_with_id().await {
+        runner.finished(done);
+    }
+    finish(&ctx, watches)
+}
+
+/// After every pod stopped: the last status, no interface left behind.
+fn finish(ctx: &supervisor::Context, mut watches: JoinSet<()>) -> Result<()> {
+    watches.abort_all();
+    ctx.board.write()?;
+    ctx.addresses.delete()
+}
+
+/// Keeps a store current; `changed` is told of every change once the store listed.
+async fn keep<K>(
+    writer: reflector::store::Writer<K>,
+    api: Api<K>,
+    config: watcher::Config,
+    changed: Option<Arc<Notify>>,
+) where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    let what = K::kind(&());
+    let mut events =
+        std::pin::pin!(reflector::reflector(writer, watcher(api, config)).default_backoff());
+    while let Some(event) = events.next().await {
+        match event {
+            Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => {}
+            Ok(_) => {
+                if let Some(changed) = &changed {
+                    changed.notify_one();
+                }
+            }
+            Err(error) => tracing::warn!(%what, %error, "watch failed; retrying"),
+        }
+    }
+}
+
+/// The supervisors, by pod UID.
+#[derive(Debug, Default)]
+struct Runner {
+    running: HashMap<String, supervisor::Handle>,
+    /// Pods being stopped: UID -> node.
+    stopping: HashMap<String, String>,
+    /// Supervisor tasks, which end once their pod is stopped.
+    tasks: JoinSet<String>,
+    /// Which task supervises which UID (to know which pod a panicked task had).
+    task_uids: HashMap<task::Id, String>,
+}
+
+impl Runner {
+    /// Stops the supervisors of pods no longer selected, starts those of new ones.
+    fn reconcile(
+        &mut self,
+        ctx: &Arc<supervisor::Context>,
+        pods: &Store<Pod>,
+        nodes: &Store<Node>,
+        annotation: (&str, &str),
+    ) {
+        let all: HashMap<String, Arc<Pod>> = pods
+            .state()
+            .into_iter()
+            .filter_map(|p| Some((p.uid()?, p)))
+            .collect();
+        let wanted: BTreeMap<&String, &Arc<Pod>> = all
+            .iter()
+            .filter(|(_, pod)| {
+                let node = pod
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.node_name.as_deref())
+                    .and_then(|n| nodes.get(&ObjectRef::new(n)));
+                selection::selected(pod, node.as_deref(), annotation)
+            })
+            .collect();
+        let unwanted: Vec<String> = self
+            .running
+            .keys()
+            .filter(|uid| !wanted.contains_key(uid))
+            .cloned()
+            .collect();
+        for uid in unwanted {
+            let Some(handle) = self.running.remove(&uid) else {
+                continue;
+            };
+            if let Some(pod) = all.get(&uid) {
+                handle.update(pod);
+            }
+            tracing::info!(uid, node = handle.node, "pod gone, terminating or replaced");
+            self.stopping.insert(uid, handle.node.clone());
+            handle.stop();
+        }
+        for (uid, pod) in wanted {
+            if let Some(handle) = self.running.get(uid) {
+                handle.update(pod);
+                continue;
+            }
+            let node = pod.spec.as_ref().and_then(|s| s.node_name.as_deref());
+            if self.stopping.values().any(|n| Some(n.as_str()) == node) {
+                // Started when the node's stopping pods are gone (a later reconcile).
+                continue;
+            }
+            let handle = supervisor::start(ctx.clone(), pod.clone(), &mut self.tasks);
+            self.task_uids.insert(handle.task.id(), uid.clone());
+            self.running.insert(uid.clone(), handle);
+        }
+    }
+
+    /// A supervisor's task ended: its pod is stopped.
+    fn finished(&mut self, done: Result<(task::Id, String), task::JoinError>) {
+        let id = match done {
+            Ok((id, _)) => id,
+            Err(e) => {
+                tracing::error!(error = %e, "a pod's supervisor failed");
+                e.id()
+            }
+        };
+        if let Some(uid) = self.task_uids.remove(&id) {
+            self.stopping.remove(&uid);
+            // A supervisor that failed while its pod was still wanted: started anew.
+            self.running.remove(&uid);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn assignments() {
+        assert_eq!(
+            split_assignment("kwok.x-k8s.io/node=fake").unwrap(),
+            ("kwok.x-k8s.io/node".into(), "fake".into())
+        );
+        assert_eq!(
+            split_assignment("/usr/local/bin/a=/ws/a=b").unwrap(),
+            ("/usr/local/bin/a".into(), "/ws/a=b".into())
+        );
+        assert_eq!(split_assignment("k=").unwrap(), ("k".into(), String::new()));
+        assert!(split_assignment("novalue").is_err());
+        assert!(split_assignment("=v").is_err());
+    }
+}
