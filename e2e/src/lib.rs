@@ -8,6 +8,7 @@
 //! * [`fleet`] starts, inspects and stops the environment (`cargo xtask env ...`).
 //! * [`fixture`] attaches tests to a running environment (or starts one).
 //! * [`images`] builds kmm-fleet's container images and their bases (`cargo xtask images`).
+//! * [`kwok_pod_runner`] runs the pods KWOK only pretends to run (`kwok-pod-runner`).
 
 mod cgroup;
 pub mod fixture;
@@ -15,6 +16,7 @@ pub mod fleet;
 pub mod guest;
 pub mod images;
 pub mod kmod;
+pub mod kwok_pod_runner;
 mod pki;
 mod process;
 pub mod toolchain;
