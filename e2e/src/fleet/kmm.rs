@@ -158,7 +158,7 @@ impl Agent {
 /// The PID `kwok-pod-runner`'s `status.json` records for `node`'s agent, if running.
 fn runner_pid(status: &str, node: &str) -> Option<u64> {
     let status: Value = serde_json::from_str(status).ok()?;
-    status["pods"]
+    status["containers"]
         .as_array()?
         .iter()
         .filter(|p| p["node"] == node)
