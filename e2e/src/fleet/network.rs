@@ -145,6 +145,27 @@ impl Network {
             "via",
             &self.gateway.to_string(),
         ])?;
+        // A flat pod network across the fleet: every other node's pods directly via that
+        // node on the bridge (nodes not started yet included: the route waits for its
+        // neighbour), so a spoke's pods reach the hub's Pods and back without the host
+        // forwarding anything.
+        for other in 0..MAX_REAL_NODES {
+            let neighbour = self.node(other, "neighbour")?;
+            if neighbour.ip == node.ip {
+                continue;
+            }
+            ip(&[
+                "-n",
+                ns,
+                "route",
+                "add",
+                &neighbour.pod_cidr,
+                "via",
+                &neighbour.ip.to_string(),
+                "dev",
+                "eth0",
+            ])?;
+        }
         // Per network namespace: this changes nothing on the host.
         run(Command::new("nsenter")
             .arg(format!("--net={}", netns_path(ns).display()))
