@@ -842,6 +842,10 @@ impl Starting {
                 format!("--cluster-signing-key-file={}", p(&ca.key)),
                 format!("--root-ca-file={}", p(&ca.cert)),
                 format!("--service-account-private-key-file={}", p(&sa.key)),
+                // KWOK's heartbeat stage renews a Node every 20-45 s: with the default
+                // grace a busy machine sees KWOK nodes go NotReady, and their Pods with
+                // them (for good: KWOK never marks them ready again).
+                "--node-monitor-grace-period=2m".into(),
             ],
             &[],
         )?;

@@ -108,6 +108,7 @@ async fn ocm_deploys_kmm_signs_its_certificate_and_reports_it_available() -> Res
     let fleet = Fleet::get().await?;
     let spoke = fleet.spoke_names()[0].clone();
     let client = fleet.spoke(&spoke)?;
+    fleet_kmm::wait_proxy_ready(client, WAIT).await?;
 
     let gvk = GroupVersionKind::gvk("work.open-cluster-management.io", "v1", "ManifestWork");
     let works: Api<DynamicObject> = Api::namespaced_with(
@@ -421,7 +422,7 @@ async fn wait_rolled(spoke: &Client, tag: &str) -> Result<()> {
             .as_ref()
             .and_then(|s| s.template.spec.as_ref())
             .and_then(|s| s.containers[0].image.clone());
-        let status = deployment.status.unwrap_or_default();
+        let status = deployment.status.clone().unwrap_or_default();
         let daemonset = Api::<DaemonSet>::namespaced(spoke.clone(), SPOKE_NAMESPACE)
             .get("kmm-node-agent")
             .await
@@ -431,8 +432,12 @@ async fn wait_rolled(spoke: &Client, tag: &str) -> Result<()> {
             .as_ref()
             .and_then(|s| s.template.spec.as_ref())
             .and_then(|s| s.containers[0].image.clone());
-        let ds = daemonset.status.unwrap_or_default();
-        let done = image_tag(proxy_image.as_ref()) == tag
+        let ds = daemonset.status.clone().unwrap_or_default();
+        // Counts of an older generation say nothing about the change just made.
+        let observed = status.observed_generation == deployment.metadata.generation
+            && ds.observed_generation == daemonset.metadata.generation;
+        let done = observed
+            && image_tag(proxy_image.as_ref()) == tag
             && image_tag(agent_image.as_ref()) == tag
             && status.updated_replicas == Some(1)
             && status.ready_replicas == Some(1)
@@ -450,6 +455,7 @@ async fn wait_rolled(spoke: &Client, tag: &str) -> Result<()> {
         }
     })
     .await?;
+    fleet_kmm::wait_proxy_ready(spoke, WAIT).await?;
     fleet_kmm::wait_agents_ready(spoke, WAIT).await?;
     Ok(())
 }
@@ -556,6 +562,15 @@ async fn kmm_hub_reports_a_spoke_without_a_session_degraded() -> Result<()> {
         degraded["message"].as_str().is_some_and(|m| !m.is_empty()),
         "the condition says why: {degraded}"
     );
+    fleet_kmm::wait_proxy_ready(client, WAIT).await?;
+    wait_until("kmm-hub to report the session open again", WAIT, || async {
+        let addon = addons.get(ADDON).await.map_err(|e| e.to_string())?;
+        match condition(&addon.data, "Degraded") {
+            Some(c) if c["status"] == "False" && c["reason"] == "HubSessionOpen" => Ok(()),
+            other => Err(format!("Degraded: {other:?}")),
+        }
+    })
+    .await?;
     fleet_kmm::wait_available(&fleet.hub, &spoke, WAIT).await?;
     Ok(())
 }

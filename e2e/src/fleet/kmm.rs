@@ -544,6 +544,18 @@ pub async fn proxy_metrics(spoke: &Client) -> Result<String> {
     get(&proxy_pod(spoke).await?, PROXY_METRICS_PORT, "/metrics").await
 }
 
+/// Waits until the spoke's proxy answers `/readyz` (it is connected to the hub).
+pub async fn wait_proxy_ready(spoke: &Client, timeout: Duration) -> Result<()> {
+    wait_until("the proxy to be ready", timeout, || async {
+        let pod = proxy_pod(spoke).await.map_err(|e| e.to_string())?;
+        match answers_ok(&pod, PROXY_METRICS_PORT, "/readyz").await {
+            true => Ok(()),
+            false => Err(format!("{} not ready", pod.name_any())),
+        }
+    })
+    .await
+}
+
 /// `ip:port` of the proxy's agent endpoint (the Pod's address, routed from the host).
 pub async fn proxy_agent_endpoint(spoke: &Client) -> Result<String> {
     let pod = proxy_pod(spoke).await?;
