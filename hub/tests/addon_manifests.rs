@@ -14,7 +14,10 @@ use serde_json::Value;
 const OCM_BUILT_IN: [&str; 3] = ["CLUSTER_NAME", "INSTALL_NAMESPACE", "HUB_KUBECONFIG"];
 
 fn read(file: &str) -> String {
-    let path = format!("{}/../addon-manifests/addon/{file}", env!("CARGO_MANIFEST_DIR"));
+    let path = format!(
+        "{}/../addon-manifests/addon/{file}",
+        env!("CARGO_MANIFEST_DIR")
+    );
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
 }
 
@@ -49,7 +52,10 @@ fn every_template_variable_is_defined_by_ocm_the_default_config_or_kmm_hub() {
         );
     }
     for required in REQUIRED_VARIABLES {
-        assert!(used.contains(required), "kmm-hub requires {required}, unused");
+        assert!(
+            used.contains(required),
+            "kmm-hub requires {required}, unused"
+        );
     }
     assert!(
         bundle.is_subset(&used),
