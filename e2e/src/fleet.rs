@@ -506,9 +506,10 @@ pub async fn status(settings: &Settings) -> Result<Vec<String>> {
             p.log.display()
         ));
     }
-    if state.kmm.is_some() {
+    if let Some(kmm) = &state.kmm {
         let hub = client_for(&state.cluster("hub")?.kubeconfig).await?;
         lines.extend(hub_install::status_lines(&hub).await);
+        lines.extend(kmm::memory_lines(&state, kmm));
     }
     for cluster in &state.clusters {
         if cluster.real_nodes.is_empty() {

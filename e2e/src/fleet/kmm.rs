@@ -372,6 +372,43 @@ impl Starting {
     }
 }
 
+/// The resident memory of kmm's spoke components: the proxy and agent containers on the
+/// real nodes (found in the nodes' cgroups) and the KWOK agents' processes.
+pub fn memory_lines(state: &super::State, kmm: &Kmm) -> Vec<String> {
+    let mut found: Vec<(String, i32)> = vec![];
+    for node in state.real_nodes().filter(|n| kmm.spokes.contains(&n.cluster)) {
+        for pid in node.processes().unwrap_or_default() {
+            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+            if comm.trim().starts_with("kmm-") {
+                found.push((format!("{} {} (Pod)", node.name, comm.trim()), pid));
+            }
+        }
+    }
+    for agent in kmm.agents.iter().filter(|a| a.simulated) {
+        let status = agent
+            .root
+            .parent()
+            .and_then(Path::parent)
+            .map(|dir| dir.join("status.json"))
+            .and_then(|path| std::fs::read_to_string(path).ok());
+        if let Some(pid) = status.and_then(|text| runner_pid(&text, &agent.node)) {
+            let pid = i32::try_from(pid).unwrap_or_default();
+            found.push((format!("{} kmm-node-agent (KWOK runner)", agent.node), pid));
+        }
+    }
+    found
+        .into_iter()
+        .filter_map(|(what, pid)| {
+            let (rss, peak) = crate::process::memory_kib(pid)?;
+            Some(format!(
+                "kmm {what:<48} pid {pid:<8} rss {:>4} MiB  peak {:>4} MiB",
+                rss / 1024,
+                peak / 1024
+            ))
+        })
+        .collect()
+}
+
 /// `clusteradm addon enable --names kmm --clusters <clusters>` against the hub.
 pub fn enable(clusteradm: &Path, hub_kubeconfig: &Path, clusters: &[String]) -> Result<()> {
     clusteradm_addon(clusteradm, hub_kubeconfig, "enable", clusters)
