@@ -1,7 +1,7 @@
 //! Convergence of the default local fleet, printed as figures (not a timed test):
 //! time from creating a ManagedClusterModule to every selected simulated node labelled
-//! ready, time from deleting it to every label removed, and the resident memory of
-//! kmm-hub, the spoke proxies and the node agents.
+//! ready, time from deleting it to every label removed, and the resident memory of the
+//! spoke proxies and the node agents (kmm-hub's Pods: `cargo xtask env status`).
 //!
 //! `cargo bench -p kmm-e2e --bench convergence` (attaches to `cargo xtask env up`, or
 //! starts the fleet). `KMM_BENCH_ROUNDS` sets the number of rounds (default 3).
@@ -71,15 +71,10 @@ async fn main() -> Result<()> {
     );
 
     let state = kmm_e2e::fleet::running(&settings()?).context("the fleet stopped")?;
-    for process in state.processes.iter().filter(|p| p.name.contains("/kmm-")) {
-        if let Some((rss, peak)) = process.memory_kib() {
-            println!(
-                "memory {:<40} RSS {:>6.1} MiB  peak {:>6.1} MiB",
-                process.name,
-                rss as f64 / 1024.0,
-                peak as f64 / 1024.0
-            );
-        }
+    // The proxies and agents as Pods (the nodes' cgroups) and KWOK runner processes.
+    let kmm = state.kmm.as_ref().context("the fleet runs no kmm")?;
+    for line in kmm_e2e::fleet::kmm::memory_lines(&state, kmm) {
+        println!("memory {line}");
     }
     for spoke in fleet.spoke_names() {
         label_cluster(&fleet.hub, &spoke, &id, false).await?;
