@@ -358,6 +358,51 @@ async fn disabling_leaves_modules_loaded_and_labelled_and_enabling_resumes_witho
     unload_module(&fleet, &spoke, &id, &name).await
 }
 
+#[tokio::test]
+async fn enabling_a_cluster_loads_the_modules_waiting_for_it() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let fleet = Fleet::get().await?;
+    let spoke = fleet.spoke_names().last().context("a spoke")?.clone();
+    let hub_kubeconfig = fleet.state.cluster("hub")?.kubeconfig.clone();
+    let clusteradm = toolchain()?.bin("clusteradm").to_path_buf();
+    fleet_kmm::disable(&clusteradm, &hub_kubeconfig, std::slice::from_ref(&spoke))?;
+    wait_removed(&fleet, &spoke).await?;
+
+    // A module for the cluster while it has no kmm: it waits on the hub.
+    let (id, name) = (unique("kmm-e2e.dev/waiting"), unique("waiting"));
+    label_cluster(&fleet.hub, &spoke, &id, true).await?;
+    let mut targets = vec![];
+    for (node, _) in nodes_with_images(&fleet, &spoke)? {
+        label_node(fleet.spoke(&spoke)?, &node, &id, true).await?;
+        targets.push((spoke.clone(), node));
+    }
+    create(&fleet.hub, &module(&name, &id, sample_mapping(&fleet))?).await?;
+
+    let enabled = Instant::now();
+    fleet_kmm::enable(&clusteradm, &hub_kubeconfig, std::slice::from_ref(&spoke))?;
+    fleet_kmm::wait_available(&fleet.hub, &spoke, WAIT).await?;
+    let available = enabled.elapsed();
+    let first = wait_until("a first node to load the module", WAIT, || async {
+        match labelled(&fleet, &name).await {
+            Ok(now) if !now.is_empty() => Ok(enabled.elapsed()),
+            Ok(_) => Err("no node labelled yet".to_owned()),
+            Err(e) => Err(e.to_string()),
+        }
+    })
+    .await?;
+    wait_labelled(&fleet, &name, &targets).await?;
+    println!(
+        "enable on {spoke}: Available after {:.1}s, first module loaded after {:.1}s, on all \
+         {} nodes after {:.1}s",
+        available.as_secs_f64(),
+        first.as_secs_f64(),
+        targets.len(),
+        enabled.elapsed().as_secs_f64()
+    );
+    fleet_kmm::wait_agents_ready(fleet.spoke(&spoke)?, WAIT).await?;
+    unload_module(&fleet, &spoke, &id, &name).await
+}
+
 /// Copies `image:from` to `image:to` in `registry` (the same manifest under a new tag):
 /// a new version of the image without rebuilding it.
 async fn retag(registry: &str, image: &str, from: &str, to: &str) -> Result<()> {
