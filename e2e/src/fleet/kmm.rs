@@ -376,7 +376,10 @@ impl Starting {
 /// real nodes (found in the nodes' cgroups) and the KWOK agents' processes.
 pub fn memory_lines(state: &super::State, kmm: &Kmm) -> Vec<String> {
     let mut found: Vec<(String, i32)> = vec![];
-    for node in state.real_nodes().filter(|n| kmm.spokes.contains(&n.cluster)) {
+    for node in state
+        .real_nodes()
+        .filter(|n| kmm.spokes.contains(&n.cluster))
+    {
         for pid in node.processes().unwrap_or_default() {
             let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
             if comm.trim().starts_with("kmm-") {
