@@ -603,7 +603,8 @@ pub async fn proxy_agent_endpoint(spoke: &Client) -> Result<String> {
     Ok(format!("{ip}:{PROXY_AGENTS_PORT}"))
 }
 
-/// Deletes the Pod selected by `find` and waits until its replacement answers `/readyz`.
+/// Deletes `old` (its controller creates a replacement, on the same node for an agent) and
+/// waits until the replacement answers `/readyz`; returns it.
 async fn replace_pod(spoke: &Client, old: Pod, port: u16, timeout: Duration) -> Result<Pod> {
     let api: Api<Pod> = Api::namespaced(spoke.clone(), SPOKE_NAMESPACE);
     let (name, uid) = (old.name_any(), old.uid());
