@@ -203,7 +203,14 @@ pub fn build(kernel: &str) -> Result<PathBuf> {
         let ko = format!("{module}.ko");
         std::fs::copy(src.join(&ko), extra.join(&ko)).context(|| format!("copying {ko}"))?;
     }
-    // The index files depmod reads besides the modules; the samples have no built-ins.
+    index(&root, kernel)?;
+    Ok(root)
+}
+
+/// Writes the index files depmod reads besides the modules in `extra/` (the samples
+/// have no built-ins) and runs `depmod` on `<root>/opt/lib/modules/<kernel>/`.
+fn index(root: &Path, kernel: &str) -> Result<()> {
+    let modules = root.join("opt/lib/modules").join(kernel);
     let order: String = MODULES.iter().map(|m| format!("extra/{m}.ko\n")).collect();
     for (file, contents) in [
         ("modules.order", order.as_str()),
@@ -216,7 +223,7 @@ pub fn build(kernel: &str) -> Result<PathBuf> {
         .arg("-b")
         .arg(root.join("opt"))
         .arg(kernel))?;
-    Ok(root)
+    Ok(())
 }
 
 /// The modules of `donor_root` (built for `donor`) with `vermagic` naming `release`
@@ -258,18 +265,7 @@ pub fn retarget(donor_root: &Path, donor: &str, release: &str) -> Result<PathBuf
             .arg(&from)
             .arg(extra.join(&ko)))?;
     }
-    let order: String = MODULES.iter().map(|m| format!("extra/{m}.ko\n")).collect();
-    for (file, contents) in [
-        ("modules.order", order.as_str()),
-        ("modules.builtin", ""),
-        ("modules.builtin.modinfo", ""),
-    ] {
-        std::fs::write(modules.join(file), contents).context(|| format!("writing {file}"))?;
-    }
-    run(Command::new("depmod")
-        .arg("-b")
-        .arg(root.join("opt"))
-        .arg(release))?;
+    index(&root, release)?;
     Ok(root)
 }
 

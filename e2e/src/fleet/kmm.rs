@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{Pod, Secret, ServiceAccount};
-use kmm_runtime::pki::{CertificateAuthority, Leaf};
+use kmm_runtime::pki::CertificateAuthority;
 use kube::api::{
     ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, PostParams,
 };
@@ -62,8 +62,6 @@ pub const KWOK_POD_RANGE: &str = "128/25";
 /// From `clusteradm addon enable` to the add-on Available and every agent ready, image
 /// pulls on a fresh node included.
 const ENABLE_TIMEOUT: Duration = Duration::from_secs(180);
-/// The issued certificates' lifetime in tests that present their own.
-const CLIENT_CERT_LIFETIME: Duration = Duration::from_secs(24 * 3600);
 /// The agent name in the proxy's certificate subject (OCM's `<addon>-agent` default).
 const PROXY_AGENT_NAME: &str = "kmm-agent";
 const TOKEN_LIFETIME: i64 = 7 * 24 * 3600;
@@ -118,17 +116,17 @@ impl Agent {
         Ok(self.root.parent().unwrap_or(&self.root).join("powered-off"))
     }
 
-    /// Whether `kwok-pod-runner` runs this node's agent now (from its `status.json`).
+    /// The PID of this node's agent process, if `kwok-pod-runner` runs it now (from the
+    /// runner's `status.json`).
+    pub fn runner_pid(&self) -> Option<u64> {
+        let status = self.root.parent()?.parent()?.join("status.json");
+        let text = std::fs::read_to_string(status).ok()?;
+        runner_pid(&text, &self.node)
+    }
+
+    /// Whether `kwok-pod-runner` runs this node's agent now.
     pub fn running(&self) -> bool {
-        let status = self
-            .root
-            .parent()
-            .and_then(Path::parent)
-            .map(|dir| dir.join("status.json"));
-        status
-            .and_then(|path| std::fs::read_to_string(path).ok())
-            .and_then(|text| runner_pid(&text, &self.node))
-            .is_some()
+        self.runner_pid().is_some()
     }
 
     /// Cuts the node's power: `kwok-pod-runner` kills its agent (SIGKILL) and starts
@@ -388,13 +386,7 @@ pub fn memory_lines(state: &super::State, kmm: &Kmm) -> Vec<String> {
         }
     }
     for agent in kmm.agents.iter().filter(|a| a.simulated) {
-        let status = agent
-            .root
-            .parent()
-            .and_then(Path::parent)
-            .map(|dir| dir.join("status.json"))
-            .and_then(|path| std::fs::read_to_string(path).ok());
-        if let Some(pid) = status.and_then(|text| runner_pid(&text, &agent.node)) {
+        if let Some(pid) = agent.runner_pid() {
             let pid = i32::try_from(pid).unwrap_or_default();
             found.push((format!("{} kmm-node-agent (KWOK runner)", agent.node), pid));
         }
@@ -654,22 +646,25 @@ pub async fn restart_proxy(spoke: &Client, timeout: Duration) -> Result<()> {
 
 /// The hub's CA, read from the Secret the hub created.
 async fn hub_ca(hub: &Client) -> Result<CertificateAuthority> {
-    let secrets: Api<Secret> = Api::namespaced(hub.clone(), HUB_NAMESPACE);
-    let secret = secrets.get(HUB_CA_SECRET).await?;
+    let (cert, key) = tls_pair(hub, HUB_NAMESPACE, HUB_CA_SECRET).await?;
+    CertificateAuthority::from_pem(&cert, &key)
+        .map_err(|e| Error::Invalid(format!("Secret {HUB_NAMESPACE}/{HUB_CA_SECRET}: {e}")))
+}
+
+/// `tls.crt` and `tls.key` (PEM) of Secret `namespace/name`.
+async fn tls_pair(client: &Client, namespace: &str, name: &str) -> Result<(String, String)> {
+    let secret = Api::<Secret>::namespaced(client.clone(), namespace)
+        .get(name)
+        .await?;
     let field = |key: &str| {
         secret
             .data
             .as_ref()
             .and_then(|d| d.get(key))
             .map(|v| String::from_utf8_lossy(&v.0).into_owned())
-            .ok_or_else(|| {
-                Error::Invalid(format!(
-                    "Secret {HUB_NAMESPACE}/{HUB_CA_SECRET} has no {key}"
-                ))
-            })
+            .ok_or_else(|| Error::Invalid(format!("Secret {namespace}/{name} has no {key}")))
     };
-    CertificateAuthority::from_pem(&field("tls.crt")?, &field("tls.key")?)
-        .map_err(|e| Error::Invalid(format!("Secret {HUB_NAMESPACE}/{HUB_CA_SECRET}: {e}")))
+    Ok((field("tls.crt")?, field("tls.key")?))
 }
 
 /// The subject OCM's add-on registration gives the kmm agent of `cluster`.
@@ -686,39 +681,10 @@ pub fn proxy_subject(cluster: &str) -> (String, Vec<String>) {
     )
 }
 
-/// A client certificate of `hub_ca` with the subject OCM's add-on registration gives
-/// the kmm agent of `cluster`, valid for `lifetime` (a test's own, e.g. for a cluster
-/// that is not accepted); returns the PEM certificate and key.
-pub fn issue_proxy_certificate(
-    hub_ca: &CertificateAuthority,
-    cluster: &str,
-    lifetime: Option<Duration>,
-) -> Result<(String, String)> {
-    let (common_name, organizations) = proxy_subject(cluster);
-    let issued = hub_ca
-        .issue(&Leaf::client(
-            &common_name,
-            &organizations,
-            lifetime.unwrap_or(CLIENT_CERT_LIFETIME),
-        ))
-        .map_err(|e| Error::Invalid(format!("issuing {cluster}'s proxy certificate: {e}")))?;
-    Ok((issued.cert_pem, issued.key_pem.to_string()))
-}
-
 /// The client certificate and key OCM issued to `cluster`'s proxy, from the Secret the
 /// registration agent wrote on that cluster.
 pub async fn ocm_client_certificate(spoke: &Client) -> Result<(String, String)> {
-    let secrets: Api<Secret> = Api::namespaced(spoke.clone(), SPOKE_NAMESPACE);
-    let secret = secrets.get(CLIENT_CERT_SECRET).await?;
-    let field = |key: &str| {
-        secret
-            .data
-            .as_ref()
-            .and_then(|d| d.get(key))
-            .map(|v| String::from_utf8_lossy(&v.0).into_owned())
-            .ok_or_else(|| Error::Invalid(format!("Secret {CLIENT_CERT_SECRET} has no {key}")))
-    };
-    Ok((field("tls.crt")?, field("tls.key")?))
+    tls_pair(spoke, SPOKE_NAMESPACE, CLIENT_CERT_SECRET).await
 }
 
 /// A token of ServiceAccount `namespace/name`, optionally for one audience and bound to
