@@ -78,7 +78,14 @@ enum SessionError {
     Broken(tonic::Status),
     #[error("the hub closed the stream")]
     Closed,
+    #[error("the hub did not {0} within {HANDSHAKE:?}")]
+    Unanswered(&'static str),
 }
+
+/// How long the TLS handshake, and then the hub's answer to the stream, may take. The
+/// connect timeout covers TCP only: a peer that accepts and never reads (a hub replica
+/// that bound its port but does not serve) would otherwise hold the proxy forever.
+const HANDSHAKE: Duration = Duration::from_secs(30);
 
 /// `error` and its sources: tonic's transport errors say only "transport error" at the
 /// top, the reason (refused, TLS, bad PEM) is further down.
@@ -190,7 +197,9 @@ async fn session(
     let endpoint = endpoint(link, &credentials)?;
     let channel = tokio::select! {
         () = cancel.cancelled() => return Ok(SessionEnd::Shutdown),
-        connected = endpoint.connect() => connected.map_err(SessionError::Connect)?,
+        connected = tokio::time::timeout(HANDSHAKE, endpoint.connect()) => connected
+            .map_err(|_| SessionError::Unanswered("complete the TLS handshake"))?
+            .map_err(SessionError::Connect)?,
     };
 
     let mut changes = state.subscribe();
@@ -226,7 +235,9 @@ async fn session(
     let mut client = HubClient::new(channel);
     let response = tokio::select! {
         () = cancel.cancelled() => return Ok(SessionEnd::Shutdown),
-        response = client.sync(ReceiverStream::new(rx)) => response.map_err(SessionError::Refused)?,
+        response = tokio::time::timeout(HANDSHAKE, client.sync(ReceiverStream::new(rx))) => response
+            .map_err(|_| SessionError::Unanswered("answer the stream"))?
+            .map_err(SessionError::Refused)?,
     };
     let mut inbound = response.into_inner();
     metrics.hub_connected.set(1);
