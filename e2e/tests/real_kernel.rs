@@ -381,6 +381,7 @@ fn node_module(image: &str, unload: bool) -> pb::NodeModule {
             in_tree_modules_to_remove: vec![IN_TREE.into()],
             version: VERSION.into(),
             pull_credential_id: String::new(),
+            digest: String::new(),
         }),
         credential: None,
         unload,

@@ -95,7 +95,7 @@ impl From<ImageError> for CheckError {
     fn from(e: ImageError) -> Self {
         let text = crate::image::pull::error_chain(&e);
         match e {
-            ImageError::Pull(PullError::Unauthorized { .. } | PullError::Credentials(_)) => {
+            ImageError::Pull(PullError::Registry(ref e)) if e.is_unauthorized() => {
                 Self::Unauthorized(text)
             }
             ImageError::Pull(PullError::UnsupportedLayer { .. }) => Self::Refused(text),

@@ -1,8 +1,6 @@
 //! What the control plane asks this node to run: plain types, independent of the
 //! Kubernetes API, shaped like upstream KMM's module loader settings.
 
-use std::fmt;
-
 use serde::{Deserialize, Serialize};
 
 /// `/opt`: upstream's default `dirName`.
@@ -133,36 +131,7 @@ pub struct ModprobeArgs {
     pub unload: Vec<String>,
 }
 
-/// Upstream's `registryTLS`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct RegistryTls {
-    /// Plain HTTP.
-    #[serde(default)]
-    pub insecure: bool,
-    /// HTTPS without verifying the registry's certificate.
-    #[serde(default, rename = "insecureSkipTLSVerify")]
-    pub insecure_skip_tls_verify: bool,
-}
-
-/// A pull secret's content as sent by the proxy. Its `Debug` never shows the content.
-#[derive(Clone, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub enum PullSecret {
-    /// `kubernetes.io/dockerconfigjson`: the `.dockerconfigjson` value.
-    DockerConfigJson(String),
-    /// `kubernetes.io/dockercfg`: the legacy `.dockercfg` value.
-    DockerCfg(String),
-}
-
-impl fmt::Debug for PullSecret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::DockerConfigJson(_) => f.write_str("DockerConfigJson(<redacted>)"),
-            Self::DockerCfg(_) => f.write_str("DockerCfg(<redacted>)"),
-        }
-    }
-}
+pub use kmm_registry::{PullSecret, RegistryTls};
 
 #[cfg(test)]
 mod tests {

@@ -143,7 +143,7 @@ fn module(index: usize, entry: pb::NodeModule, key: String) -> Result<DesiredMod
         key,
         version: non_empty(load.version),
         image: load.image,
-        digest: None,
+        digest: non_empty(load.digest),
         modprobe,
         in_tree_modules_to_remove: load.in_tree_modules_to_remove,
         registry_tls: desired::RegistryTls {
@@ -299,6 +299,7 @@ mod tests {
                     in_tree_modules_to_remove: vec!["old".into()],
                     version: "2".into(),
                     pull_credential_id: "cred".into(),
+                    digest: "sha256:0123".into(),
                 }),
                 credential: Some(pb::PullCredential {
                     id: "cred".into(),
@@ -317,7 +318,7 @@ mod tests {
         assert_eq!(m.key, "ns/a");
         assert_eq!(m.version.as_deref(), Some("2"));
         assert_eq!(m.image, "r/a:1");
-        assert_eq!(m.digest, None);
+        assert_eq!(m.digest.as_deref(), Some("sha256:0123"), "the hub's pin");
         assert!(m.registry_tls.insecure && m.registry_tls.insecure_skip_tls_verify);
         assert_eq!(m.modprobe.module_name.as_deref(), Some("a"));
         assert_eq!(m.modprobe.parameters, ["x=1"]);

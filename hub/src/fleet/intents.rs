@@ -139,6 +139,8 @@ fn module_load(r: &Resolution, credential: Option<&str>) -> ModuleLoad {
         in_tree_modules_to_remove: r.in_tree_modules_to_remove.clone(),
         version: r.version.clone().unwrap_or_default(),
         pull_credential_id: credential.unwrap_or_default().to_owned(),
+        // The hub does not pin digests yet: each agent resolves the tag itself.
+        digest: String::new(),
     }
 }
 

@@ -1,4 +1,4 @@
-//! kmod images: pull (with `oci-client`), cache, and safe extraction of the module and
+//! kmod images: pull (with `oci-client`, through `kmm-registry`), cache, and safe extraction of the module and
 //! firmware directories (see the `kmm-extract` crate).
 
 use std::collections::BTreeSet;
@@ -6,7 +6,6 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 pub mod cache;
-pub mod credentials;
 pub mod pull;
 
 use cache::{Cache, CacheError, io};

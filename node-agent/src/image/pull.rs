@@ -5,28 +5,18 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use oci_client::client::{ClientConfig, ClientProtocol};
-use oci_client::errors::OciDistributionError;
+pub(crate) use kmm_registry::error_chain;
+use kmm_registry::{RegistryError, parse_reference};
 use oci_client::manifest::OciImageManifest;
-use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference};
 
 use super::cache::{Cache, CacheError, io};
-use super::credentials::{self, CredentialsError};
 use crate::desired::{PullSecret, RegistryTls};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PullError {
-    #[error("invalid image reference {image:?}: {reason}")]
-    InvalidReference { image: String, reason: String },
     #[error(transparent)]
-    Credentials(#[from] CredentialsError),
-    #[error("registry refused the credentials for {image}: {detail}")]
-    Unauthorized { image: String, detail: String },
-    #[error("{image} not found in the registry: {detail}")]
-    NotFound { image: String, detail: String },
-    #[error("pulling {image}: {detail}")]
-    Registry { image: String, detail: String },
+    Registry(#[from] RegistryError),
     #[error("{image}: layer media type {media_type:?} is not a tar layer (gzip, zstd or plain)")]
     UnsupportedLayer { image: String, media_type: String },
     #[error(transparent)]
@@ -34,59 +24,9 @@ pub enum PullError {
 }
 
 impl PullError {
-    fn from_client(image: &str, error: OciDistributionError) -> Self {
-        let detail = error_chain(&error);
-        let image = image.to_string();
-        match error {
-            OciDistributionError::AuthenticationFailure(_)
-            | OciDistributionError::UnauthorizedError { .. } => {
-                Self::Unauthorized { image, detail }
-            }
-            OciDistributionError::ImageManifestNotFoundError(_) => Self::NotFound { image, detail },
-            OciDistributionError::RegistryError { ref envelope, .. }
-                if envelope.errors.iter().any(|e| {
-                    matches!(
-                        e.code,
-                        oci_client::errors::OciErrorCode::ManifestUnknown
-                            | oci_client::errors::OciErrorCode::NameUnknown
-                    )
-                }) =>
-            {
-                Self::NotFound { image, detail }
-            }
-            OciDistributionError::RegistryError { ref envelope, .. }
-                if envelope.errors.iter().any(|e| {
-                    matches!(
-                        e.code,
-                        oci_client::errors::OciErrorCode::Unauthorized
-                            | oci_client::errors::OciErrorCode::Denied
-                    )
-                }) =>
-            {
-                Self::Unauthorized { image, detail }
-            }
-            OciDistributionError::ServerError {
-                code: 401 | 403, ..
-            } => Self::Unauthorized { image, detail },
-            OciDistributionError::ServerError { code: 404, .. } => Self::NotFound { image, detail },
-            _ => Self::Registry { image, detail },
-        }
+    fn from_client(image: &str, error: oci_client::errors::OciDistributionError) -> Self {
+        Self::Registry(RegistryError::from_client(image, error))
     }
-}
-
-/// An error and its sources on one line.
-pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(s) = source {
-        let s_text = s.to_string();
-        if !text.contains(&s_text) {
-            text.push_str(": ");
-            text.push_str(&s_text);
-        }
-        source = s.source();
-    }
-    text
 }
 
 /// Where to pull from and how.
@@ -104,15 +44,6 @@ pub struct Puller {
     resolved: Mutex<HashMap<String, String>>,
 }
 
-fn parse_reference(image: &str) -> Result<Reference, PullError> {
-    image
-        .parse()
-        .map_err(|e: oci_client::ParseError| PullError::InvalidReference {
-            image: image.to_string(),
-            reason: e.to_string(),
-        })
-}
-
 impl Puller {
     pub fn new(cache: Cache) -> Self {
         Self {
@@ -126,27 +57,14 @@ impl Puller {
     }
 
     fn client(tls: RegistryTls) -> Client {
-        Client::new(ClientConfig {
-            protocol: if tls.insecure {
-                ClientProtocol::Http
-            } else {
-                ClientProtocol::Https
-            },
-            accept_invalid_certificates: tls.insecure_skip_tls_verify,
-            ..Default::default()
-        })
+        kmm_registry::client(tls)
     }
 
-    fn auth(request: &PullRequest<'_>, reference: &Reference) -> Result<RegistryAuth, PullError> {
-        let Some(secret) = request.secret else {
-            return Ok(RegistryAuth::Anonymous);
-        };
-        Ok(
-            match credentials::for_registry(secret, reference.registry())? {
-                Some(c) => RegistryAuth::Basic(c.username, c.password),
-                None => RegistryAuth::Anonymous,
-            },
-        )
+    fn auth(
+        request: &PullRequest<'_>,
+        reference: &Reference,
+    ) -> Result<oci_client::secrets::RegistryAuth, PullError> {
+        Ok(kmm_registry::auth(request.secret, reference)?)
     }
 
     /// The digest `request.image` stands for: its own digest, the digest its tag
@@ -206,10 +124,10 @@ impl Puller {
                     .await
                     .map_err(|e| PullError::from_client(request.image, e))?;
                 if got != digest {
-                    return Err(PullError::Registry {
+                    return Err(PullError::Registry(RegistryError::Registry {
                         image: request.image.to_string(),
                         detail: format!("asked for manifest {digest}, the registry served {got}"),
-                    });
+                    }));
                 }
                 self.cache.store_manifest(digest, &manifest)?;
                 downloaded = true;

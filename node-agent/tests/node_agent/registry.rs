@@ -170,7 +170,7 @@ async fn htpasswd_auth_with_right_and_wrong_credentials() {
             .await
             .unwrap_err();
         assert!(
-            matches!(err, ImageError::Pull(PullError::Unauthorized { .. })),
+            matches!(&err, ImageError::Pull(PullError::Registry(e)) if e.is_unauthorized()),
             "{secret:?}: {err:?}"
         );
         let text = kmm_error_text(&err);

@@ -6,7 +6,7 @@ use std::fmt;
 use base64::Engine;
 use serde::Deserialize;
 
-use crate::desired::PullSecret;
+use crate::PullSecret;
 
 /// A user name and password for one registry. `Debug` never shows the password.
 #[derive(Clone, PartialEq, Eq)]

@@ -1,0 +1,15 @@
+//! Access to OCI registries, shared by the hub (which checks, resolves and pushes images)
+//! and the node agent (which pulls them), so that both honour `registryTLS` and the
+//! module's pull secret the same way and read the registry's answers the same way.
+//! Credentials are held in memory only; nothing here logs or stores them.
+
+pub mod client;
+pub mod credentials;
+mod error;
+mod secret;
+mod tls;
+
+pub use client::{auth, client, parse_reference, resolve_digest};
+pub use error::{RegistryError, error_chain};
+pub use secret::PullSecret;
+pub use tls::RegistryTls;
