@@ -25,7 +25,7 @@ pub enum KeyError {
     )]
     EncryptedKey,
     #[error(
-        "keySecret key `key` holds a {kind} key; only RSA keys can sign modules for these kernels (no ECDSA support)"
+        "keySecret key `key` holds a key of type {kind}; only RSA keys can sign modules for these kernels (no ECDSA support)"
     )]
     NotRsa { kind: String },
     #[error("certSecret key `cert` is not an X.509 certificate in PEM or DER: {reasons}")]
@@ -133,7 +133,9 @@ impl SigningKey {
 fn parse_key(pem: &[u8]) -> Result<PKey<Private>, KeyError> {
     // Both PEM forms of an encrypted key say so in their header; refusing them here
     // gives a clear message instead of OpenSSL's decryption failure.
-    if contains(pem, b"ENCRYPTED") {
+    if contains(pem, b"-----BEGIN ENCRYPTED PRIVATE KEY-----")
+        || contains(pem, b"Proc-Type: 4,ENCRYPTED")
+    {
         return Err(KeyError::EncryptedKey);
     }
     // The callback answers any passphrase request with none: without it OpenSSL would

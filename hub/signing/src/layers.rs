@@ -97,6 +97,9 @@ impl std::fmt::Debug for SignedLayer {
 /// signs each with `key`, and returns one layer that holds the signed files at their
 /// paths with their modes. The layer is deterministic: entries sorted by path, zero
 /// mtime, uid and gid, no directory entries (the directories exist below it).
+///
+/// CPU-bound and blocking (decompression, hashing, RSA): async callers run it on a
+/// blocking thread.
 pub fn sign_files_in_layers<R: Read>(
     layers: impl IntoIterator<Item = Layer<R>>,
     files_to_sign: &[String],

@@ -24,7 +24,7 @@
 //! but the `openssl` crate's safe API cannot choose its digest (it has no
 //! `CMS_add1_signer`; `CMS_sign` always picks the key's default, SHA-256), and this
 //! workspace forbids `unsafe`. The `SignedData` without attributes is a fixed shape of
-//! a few hundred bytes, so [`cms`] encodes it directly around OpenSSL's RSA signature;
+//! a few hundred bytes, so the `cms` module encodes it around OpenSSL's RSA signature;
 //! the tests check it against `sign-file` and against OpenSSL's own CMS builder and
 //! verifier.
 //!

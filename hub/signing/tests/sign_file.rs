@@ -13,57 +13,59 @@ use std::sync::OnceLock;
 use kmm_signing::{HashAlgorithm, SigningKey, sign_module};
 use support::*;
 
-/// The inputs: name, path of the bare module, and the bytes to sign (the bare module,
-/// or one sign-file already signed, once or twice, with another key).
+/// An input: its name, the bare module, and the bytes to sign (the bare module, or
+/// one sign-file already signed, once or twice, with another key).
 struct Input {
     name: String,
-    bare: PathBuf,
+    bare: Vec<u8>,
     bytes: Vec<u8>,
 }
 
+/// Built once per test binary; in memory, so that the temporary directory (which held
+/// another throw-away key for sign-file) is gone once they are made.
 fn inputs() -> &'static [Input] {
-    static INPUTS: OnceLock<(tempfile::TempDir, Vec<Input>)> = OnceLock::new();
-    &INPUTS
-        .get_or_init(|| {
-            let dir = tempfile::tempdir().unwrap();
-            let modules = build_modules(dir.path());
-            let mut inputs: Vec<Input> = modules
-                .iter()
-                .map(|path| Input {
+    static INPUTS: OnceLock<Vec<Input>> = OnceLock::new();
+    INPUTS.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let modules = build_modules(dir.path());
+        let mut inputs: Vec<Input> = modules
+            .iter()
+            .map(|path| {
+                let bytes = std::fs::read(path).unwrap();
+                Input {
                     name: path.file_name().unwrap().to_string_lossy().into_owned(),
-                    bare: path.clone(),
-                    bytes: std::fs::read(path).unwrap(),
-                })
-                .collect();
-            let other = test_key(2048, "an earlier signing key");
-            let (key, cert) = write_key(dir.path(), "other", &other);
-            let hello = &modules[0];
-            let once = dir.path().join("signed-once.ko");
-            let once_bytes = run_sign_file("sha256", &key, &cert, hello, &once);
-            let twice = dir.path().join("signed-twice.ko");
-            let twice_bytes = run_sign_file("sha512", &key, &cert, &once, &twice);
-            inputs.push(Input {
-                name: "kmm_hello.ko, already signed".into(),
-                bare: hello.clone(),
-                bytes: once_bytes,
-            });
-            inputs.push(Input {
-                name: "kmm_hello.ko, signed twice (stacked by sign-file)".into(),
-                bare: hello.clone(),
-                bytes: twice_bytes,
-            });
-            // A module-like file larger than the real ones, whose CMS length needs
-            // no more bytes but whose digest spans many blocks.
-            let large = dir.path().join("large.ko");
-            std::fs::write(&large, elf_module(3 << 20, 7)).unwrap();
-            inputs.push(Input {
-                name: "3 MiB ELF-like file".into(),
-                bare: large.clone(),
-                bytes: std::fs::read(&large).unwrap(),
-            });
-            (dir, inputs)
-        })
-        .1
+                    bare: bytes.clone(),
+                    bytes,
+                }
+            })
+            .collect();
+        let other = test_key(2048, "an earlier signing key");
+        let (key, cert) = write_key(dir.path(), "other", &other);
+        let hello = &modules[0];
+        let bare = std::fs::read(hello).unwrap();
+        let once = dir.path().join("signed-once.ko");
+        let once_bytes = run_sign_file("sha256", &key, &cert, hello, &once);
+        let twice = dir.path().join("signed-twice.ko");
+        let twice_bytes = run_sign_file("sha512", &key, &cert, &once, &twice);
+        inputs.push(Input {
+            name: "kmm_hello.ko, already signed".into(),
+            bare: bare.clone(),
+            bytes: once_bytes,
+        });
+        inputs.push(Input {
+            name: "kmm_hello.ko, signed twice (stacked by sign-file)".into(),
+            bare,
+            bytes: twice_bytes,
+        });
+        // A module-like file larger than the real ones: its digest spans many blocks.
+        let large = elf_module(3 << 20, 7);
+        inputs.push(Input {
+            name: "3 MiB ELF-like file".into(),
+            bare: large.clone(),
+            bytes: large,
+        });
+        inputs
+    })
 }
 
 /// Writes the key (mode 0600) and certificate for sign-file; returns their paths.
@@ -85,8 +87,10 @@ fn same_as_sign_file(bits: u32) {
     for hash in HashAlgorithm::ALL {
         for input in inputs() {
             let ours = sign_module(&input.name, &input.bytes, &key, hash).unwrap();
+            let bare = dir.path().join("bare.ko");
+            std::fs::write(&bare, &input.bare).unwrap();
             let dest = dir.path().join("signed.ko");
-            let theirs = run_sign_file(hash.name(), &key_path, &cert_path, &input.bare, &dest);
+            let theirs = run_sign_file(hash.name(), &key_path, &cert_path, &bare, &dest);
             assert!(
                 ours == theirs,
                 "rsa{bits} {hash} {}: {} bytes from kmm-signing, {} from sign-file; first \
@@ -96,7 +100,7 @@ fn same_as_sign_file(bits: u32) {
                 theirs.len(),
                 ours.iter().zip(&theirs).position(|(a, b)| a != b)
             );
-            if input.bytes != std::fs::read(&input.bare).unwrap() {
+            if input.bytes != input.bare {
                 // sign-file itself would stack a second signature onto a signed module.
                 let src = dir.path().join("input.ko");
                 std::fs::write(&src, &input.bytes).unwrap();

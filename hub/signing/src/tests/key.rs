@@ -4,7 +4,9 @@ use openssl::pkey::PKey;
 use openssl::symm::Cipher;
 
 use super::shared;
-use super::support::{TestKey, self_signed, test_key};
+use openssl::bn::BigNum;
+
+use super::support::{TestKey, self_signed, self_signed_with_serial, test_key};
 use crate::{KeyError, SigningKey};
 
 /// Pieces of the private key an error or a `Debug` output must never show: each
@@ -171,4 +173,17 @@ fn debug_shows_the_certificate_not_the_key() {
     assert!(debug.contains("2048"), "{debug}");
     assert_no_secrets(&debug, test);
     assert_no_secrets(&format!("{key:#?}"), test);
+}
+
+#[test]
+fn a_certificate_with_a_negative_serial_is_refused() {
+    let (test, _) = shared();
+    let serial = BigNum::from_dec_str("-4711").unwrap();
+    let cert = self_signed_with_serial(&test.key, "negative", &serial);
+    let err = refused(&test.key_pem, &cert.to_pem().unwrap());
+    assert!(matches!(err, KeyError::NegativeSerial), "{err:?}");
+    assert!(err.to_string().contains("certSecret key `cert`"), "{err}");
+    // Zero is not negative: a one-byte INTEGER 0 names the signer.
+    let zero = self_signed_with_serial(&test.key, "zero", &BigNum::from_u32(0).unwrap());
+    SigningKey::from_pem(&test.key_pem, &zero.to_pem().unwrap()).unwrap();
 }

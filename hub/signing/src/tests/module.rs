@@ -1,9 +1,10 @@
+use openssl::bn::BigNum;
 use openssl::cms::{CMSOptions, CmsContentInfo};
 use openssl::stack::Stack;
 use openssl::x509::store::X509StoreBuilder;
 
 use super::shared;
-use super::support::{elf_module, test_key};
+use super::support::{elf_module, self_signed_with_serial, test_key};
 use crate::{HashAlgorithm, SignError, SigningKey, sign_module};
 
 const MAGIC: &[u8] = b"~Module signature appended~\n";
@@ -20,27 +21,37 @@ fn cms_of(signed: &[u8], bare_len: usize) -> &[u8] {
 
 #[test]
 fn sha256_signatures_are_what_openssls_cms_builder_makes() {
-    let (test, key) = shared();
+    let (test, _) = shared();
     let module = elf_module(10_000, 1);
-    let signed = sign_module("m.ko", &module, key, HashAlgorithm::Sha256).unwrap();
     // The flags sign-file uses; CMS_sign picks SHA-256 for an RSA key.
     let flags = CMSOptions::BINARY
         | CMSOptions::DETACHED
         | CMSOptions::CMS_NOCERTS
         | CMSOptions::NOATTR
         | CMSOptions::NOSMIMECAP;
-    let openssl = CmsContentInfo::sign(
-        Some(&test.cert),
-        Some(&test.key),
-        None,
-        Some(&module),
-        flags,
-    )
-    .unwrap()
-    .to_der()
-    .unwrap();
-    assert_eq!(cms_of(&signed, module.len()), openssl);
-    assert_eq!(&signed[..module.len()], module);
+    // The serial numbers whose INTEGER encodings differ in shape: a random one (as
+    // openssl req draws), zero, and ones whose top bit needs a leading zero byte.
+    let mut certs = vec![test.cert.clone()];
+    for hex in ["0", "80", "FF00", "7F"] {
+        let serial = BigNum::from_hex_str(hex).unwrap();
+        certs.push(self_signed_with_serial(&test.key, hex, &serial));
+    }
+    for cert in certs {
+        let key = SigningKey::from_pem(&test.key_pem, &cert.to_der().unwrap()).unwrap();
+        let signed = sign_module("m.ko", &module, &key, HashAlgorithm::Sha256).unwrap();
+        let openssl =
+            CmsContentInfo::sign(Some(&cert), Some(&test.key), None, Some(&module), flags)
+                .unwrap()
+                .to_der()
+                .unwrap();
+        assert_eq!(
+            cms_of(&signed, module.len()),
+            openssl,
+            "serial {:?}",
+            cert.serial_number().to_bn().unwrap().to_hex_str().unwrap()
+        );
+        assert_eq!(&signed[..module.len()], module);
+    }
 }
 
 #[test]
@@ -110,6 +121,7 @@ fn empty_and_non_elf_inputs_are_refused_naming_the_file() {
     assert!(matches!(err, SignError::NotElf { .. }), "{err:?}");
     assert!(err.to_string().contains("/opt/a.txt"), "{err}");
     assert!(err.is_input_fault());
+    assert!(!SignError::Write(std::io::Error::other("disk full")).is_input_fault());
 
     // A signature and nothing before it.
     let signed = sign_module("m.ko", &elf_module(100, 4), key, HashAlgorithm::Sha256).unwrap();
@@ -119,7 +131,7 @@ fn empty_and_non_elf_inputs_are_refused_naming_the_file() {
 }
 
 #[test]
-fn the_signature_grows_with_the_key_not_the_module() {
+fn the_signature_is_detached_from_the_module() {
     let (_, key) = shared();
     for len in [64, 1 << 20] {
         let module = elf_module(len, 5);

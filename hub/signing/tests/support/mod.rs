@@ -45,6 +45,14 @@ pub fn test_key(bits: u32, common_name: &str) -> TestKey {
 
 /// A certificate for `key`, signed by `key` (the subject is also the issuer).
 pub fn self_signed(key: &PKey<Private>, common_name: &str) -> X509 {
+    // 159 random bits, as openssl req draws them: positive, sometimes with a leading
+    // 1 bit in its top byte, so DER needs a zero byte before it.
+    let mut serial = BigNum::new().unwrap();
+    serial.rand(159, MsbOption::MAYBE_ZERO, false).unwrap();
+    self_signed_with_serial(key, common_name, &serial)
+}
+
+pub fn self_signed_with_serial(key: &PKey<Private>, common_name: &str, serial: &BigNum) -> X509 {
     let mut name = X509NameBuilder::new().unwrap();
     name.append_entry_by_nid(Nid::ORGANIZATIONNAME, "kmm-fleet tests")
         .unwrap();
@@ -53,10 +61,6 @@ pub fn self_signed(key: &PKey<Private>, common_name: &str) -> X509 {
     let name = name.build();
     let mut builder = X509::builder().unwrap();
     builder.set_version(2).unwrap();
-    // 159 random bits, as openssl req draws them: positive, sometimes with a leading
-    // 1 bit in its top byte, so DER needs a zero byte before it.
-    let mut serial = BigNum::new().unwrap();
-    serial.rand(159, MsbOption::MAYBE_ZERO, false).unwrap();
     builder
         .set_serial_number(&serial.to_asn1_integer().unwrap())
         .unwrap();
