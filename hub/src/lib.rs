@@ -2,4 +2,5 @@
 
 pub mod admission;
 pub mod fleet;
+pub mod images;
 pub mod serve;

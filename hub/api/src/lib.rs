@@ -18,6 +18,6 @@ pub use module_spec::{
     ModuleSpec, Sign, TlsOptions,
 };
 pub use status::{
-    ClusterCounts, FailureSample, KernelCounts, MAX_FAILURE_SAMPLES, ManagedClusterModuleStatus,
-    NodeCounts,
+    ClusterCounts, FailureSample, ImageStatus, KernelCounts, MAX_FAILURE_SAMPLES,
+    MAX_IMAGE_KERNELS, MAX_IMAGE_STATUSES, ManagedClusterModuleStatus, NodeCounts,
 };

@@ -271,7 +271,7 @@ pub struct Sign {
     /// Secret holding the public certificate.
     pub cert_secret: LocalObjectReference,
 
-    /// Paths of the module files to sign, under `modprobe.dirName`. May use kernel variables.
+    /// Absolute paths, inside the image, of the module files to sign. May use kernel variables.
     pub files_to_sign: Option<Vec<String>>,
 }
 

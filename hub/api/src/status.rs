@@ -37,6 +37,11 @@ pub struct ManagedClusterModuleStatus {
     #[schemars(length(max = 10))]
     pub failures: Vec<FailureSample>,
 
+    /// The kmod images the fleet needs, sorted by image; at most 100.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 100))]
+    pub images: Vec<ImageStatus>,
+
     /// Standard conditions summarising the counts (`Ready`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
@@ -91,4 +96,34 @@ pub struct FailureSample {
     pub reason: String,
     /// Human-readable detail, e.g. the node agent's full error text.
     pub message: String,
+}
+
+/// Most images listed in status; beyond them only the per-kernel counts and node statuses
+/// tell.
+pub const MAX_IMAGE_STATUSES: usize = 100;
+/// Most kernels named per image in status.
+pub const MAX_IMAGE_KERNELS: usize = 10;
+
+/// One kmod image the fleet needs, as the hub found, built or signed it.
+#[skip_serializing_none]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ImageStatus {
+    /// The image reference nodes load, variables substituted.
+    pub image: String,
+    /// Kernel releases whose nodes load this image (at most 10 named).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 10))]
+    pub kernels: Vec<String>,
+    /// Exists, NeedsBuild, NeedsSign, Building, Signing, Failed or NotFound.
+    pub state: String,
+    /// The manifest digest every node loads: the tag resolved once, or the signed image.
+    pub digest: Option<String>,
+    /// Machine-readable reason, e.g. `ImageNotFound`, `BuildFailed`, `SignFailed`.
+    pub reason: String,
+    /// Detail: the registry's answer, the end of a failed build's log, the signing error.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub message: String,
+    /// When `state` last changed.
+    pub last_transition_time: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
 }

@@ -1,5 +1,6 @@
 //! What one managed cluster must run: every selected module resolved for every kernel the
-//! cluster reported, as the IntentSnapshot streamed to its spoke proxy. Pure.
+//! cluster reported, each image pinned to the digest the hub found for it, as the
+//! IntentSnapshot streamed to its spoke proxy. Pure.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -10,6 +11,8 @@ use kmm_proto::v1::{
 };
 use kmm_resolver::{ModuleIdentity, Resolution, Resolver};
 use kube::ResourceExt;
+
+use crate::images::{ImageKey, ImageRecord, Verdict};
 
 /// A module as the hub sees it for one cluster.
 #[derive(Clone, Copy, Debug)]
@@ -28,26 +31,50 @@ pub fn selects(selector: &BTreeMap<String, String>, labels: &BTreeMap<String, St
         .all(|(key, value)| labels.get(key) == Some(value))
 }
 
+/// A cluster's snapshot, and whether an image it loads has not been checked yet.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClusterIntents {
+    pub snapshot: IntentSnapshot,
+    /// Some image of a module to load has no record yet: sending now would tell nodes
+    /// "not checked" where they may be running it fine (after a failover, say).
+    pub unchecked: bool,
+}
+
 /// Builds the cluster's snapshot (revision left at 0 for the caller to stamp).
 /// `credentials` maps pull Secret names in the hub's namespace to their content; only the
-/// credentials an image of this snapshot needs are included.
+/// credentials an image of this snapshot needs are included. `images` is where each
+/// image stands: only an image with a digest is loaded, by that digest.
 pub fn cluster_intents(
     modules: &[ModuleInput<'_>],
     kernels: &BTreeSet<String>,
     credentials: &BTreeMap<String, PullCredential>,
-) -> IntentSnapshot {
+    images: &BTreeMap<ImageKey, ImageRecord>,
+) -> ClusterIntents {
     let mut needed = BTreeSet::new();
+    let mut unchecked = false;
     let intents = modules
         .iter()
-        .map(|input| module_intent(input, kernels, credentials, &mut needed))
+        .map(|input| {
+            module_intent(
+                input,
+                kernels,
+                credentials,
+                images,
+                &mut needed,
+                &mut unchecked,
+            )
+        })
         .collect();
-    IntentSnapshot {
-        revision: 0,
-        modules: intents,
-        credentials: needed
-            .into_iter()
-            .filter_map(|id| credentials.get(&id).cloned())
-            .collect(),
+    ClusterIntents {
+        snapshot: IntentSnapshot {
+            revision: 0,
+            modules: intents,
+            credentials: needed
+                .into_iter()
+                .filter_map(|id| credentials.get(&id).cloned())
+                .collect(),
+        },
+        unchecked,
     }
 }
 
@@ -55,7 +82,9 @@ fn module_intent(
     input: &ModuleInput<'_>,
     kernels: &BTreeSet<String>,
     credentials: &BTreeMap<String, PullCredential>,
+    images: &BTreeMap<ImageKey, ImageRecord>,
     needed: &mut BTreeSet<String>,
+    unchecked: &mut bool,
 ) -> ModuleIntent {
     let mcm = input.module;
     let name = mcm.name_any();
@@ -84,8 +113,28 @@ fn module_intent(
                             format!("spec.moduleSpec.imageRepoSecret: Secret {secret:?} not found in the hub's namespace"),
                         ),
                         _ => {
-                            needed.extend(secret.clone());
-                            Target::Load(module_load(&resolution, secret.as_deref()))
+                            let key = ImageKey {
+                                module: name.clone(),
+                                image: resolution.container_image.clone(),
+                            };
+                            match images.get(&key).map(ImageRecord::verdict) {
+                                Some(Verdict::Load { digest }) => {
+                                    needed.extend(secret.clone());
+                                    Target::Load(module_load(&resolution, secret.as_deref(), digest))
+                                }
+                                Some(Verdict::Wait { reason, message }) => unresolved(
+                                    reason,
+                                    format!("kernel {kernel}: image {}: {message}", key.image),
+                                ),
+                                None => {
+                                    // An unloading module's targets are never acted on.
+                                    *unchecked |= !input.unload;
+                                    unresolved(
+                                        "ImageNotChecked",
+                                        format!("kernel {kernel}: image {}: not checked yet", key.image),
+                                    )
+                                }
+                            }
                         }
                     },
                 },
@@ -113,7 +162,7 @@ fn unresolved(reason: &str, message: String) -> Target {
     })
 }
 
-fn module_load(r: &Resolution, credential: Option<&str>) -> ModuleLoad {
+fn module_load(r: &Resolution, credential: Option<&str>, digest: &str) -> ModuleLoad {
     let m = &r.modprobe;
     let args = |a: &Option<kmm_api::ModprobeArgs>| {
         a.as_ref().map(|a| ModprobeArgs {
@@ -139,8 +188,7 @@ fn module_load(r: &Resolution, credential: Option<&str>) -> ModuleLoad {
         in_tree_modules_to_remove: r.in_tree_modules_to_remove.clone(),
         version: r.version.clone().unwrap_or_default(),
         pull_credential_id: credential.unwrap_or_default().to_owned(),
-        // The hub does not pin digests yet: each agent resolves the tag itself.
-        digest: String::new(),
+        digest: digest.to_owned(),
     }
 }
 
@@ -178,6 +226,30 @@ mod tests {
         kernelMappings:
           - {regexp: 'amd64$', containerImage: 'r.example/hello:${KERNEL_FULL_VERSION}'}
 "#;
+
+    const PINNED: &str = "sha256:0123";
+
+    /// Every image of HELLO found, pinned to [`PINNED`].
+    fn pinned() -> BTreeMap<ImageKey, ImageRecord> {
+        let need = crate::images::ImageNeed {
+            module_uid: String::new(),
+            spoke_namespace: "drivers".into(),
+            kernels: BTreeSet::new(),
+            tls: Default::default(),
+            pull_secret: None,
+            build: None,
+            sign: None,
+            rebuild_generation: 0,
+        };
+        let now = k8s_openapi::jiff::Timestamp::UNIX_EPOCH;
+        BTreeMap::from([(
+            ImageKey {
+                module: "hello".into(),
+                image: "r.example/hello:6.1.0-13-amd64".into(),
+            },
+            ImageRecord::seeded(&need, PINNED.into(), now),
+        )])
+    }
 
     fn kernels(list: &[&str]) -> BTreeSet<String> {
         list.iter().map(|k| k.to_string()).collect()
@@ -232,7 +304,9 @@ mod tests {
             }],
             &kernels(&["6.1.0-13-amd64", "5.14.0-427.el9.x86_64"]),
             &creds(&["pull", "unrelated"]),
-        );
+            &pinned(),
+        )
+        .snapshot;
         let intent = &snapshot.modules[0];
         assert_eq!(
             intent.key,
@@ -256,6 +330,7 @@ mod tests {
             panic!("amd64 resolves")
         };
         assert_eq!(load.image, "r.example/hello:6.1.0-13-amd64");
+        assert_eq!(load.digest, PINNED, "nodes load the bytes the hub pinned");
         assert_eq!(load.modprobe.as_ref().unwrap().dir_name, "/opt");
         assert_eq!(load.pull_credential_id, "pull");
         let Target::Unresolved(why) = &by_kernel["5.14.0-427.el9.x86_64"] else {
@@ -288,7 +363,9 @@ mod tests {
             }],
             &kernels(&["6.1.0-13-amd64"]),
             &BTreeMap::new(),
-        );
+            &pinned(),
+        )
+        .snapshot;
         let Some(Target::Unresolved(why)) = &snapshot.modules[0].kernels[0].target else {
             panic!("no secret, no load")
         };
@@ -306,7 +383,9 @@ mod tests {
             }],
             &kernels(&["5.14.0-427.el9.x86_64"]),
             &creds(&["pull"]),
-        );
+            &pinned(),
+        )
+        .snapshot;
         assert!(snapshot.credentials.is_empty());
     }
 
@@ -323,7 +402,9 @@ mod tests {
             }],
             &kernels(&["6.1.0"]),
             &BTreeMap::new(),
-        );
+            &pinned(),
+        )
+        .snapshot;
         let intent = &snapshot.modules[0];
         assert!(intent.unload);
         let Some(Target::Unresolved(why)) = &intent.kernels[0].target else {
@@ -334,6 +415,43 @@ mod tests {
             why.message.contains("kernelMappings[0].regexp"),
             "{}",
             why.message
+        );
+    }
+
+    #[test]
+    fn an_image_the_hub_has_not_found_is_a_reason_and_unchecked_ones_hold_the_snapshot() {
+        let module = mcm("hello", HELLO);
+        let input = [ModuleInput {
+            module: &module,
+            unload: false,
+        }];
+        let kernels = kernels(&["6.1.0-13-amd64"]);
+        let mut images = pinned();
+        let record = images.values_mut().next().unwrap();
+        record.digest = None;
+        record.reason = "ImageNotFound".into();
+        record.message = "manifest unknown".into();
+        let intents = cluster_intents(&input, &kernels, &creds(&["pull"]), &images);
+        assert!(!intents.unchecked);
+        let Some(Target::Unresolved(why)) = &intents.snapshot.modules[0].kernels[0].target else {
+            panic!("no image, no load")
+        };
+        assert_eq!(why.reason, "ImageNotFound");
+        assert_eq!(
+            why.message,
+            "kernel 6.1.0-13-amd64: image r.example/hello:6.1.0-13-amd64: manifest unknown"
+        );
+        assert!(intents.snapshot.credentials.is_empty());
+
+        let held = cluster_intents(&input, &kernels, &creds(&["pull"]), &BTreeMap::new());
+        assert!(held.unchecked);
+        let unloading = [ModuleInput {
+            module: &module,
+            unload: true,
+        }];
+        assert!(
+            !cluster_intents(&unloading, &kernels, &creds(&["pull"]), &BTreeMap::new()).unchecked,
+            "an unload does not wait for image checks"
         );
     }
 }

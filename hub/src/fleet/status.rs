@@ -87,6 +87,7 @@ pub fn module_status(
             unresolved: count(unresolved.len()),
         },
         failures,
+        images: Vec::new(),
         conditions: Vec::new(),
     }
 }

@@ -277,7 +277,8 @@ async fn publish(
     }
 }
 
-fn truncate(mut text: String, max: usize) -> String {
+/// `text` cut to at most `max` bytes, on a character boundary (Event notes are bounded).
+pub(super) fn truncate(mut text: String, max: usize) -> String {
     if text.len() > max {
         let mut end = max;
         while !text.is_char_boundary(end) {

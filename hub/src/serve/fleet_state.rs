@@ -26,6 +26,8 @@ use crate::fleet::node_statuses::NodeStatuses;
 use crate::fleet::outbox::Outbox;
 use crate::fleet::sessions::{SessionId, Sessions};
 use crate::fleet::status::{ClusterReport, module_status};
+use crate::images::status::image_statuses;
+use crate::images::{ImageKey, ImageNeed, ImageRecord, module_needs};
 
 use super::metrics::Metrics;
 
@@ -80,6 +82,8 @@ struct Inner {
     seen_modules: BTreeMap<String, (Option<i64>, bool)>,
     /// UIDs of modules whose finalizer the hub removed: gone, even before the watch says so.
     gone: BTreeSet<String>,
+    /// Where every image the fleet needs stands, as the image worker found it.
+    images: BTreeMap<ImageKey, ImageRecord>,
 }
 
 /// The shared fleet view.
@@ -333,8 +337,12 @@ impl FleetState {
         let refs: Vec<&ManagedClusterModule> = modules.iter().map(AsRef::as_ref).collect();
         let inputs = cluster_modules(&refs, labels.as_ref(), &entry.statuses);
         let credentials = self.credentials(inputs.iter().map(|i| i.module));
-        let snapshot = cluster_intents(&inputs, kernels, &credentials);
-        let Some(snapshot) = entry.outbox.offer(snapshot) else {
+        let intents = cluster_intents(&inputs, kernels, &credentials, &inner.images);
+        if intents.unchecked {
+            // The image worker checks it within moments and recomputes.
+            return;
+        }
+        let Some(snapshot) = entry.outbox.offer(intents.snapshot) else {
             return;
         };
         if let Some(stream) = inner.sessions.get(cluster) {
@@ -348,6 +356,64 @@ impl FleetState {
             );
             self.metrics.snapshots_sent.inc();
             stream.send_replace(Outbound::Snapshot(snapshot));
+        }
+    }
+
+    /// Every image the fleet needs now: each module (not being unloaded) resolved for the
+    /// kernels of the connected clusters that select it.
+    pub fn image_needs(&self) -> BTreeMap<ImageKey, ImageNeed> {
+        let inner = self.lock();
+        let modules = self.modules(&inner);
+        let refs: Vec<&ManagedClusterModule> = modules.iter().map(AsRef::as_ref).collect();
+        let mut kernels: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for (cluster, entry) in &inner.clusters {
+            let Some(cluster_kernels) = &entry.kernels else {
+                continue;
+            };
+            let labels = self.labels(cluster);
+            for input in cluster_modules(&refs, labels.as_ref(), &entry.statuses) {
+                if !input.unload {
+                    kernels
+                        .entry(input.module.name_any())
+                        .or_default()
+                        .extend(cluster_kernels.iter().cloned());
+                }
+            }
+        }
+        modules
+            .iter()
+            .filter_map(|m| Some(module_needs(m, kernels.get(&m.name_any())?)))
+            .flatten()
+            .collect()
+    }
+
+    /// Where `key` stands, as the image worker last recorded it.
+    pub fn image(&self, key: &ImageKey) -> Option<ImageRecord> {
+        self.lock().images.get(key).cloned()
+    }
+
+    /// The image worker's new record for `key`. Snapshots are recomputed only when what
+    /// nodes get changes; status follows every change.
+    pub fn set_image(&self, key: ImageKey, record: ImageRecord) {
+        let mut inner = self.lock();
+        let previous = inner.images.insert(key, record.clone());
+        if previous.as_ref().map(ImageRecord::verdict) != Some(record.verdict()) {
+            self.recompute_locked(&mut inner);
+        }
+        drop(inner);
+        if previous.is_none_or(|p| !p.reported_alike(&record)) {
+            self.changed();
+        }
+    }
+
+    /// Forgets the images no longer needed.
+    pub fn retain_images(&self, needed: &BTreeSet<ImageKey>) {
+        let mut inner = self.lock();
+        let before = inner.images.len();
+        inner.images.retain(|key, _| needed.contains(key));
+        if inner.images.len() != before {
+            drop(inner);
+            self.changed();
         }
     }
 
@@ -426,7 +492,8 @@ impl FleetState {
                 nodes,
             })
             .collect();
-        let status = module_status(module.metadata.generation, &reports);
+        let mut status = module_status(module.metadata.generation, &reports);
+        status.images = image_statuses(inner.images.iter().filter(|(key, _)| key.module == name));
         let unloads: Vec<ClusterUnload<'_>> = inner
             .clusters
             .iter()

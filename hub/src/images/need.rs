@@ -1,0 +1,281 @@
+//! Which kmod images the fleet needs: every selected module resolved for every kernel
+//! its clusters reported, one entry per (module, image), with what it takes to produce
+//! the image when the registry does not have it. Pure.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use kmm_api::{Build, ManagedClusterModule, TlsOptions};
+use kmm_registry::RegistryTls;
+use kmm_resolver::{ModuleIdentity, Resolver};
+use kube::ResourceExt;
+use sha2::{Digest, Sha256};
+
+/// One image of one module. Two modules naming the same image are tracked apart: their
+/// build and sign settings, and their pull secrets, may differ.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ImageKey {
+    /// The ManagedClusterModule's name.
+    pub module: String,
+    /// The resolved image reference nodes load.
+    pub image: String,
+}
+
+/// What the fleet needs of one image.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ImageNeed {
+    pub module_uid: String,
+    /// `MOD_NAMESPACE`.
+    pub spoke_namespace: String,
+    /// The kernels whose nodes load this image, sorted; a build targets the first.
+    pub kernels: BTreeSet<String>,
+    pub tls: RegistryTls,
+    /// The module's `imageRepoSecret`: pulls, checks and pushes use it.
+    pub pull_secret: Option<String>,
+    /// How to build the image (or, when signing too, the unsigned image) when missing.
+    pub build: Option<Build>,
+    /// How to sign the image when missing.
+    pub sign: Option<SignPlan>,
+    /// `imageRebuildTriggerGeneration`.
+    pub rebuild_generation: i64,
+}
+
+impl ImageNeed {
+    /// The kernel a build of this image targets.
+    pub fn build_kernel(&self) -> &str {
+        self.kernels.first().map(String::as_str).unwrap_or_default()
+    }
+
+    /// Where a build pushes: the unsigned image when the result is signed afterwards.
+    pub fn build_target<'a>(&'a self, image: &'a str) -> &'a str {
+        self.sign
+            .as_ref()
+            .map_or(image, |sign| sign.unsigned_image.as_str())
+    }
+}
+
+/// How to produce the signed image from an unsigned one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SignPlan {
+    /// The image whose modules are signed: `unsignedImage`, or the build's output.
+    pub unsigned_image: String,
+    pub unsigned_tls: RegistryTls,
+    /// Secret (hub namespace) with the private key under `key`.
+    pub key_secret: String,
+    /// Secret (hub namespace) with the certificate under `cert`.
+    pub cert_secret: String,
+    /// Absolute paths in the image, variables substituted.
+    pub files: Vec<String>,
+}
+
+/// The images `module` needs for `kernels`. Kernels that do not resolve need nothing:
+/// their nodes report the resolver's reason instead.
+pub fn module_needs(
+    module: &ManagedClusterModule,
+    kernels: &BTreeSet<String>,
+) -> BTreeMap<ImageKey, ImageNeed> {
+    let name = module.name_any();
+    let spec = &module.spec.module_spec;
+    let Ok(resolver) = Resolver::new(
+        spec,
+        ModuleIdentity {
+            name: &name,
+            namespace: &module.spec.spoke_namespace,
+            spec_path: "spec.moduleSpec",
+        },
+    ) else {
+        return BTreeMap::new();
+    };
+    let pull_secret = spec
+        .image_repo_secret
+        .as_ref()
+        .map(|s| s.name.clone())
+        .filter(|n| !n.is_empty());
+    let mut needs: BTreeMap<ImageKey, ImageNeed> = BTreeMap::new();
+    for kernel in kernels {
+        let Ok(resolution) = resolver.resolve(kernel) else {
+            continue;
+        };
+        let key = ImageKey {
+            module: name.clone(),
+            image: resolution.container_image.clone(),
+        };
+        if let Some(need) = needs.get_mut(&key) {
+            need.kernels.insert(kernel.clone());
+            continue;
+        }
+        let sign = resolution.sign.map(|sign| SignPlan {
+            unsigned_image: match (&resolution.build, sign.unsigned_image) {
+                // Build then sign: the build's output is an intermediate image.
+                (Some(_), _) | (None, None) => unsigned_image_name(
+                    &resolution.container_image,
+                    &module.spec.spoke_namespace,
+                    &name,
+                ),
+                (None, Some(image)) => image,
+            },
+            unsigned_tls: tls(sign.unsigned_image_registry_tls.as_ref()),
+            key_secret: sign.key_secret.name,
+            cert_secret: sign.cert_secret.name,
+            files: sign.files_to_sign.unwrap_or_default(),
+        });
+        needs.insert(
+            key,
+            ImageNeed {
+                module_uid: module.uid().unwrap_or_default(),
+                spoke_namespace: module.spec.spoke_namespace.clone(),
+                kernels: BTreeSet::from([kernel.clone()]),
+                tls: tls(resolution.registry_tls.as_ref()),
+                pull_secret: pull_secret.clone(),
+                build: resolution.build,
+                sign,
+                rebuild_generation: spec.image_rebuild_trigger_generation.unwrap_or_default(),
+            },
+        );
+    }
+    needs
+}
+
+fn tls(options: Option<&TlsOptions>) -> RegistryTls {
+    options.map_or_else(RegistryTls::default, |o| RegistryTls {
+        insecure: o.insecure.unwrap_or_default(),
+        insecure_skip_tls_verify: o.insecure_skip_tls_verify.unwrap_or_default(),
+    })
+}
+
+/// Longest tag the OCI distribution spec allows.
+const MAX_TAG: usize = 128;
+
+/// The intermediate image a build pushes to when its output is signed afterwards, named
+/// as upstream KMM names it: `<repository>:<tag>-<namespace>_<module>_kmm_unsigned`. A
+/// tag that would exceed the spec's 128 characters is shortened with a hash, so that two
+/// long names never share one intermediate image.
+pub fn unsigned_image_name(image: &str, namespace: &str, module: &str) -> String {
+    let without_digest = image.split_once('@').map_or(image, |(name, _)| name);
+    let last_slash = without_digest.rfind('/').map_or(0, |i| i + 1);
+    let (repository, tag) = match without_digest[last_slash..].rfind(':') {
+        Some(colon) => (
+            &without_digest[..last_slash + colon],
+            &without_digest[last_slash + colon + 1..],
+        ),
+        None => (without_digest, "latest"),
+    };
+    let mut tag = format!("{tag}-{namespace}_{module}_kmm_unsigned");
+    if tag.len() > MAX_TAG {
+        let hash = Sha256::digest(tag.as_bytes());
+        let suffix: String = hash[..8].iter().map(|b| format!("{b:02x}")).collect();
+        tag.truncate(MAX_TAG - suffix.len() - 1);
+        tag = format!("{tag}-{suffix}");
+    }
+    format!("{repository}:{tag}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mcm(module_spec: &str) -> ManagedClusterModule {
+        let doc = format!(
+            "apiVersion: hub.kmm.sigs.x-k8s.io/v1beta1\nkind: ManagedClusterModule\n\
+             metadata: {{name: hello, uid: u-1}}\n\
+             spec:\n  spokeNamespace: drivers\n  selector: {{}}\n  moduleSpec:\n{module_spec}"
+        );
+        serde_yaml_ng::from_str(&doc).expect("test MCM parses")
+    }
+
+    fn kernels(list: &[&str]) -> BTreeSet<String> {
+        list.iter().map(|k| k.to_string()).collect()
+    }
+
+    const BUILD_AND_SIGN: &str = r#"    selector: {}
+    imageRepoSecret: {name: push}
+    imageRebuildTriggerGeneration: 3
+    moduleLoader:
+      container:
+        modprobe: {moduleName: hello}
+        kernelMappings:
+          - regexp: '^6\.1\.'
+            containerImage: 'r.example/hello:${KERNEL_FULL_VERSION}'
+            registryTLS: {insecure: true}
+            build: {dockerfileConfigMap: {name: dockerfile}}
+            sign:
+              keySecret: {name: key}
+              certSecret: {name: cert}
+              filesToSign: ['/opt/lib/modules/${KERNEL_FULL_VERSION}/extra/hello.ko']
+          - {literal: '5.14.0', containerImage: 'r.example/hello:shared'}
+          - {literal: '5.14.1', containerImage: 'r.example/hello:shared'}
+"#;
+
+    #[test]
+    fn one_need_per_image_with_its_kernels_and_how_to_make_it() {
+        let needs = module_needs(
+            &mcm(BUILD_AND_SIGN),
+            &kernels(&["6.1.0-1-amd64", "5.14.0", "5.14.1", "4.18.0"]),
+        );
+        assert_eq!(needs.len(), 2, "{needs:#?}");
+        let built = &needs[&ImageKey {
+            module: "hello".into(),
+            image: "r.example/hello:6.1.0-1-amd64".into(),
+        }];
+        assert_eq!(built.module_uid, "u-1");
+        assert_eq!(built.build_kernel(), "6.1.0-1-amd64");
+        assert!(built.tls.insecure);
+        assert_eq!(built.pull_secret.as_deref(), Some("push"));
+        assert_eq!(built.rebuild_generation, 3);
+        let sign = built.sign.as_ref().expect("signed");
+        assert_eq!(
+            sign.unsigned_image,
+            "r.example/hello:6.1.0-1-amd64-drivers_hello_kmm_unsigned"
+        );
+        assert_eq!(
+            built.build_target("r.example/hello:6.1.0-1-amd64"),
+            sign.unsigned_image
+        );
+        assert_eq!(
+            sign.files,
+            ["/opt/lib/modules/6.1.0-1-amd64/extra/hello.ko"]
+        );
+        assert_eq!(
+            (sign.key_secret.as_str(), sign.cert_secret.as_str()),
+            ("key", "cert")
+        );
+        let shared = &needs[&ImageKey {
+            module: "hello".into(),
+            image: "r.example/hello:shared".into(),
+        }];
+        assert_eq!(shared.kernels, kernels(&["5.14.0", "5.14.1"]));
+        assert!(shared.build.is_none() && shared.sign.is_none());
+        assert_eq!(
+            shared.build_target("r.example/hello:shared"),
+            "r.example/hello:shared"
+        );
+    }
+
+    #[test]
+    fn an_invalid_spec_needs_nothing() {
+        let broken = mcm(
+            "    selector: {}\n    moduleLoader:\n      container:\n        modprobe: {}\n        kernelMappings: [{regexp: '('}]\n",
+        );
+        assert!(module_needs(&broken, &kernels(&["6.1.0"])).is_empty());
+    }
+
+    #[test]
+    fn unsigned_names_follow_upstream_and_stay_valid_tags() {
+        assert_eq!(
+            unsigned_image_name("r.example:5000/a/b:v1", "ns", "m"),
+            "r.example:5000/a/b:v1-ns_m_kmm_unsigned"
+        );
+        assert_eq!(
+            unsigned_image_name("r.example:5000/a/b", "ns", "m"),
+            "r.example:5000/a/b:latest-ns_m_kmm_unsigned"
+        );
+        assert_eq!(
+            unsigned_image_name("r/b:v1@sha256:abc", "ns", "m"),
+            "r/b:v1-ns_m_kmm_unsigned"
+        );
+        let long = unsigned_image_name(&format!("r/b:{}", "x".repeat(120)), "ns", "m");
+        let tag = long.rsplit_once(':').unwrap().1;
+        assert_eq!(tag.len(), MAX_TAG, "{tag}");
+        let other = unsigned_image_name(&format!("r/b:{}y", "x".repeat(119)), "ns", "m");
+        assert_ne!(long, other, "shortened names stay distinct");
+    }
+}

@@ -1,0 +1,355 @@
+//! The image worker (leader only): for every image the fleet needs it performs the step
+//! the pure image pipeline (`crate::images`) says is due (ask the registry, start or
+//! follow a build, sign) and records the outcome in the fleet view, which pins digests
+//! into the clusters' intents and lists the images in status. Transitions become Events
+//! on the module.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use k8s_openapi::jiff::Timestamp;
+use kmm_api::{ManagedClusterModule, TlsOptions};
+use kmm_registry::{PullSecret, RegistryError, RegistryTls, error_chain};
+use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::{Api, Resource};
+use tokio::task::JoinSet;
+
+use super::controller::truncate;
+use super::fleet_state::FleetState;
+use super::signing::{sign_image, signing_key};
+use crate::build::{BuildJobs, BuildProgress, BuildRequest};
+use crate::images::record::{Next, Observation, due, observe};
+use crate::images::status::persisted_digest;
+use crate::images::{ImageKey, ImageNeed, ImageRecord, ImageState};
+
+/// Images worked on at once.
+const IN_FLIGHT: usize = 16;
+/// Longest a registry request may take before the check counts as failed.
+const REGISTRY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest a signing (pull, sign, push) may take.
+const SIGN_TIMEOUT: Duration = Duration::from_secs(600);
+/// Steps one image may take in a row (check, check unsigned, build, sign, resolve).
+const MAX_STEPS: usize = 8;
+
+/// What the worker works with.
+pub struct ImageWorker {
+    pub state: Arc<FleetState>,
+    pub modules: Store<ManagedClusterModule>,
+    pub secrets: Store<Secret>,
+    pub config_maps: Api<ConfigMap>,
+    pub namespace: String,
+    pub builds: BuildJobs,
+    pub recorder: Recorder,
+}
+
+impl std::fmt::Debug for ImageWorker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImageWorker")
+            .field("namespace", &self.namespace)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Runs until dropped.
+pub async fn run(worker: ImageWorker) {
+    let worker = Arc::new(worker);
+    let mut changes = worker.state.changes();
+    let mut in_flight: BTreeSet<ImageKey> = BTreeSet::new();
+    let mut tasks: JoinSet<ImageKey> = JoinSet::new();
+    loop {
+        let needs = worker.state.image_needs();
+        worker
+            .state
+            .retain_images(&needs.keys().cloned().collect());
+        let now = Timestamp::now();
+        let mut wake = now + k8s_openapi::jiff::SignedDuration::from_secs(60);
+        for (key, need) in needs {
+            if in_flight.contains(&key) {
+                continue;
+            }
+            let record = match worker.state.image(&key) {
+                Some(record) => Some(record),
+                None => worker.seed(&key, &need, now),
+            };
+            if due(&need, record.as_ref(), now).is_some() {
+                if in_flight.len() < IN_FLIGHT {
+                    in_flight.insert(key.clone());
+                    let worker = worker.clone();
+                    tasks.spawn(async move {
+                        worker.advance(&key, &need, record).await;
+                        key
+                    });
+                }
+            } else if let Some(record) = &record {
+                wake = wake.min(record.next_at);
+            }
+        }
+        let until = Duration::try_from(wake.duration_since(Timestamp::now()))
+            .unwrap_or_default()
+            .max(Duration::from_millis(200));
+        tokio::select! {
+            Some(done) = tasks.join_next() => {
+                if let Ok(key) = done {
+                    in_flight.remove(&key);
+                }
+            }
+            changed = changes.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                // Changes come in bursts (a report per node): settle before looking.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            () = tokio::time::sleep(until) => {}
+        }
+    }
+}
+
+impl ImageWorker {
+    /// A digest an earlier leader persisted in the module's status: nodes keep loading it
+    /// while this leader checks it again.
+    fn seed(&self, key: &ImageKey, need: &ImageNeed, now: Timestamp) -> Option<ImageRecord> {
+        let module = self.modules.get(&ObjectRef::new(&key.module))?;
+        let digest = persisted_digest(&module.status.as_ref()?.images, &key.image)?;
+        let record = ImageRecord::seeded(need, digest.to_owned(), now);
+        self.state.set_image(key.clone(), record.clone());
+        Some(record)
+    }
+
+    /// Performs the due steps of one image until none is due now.
+    async fn advance(&self, key: &ImageKey, need: &ImageNeed, mut record: Option<ImageRecord>) {
+        for _ in 0..MAX_STEPS {
+            let now = Timestamp::now();
+            let Some(step) = due(need, record.as_ref(), now) else {
+                return;
+            };
+            let observation = self.perform(key, need, record.as_ref(), step).await;
+            let next = observe(need, record.as_ref(), step, observation, Timestamp::now());
+            self.announce(key, record.as_ref(), &next).await;
+            self.state.set_image(key.clone(), next.clone());
+            record = Some(next);
+        }
+    }
+
+    async fn perform(
+        &self,
+        key: &ImageKey,
+        need: &ImageNeed,
+        record: Option<&ImageRecord>,
+        step: Next,
+    ) -> Observation {
+        let secret = self.pull_secret(need);
+        match step {
+            Next::Check | Next::Resolve => {
+                let pinned = record.and_then(|r| r.digest.as_deref());
+                let image = match (step, pinned) {
+                    (Next::Check, Some(digest)) => pinned_reference(&key.image, digest),
+                    _ => key.image.clone(),
+                };
+                match self.resolve(&image, need.tls, secret.as_ref()).await {
+                    Ok(digest) => Observation::Found { digest },
+                    Err(e) if e.is_not_found() => Observation::Missing {
+                        answer: error_chain(&e),
+                    },
+                    Err(e) => Observation::CheckFailed {
+                        unauthorized: e.is_unauthorized(),
+                        message: error_chain(&e),
+                    },
+                }
+            }
+            Next::CheckUnsigned => {
+                let Some(plan) = &need.sign else {
+                    return Observation::UnsignedMissing {
+                        answer: "no sign settings".into(),
+                    };
+                };
+                match self
+                    .resolve(&plan.unsigned_image, plan.unsigned_tls, secret.as_ref())
+                    .await
+                {
+                    Ok(_) => Observation::UnsignedFound,
+                    Err(e) if e.is_not_found() => Observation::UnsignedMissing {
+                        answer: error_chain(&e),
+                    },
+                    Err(e) => Observation::CheckFailed {
+                        unauthorized: e.is_unauthorized(),
+                        message: format!("unsigned image: {}", error_chain(&e)),
+                    },
+                }
+            }
+            Next::Build => self.build(key, need).await,
+            Next::Sign => self.sign(key, need, secret.as_ref()).await,
+        }
+    }
+
+    async fn resolve(
+        &self,
+        image: &str,
+        tls: RegistryTls,
+        secret: Option<&PullSecret>,
+    ) -> Result<String, RegistryError> {
+        let client = kmm_registry::client(tls);
+        match tokio::time::timeout(
+            REGISTRY_TIMEOUT,
+            kmm_registry::resolve_digest(&client, image, secret),
+        )
+        .await
+        {
+            Ok(result) => result,
+            Err(_) => Err(RegistryError::Registry {
+                image: image.to_owned(),
+                detail: format!("no answer within {}s", REGISTRY_TIMEOUT.as_secs()),
+            }),
+        }
+    }
+
+    async fn build(&self, key: &ImageKey, need: &ImageNeed) -> Observation {
+        let Some(build) = &need.build else {
+            return Observation::BuildNotStarted {
+                message: "no build settings".into(),
+            };
+        };
+        let config_map = &build.dockerfile_config_map.name;
+        let dockerfile = match self.config_maps.get_opt(config_map).await {
+            Ok(Some(cm)) => cm.data.and_then(|mut d| d.remove("dockerfile")),
+            Ok(None) => None,
+            Err(e) => {
+                return Observation::BuildNotStarted {
+                    message: format!(
+                        "reading ConfigMap {}/{config_map}: {}",
+                        self.namespace,
+                        error_chain(&e)
+                    ),
+                };
+            }
+        };
+        let Some(dockerfile) = dockerfile else {
+            return Observation::BuildNotStarted {
+                message: format!(
+                    "build.dockerfileConfigMap: ConfigMap {}/{config_map} does not exist or has no key \"dockerfile\"",
+                    self.namespace
+                ),
+            };
+        };
+        let target = need.build_target(&key.image);
+        let tls = need.sign.as_ref().map_or(need.tls, |s| s.unsigned_tls);
+        let request = BuildRequest {
+            module: key.module.clone(),
+            module_uid: need.module_uid.clone(),
+            spoke_namespace: need.spoke_namespace.clone(),
+            kernel: need.build_kernel().to_owned(),
+            image: target.to_owned(),
+            build: build.clone(),
+            registry_tls: Some(TlsOptions {
+                insecure: Some(tls.insecure),
+                insecure_skip_tls_verify: Some(tls.insecure_skip_tls_verify),
+            }),
+            push_secret: need.pull_secret.clone(),
+            dockerfile,
+            rebuild_generation: need.rebuild_generation,
+        };
+        match self.builds.ensure(&request).await {
+            Ok(BuildProgress::Running { job }) => Observation::BuildRunning { job },
+            Ok(BuildProgress::Succeeded { job }) => Observation::BuildSucceeded { job },
+            Ok(BuildProgress::Failed { job, log_tail }) => {
+                Observation::BuildFailed { job, log_tail }
+            }
+            Err(e) => Observation::BuildNotStarted {
+                message: error_chain(&e),
+            },
+        }
+    }
+
+    async fn sign(&self, key: &ImageKey, need: &ImageNeed, secret: Option<&PullSecret>) -> Observation {
+        let Some(plan) = &need.sign else {
+            return Observation::SignFailed {
+                message: "no sign settings".into(),
+            };
+        };
+        let signing_key = match signing_key(&self.secrets, &self.namespace, plan) {
+            Ok(k) => k,
+            Err(e) => {
+                return Observation::SignFailed {
+                    message: error_chain(&e),
+                };
+            }
+        };
+        let signing = sign_image(plan, signing_key, &key.image, need.tls, secret);
+        match tokio::time::timeout(SIGN_TIMEOUT, signing).await {
+            Ok(Ok(digest)) => Observation::Signed { digest },
+            Ok(Err(e)) => Observation::SignFailed {
+                message: error_chain(&e),
+            },
+            Err(_) => Observation::SignFailed {
+                message: format!("signing took longer than {}s", SIGN_TIMEOUT.as_secs()),
+            },
+        }
+    }
+
+    /// The module's pull secret's content, from the watched Secrets; in memory only.
+    fn pull_secret(&self, need: &ImageNeed) -> Option<PullSecret> {
+        let name = need.pull_secret.as_deref()?;
+        let secret = self
+            .secrets
+            .get(&ObjectRef::new(name).within(&self.namespace))?;
+        let data = secret.data.as_ref()?;
+        let text = |key: &str| {
+            data.get(key)
+                .and_then(|v| String::from_utf8(v.0.clone()).ok())
+        };
+        text(".dockerconfigjson")
+            .map(PullSecret::DockerConfigJson)
+            .or_else(|| text(".dockercfg").map(PullSecret::DockerCfg))
+    }
+
+    /// An Event when the image's state or reason changes.
+    async fn announce(&self, key: &ImageKey, before: Option<&ImageRecord>, after: &ImageRecord) {
+        if before.is_some_and(|b| (b.state, &b.reason, &b.digest) == (after.state, &after.reason, &after.digest)) {
+            return;
+        }
+        let Some(module) = self.modules.get(&ObjectRef::new(&key.module)) else {
+            return;
+        };
+        let warning = matches!(after.state, ImageState::Failed | ImageState::NotFound);
+        let kernels: Vec<&str> = after.need.kernels.iter().map(String::as_str).take(5).collect();
+        let mut note = format!(
+            "image {} (kernels {}): {}",
+            key.image,
+            kernels.join(", "),
+            after.state.as_str()
+        );
+        if let Some(digest) = &after.digest {
+            note.push_str(&format!(" at {digest}"));
+        }
+        if !after.message.is_empty() {
+            note.push_str(": ");
+            note.push_str(&after.message);
+        }
+        if warning {
+            tracing::warn!(module = key.module, image = key.image, reason = after.reason, message = after.message, "image");
+        } else {
+            tracing::info!(module = key.module, image = key.image, reason = after.reason, digest = after.digest, "image");
+        }
+        let event = Event {
+            type_: if warning { EventType::Warning } else { EventType::Normal },
+            reason: after.reason.clone(),
+            note: Some(truncate(note, 1024)),
+            action: "Image".into(),
+            secondary: None,
+        };
+        if let Err(error) = self.recorder.publish(&event, &module.object_ref(&())).await {
+            tracing::warn!(module = key.module, %error, "cannot record an Event");
+        }
+    }
+}
+
+/// `image` pinned to `digest`: the tag kept for readability, the digest deciding.
+fn pinned_reference(image: &str, digest: &str) -> String {
+    match image.split_once('@') {
+        Some((name, _)) => format!("{name}@{digest}"),
+        None => format!("{image}@{digest}"),
+    }
+}

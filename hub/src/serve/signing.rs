@@ -1,0 +1,224 @@
+//! Signing on the hub, natively: the key and certificate are read from Secrets in the
+//! hub's namespace into memory (never logged, written to disk or sent to a spoke), the
+//! unsigned image is pulled, the listed files are signed with `kmm-signing`, and the
+//! signed image is pushed as the unsigned one plus one layer. Every check comes before
+//! the push: a failure pushes nothing.
+
+use k8s_openapi::api::core::v1::Secret;
+use kmm_registry::{PullSecret, RegistryError, error_chain, parse_reference};
+use kmm_signing::{Compression, HashAlgorithm, LAYER_MEDIA_TYPE, Layer, Limits, SigningKey};
+use kube::runtime::reflector::{ObjectRef, Store};
+use oci_client::client::{Config, ImageLayer};
+use oci_client::manifest::{
+    IMAGE_DOCKER_LAYER_GZIP_MEDIA_TYPE, IMAGE_DOCKER_LAYER_TAR_MEDIA_TYPE,
+    IMAGE_LAYER_GZIP_MEDIA_TYPE, IMAGE_LAYER_MEDIA_TYPE, OciImageManifest,
+};
+use serde_json::Value;
+use thiserror::Error;
+
+use crate::images::SignPlan;
+
+/// Largest unsigned image the hub pulls into memory to sign.
+const MAX_IMAGE_BYTES: i64 = 2 << 30;
+
+/// Why an image could not be signed; the text names the Secret, key, image or file.
+#[derive(Debug, Error)]
+pub enum SigningError {
+    #[error("{field}: Secret {secret:?} not found in namespace {namespace}")]
+    SecretNotFound {
+        field: &'static str,
+        secret: String,
+        namespace: String,
+    },
+    #[error("{field}: Secret {secret:?} has no key {key:?}")]
+    SecretKeyMissing {
+        field: &'static str,
+        secret: String,
+        key: &'static str,
+    },
+    #[error("the signing key pair in Secrets {key_secret:?} and {cert_secret:?} is unusable: {source}")]
+    Key {
+        key_secret: String,
+        cert_secret: String,
+        #[source]
+        source: kmm_signing::KeyError,
+    },
+    #[error("pulling the unsigned image: {0}")]
+    Pull(#[source] RegistryError),
+    #[error("the unsigned image {image} is {size} bytes, over the {limit}-byte limit")]
+    TooLarge { image: String, size: i64, limit: i64 },
+    #[error("the unsigned image {image} has layers of an unsupported media type: {media_type}")]
+    UnsupportedLayer { image: String, media_type: String },
+    #[error("the unsigned image {image}'s config is not an image config: {reason}")]
+    Config { image: String, reason: String },
+    #[error("signing the files of {image}: {source}")]
+    Sign {
+        image: String,
+        #[source]
+        source: kmm_signing::SignError,
+    },
+    #[error("pushing the signed image: {0}")]
+    Push(#[source] RegistryError),
+}
+
+/// The key pair `plan` names, from the watched Secrets of the hub's namespace.
+pub fn signing_key(
+    secrets: &Store<Secret>,
+    namespace: &str,
+    plan: &SignPlan,
+) -> Result<SigningKey, SigningError> {
+    let read = |field: &'static str, secret: &str, key: &'static str| {
+        let object = secrets
+            .get(&ObjectRef::new(secret).within(namespace))
+            .ok_or_else(|| SigningError::SecretNotFound {
+                field,
+                secret: secret.to_owned(),
+                namespace: namespace.to_owned(),
+            })?;
+        object
+            .data
+            .as_ref()
+            .and_then(|d| d.get(key))
+            .map(|v| v.0.clone())
+            .ok_or_else(|| SigningError::SecretKeyMissing {
+                field,
+                secret: secret.to_owned(),
+                key,
+            })
+    };
+    let key = read("sign.keySecret", &plan.key_secret, "key")?;
+    let cert = read("sign.certSecret", &plan.cert_secret, "cert")?;
+    SigningKey::from_pem(&key, &cert).map_err(|source| SigningError::Key {
+        key_secret: plan.key_secret.clone(),
+        cert_secret: plan.cert_secret.clone(),
+        source,
+    })
+}
+
+/// Pulls `plan.unsigned_image`, signs its listed files with `key`, pushes the result to
+/// `image` and returns the pushed manifest's digest.
+pub async fn sign_image(
+    plan: &SignPlan,
+    key: SigningKey,
+    image: &str,
+    target_tls: kmm_registry::RegistryTls,
+    secret: Option<&PullSecret>,
+) -> Result<String, SigningError> {
+    let unsigned = plan.unsigned_image.as_str();
+    let source = parse_reference(unsigned).map_err(SigningError::Pull)?;
+    let pull_client = kmm_registry::client(plan.unsigned_tls);
+    let auth = kmm_registry::auth(secret, &source).map_err(SigningError::Pull)?;
+    let (manifest, _) = pull_client
+        .pull_image_manifest(&source, &auth)
+        .await
+        .map_err(|e| SigningError::Pull(RegistryError::from_client(unsigned, e)))?;
+    let size: i64 = manifest.layers.iter().map(|l| l.size).sum();
+    if size > MAX_IMAGE_BYTES {
+        return Err(SigningError::TooLarge {
+            image: unsigned.to_owned(),
+            size,
+            limit: MAX_IMAGE_BYTES,
+        });
+    }
+    let pulled = pull_client
+        .pull(
+            &source,
+            &auth,
+            vec![
+                IMAGE_LAYER_MEDIA_TYPE,
+                IMAGE_LAYER_GZIP_MEDIA_TYPE,
+                IMAGE_DOCKER_LAYER_TAR_MEDIA_TYPE,
+                IMAGE_DOCKER_LAYER_GZIP_MEDIA_TYPE,
+                "application/vnd.oci.image.layer.v1.tar+zstd",
+            ],
+        )
+        .await
+        .map_err(|e| SigningError::Pull(RegistryError::from_client(unsigned, e)))?;
+
+    let files = plan.files.clone();
+    let layers = pulled.layers.clone();
+    let owned_image = unsigned.to_owned();
+    let signed = tokio::task::spawn_blocking(move || {
+        let readers = layers
+            .iter()
+            .map(|layer| {
+                Compression::from_media_type(&layer.media_type)
+                    .map(|compression| Layer {
+                        compression,
+                        reader: layer.data.as_slice(),
+                    })
+                    .map_err(|_| SigningError::UnsupportedLayer {
+                        image: owned_image.clone(),
+                        media_type: layer.media_type.clone(),
+                    })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        kmm_signing::sign_files_in_layers(
+            readers,
+            &files,
+            &key,
+            HashAlgorithm::Sha256,
+            &Limits::default(),
+        )
+        .map_err(|source| SigningError::Sign {
+            image: owned_image,
+            source,
+        })
+    })
+    .await
+    .expect("signing does not panic")?;
+
+    let config = signed_config(unsigned, &pulled.config, &signed.diff_id, &signed.files)?;
+    let mut layers = pulled.layers;
+    layers.push(ImageLayer::new(
+        signed.blob,
+        LAYER_MEDIA_TYPE.to_owned(),
+        None,
+    ));
+    let manifest = OciImageManifest::build(&layers, &config, None);
+    let target = parse_reference(image).map_err(SigningError::Push)?;
+    let push_client = kmm_registry::client(target_tls);
+    let push_auth = kmm_registry::auth(secret, &target).map_err(SigningError::Push)?;
+    push_client
+        .push(&target, &layers, config, &push_auth, Some(manifest))
+        .await
+        .map_err(|e| SigningError::Push(RegistryError::from_client(image, e)))?;
+    kmm_registry::resolve_digest(&push_client, image, secret)
+        .await
+        .map_err(SigningError::Push)
+}
+
+/// The unsigned image's config with the signed layer appended to its root filesystem
+/// and its history.
+fn signed_config(
+    image: &str,
+    config: &Config,
+    diff_id: &str,
+    files: &[kmm_signing::SignedFile],
+) -> Result<Config, SigningError> {
+    let invalid = |reason: String| SigningError::Config {
+        image: image.to_owned(),
+        reason,
+    };
+    let mut json: Value =
+        serde_json::from_slice(&config.data).map_err(|e| invalid(error_chain(&e)))?;
+    json["rootfs"]["diff_ids"]
+        .as_array_mut()
+        .ok_or_else(|| invalid("no rootfs.diff_ids".to_owned()))?
+        .push(Value::String(diff_id.to_owned()));
+    let signed: Vec<&str> = files.iter().map(|f| f.path.as_str()).collect();
+    let entry = serde_json::json!({
+        "created_by": format!("kmm-hub: signed {}", signed.join(" ")),
+        "comment": "kernel module signatures appended by kmm-hub",
+    });
+    match json["history"].as_array_mut() {
+        Some(history) => history.push(entry),
+        None => json["history"] = Value::Array(vec![entry]),
+    }
+    let data = serde_json::to_vec(&json).map_err(|e| invalid(error_chain(&e)))?;
+    Ok(Config::new(
+        data,
+        config.media_type.clone(),
+        config.annotations.clone(),
+    ))
+}
