@@ -1,5 +1,6 @@
 //! The kmm-fleet hub. The binary (`main.rs`) is thin wiring over these modules.
 
 pub mod admission;
+pub mod build;
 pub mod fleet;
 pub mod serve;
