@@ -207,7 +207,8 @@ pub(crate) mod tests {
     #[test]
     fn every_input_changes_the_fingerprint() {
         let base = request().fingerprint(BUILDER);
-        let changes: Vec<(&str, Box<dyn Fn(&mut BuildRequest)>)> = vec![
+        type Change = Box<dyn Fn(&mut BuildRequest)>;
+        let changes: Vec<(&str, Change)> = vec![
             (
                 "dockerfile",
                 Box::new(|r| r.dockerfile.push_str("RUN true\n")),
