@@ -1,15 +1,19 @@
-//! Container images of kmm-fleet's binaries, built with buildah from the Dockerfiles
-//! beside each component (`hub/Dockerfile`, `spoke-proxy/Dockerfile`,
-//! `node-agent/Dockerfile`) on bases assembled from Debian packages ([`base`]).
+//! Container images of kmm-fleet, built with buildah from the Dockerfiles beside each
+//! component (`hub/Dockerfile`, `spoke-proxy/Dockerfile`, `node-agent/Dockerfile`, and
+//! the builder's `hub/builder/Dockerfile`) on bases assembled from Debian packages
+//! ([`base`]).
 //!
-//! [`build`] builds the release binaries, makes the bases current, builds the three
-//! images and, given a registry, pushes bases and images there. Every image carries a
-//! label hashing all it is made of (binary, Dockerfile, base, build arguments); an image
+//! [`build`] builds the release binaries, makes the bases current, builds the four
+//! images and, given a registry, pushes bases and images there ([`builder`] does only
+//! the builder's, which needs no binary). Every image carries a label hashing all it is
+//! made of (binary or context files, Dockerfile, base, build arguments); an image
 //! already carrying the hash is kept, so a call with nothing changed costs the
-//! incremental cargo build and a few buildah inspections.
+//! incremental cargo build and a few buildah inspections. [`kmod_builder`] assembles the
+//! local fleet's base for kmod builds.
 
 pub mod base;
 mod buildah;
+pub mod kmod_builder;
 
 use std::io::{Read, Seek};
 use std::net::IpAddr;
@@ -25,7 +29,7 @@ use sha2::{Digest, Sha256};
 pub use buildah::{Inspected, command as buildah, inspect, run_in};
 
 use crate::{Error, IoContext, Result, cache_dir};
-use base::{BASE, BASE_KMOD, Base};
+use base::{BASE, BASE_BUILDAH, BASE_KMOD, Base};
 
 /// Namespace of every image and base: `<registry>/kmm-fleet/<name>`.
 pub const NAMESPACE: &str = "kmm-fleet";
@@ -38,14 +42,26 @@ pub const KEY_LABEL: &str = "dev.kmm-fleet.content-key";
 /// Label listing the Debian packages (`name=version`) of a base and the images on it.
 pub const PACKAGES_LABEL: &str = "dev.kmm-fleet.packages";
 
-/// One of kmm-fleet's binaries and its image.
+/// One of kmm-fleet's images.
 #[derive(Debug)]
 pub struct Component {
-    /// The cargo package, its binary, and the image's name under `kmm-fleet/`.
+    /// The image's name under `kmm-fleet/`; for a binary's image also the cargo package
+    /// and its binary.
     pub name: &'static str,
     /// Relative to the workspace root.
     pub dockerfile: &'static str,
     pub base: &'static Base,
+    pub context: Context,
+}
+
+/// What a component's Dockerfile copies from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Context {
+    /// The release binary named like the component (the context is cargo's release
+    /// directory).
+    Binary,
+    /// The files of this directory, relative to the workspace root.
+    Directory(&'static str),
 }
 
 pub const COMPONENTS: &[Component] = &[
@@ -53,18 +69,30 @@ pub const COMPONENTS: &[Component] = &[
         name: "kmm-hub",
         dockerfile: "hub/Dockerfile",
         base: &BASE,
+        context: Context::Binary,
     },
     Component {
         name: "kmm-spoke-proxy",
         dockerfile: "spoke-proxy/Dockerfile",
         base: &BASE,
+        context: Context::Binary,
     },
     Component {
         name: "kmm-node-agent",
         dockerfile: "node-agent/Dockerfile",
         base: &BASE_KMOD,
+        context: Context::Binary,
     },
+    BUILDER,
 ];
+
+/// The image kmm-hub's build Jobs run: buildah and its entrypoint script.
+pub const BUILDER: Component = Component {
+    name: "kmm-builder",
+    dockerfile: "hub/builder/Dockerfile",
+    base: &BASE_BUILDAH,
+    context: Context::Directory("hub/builder"),
+};
 
 /// What to build and where the images go.
 #[derive(Debug, Clone)]
@@ -115,28 +143,73 @@ pub struct Image {
 /// What [`build`] made.
 #[derive(Debug, Clone)]
 pub struct Built {
-    /// `base`, `base-kmod`.
+    /// `base`, `base-kmod`, `base-buildah`.
     pub bases: Vec<Image>,
     /// One per [`COMPONENTS`], in that order.
     pub images: Vec<Image>,
 }
 
-/// Build the release binaries, the bases and the three images; with a registry, push
+/// Build the release binaries, the bases and the four images; with a registry, push
 /// bases and images to it. Fails naming buildah if it is missing.
 pub fn build(options: &Options) -> Result<Built> {
     buildah::check()?;
     let workspace = workspace();
-    let cache = cache_dir().join("images");
     let release = build_binaries(&workspace, &options.target_dir)?;
-    let base = base::ensure(&BASE, None, &cache)?;
-    let base_kmod = base::ensure(&BASE_KMOD, Some(&base), &cache)?;
-    let source = Source::of(&workspace);
+    let mut images = Images::new(options, workspace);
     let mut built = Built {
         bases: vec![],
         images: vec![],
     };
-    for (definition, ensured) in [(&BASE, &base), (&BASE_KMOD, &base_kmod)] {
-        let pushed = match &options.registry {
+    for component in COMPONENTS {
+        built
+            .images
+            .push(images.component(component, Some(&release))?);
+    }
+    built.bases = images.bases;
+    Ok(built)
+}
+
+/// Build the builder image ([`BUILDER`]) and its bases; with a registry, push them. The
+/// image to test builds with, without the release build of the binaries [`build`] does.
+pub fn builder(options: &Options) -> Result<Image> {
+    buildah::check()?;
+    Images::new(options, workspace()).component(&BUILDER, None)
+}
+
+/// Bases made current (and pushed) so far, and what images are built with.
+struct Images<'a> {
+    options: &'a Options,
+    workspace: PathBuf,
+    source: Source,
+    cache: PathBuf,
+    /// Each base at most once, parents first.
+    ensured: Vec<(&'static Base, base::Ensured)>,
+    bases: Vec<Image>,
+}
+
+impl<'a> Images<'a> {
+    fn new(options: &'a Options, workspace: PathBuf) -> Self {
+        Self {
+            options,
+            source: Source::of(&workspace),
+            workspace,
+            cache: cache_dir().join("images"),
+            ensured: vec![],
+            bases: vec![],
+        }
+    }
+
+    /// `definition` current in local storage (and pushed), on [`BASE`] unless it is it.
+    fn base(&mut self, definition: &'static Base) -> Result<base::Ensured> {
+        if let Some((_, ensured)) = self.ensured.iter().find(|(d, _)| d.name == definition.name) {
+            return Ok(ensured.clone());
+        }
+        let parent = match definition.name == BASE.name {
+            true => None,
+            false => Some(self.base(&BASE)?),
+        };
+        let ensured = base::ensure(definition, parent.as_ref(), &self.cache)?;
+        let pushed = match &self.options.registry {
             Some(registry) => {
                 let remote = format!("{registry}/{}", base::repository(definition));
                 push(&ensured.reference, &remote, registry)?;
@@ -144,8 +217,8 @@ pub fn build(options: &Options) -> Result<Built> {
             }
             None => None,
         };
-        let (size, compressed_size) = sizes(&ensured.inspected.id, &cache)?;
-        built.bases.push(Image {
+        let (size, compressed_size) = sizes(&ensured.inspected.id, &self.cache)?;
+        self.bases.push(Image {
             name: definition.name.to_string(),
             reference: ensured.reference.clone(),
             pushed,
@@ -154,18 +227,33 @@ pub fn build(options: &Options) -> Result<Built> {
             compressed_size,
             rebuilt: ensured.rebuilt,
         });
+        self.ensured.push((definition, ensured.clone()));
+        Ok(ensured)
     }
-    for component in COMPONENTS {
-        let on = if component.base.name == BASE_KMOD.name {
-            &base_kmod
-        } else {
-            &base
+
+    /// `component`'s image on its base; `release` holds the binaries.
+    fn component(&mut self, component: &Component, release: Option<&Path>) -> Result<Image> {
+        let base = self.base(component.base)?;
+        let context = match (component.context, release) {
+            (Context::Binary, Some(release)) => release.to_path_buf(),
+            (Context::Binary, None) => {
+                return Err(Error::Invalid(format!(
+                    "{} is built from its release binary, which was not built",
+                    component.name
+                )));
+            }
+            (Context::Directory(dir), _) => self.workspace.join(dir),
         };
-        built.images.push(build_image(
-            component, on, &release, &workspace, &source, options, &cache,
-        )?);
+        build_image(
+            component,
+            &base,
+            &context,
+            &self.workspace,
+            &self.source,
+            self.options,
+            &self.cache,
+        )
     }
-    Ok(built)
 }
 
 /// `$CARGO_TARGET_DIR`, else the workspace's `target/`.
@@ -180,14 +268,14 @@ fn workspace() -> PathBuf {
         .unwrap_or_default()
 }
 
-/// `cargo build --release` of the three binaries; the directory holding them.
+/// `cargo build --release` of the binaries; the directory holding them.
 fn build_binaries(workspace: &Path, target_dir: &Path) -> Result<PathBuf> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = Command::new(cargo);
     cmd.args(["build", "--release", "--target-dir"])
         .arg(target_dir)
         .current_dir(workspace);
-    for component in COMPONENTS {
+    for component in COMPONENTS.iter().filter(|c| c.context == Context::Binary) {
         cmd.args(["-p", component.name]);
     }
     // Cargo sets these for the program it runs (xtask, a test). Inherited, they reach
@@ -256,11 +344,12 @@ impl Source {
     }
 }
 
-/// Build `component`'s image on `base` unless one with the same content key exists.
+/// Build `component`'s image on `base` from `context` unless one with the same content
+/// key exists.
 fn build_image(
     component: &Component,
     base: &base::Ensured,
-    release: &Path,
+    context: &Path,
     workspace: &Path,
     source: &Source,
     options: &Options,
@@ -269,7 +358,6 @@ fn build_image(
     let registry = options.registry.as_deref().unwrap_or("localhost");
     let reference = format!("{registry}/{NAMESPACE}/{}:{}", component.name, options.tag);
     let dockerfile = workspace.join(component.dockerfile);
-    let binary = release.join(component.name);
     let build_args = [
         ("BASE_IMAGE", base.reference.as_str()),
         ("VERSION", VERSION),
@@ -277,7 +365,23 @@ fn build_image(
         ("SOURCE", SOURCE),
     ];
     let mut hash = Sha256::new();
-    for file in [&binary, &dockerfile] {
+    let files = match component.context {
+        Context::Binary => vec![context.join(component.name)],
+        Context::Directory(_) => {
+            let files = context_files(context)?;
+            // Names count too: a file renamed changes what the Dockerfile copies.
+            for file in &files {
+                hash.update(
+                    file.strip_prefix(context)
+                        .unwrap_or(file)
+                        .as_os_str()
+                        .as_encoded_bytes(),
+                );
+            }
+            files
+        }
+    };
+    for file in files.iter().chain([&dockerfile]) {
         hash.update(std::fs::read(file).context(|| format!("reading {}", file.display()))?);
     }
     hash.update(&base.inspected.id);
@@ -303,7 +407,7 @@ fn build_image(
                 bud.arg("--build-arg").arg(format!("{arg}={value}"));
             }
             bud.arg("--label").arg(format!("{KEY_LABEL}={key}"));
-            bud.args(["--tag", &reference]).arg(release);
+            bud.args(["--tag", &reference]).arg(context);
             crate::process::output(&mut bud)?;
             inspect(&reference)?.ok_or_else(|| {
                 Error::Invalid(format!("{reference} is missing after buildah bud"))
@@ -327,6 +431,25 @@ fn build_image(
         compressed_size,
         rebuilt,
     })
+}
+
+/// The files of a context directory, in name order (it has no subdirectories).
+fn context_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut files = vec![];
+    for entry in std::fs::read_dir(dir).context(|| format!("reading {}", dir.display()))? {
+        let path = entry
+            .context(|| format!("reading {}", dir.display()))?
+            .path();
+        if !path.is_file() {
+            return Err(Error::Invalid(format!(
+                "{} is not a file: image contexts are flat",
+                path.display()
+            )));
+        }
+        files.push(path);
+    }
+    files.sort();
+    Ok(files)
 }
 
 /// Push the local image `local` as `remote` to `registry`.

@@ -1,6 +1,7 @@
 //! The kmm-fleet hub. The binary (`main.rs`) is thin wiring over these modules.
 
 pub mod admission;
+pub mod build;
 pub mod fleet;
 pub mod images;
 pub mod serve;

@@ -92,9 +92,21 @@ pub struct Args {
     #[arg(long, env = "POD_NAME")]
     pod_name: Option<String>,
 
+    /// The image kmod build Jobs run (`hub/builder`, `cargo xtask images` builds it),
+    /// pinned by a tag or a digest. The default is where `cargo xtask images --push`
+    /// puts it for the local fleet.
+    #[arg(long, value_name = "IMAGE", default_value = DEFAULT_BUILDER_IMAGE)]
+    builder_image: String,
+
     #[command(flatten)]
     metrics: MetricsArgs,
 }
+
+/// The builder as `cargo xtask images --push 127.0.0.1:16005` names it.
+const DEFAULT_BUILDER_IMAGE: &str = concat!(
+    "127.0.0.1:16005/kmm-fleet/kmm-builder:",
+    env!("CARGO_PKG_VERSION")
+);
 
 pub fn run(args: Args) -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -117,6 +129,9 @@ pub fn run(args: Args) -> ExitCode {
 }
 
 async fn serve_main(args: Args) -> anyhow::Result<()> {
+    // Refused at start rather than at the first build, which may come much later.
+    kmm_resolver::image_reference::check(&args.builder_image)
+        .context("--builder-image is not a usable image reference")?;
     let grpc_sans = if args.grpc_sans.is_empty() {
         vec![
             "localhost".to_owned(),

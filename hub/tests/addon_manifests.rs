@@ -2,7 +2,8 @@
 //! the AddOnTemplate uses is OCM's, set by the default AddOnDeploymentConfig, one of the
 //! variables kmm-hub requires (and reports missing), or the CA bundle kmm-hub publishes.
 //! OCM renders an unknown variable as an empty string, silently; this is where a typo in
-//! the template is caught.
+//! the template is caught. The hub's own manifests (`addon-manifests/hub`) give its
+//! builds the namespace and permissions `kmm_hub::build` relies on.
 
 use std::collections::BTreeSet;
 
@@ -14,11 +15,29 @@ use serde_json::Value;
 const OCM_BUILT_IN: [&str; 3] = ["CLUSTER_NAME", "INSTALL_NAMESPACE", "HUB_KUBECONFIG"];
 
 fn read(file: &str) -> String {
+    read_in("addon", file)
+}
+
+fn read_in(dir: &str, file: &str) -> String {
     let path = format!(
-        "{}/../addon-manifests/addon/{file}",
+        "{}/../addon-manifests/{dir}/{file}",
         env!("CARGO_MANIFEST_DIR")
     );
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+/// The documents of a multi-document YAML file of `addon-manifests/hub`.
+fn hub_documents(file: &str) -> Vec<Value> {
+    serde_yaml_ng::Deserializer::from_str(&read_in("hub", file))
+        .map(|d| serde::Deserialize::deserialize(d).unwrap())
+        .collect()
+}
+
+fn find<'a>(documents: &'a [Value], kind: &str) -> &'a Value {
+    documents
+        .iter()
+        .find(|d| d["kind"] == kind)
+        .unwrap_or_else(|| panic!("no {kind}"))
 }
 
 fn template_variables(text: &str) -> BTreeSet<String> {
@@ -86,4 +105,90 @@ fn the_signer_names_the_ca_secret_kmm_hub_creates() {
     assert_eq!(signer["signerName"], "kmm.sigs.x-k8s.io/hub-client");
     assert_eq!(signer["signingCA"]["name"], kmm_hub::serve::ca::CA_SECRET);
     assert_eq!(signer["signingCA"]["namespace"], "kmm-hub");
+}
+
+#[test]
+fn builds_run_in_their_own_namespace_whose_pod_security_admits_buildah() {
+    let hub = hub_documents("namespace.yaml");
+    let hub_namespace = find(&hub, "Namespace");
+    assert_eq!(
+        hub_namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"], "restricted",
+        "the hub's own namespace stays restricted"
+    );
+    let builds = hub_documents("builds.yaml");
+    let namespace = find(&builds, "Namespace");
+    let name =
+        kmm_hub::build::builds_namespace(hub_namespace["metadata"]["name"].as_str().unwrap());
+    assert_eq!(namespace["metadata"]["name"], name.as_str());
+    // CAP_SYS_ADMIN, which buildah needs, is beyond `baseline`.
+    assert_eq!(
+        namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"],
+        "privileged"
+    );
+    let kustomization: Value =
+        serde_yaml_ng::from_str(&read_in("hub", "kustomization.yaml")).unwrap();
+    assert!(
+        kustomization["resources"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r == "builds.yaml"),
+        "the kustomization installs builds.yaml"
+    );
+}
+
+#[test]
+fn the_hub_may_do_in_the_builds_namespace_exactly_what_its_builds_need() {
+    let builds = hub_documents("builds.yaml");
+    let role = find(&builds, "Role");
+    let binding = find(&builds, "RoleBinding");
+    let namespace = find(&builds, "Namespace")["metadata"]["name"].clone();
+    assert_eq!(role["metadata"]["namespace"], namespace);
+    assert_eq!(binding["metadata"]["namespace"], namespace);
+    assert_eq!(binding["roleRef"]["name"], role["metadata"]["name"]);
+    let subject = &binding["subjects"][0];
+    assert_eq!(
+        (&subject["kind"], &subject["name"], &subject["namespace"]),
+        (
+            &Value::from("ServiceAccount"),
+            &Value::from("kmm-hub"),
+            &Value::from("kmm-hub")
+        )
+    );
+    let mut granted = BTreeSet::new();
+    for rule in role["rules"].as_array().unwrap() {
+        for group in rule["apiGroups"].as_array().unwrap() {
+            for resource in rule["resources"].as_array().unwrap() {
+                for verb in rule["verbs"].as_array().unwrap() {
+                    granted.insert(format!(
+                        "{}/{}:{}",
+                        group.as_str().unwrap(),
+                        resource.as_str().unwrap(),
+                        verb.as_str().unwrap()
+                    ));
+                }
+            }
+        }
+    }
+    // What `BuildJobs` calls (reading, creating, resuming and deleting Jobs; listing their
+    // Pods and reading a log; creating the copies), and watching Jobs and Pods, which the
+    // pipeline's informers need. Nothing else: no reading back a copied Secret.
+    let needed: BTreeSet<String> = [
+        "batch/jobs:get",
+        "batch/jobs:list",
+        "batch/jobs:watch",
+        "batch/jobs:create",
+        "batch/jobs:patch",
+        "batch/jobs:delete",
+        "/pods:get",
+        "/pods:list",
+        "/pods:watch",
+        "/pods/log:get",
+        "/configmaps:create",
+        "/secrets:create",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    assert_eq!(granted, needed);
 }

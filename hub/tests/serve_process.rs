@@ -141,3 +141,23 @@ async fn serves_health_and_metrics_and_stops_on_sigterm() {
     );
     namespace.delete().await.unwrap();
 }
+
+#[test]
+fn an_unusable_builder_image_is_refused_at_start() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kmm-hub"))
+        .args([
+            "serve",
+            "--builder-image",
+            "registry.example.com/kmm-builder",
+        ])
+        // Refused before any API server is needed.
+        .env("KUBECONFIG", "/nonexistent")
+        .output()
+        .expect("kmm-hub runs");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--builder-image") && stderr.contains("neither a tag nor a digest"),
+        "{stderr}"
+    );
+}

@@ -86,6 +86,7 @@ images:
     patch: |-
       - {{op: add, path: /spec/template/spec/containers/0/args/-, value: "--grpc-san={node_ip}"}}
       - {{op: add, path: /spec/template/spec/containers/0/args/-, value: "--module-selector=!{test_label}"}}
+      - {{op: add, path: /spec/template/spec/containers/0/args/-, value: "--builder-image={registry}/kmm-fleet/{builder}:{tag}"}}
   - target: {{kind: Service, name: kmm-hub}}
     patch: |-
       - {{op: add, path: /spec/type, value: NodePort}}
@@ -105,6 +106,9 @@ images:
             base = relative.display(),
             node_ip = self.node_ip,
             test_label = TEST_HUB_LABEL,
+            registry = self.registry,
+            builder = crate::images::BUILDER.name,
+            tag = self.tag,
             node_port = GRPC_NODE_PORT,
             kernel_dir = SIMULATED_KERNEL_DIR,
             node_type = super::nodes::NODE_TYPE_LABEL,
@@ -500,6 +504,7 @@ mod tests {
             "198.18.16.1:16005/kmm-fleet/kmm-node-agent"
         );
         assert!(text.contains("--grpc-san=198.18.16.10"));
+        assert!(text.contains("--builder-image=198.18.16.1:16005/kmm-fleet/kmm-builder:0.1.0"));
         assert!(text.contains("value: \"https://198.18.16.10:30443\""));
         assert!(text.contains("/manifests/10/spec/template/spec/volumes/-"));
         std::fs::remove_dir_all(&dir).unwrap();

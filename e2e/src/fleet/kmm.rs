@@ -243,6 +243,20 @@ impl Starting {
             .and_then(|i| i.reference.rsplit_once(':'))
             .map(|(_, tag)| tag.to_owned())
             .ok_or_else(|| Error::Invalid("no image was built".into()))?;
+        // What the hub's builds start FROM here: the headers of the kernel no sample image
+        // exists for.
+        let registry = self.state.registry.clone();
+        let kernel = self.versions.kernels.without_image.clone();
+        let base = tokio::task::spawn_blocking(move || {
+            images::kmod_builder::ensure(&kernel, Some(&registry))
+        })
+        .await
+        .map_err(|e| Error::Invalid(format!("building the kmod builder base panicked: {e}")))??;
+        println!(
+            "fleet: {} pushed ({})",
+            base.pushed.as_deref().unwrap_or(&base.reference),
+            if base.rebuilt { "built" } else { "unchanged" }
+        );
         let node_ip = self
             .state
             .cluster(&hub.name)?

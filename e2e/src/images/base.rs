@@ -33,7 +33,7 @@ const PASSWD: &str = "root:x:0:0:root:/root:/sbin/nologin\n\
 const GROUP: &str = "root:x:0:\nnobody:x:65534:\nnonroot:x:65532:\n";
 /// glibc's resolver reads it; without it, `hosts` would try DNS before /etc/hosts.
 const NSSWITCH: &str = "passwd: files\ngroup: files\nhosts: files dns\n";
-const PATH: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+pub(super) const PATH: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 /// Under /usr/share, dropped whole: nothing in the images reads them.
 const PRUNED: &[&str] = &[
@@ -74,6 +74,28 @@ pub const BASE_KMOD: Base = Base {
     name: "base-kmod",
     description: "kmm-fleet/base with Debian 12 kmod: modprobe, depmod, modinfo",
     packages: &["kmod", "libkmod2", "libzstd1", "liblzma5", "libssl3"],
+};
+
+/// [`BASE`] plus Debian's buildah and what `/usr/bin/buildah` loads (`ldd`), the
+/// configuration it reads from containers-common (the signature policy it refuses to pull
+/// without, the default seccomp profile for `RUN` steps), and dash for the builder's
+/// entrypoint script.
+pub const BASE_BUILDAH: Base = Base {
+    name: "base-buildah",
+    description: "kmm-fleet/base with Debian 12 buildah and dash",
+    packages: &[
+        "buildah",
+        "golang-github-containers-common",
+        "libgpgme11",
+        "libassuan0",
+        "libgpg-error0",
+        "libseccomp2",
+        "libdevmapper1.02.1",
+        "libselinux1",
+        "libpcre2-8-0",
+        "libudev1",
+        "dash",
+    ],
 };
 
 /// A Debian package at the version apt would install.
@@ -285,7 +307,7 @@ fn parse_records(text: &str) -> Vec<Package> {
 }
 
 /// The package's .deb, downloaded once into `<debs>/<name>_<version>/`.
-fn download(package: &Package, debs: &Path) -> Result<PathBuf> {
+pub(super) fn download(package: &Package, debs: &Path) -> Result<PathBuf> {
     let dir = debs.join(format!("{}_{}", package.name, package.version));
     if let Ok(deb) = only_deb(&dir) {
         return Ok(deb);
@@ -332,7 +354,7 @@ fn only_deb(dir: &Path) -> Result<PathBuf> {
 }
 
 /// Unpack the package's files into `rootfs` and record it for scanners.
-fn unpack(package: &Package, deb: &Path, rootfs: &Path) -> Result<()> {
+pub(super) fn unpack(package: &Package, deb: &Path, rootfs: &Path) -> Result<()> {
     output(Command::new("dpkg-deb").arg("-x").arg(deb).arg(rootfs))?;
     let control = output(Command::new("dpkg-deb").arg("-f").arg(deb))?.stdout;
     let status = rootfs.join("var/lib/dpkg/status.d");
@@ -343,7 +365,7 @@ fn unpack(package: &Package, deb: &Path, rootfs: &Path) -> Result<()> {
 
 /// Drop documentation and unused data; of /usr/share/doc only the copyright files stay
 /// (the licences of what the image distributes).
-fn prune(rootfs: &Path) -> Result<()> {
+pub(super) fn prune(rootfs: &Path) -> Result<()> {
     for dir in PRUNED {
         let path = rootfs.join(dir);
         if path.exists() {
@@ -413,7 +435,7 @@ fn certificate_bundle(rootfs: &Path) -> Result<()> {
 }
 
 /// The users and groups, and name service configuration, of the root base.
-fn accounts(rootfs: &Path) -> Result<()> {
+pub(super) fn accounts(rootfs: &Path) -> Result<()> {
     for (file, contents) in [
         ("etc/passwd", PASSWD),
         ("etc/group", GROUP),
