@@ -1,5 +1,6 @@
-//! `cargo xtask images`: container images of kmm-hub, kmm-spoke-proxy and kmm-node-agent
-//! (the building itself is `kmm_e2e::images`, which the local fleet calls too).
+//! `cargo xtask images`: container images of kmm-hub, kmm-spoke-proxy, kmm-node-agent and
+//! the builder kmm-hub's build Jobs run (the building itself is `kmm_e2e::images`, which
+//! the local fleet calls too).
 
 use anyhow::Context;
 use kmm_e2e::images::{self, Image};

@@ -28,7 +28,7 @@ enum Command {
     Test(test::Options),
     /// The local fleet: real hub and spoke control planes with OCM (see README).
     Env(env::EnvArgs),
-    /// Build the container images of the three binaries with buildah (see README).
+    /// Build the container images (the three binaries, the builder) with buildah (see README).
     Images(images::Options),
 }
 

@@ -1,8 +1,9 @@
 //! kmm-hub on the hub cluster's real node, installed the way a user installs it:
 //! `kubectl apply -k` of an overlay whose only base is `addon-manifests/hub`. The overlay
-//! changes what a platform team's own overlay would: the image's registry, how the
-//! proxies reach the gRPC endpoint (a NodePort on the hub's real node, and that address
-//! as a SAN), and which modules the fleet's hub leaves to the hub tests' own hubs.
+//! changes what a platform team's own overlay would: the image's registry (and the
+//! builder image's, a flag), how the proxies reach the gRPC endpoint (a NodePort on the
+//! hub's real node, and that address as a SAN), and which modules the fleet's hub leaves
+//! to the hub tests' own hubs.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
