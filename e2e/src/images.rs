@@ -29,7 +29,7 @@ use sha2::{Digest, Sha256};
 pub use buildah::{Inspected, command as buildah, inspect, run_in};
 
 use crate::{Error, IoContext, Result, cache_dir};
-use base::{BASE, BASE_BUILDAH, BASE_KMOD, Base};
+use base::{BASE, BASE_BUILDAH, BASE_KMOD, BASE_OPENSSL, Base};
 
 /// Namespace of every image and base: `<registry>/kmm-fleet/<name>`.
 pub const NAMESPACE: &str = "kmm-fleet";
@@ -68,7 +68,7 @@ pub const COMPONENTS: &[Component] = &[
     Component {
         name: "kmm-hub",
         dockerfile: "hub/Dockerfile",
-        base: &BASE,
+        base: &BASE_OPENSSL,
         context: Context::Binary,
     },
     Component {
@@ -124,7 +124,7 @@ impl Options {
 /// An image or base in local storage (and in the registry, when pushed).
 #[derive(Debug, Clone)]
 pub struct Image {
-    /// `kmm-hub`, ..., or a base's name (`base`, `base-kmod`).
+    /// `kmm-hub`, ..., or a base's name (`base`, `base-kmod`, `base-openssl`, `base-buildah`).
     pub name: String,
     /// Its name in local storage, which is also its name in the registry for images.
     pub reference: String,
@@ -143,7 +143,7 @@ pub struct Image {
 /// What [`build`] made.
 #[derive(Debug, Clone)]
 pub struct Built {
-    /// `base`, `base-kmod`, `base-buildah`.
+    /// `base`, `base-kmod`, `base-openssl`, `base-buildah`.
     pub bases: Vec<Image>,
     /// One per [`COMPONENTS`], in that order.
     pub images: Vec<Image>,

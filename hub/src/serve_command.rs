@@ -202,6 +202,7 @@ async fn serve_main(args: Args) -> anyhow::Result<()> {
         webhook_configuration: Some(args.webhook_configuration).filter(|n| !n.is_empty()),
         leader_election,
         addon_name: args.addon_name,
+        builder_image: args.builder_image,
     };
     let shutdown = {
         let stop = stop.clone();

@@ -76,6 +76,14 @@ pub const BASE_KMOD: Base = Base {
     packages: &["kmod", "libkmod2", "libzstd1", "liblzma5", "libssl3"],
 };
 
+/// [`BASE`] plus OpenSSL's libraries (libssl3: libssl and libcrypto), which kmm-hub's
+/// module signer (`kmm-signing`) loads.
+pub const BASE_OPENSSL: Base = Base {
+    name: "base-openssl",
+    description: "kmm-fleet/base with Debian 12 OpenSSL libraries",
+    packages: &["libssl3"],
+};
+
 /// [`BASE`] plus Debian's buildah and what `/usr/bin/buildah` loads (`ldd`), the
 /// configuration it reads from containers-common (the signature policy it refuses to pull
 /// without, the default seccomp profile for `RUN` steps), and dash for the builder's

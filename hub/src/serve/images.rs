@@ -61,9 +61,7 @@ pub async fn run(worker: ImageWorker) {
     let mut tasks: JoinSet<ImageKey> = JoinSet::new();
     loop {
         let needs = worker.state.image_needs();
-        worker
-            .state
-            .retain_images(&needs.keys().cloned().collect());
+        worker.state.retain_images(&needs.keys().cloned().collect());
         let now = Timestamp::now();
         let mut wake = now + k8s_openapi::jiff::SignedDuration::from_secs(60);
         for (key, need) in needs {
@@ -263,7 +261,12 @@ impl ImageWorker {
         }
     }
 
-    async fn sign(&self, key: &ImageKey, need: &ImageNeed, secret: Option<&PullSecret>) -> Observation {
+    async fn sign(
+        &self,
+        key: &ImageKey,
+        need: &ImageNeed,
+        secret: Option<&PullSecret>,
+    ) -> Observation {
         let Some(plan) = &need.sign else {
             return Observation::SignFailed {
                 message: "no sign settings".into(),
@@ -307,14 +310,22 @@ impl ImageWorker {
 
     /// An Event when the image's state or reason changes.
     async fn announce(&self, key: &ImageKey, before: Option<&ImageRecord>, after: &ImageRecord) {
-        if before.is_some_and(|b| (b.state, &b.reason, &b.digest) == (after.state, &after.reason, &after.digest)) {
+        if before.is_some_and(|b| {
+            (b.state, &b.reason, &b.digest) == (after.state, &after.reason, &after.digest)
+        }) {
             return;
         }
         let Some(module) = self.modules.get(&ObjectRef::new(&key.module)) else {
             return;
         };
         let warning = matches!(after.state, ImageState::Failed | ImageState::NotFound);
-        let kernels: Vec<&str> = after.need.kernels.iter().map(String::as_str).take(5).collect();
+        let kernels: Vec<&str> = after
+            .need
+            .kernels
+            .iter()
+            .map(String::as_str)
+            .take(5)
+            .collect();
         let mut note = format!(
             "image {} (kernels {}): {}",
             key.image,
@@ -329,12 +340,28 @@ impl ImageWorker {
             note.push_str(&after.message);
         }
         if warning {
-            tracing::warn!(module = key.module, image = key.image, reason = after.reason, message = after.message, "image");
+            tracing::warn!(
+                module = key.module,
+                image = key.image,
+                reason = after.reason,
+                message = after.message,
+                "image"
+            );
         } else {
-            tracing::info!(module = key.module, image = key.image, reason = after.reason, digest = after.digest, "image");
+            tracing::info!(
+                module = key.module,
+                image = key.image,
+                reason = after.reason,
+                digest = after.digest,
+                "image"
+            );
         }
         let event = Event {
-            type_: if warning { EventType::Warning } else { EventType::Normal },
+            type_: if warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
             reason: after.reason.clone(),
             note: Some(truncate(note, 1024)),
             action: "Image".into(),

@@ -6,8 +6,10 @@ pub mod addon;
 pub mod ca;
 pub mod controller;
 pub mod fleet_state;
+pub mod images;
 pub mod leadership;
 pub mod metrics;
+pub mod signing;
 pub mod sync_service;
 pub mod webhook;
 pub mod webhook_configuration;
@@ -38,6 +40,7 @@ use self::leadership::{Election, LeaderElection, LeadershipError};
 use self::metrics::Metrics;
 use self::sync_service::SyncService;
 use self::webhook::WebhookError;
+use crate::build::BuildJobs;
 
 /// Everything `serve` needs besides its clients and listeners.
 #[derive(Clone, Debug)]
@@ -61,6 +64,8 @@ pub struct Settings {
     /// The OCM add-on's name: its ClusterManagementAddOn, every cluster's
     /// ManagedClusterAddOn, and the add-on named in the proxies' certificate subjects.
     pub addon_name: String,
+    /// The image kmod build Jobs run.
+    pub builder_image: String,
 }
 
 /// Where the hub listens.
@@ -213,7 +218,7 @@ pub async fn run(
         watcher(secrets_api, watcher::Config::default()),
         "Secrets",
     );
-    tokio::spawn(wait_synced(stores, state.clone(), health.clone()));
+    tokio::spawn(wait_synced(stores.clone(), state.clone(), health.clone()));
     let addon = abort_on_drop(tokio::spawn(addon::run(
         client.clone(),
         settings.addon_name.clone(),
@@ -221,16 +226,27 @@ pub async fn run(
         state.connections(),
     )));
 
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: "kmm-hub".into(),
+            instance: Some(settings.instance.clone()),
+        },
+    );
+    let image_worker = abort_on_drop(tokio::spawn(images::run(images::ImageWorker {
+        state: state.clone(),
+        modules: stores.modules.clone(),
+        secrets: stores.secrets.clone(),
+        config_maps: Api::namespaced(client.clone(), &settings.namespace),
+        namespace: settings.namespace.clone(),
+        builds: BuildJobs::new(client.clone(), &settings.namespace, &settings.builder_image),
+        recorder: recorder.clone(),
+    })));
+
     let context = Arc::new(Context {
         api: modules,
         state: state.clone(),
-        recorder: Recorder::new(
-            client.clone(),
-            Reporter {
-                controller: "kmm-hub".into(),
-                instance: Some(settings.instance.clone()),
-            },
-        ),
+        recorder,
         unload_timeout: settings.unload_timeout,
         metrics: metrics.clone(),
     });
@@ -280,7 +296,7 @@ pub async fn run(
     let clusters = abort_on_drop(tokio::spawn(clusters));
     let secrets = abort_on_drop(tokio::spawn(secrets));
     let (grpc_result, (), lost_leadership) = tokio::join!(grpc_server, reconciler, stopper);
-    drop((clusters, secrets, addon, background));
+    drop((clusters, secrets, addon, image_worker, background));
     health.set_ready(false);
     metrics.leader.set(0);
     if let Some(election) = election {

@@ -36,7 +36,9 @@ pub enum SigningError {
         secret: String,
         key: &'static str,
     },
-    #[error("the signing key pair in Secrets {key_secret:?} and {cert_secret:?} is unusable: {source}")]
+    #[error(
+        "the signing key pair in Secrets {key_secret:?} and {cert_secret:?} is unusable: {source}"
+    )]
     Key {
         key_secret: String,
         cert_secret: String,
@@ -46,7 +48,11 @@ pub enum SigningError {
     #[error("pulling the unsigned image: {0}")]
     Pull(#[source] RegistryError),
     #[error("the unsigned image {image} is {size} bytes, over the {limit}-byte limit")]
-    TooLarge { image: String, size: i64, limit: i64 },
+    TooLarge {
+        image: String,
+        size: i64,
+        limit: i64,
+    },
     #[error("the unsigned image {image} has layers of an unsupported media type: {media_type}")]
     UnsupportedLayer { image: String, media_type: String },
     #[error("the unsigned image {image}'s config is not an image config: {reason}")]

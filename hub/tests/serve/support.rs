@@ -49,6 +49,7 @@ pub async fn fleet() -> Fleet {
     let fleet = Fleet::get()
         .await
         .expect("these tests need the local fleet (cargo xtask env up)");
+    let _ = REGISTRY.set(fleet.state.registry.clone());
     let crd: serde_json::Value =
         serde_yaml_ng::from_str(&kmm_api::managed_cluster_module_crd_yaml()).expect("CRD YAML");
     kmm_e2e::fleet::apply_crd(&fleet.hub, &crd)
@@ -125,6 +126,7 @@ impl TestHub {
                 pod: None,
             }),
             addon_name: addon_name.clone(),
+            builder_image: "127.0.0.1:1/kmm-fleet/kmm-builder:test".into(),
         };
         let (health, metrics) = (Health::default(), Metrics::default());
         let (stop, stopped) = oneshot::channel();
@@ -420,6 +422,15 @@ impl Proxy {
     }
 }
 
+/// The fleet's registry (plain HTTP), where the sample images are: the hub checks them.
+static REGISTRY: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// The sample image for `kernel` in the fleet's registry.
+pub fn sample_image(kernel: &str) -> String {
+    let registry = REGISTRY.get().expect("fleet() ran first");
+    format!("{registry}/samples/kmm-hello:{kernel}")
+}
+
 /// The spec of the local fleet's sample module (one mapping, for Debian amd64 kernels).
 pub fn module(version: &str, image_repo_secret: Option<&str>) -> serde_json::Value {
     let mut spec = json!({
@@ -429,7 +440,8 @@ pub fn module(version: &str, image_repo_secret: Option<&str>) -> serde_json::Val
             "modprobe": {"moduleName": "kmm_hello"},
             "kernelMappings": [{
                 "regexp": "^[0-9.]+-[0-9]+-(cloud-|rt-)?amd64$",
-                "containerImage": "127.0.0.1:5000/samples/kmm-hello:${KERNEL_FULL_VERSION}",
+                "containerImage": sample_image("${KERNEL_FULL_VERSION}"),
+                "registryTLS": {"insecure": true},
             }],
         }},
     });
