@@ -406,11 +406,14 @@ impl FleetState {
         }
     }
 
-    /// Forgets the images no longer needed.
-    pub fn retain_images(&self, needed: &BTreeSet<ImageKey>) {
+    /// Forgets the images of modules that are gone. The images of a module that exists
+    /// are kept even while no cluster needs them (a cluster reconnecting has not sent its
+    /// kernels yet): their pins must survive, so the same bytes load again.
+    pub fn retain_images(&self) {
         let mut inner = self.lock();
+        let modules: BTreeSet<String> = self.modules(&inner).iter().map(|m| m.name_any()).collect();
         let before = inner.images.len();
-        inner.images.retain(|key, _| needed.contains(key));
+        inner.images.retain(|key, _| modules.contains(&key.module));
         if inner.images.len() != before {
             drop(inner);
             self.changed();

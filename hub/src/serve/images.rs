@@ -61,7 +61,7 @@ pub async fn run(worker: ImageWorker) {
     let mut tasks: JoinSet<ImageKey> = JoinSet::new();
     loop {
         let needs = worker.state.image_needs();
-        worker.state.retain_images(&needs.keys().cloned().collect());
+        worker.state.retain_images();
         let now = Timestamp::now();
         let mut wake = now + k8s_openapi::jiff::SignedDuration::from_secs(60);
         for (key, need) in needs {
