@@ -62,7 +62,6 @@ const WAIT: Duration = Duration::from_secs(90);
 async fn the_agent_loads_and_unloads_real_modules_on_a_real_kernel() -> Result<()> {
     let fleet = Fleet::get().await.context("the fleet's registry")?;
     let registry = fleet.state.registry.as_str();
-    let unsigned = GuestImage::of(&firmware_image::push(registry, KERNEL).await?, registry)?;
     let mut peer = AgentPeer::start(TOKEN).await?;
     let work = std::env::temp_dir().join(format!("kmm-real-kernel-{}", std::process::id()));
     let prepared = Instant::now();
@@ -88,6 +87,8 @@ async fn the_agent_loads_and_unloads_real_modules_on_a_real_kernel() -> Result<(
     );
     let address = peer.address_from_guest();
 
+    // Pushed after the slow preparation, right before the boots pull them.
+    let unsigned = GuestImage::of(&firmware_image::push(registry, KERNEL).await?, registry)?;
     // Keys of this run only, in the work directory (removed when the test passes).
     let signing = Instant::now();
     let keys = work.join("keys");
