@@ -358,8 +358,8 @@ impl GuestImage {
 
 /// With the test key in UEFI db and signatures enforced, the kernel refuses the unsigned
 /// module and the one signed with another key, and the agent's events say so; the
-/// module signed with the test key loads. The images, in order: the sample image unsigned,
-/// signed with a key the kernel does not trust, signed with the key in db.
+/// module signed with the test key loads. The images, in order: the sample image
+/// unsigned, signed with a key the kernel does not trust, signed with the key in db.
 async fn signatures_enforced(
     guest: &mut Machine,
     peer: &mut AgentPeer,
