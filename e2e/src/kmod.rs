@@ -100,25 +100,38 @@ pub async fn push(
     kernel: &str,
     extra: &[ImageFile],
 ) -> Result<SampleImage> {
-    push_root(registry, repository, kernel, &build(kernel)?, extra).await
+    push_root(registry, repository, kernel, kernel, &build(kernel)?, extra).await
 }
 
 /// Push the sample for a kernel release no headers exist for (the real nodes report this
 /// machine's): the modules built for `donor`, retargeted to `release` ([`retarget`]).
 pub async fn push_retargeted(registry: &str, donor: &str, release: &str) -> Result<SampleImage> {
     let root = retarget(&build(donor)?, donor, release)?;
-    push_root(registry, REPOSITORY, release, &root, &[]).await
+    push_root(registry, REPOSITORY, release, release, &root, &[]).await
 }
 
-async fn push_root(
+/// A copy of the modules built for `kernel` ([`build`]) as `<dir>/root`, to change
+/// (sign) without changing the cache; `dir` must not hold a `root` yet.
+pub fn copy_built(kernel: &str, dir: &Path) -> Result<PathBuf> {
+    let built = build(kernel)?;
+    std::fs::create_dir_all(dir).context(|| format!("creating {}", dir.display()))?;
+    let root = dir.join("root");
+    run(Command::new("cp").arg("-a").arg(&built).arg(&root))?;
+    Ok(root)
+}
+
+/// Push `root`, laid out as [`build`] lays out the modules for `kernel`, as
+/// `<registry>/<repository>:<tag>` (plain HTTP) with `extra` files.
+pub async fn push_root(
     registry: &str,
     repository: &str,
     kernel: &str,
+    tag: &str,
     root: &Path,
     extra: &[ImageFile],
 ) -> Result<SampleImage> {
     let layer = layer(root, extra)?;
-    let image = format!("{registry}/{repository}:{kernel}");
+    let image = format!("{registry}/{repository}:{tag}");
     let reference: Reference = image
         .parse()
         .map_err(|e| Error::Invalid(format!("image reference {image}: {e}")))?;

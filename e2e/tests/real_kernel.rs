@@ -13,8 +13,16 @@
 //!    agent (its hello lists the module, nothing is reloaded), unload, load again;
 //! 2. a reboot: the state of boot 1 is from another boot, so the hello lists nothing
 //!    and the agent loads again;
-//! 3. a boot with `module.sig_enforce=1`: the unsigned module is refused by the kernel
-//!    and the agent's failed event names that refusal.
+//! 3. a boot under UEFI (OVMF) whose `db` holds a test certificate made for this run,
+//!    with `module.sig_enforce=1`: the kernel loads that certificate into its
+//!    `.platform` keyring (dmesg), refuses the unsigned module and the one signed with
+//!    another key, each with a failed event from the agent that carries the kernel's
+//!    refusal, and loads the module signed with the test key. Debian's stock kernel is
+//!    used as it is: `.platform` is the only keyring a test key can reach without
+//!    building a kernel (see `kmm_e2e::guest::uefi`).
+//!
+//! Boots 1 and 2 start the kernel from SeaBIOS, boot 3 from OVMF; both with qemu's
+//! `-kernel`. The signed images are pushed per run, tagged with their key's ID.
 //!
 //! Figures are printed with the prefix `real-kernel:`; a failure leaves the consoles and
 //! the agent's logs in the work directory it names.
@@ -28,7 +36,9 @@ use kmm_e2e::guest::agent_peer::{AgentPeer, Session};
 use kmm_e2e::guest::firmware_image::{self, FIRMWARE_FILE, FIRMWARE_PATH};
 use kmm_e2e::guest::initramfs::{AGENT, GuestFile};
 use kmm_e2e::guest::machine::Machine;
+use kmm_e2e::guest::module_signing::TestKey;
 use kmm_e2e::guest::{HOST_FROM_GUEST, KERNEL, Rig};
+use kmm_e2e::kmod::SampleImage;
 use kmm_proto::v1 as pb;
 
 const NAMESPACE: &str = "kmm-demo";
@@ -51,17 +61,7 @@ const WAIT: Duration = Duration::from_secs(90);
 #[tokio::test(flavor = "multi_thread")]
 async fn the_agent_loads_and_unloads_real_modules_on_a_real_kernel() -> Result<()> {
     let fleet = Fleet::get().await.context("the fleet's registry")?;
-    let pushed = firmware_image::push(&fleet.state.registry, KERNEL).await?;
-    let port = fleet
-        .state
-        .registry
-        .rsplit_once(':')
-        .map(|(_, port)| port.to_string())
-        .context("registry port")?;
-    let image = format!(
-        "{HOST_FROM_GUEST}:{port}/{}:{KERNEL}",
-        firmware_image::REPOSITORY
-    );
+    let registry = fleet.state.registry.as_str();
     let mut peer = AgentPeer::start(TOKEN).await?;
     let work = std::env::temp_dir().join(format!("kmm-real-kernel-{}", std::process::id()));
     let prepared = Instant::now();
@@ -87,19 +87,44 @@ async fn the_agent_loads_and_unloads_real_modules_on_a_real_kernel() -> Result<(
     );
     let address = peer.address_from_guest();
 
+    // Pushed after the slow preparation, right before the boots pull them.
+    let unsigned = GuestImage::of(&firmware_image::push(registry, KERNEL).await?, registry)?;
+    // Keys of this run only, in the work directory (removed when the test passes).
+    let signing = Instant::now();
+    let keys = work.join("keys");
+    let trusted = TestKey::generate(&keys, "trusted", "kmm-fleet real-kernel test key")?;
+    let other = TestKey::generate(&keys, "other", "kmm-fleet real-kernel other key")?;
+    let signed = firmware_image::push_signed(registry, KERNEL, &trusted, &work).await?;
+    let signed = GuestImage::of(&signed, registry)?;
+    let wrongly_signed = firmware_image::push_signed(registry, KERNEL, &other, &work).await?;
+    let wrongly_signed = GuestImage::of(&wrongly_signed, registry)?;
+    println!(
+        "real-kernel: two RSA 2048 test keys made, the sample modules signed with each and pushed in {:.1}s",
+        signing.elapsed().as_secs_f64()
+    );
+
+    let image = unsigned.reference.as_str();
     let mut guest = rig.boot("boot1", &[]).await?;
     report_boot("boot 1", &guest);
-    let result = first_boot(&mut guest, &mut peer, &address, &image, &pushed.digest).await;
+    let result = first_boot(&mut guest, &mut peer, &address, image, &unsigned.digest).await;
     let boot1 = finish(guest, result, &work, "boot1").await?;
 
     let mut guest = rig.boot("boot2", &[]).await?;
     report_boot("boot 2 (reboot)", &guest);
-    let result = after_reboot(&mut guest, &mut peer, &address, &image, &boot1).await;
+    let result = after_reboot(&mut guest, &mut peer, &address, image, &boot1).await;
     finish(guest, result, &work, "boot2").await?;
 
-    let mut guest = rig.boot("boot3", &["module.sig_enforce=1"]).await?;
-    report_boot("boot 3 (sig_enforce)", &guest);
-    let result = signatures_enforced(&mut guest, &mut peer, &address, &image).await;
+    let mut guest = rig
+        .boot_uefi("boot3", &["module.sig_enforce=1"], &trusted)
+        .await?;
+    report_boot("boot 3 (UEFI, test key in db, sig_enforce)", &guest);
+    let result = signatures_enforced(
+        &mut guest,
+        &mut peer,
+        &address,
+        [&unsigned, &wrongly_signed, &signed],
+    )
+    .await;
     finish(guest, result, &work, "boot3").await?;
 
     std::fs::remove_dir_all(&work).ok();
@@ -310,12 +335,36 @@ async fn after_reboot(
     Ok(())
 }
 
-/// The kernel refuses the unsigned module and the agent's event says so.
+/// An image as the guest pulls it, and the manifest digest its push returned.
+struct GuestImage {
+    reference: String,
+    digest: String,
+}
+
+impl GuestImage {
+    /// `pushed` to `registry` (the host's loopback), through qemu's user network.
+    fn of(pushed: &SampleImage, registry: &str) -> Result<Self> {
+        let (_, port) = registry.rsplit_once(':').context("registry port")?;
+        let path = pushed
+            .image
+            .strip_prefix(&format!("{registry}/"))
+            .with_context(|| format!("{} is not in {registry}", pushed.image))?;
+        Ok(Self {
+            reference: format!("{HOST_FROM_GUEST}:{port}/{path}"),
+            digest: pushed.digest.clone(),
+        })
+    }
+}
+
+/// With the test key in UEFI db and signatures enforced, the kernel refuses the unsigned
+/// module and the one signed with another key, and the agent's events say so; the
+/// module signed with the test key loads. The images, in order: the sample image
+/// unsigned, signed with a key the kernel does not trust, signed with the key in db.
 async fn signatures_enforced(
     guest: &mut Machine,
     peer: &mut AgentPeer,
     address: &str,
-    image: &str,
+    [unsigned, wrongly_signed, signed]: [&GuestImage; 3],
 ) -> Result<()> {
     let enforced = guest
         .check("cat /sys/module/module/parameters/sig_enforce")
@@ -328,29 +377,95 @@ async fn signatures_enforced(
     start_agent(guest, address).await?;
     let mut session = peer.session(WAIT).await?;
     check_hello(guest, &session.hello).await?;
-    let (event, _) = load(&mut session, 6, image).await?;
-    expect_event(&event, pb::Action::Load, pb::Outcome::Failed, 6)?;
-    println!("real-kernel: boot 3 the agent reported: {}", event.error);
+
+    let (event, _) = load(&mut session, 6, &unsigned.reference).await?;
+    expect_refused(
+        guest,
+        &event,
+        6,
+        unsigned,
+        "unsigned",
+        "Loading of unsigned module is rejected",
+    )
+    .await?;
+    // ENOKEY inside the kernel: no keyring it checks holds the signer.
+    let (event, _) = load(&mut session, 7, &wrongly_signed.reference).await?;
+    expect_refused(
+        guest,
+        &event,
+        7,
+        wrongly_signed,
+        "other-key-signed",
+        "Loading of module with unavailable key is rejected",
+    )
+    .await?;
+
+    let (event, took) = load(&mut session, 8, &signed.reference).await?;
+    expect_event(&event, pb::Action::Load, pb::Outcome::Succeeded, 8)?;
+    ensure!(
+        event.image_digest == signed.digest,
+        "the agent loaded from {}, not the test-signed image {}",
+        event.image_digest,
+        signed.digest
+    );
+    println!(
+        "real-kernel: boot 3 time to loaded {:.2}s, test-signed image under sig_enforce (agent: {} ms)",
+        took.as_secs_f64(),
+        event.duration_ms
+    );
+    ensure!(
+        module_present(guest, DEPENDENCY).await?,
+        "{DEPENDENCY} signed with the test key is not loaded"
+    );
+    ensure!(
+        module_present(guest, MODULE).await?,
+        "{MODULE} signed with the test key is not loaded"
+    );
+    expect_parameter(guest, "after the test-signed load").await?;
+    Ok(())
+}
+
+/// `event` is the failed load of `image` for `revision` with the kernel's signature
+/// refusal; nothing was loaded and the kernel logged `kernel_says`.
+async fn expect_refused(
+    guest: &mut Machine,
+    event: &pb::ModuleEvent,
+    revision: u64,
+    image: &GuestImage,
+    what: &str,
+    kernel_says: &str,
+) -> Result<()> {
+    expect_event(event, pb::Action::Load, pb::Outcome::Failed, revision)?;
+    println!(
+        "real-kernel: boot 3 the agent reported for the {what} module: {}",
+        event.error
+    );
+    ensure!(
+        event.image_digest == image.digest,
+        "the failed load was of {}, not of the {what} image {}",
+        event.image_digest,
+        image.digest
+    );
     ensure!(
         event
             .error
             .starts_with("the kernel refused the module's signature"),
-        "the agent's error does not lead with the signature refusal: {}",
+        "the agent's error for the {what} module does not lead with the signature refusal: {}",
         event.error
     );
     ensure!(
         event.error.contains("Key was rejected by service"),
-        "the kernel's refusal (EKEYREJECTED) is not in the agent's error: {}",
+        "the kernel's refusal (EKEYREJECTED) of the {what} module is not in the agent's error: {}",
         event.error
     );
     ensure!(
         !module_present(guest, DEPENDENCY).await?,
-        "{DEPENDENCY} loaded under sig_enforce"
+        "the {what} {DEPENDENCY} loaded under sig_enforce"
     );
     let dmesg = guest.check("dmesg").await?;
     ensure!(
-        dmesg.contains("Loading of unsigned module is rejected"),
-        "the kernel logged no refusal of the unsigned module:\n{dmesg}"
+        dmesg.contains(kernel_says),
+        "the kernel did not log `{kernel_says}` for the {what} module:\n{dmesg}"
     );
     Ok(())
 }
@@ -389,7 +504,8 @@ fn node_module(image: &str, unload: bool) -> pb::NodeModule {
 }
 
 /// Ask for the load as `revision`; the event it produced and the time from sending to
-/// receiving it.
+/// receiving it. Failed events of earlier revisions are passed over: the agent retries
+/// a failed load until the new revision reaches it.
 async fn load(
     session: &mut Session,
     revision: u64,
@@ -399,8 +515,16 @@ async fn load(
     session
         .send(revision, vec![node_module(image, false)])
         .await?;
-    let event = session.next_event(WAIT).await?;
-    Ok((event, asked.elapsed()))
+    loop {
+        let event = session
+            .next_event(WAIT.saturating_sub(asked.elapsed()))
+            .await?;
+        let earlier_failure =
+            event.desired_revision < revision && event.outcome() == pb::Outcome::Failed;
+        if !earlier_failure {
+            return Ok((event, asked.elapsed()));
+        }
+    }
 }
 
 fn expect_event(

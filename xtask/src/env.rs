@@ -15,7 +15,8 @@ pub struct EnvArgs {
 
 #[derive(Debug, Subcommand)]
 enum EnvCommand {
-    /// Install the Debian packages the fleet needs that are missing (apt-get; as root).
+    /// Install the Debian packages the fleet needs that are missing (apt-get; as root),
+    /// and the real-kernel test's virt-fw-vars (PyPI virt-firmware, into a venv).
     Setup,
     /// Build the pinned upstream programs from the Go module proxy (cached by version).
     Build,
@@ -135,8 +136,18 @@ fn build(settings: &Settings) -> Result<()> {
     Ok(())
 }
 
-/// Installs the Debian packages the fleet needs that are not installed yet (as root).
+/// Installs the Debian packages the fleet needs that are not installed yet (as root),
+/// then the PyPI tool the real-kernel test enrols its test key with.
 fn setup() -> Result<()> {
+    install_packages()?;
+    if kmm_e2e::guest::uefi::virt_fw_vars().is_err() {
+        eprintln!("installing virt-fw-vars (PyPI virt-firmware) into a venv");
+        kmm_e2e::guest::uefi::install_virt_fw_vars()?;
+    }
+    Ok(())
+}
+
+fn install_packages() -> Result<()> {
     let mut packages: Vec<String> = ["docker-registry", "gcc", "make", "libc6-dev", "kmod"]
         .map(String::from)
         .to_vec();

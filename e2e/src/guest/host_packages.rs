@@ -16,6 +16,16 @@ pub const REQUIRED: &[(&str, &str)] = &[
         "mkfs.ext4 formats the disk that survives reboots",
     ),
     ("libc-bin", "ldd finds the shared libraries the guest needs"),
+    ("ovmf", "the UEFI firmware whose db holds the test key"),
+    (
+        "python3-venv",
+        "the venv virt-fw-vars (PyPI virt-firmware) runs from, which enrols the test key",
+    ),
+    ("openssl", "makes the test keys"),
+    (
+        "linux-kbuild-6.1",
+        "its sign-file signs the sample modules with the test keys",
+    ),
 ];
 
 /// Fail naming every missing package (as `dpkg-query` sees them).

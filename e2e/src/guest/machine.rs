@@ -36,6 +36,18 @@ pub struct BootSpec {
     pub dir: PathBuf,
     /// Names this boot's files (`<name>.console.log`).
     pub name: String,
+    pub firmware: Firmware,
+}
+
+/// What starts the kernel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Firmware {
+    /// qemu's default PC and its SeaBIOS, which starts `-kernel` directly.
+    Bios,
+    /// A q35 PC with OVMF, which starts `-kernel` through the kernel's EFI stub: the
+    /// kernel then reads UEFI variables, `db` among them. `code` is mapped read-only;
+    /// `vars` is this guest's own variable store, which the firmware writes to.
+    Uefi { code: PathBuf, vars: PathBuf },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,7 +78,20 @@ fn qemu_args(spec: &BootSpec, accel: Accelerator, console: &Path, socket: &Path)
     };
     let mut append = vec!["console=ttyS0".to_string(), "panic=-1".to_string()];
     append.extend(spec.kernel_args.iter().cloned());
-    vec![
+    let firmware: Vec<String> = match &spec.firmware {
+        Firmware::Bios => vec![],
+        // OVMF's flash is two pflash devices, code first. q35 is the PC this boot was
+        // measured on (docs: e2e/README.md).
+        Firmware::Uefi { code, vars } => vec![
+            "-machine".into(),
+            "q35".into(),
+            "-drive".into(),
+            format!("if=pflash,format=raw,readonly=on,file={}", code.display()),
+            "-drive".into(),
+            format!("if=pflash,format=raw,file={}", vars.display()),
+        ],
+    };
+    let mut args: Vec<String> = vec![
         "-accel".into(),
         accel.into(),
         "-cpu".into(),
@@ -98,7 +123,9 @@ fn qemu_args(spec: &BootSpec, accel: Accelerator, console: &Path, socket: &Path)
         "virtio-net-pci,netdev=net0".into(),
         "-drive".into(),
         format!("file={},format=raw,if=virtio", spec.disk.display()),
-    ]
+    ];
+    args.extend(firmware);
+    args
 }
 
 /// An empty ext4 disk image of `mib` MiB at `path`.
@@ -335,6 +362,7 @@ mod tests {
             memory_mib: 512,
             dir: "/w".into(),
             name: "boot1".into(),
+            firmware: Firmware::Bios,
         }
     }
 
@@ -374,6 +402,33 @@ mod tests {
             ["file=/w/disk.img,format=raw,if=virtio"]
         );
         assert!(args.contains(&"-no-reboot".to_string()));
+        assert!(
+            value_of(&args, "-machine").is_empty(),
+            "SeaBIOS boots the default PC"
+        );
+    }
+
+    #[test]
+    fn uefi_maps_ovmf_code_read_only_and_the_guests_own_variables() {
+        let spec = BootSpec {
+            firmware: Firmware::Uefi {
+                code: "/ovmf/CODE.fd".into(),
+                vars: "/w/boot3.vars.fd".into(),
+            },
+            ..spec()
+        };
+        let args = qemu_args(&spec, Accelerator::Tcg, Path::new("c"), Path::new("s"));
+        assert_eq!(value_of(&args, "-machine"), ["q35"]);
+        // The code before the variables: pflash units are numbered in this order.
+        assert_eq!(
+            value_of(&args, "-drive"),
+            [
+                "file=/w/disk.img,format=raw,if=virtio",
+                "if=pflash,format=raw,readonly=on,file=/ovmf/CODE.fd",
+                "if=pflash,format=raw,file=/w/boot3.vars.fd",
+            ]
+        );
+        assert_eq!(value_of(&args, "-kernel"), ["/k/vmlinuz"]);
     }
 
     #[test]

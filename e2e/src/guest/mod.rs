@@ -5,7 +5,10 @@
 //!
 //! * [`Rig::prepare`] checks the host packages, fetches the kernel, builds the agent
 //!   and the initramfs, and formats the disk.
-//! * [`Rig::boot`] starts one boot; [`machine::Machine::run`] runs commands in it.
+//! * [`Rig::boot`] starts one boot under SeaBIOS; [`Rig::boot_uefi`] one under UEFI
+//!   whose `db` holds a test certificate ([`uefi`]), which the kernel then trusts for
+//!   module signatures ([`module_signing`]); [`machine::Machine::run`] runs commands in
+//!   a boot.
 //! * [`agent_peer::AgentPeer`] is the proxy endpoint the agent in the guest attaches to.
 
 pub mod agent_binary;
@@ -17,14 +20,17 @@ pub mod host_packages;
 pub mod initramfs;
 pub mod kernel_package;
 pub mod machine;
+pub mod module_signing;
 mod shared_libraries;
+pub mod uefi;
 
 use std::path::PathBuf;
 use std::sync::Mutex;
 
 use initramfs::GuestFile;
 use kernel_package::KernelPackage;
-use machine::{Accelerator, BootSpec, Machine};
+use machine::{Accelerator, BootSpec, Firmware, Machine};
+use module_signing::TestKey;
 
 use crate::{IoContext, Result};
 
@@ -50,7 +56,9 @@ pub struct Rig {
 impl Rig {
     /// Prepare a guest whose initramfs also holds `extra` files, in `work` (created).
     pub fn prepare(work: PathBuf, extra: &[GuestFile]) -> Result<Self> {
+        // Both fail naming `cargo xtask env setup`, before the slow steps below.
         host_packages::check()?;
+        uefi::virt_fw_vars()?;
         std::fs::create_dir_all(&work).context(|| format!("creating {}", work.display()))?;
         let kernel = KernelPackage::fetch(KERNEL)?;
         let agent = agent_binary::build()?;
@@ -66,10 +74,43 @@ impl Rig {
         })
     }
 
-    /// Boot the guest; `name` names this boot's logs, `kernel_args` are added to the
-    /// kernel command line. A KVM boot that fails is retried once under software
-    /// emulation, which later boots then use directly.
+    /// Boot the guest under SeaBIOS; `name` names this boot's logs, `kernel_args` are
+    /// added to the kernel command line. A KVM boot that fails is retried once under
+    /// software emulation, which later boots then use directly.
     pub async fn boot(&self, name: &str, kernel_args: &[&str]) -> Result<Machine> {
+        self.boot_on(Firmware::Bios, name, kernel_args).await
+    }
+
+    /// Boot the guest as [`Self::boot`] does, but under UEFI with `trusted`'s certificate
+    /// enrolled in `db` (a fresh variable store, `<name>.vars.fd`). Fails, quoting the
+    /// kernel log, unless the kernel loaded the certificate into its `.platform` keyring.
+    pub async fn boot_uefi(
+        &self,
+        name: &str,
+        kernel_args: &[&str],
+        trusted: &TestKey,
+    ) -> Result<Machine> {
+        let vars = self.work.join(format!("{name}.vars.fd"));
+        uefi::enrol_db(&trusted.cert, &vars)?;
+        let firmware = Firmware::Uefi {
+            code: uefi::OVMF_CODE.into(),
+            vars,
+        };
+        let mut machine = self.boot_on(firmware, name, kernel_args).await?;
+        let dmesg = machine.check("dmesg").await?;
+        if let Err(e) = uefi::check_platform_keyring(&dmesg, &trusted.description) {
+            machine.poweroff().await.ok();
+            return Err(e);
+        }
+        Ok(machine)
+    }
+
+    async fn boot_on(
+        &self,
+        firmware: Firmware,
+        name: &str,
+        kernel_args: &[&str],
+    ) -> Result<Machine> {
         let spec = BootSpec {
             vmlinuz: self.kernel.vmlinuz(),
             initramfs: self.initramfs.clone(),
@@ -78,6 +119,7 @@ impl Rig {
             memory_mib: MEMORY_MIB,
             dir: self.work.clone(),
             name: name.to_string(),
+            firmware,
         };
         let accelerator = *self.accelerator.lock().unwrap_or_else(|e| e.into_inner());
         match Machine::boot(&spec, accelerator).await {
