@@ -22,10 +22,6 @@ pub const REQUIRED: &[(&str, &str)] = &[
         "the venv virt-fw-vars (PyPI virt-firmware) runs from, which enrols the test key",
     ),
     ("openssl", "makes the test keys"),
-    (
-        "linux-kbuild-6.1",
-        "its sign-file signs the sample modules with the test keys",
-    ),
 ];
 
 /// Fail naming every missing package (as `dpkg-query` sees them).

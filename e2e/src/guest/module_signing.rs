@@ -1,18 +1,16 @@
 //! Module signing for the real-kernel test: RSA test keys made per run with the
 //! `openssl` CLI (rcgen cannot generate RSA keys, and Debian's cloud kernel verifies
-//! no ECDSA), and modules signed the way Linux's build signs them.
+//! no ECDSA), and modules signed by kmm-hub's own signer (`kmm-signing`), so that a real
+//! kernel judges exactly the signatures the hub appends.
 //!
 //! The keys live in the test's work directory only: they are never committed, and the
-//! private key is never read into this process, so nothing can print it.
+//! private key is read into memory only to sign, never printed.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::process::run;
 use crate::{Error, IoContext, Result};
-
-/// Linux's `scripts/sign-file` from Debian's `linux-kbuild-6.1`.
-pub const SIGN_FILE: &str = "/usr/lib/linux-kbuild-6.1/scripts/sign-file";
 
 /// The extensions Linux's `certs/default_x509.genkey` gives the key it generates at
 /// build time: a leaf (not a CA) for digital signatures, with the subject key
@@ -89,8 +87,8 @@ impl TestKey {
 }
 
 /// Sign every module (`*.ko`) below `dir` in place with `key` and its certificate
-/// `cert`, appending the signature as Linux's `sign-file sha256` does; the number of
-/// modules signed, at least one.
+/// `cert` with kmm-hub's signer (sha256, byte-identical to Linux's `sign-file`); the
+/// number of modules signed, at least one.
 pub fn sign_modules(dir: &Path, key: &Path, cert: &Path) -> Result<usize> {
     let modules = modules_below(dir)?;
     if modules.is_empty() {
@@ -99,17 +97,19 @@ pub fn sign_modules(dir: &Path, key: &Path, cert: &Path) -> Result<usize> {
             dir.display()
         )));
     }
-    if !Path::new(SIGN_FILE).is_file() {
-        return Err(Error::Invalid(format!(
-            "{SIGN_FILE} is missing: run `cargo xtask env setup` (apt package linux-kbuild-6.1)"
-        )));
-    }
+    let read = |path: &Path| std::fs::read(path).context(|| format!("reading {}", path.display()));
+    let signing_key = kmm_signing::SigningKey::from_pem(&read(key)?, &read(cert)?)
+        .map_err(|e| Error::Invalid(format!("the test key pair: {e}")))?;
     for module in &modules {
-        run(Command::new(SIGN_FILE)
-            .arg("sha256")
-            .arg(key)
-            .arg(cert)
-            .arg(module))?;
+        let name = module.display().to_string();
+        let signed = kmm_signing::sign_module(
+            &name,
+            &read(module)?,
+            &signing_key,
+            kmm_signing::HashAlgorithm::Sha256,
+        )
+        .map_err(|e| Error::Invalid(e.to_string()))?;
+        std::fs::write(module, signed).context(|| format!("writing {name}"))?;
     }
     Ok(modules.len())
 }
