@@ -1,15 +1,30 @@
-//! Issue 12's image checks on the fleet: the installed kmm-hub asks the registry for
-//! every image the fleet needs, pins each to the digest it found, and sends that digest
-//! to every node; an image the registry lacks never reaches a node as a pull error but as
-//! the hub's reason, and status lists every image with its state.
+//! The hub's kmod images on the fleet: the installed kmm-hub asks the registry for every
+//! image the fleet needs, pins each to the digest it found, and sends that digest to
+//! every node; an image the registry lacks never reaches a node as a pull error but as
+//! the hub's reason, and status lists every image with its state. The build-and-sign
+//! example (`docs/examples/local-fleet-build-sign.yaml`) converges: a build Job on the
+//! hub's real node, the hub's native signing, the signed bytes on every node.
 
 mod support;
 
+use std::time::Duration;
+
 use anyhow::{Context, Result, ensure};
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kmm_e2e::fixture::{Fleet, wait_until};
+use kmm_e2e::guest::module_signing::TestKey;
 use kmm_e2e::versions::Versions;
+use kube::api::{DeleteParams, PostParams};
+use kube::{Api, ResourceExt};
 use serde_json::Value;
 use support::*;
+
+/// The hub's namespace, where the example's ConfigMap and key Secrets go.
+const HUB_NAMESPACE: &str = "kmm-hub";
+/// A build (~1 min on the fleet) then a signing.
+const BUILD_WAIT: Duration = Duration::from_secs(420);
 
 #[tokio::test]
 async fn every_node_loads_the_digest_the_hub_pinned_and_a_missing_image_is_the_hubs_reason()
@@ -138,4 +153,189 @@ async fn registry_digest(image: &str) -> Result<String> {
         insecure_skip_tls_verify: false,
     });
     Ok(kmm_registry::resolve_digest(&client, image, None).await?)
+}
+
+/// The label the build-and-sign example selects clusters by.
+const SIGNED_DEMO: &str = "kmm.fleet/demo-signed";
+
+#[tokio::test]
+async fn the_build_and_sign_example_converges_with_modules_the_hub_built_and_signed() -> Result<()>
+{
+    let fleet = Fleet::get().await?;
+    let kmm = kmm(&fleet)?;
+    let kernel = Versions::pinned().kernels.without_image;
+    let spoke = fleet
+        .spoke_names()
+        .into_iter()
+        .find(|s| {
+            fleet
+                .state
+                .cluster(s)
+                .is_ok_and(|c| c.nodes.iter().any(|n| n.kernel == kernel))
+        })
+        .context("a spoke with a node on the kernel without a sample image")?;
+    let example = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../docs/examples/local-fleet-build-sign.yaml"
+    ))?
+    .replace("registry.example.com", &fleet.state.node_registry);
+    let documents: Vec<Value> = serde_yaml_ng::Deserializer::from_str(&example)
+        .map(|d| serde::Deserialize::deserialize(d).map_err(anyhow::Error::from))
+        .collect::<Result<_>>()?;
+    let config_map: ConfigMap = serde_json::from_value(documents[0].clone())?;
+    let module: kmm_api::ManagedClusterModule = serde_json::from_value(documents[1].clone())?;
+    let name = module.name_any();
+
+    // The key pair, made per run as the example tells a user to.
+    let work = std::env::temp_dir().join(format!("kmm-hub-images-{}", std::process::id()));
+    let key = TestKey::generate(&work, "demo", "kmm demo")?;
+    let secrets: Api<Secret> = Api::namespaced(fleet.hub.clone(), HUB_NAMESPACE);
+    for (secret, field, path) in [
+        ("kmm-hello-signing-key", "key", &key.key),
+        ("kmm-hello-signing-cert", "cert", &key.cert),
+    ] {
+        let object = Secret {
+            metadata: ObjectMeta {
+                name: Some(secret.to_owned()),
+                ..ObjectMeta::default()
+            },
+            data: Some([(field.to_owned(), ByteString(std::fs::read(path)?))].into()),
+            ..Secret::default()
+        };
+        apply(&secrets, secret, &object).await?;
+    }
+    let config_maps: Api<ConfigMap> = Api::namespaced(fleet.hub.clone(), HUB_NAMESPACE);
+    apply(&config_maps, "kmm-hello-build", &config_map).await?;
+    create(&fleet.hub, &module).await?;
+    label_cluster_with(&fleet.hub, &spoke, SIGNED_DEMO, Some("true")).await?;
+
+    let started = std::time::Instant::now();
+    let image = format!(
+        "{}/kmm-demo/kmm-hello-signed:{kernel}",
+        fleet.state.node_registry
+    );
+    let pinned = wait_until("the built and signed image pinned", BUILD_WAIT, || async {
+        let status = status(&fleet.hub, &name).await.map_err(|e| e.to_string())?;
+        let entry = status["images"]
+            .as_array()
+            .and_then(|i| i.iter().find(|i| i["image"] == image.as_str()).cloned())
+            .ok_or_else(|| status.to_string())?;
+        match (entry["state"].as_str(), entry["digest"].as_str()) {
+            (Some("Exists"), Some(digest)) => Ok(digest.to_owned()),
+            _ => Err(entry.to_string()),
+        }
+    })
+    .await?;
+    println!(
+        "hub-images: module created -> built and signed image pinned in {:.1}s",
+        started.elapsed().as_secs_f64()
+    );
+
+    // Every node on that kernel loads exactly the signed bytes.
+    let agents: Vec<_> = kmm
+        .agents
+        .iter()
+        .filter(|a| a.cluster == spoke)
+        .filter(|a| {
+            fleet.state.cluster(&spoke).is_ok_and(|c| {
+                c.nodes
+                    .iter()
+                    .any(|n| n.name == a.node && n.kernel == kernel)
+            })
+        })
+        .collect();
+    ensure!(!agents.is_empty(), "no agent on {kernel} in {spoke}");
+    for agent in agents {
+        let recorded = wait_until("the agent to load the signed image", WAIT, || async {
+            let state: Value = std::fs::read(agent.state_file())
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok())
+                .ok_or("no state yet")?;
+            state["modules"][format!("kmm-demo/{name}")]["digest"]
+                .as_str()
+                .map(str::to_owned)
+                .ok_or_else(|| state.to_string())
+        })
+        .await?;
+        ensure!(
+            recorded == pinned,
+            "{} loaded {recorded}, the hub pinned {pinned}",
+            agent.node
+        );
+    }
+
+    // The signed image's modules end with a signature (what the agent extracted).
+    let signed = signed_modules(&fleet, &kernel).await?;
+    ensure!(
+        signed == 2,
+        "both modules signed in the pushed image, found {signed}"
+    );
+
+    label_cluster_with(&fleet.hub, &spoke, SIGNED_DEMO, None).await?;
+    delete(&fleet.hub, &name).await?;
+    let _ = config_maps
+        .delete("kmm-hello-build", &DeleteParams::default())
+        .await;
+    for secret in ["kmm-hello-signing-key", "kmm-hello-signing-cert"] {
+        let _ = secrets.delete(secret, &DeleteParams::default()).await;
+    }
+    std::fs::remove_dir_all(&work)?;
+    Ok(())
+}
+
+/// How many `.ko` files of the signed image's last layer end with Linux's signature
+/// marker.
+async fn signed_modules(fleet: &Fleet, kernel: &str) -> Result<usize> {
+    let image = format!(
+        "{}/kmm-demo/kmm-hello-signed:{kernel}",
+        fleet.state.registry
+    );
+    let client = kmm_registry::client(kmm_registry::RegistryTls {
+        insecure: true,
+        insecure_skip_tls_verify: false,
+    });
+    let reference = kmm_registry::parse_reference(&image)?;
+    let data = client
+        .pull(
+            &reference,
+            &oci_client::secrets::RegistryAuth::Anonymous,
+            vec![
+                oci_client::manifest::IMAGE_LAYER_GZIP_MEDIA_TYPE,
+                oci_client::manifest::IMAGE_LAYER_MEDIA_TYPE,
+                oci_client::manifest::IMAGE_DOCKER_LAYER_GZIP_MEDIA_TYPE,
+            ],
+        )
+        .await?;
+    let last = data.layers.last().context("a layer")?;
+    let mut archive = tar::Archive::new(flate2::read::GzDecoder::new(last.data.as_slice()));
+    let mut signed = 0;
+    for entry in archive.entries()? {
+        let mut entry = entry?;
+        let path = entry.path()?.to_string_lossy().into_owned();
+        if path.ends_with(".ko") {
+            let mut bytes = vec![];
+            std::io::Read::read_to_end(&mut entry, &mut bytes)?;
+            if bytes.ends_with(b"~Module signature appended~\n") {
+                signed += 1;
+            }
+        }
+    }
+    Ok(signed)
+}
+
+/// Creates `object`, or replaces the one a failed earlier run left.
+async fn apply<K>(api: &Api<K>, name: &str, object: &K) -> Result<()>
+where
+    K: kube::Resource + Clone + serde::Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let _ = api.delete(name, &DeleteParams::default()).await;
+    wait_until("the old object gone", WAIT, || async {
+        match api.get_opt(name).await {
+            Ok(None) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await?;
+    api.create(&PostParams::default(), object).await?;
+    Ok(())
 }
