@@ -185,6 +185,14 @@ async fn the_build_and_sign_example_converges_with_modules_the_hub_built_and_sig
     let config_map: ConfigMap = serde_json::from_value(documents[0].clone())?;
     let module: kmm_api::ManagedClusterModule = serde_json::from_value(documents[1].clone())?;
     let name = module.name_any();
+    // A run that failed half-way leaves the example's module behind.
+    if Api::<kmm_api::ManagedClusterModule>::all(fleet.hub.clone())
+        .get_opt(&name)
+        .await?
+        .is_some()
+    {
+        delete(&fleet.hub, &name).await?;
+    }
 
     // The key pair, made per run as the example tells a user to.
     let work = std::env::temp_dir().join(format!("kmm-hub-images-{}", std::process::id()));
