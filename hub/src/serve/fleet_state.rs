@@ -97,6 +97,8 @@ pub struct FleetState {
     changes: watch::Sender<u64>,
     /// Changes only when a session opens or closes, unlike `changes`.
     connections: watch::Sender<Connections>,
+    /// A snapshot waits for an image check: wakes the image worker.
+    unchecked_images: tokio::sync::Notify,
     metrics: Metrics,
 }
 
@@ -109,6 +111,7 @@ impl FleetState {
             synced: AtomicBool::new(false),
             changes: watch::Sender::new(0),
             connections: watch::Sender::new(Connections::default()),
+            unchecked_images: tokio::sync::Notify::new(),
             metrics,
         }
     }
@@ -116,6 +119,11 @@ impl FleetState {
     /// Follows the clusters' sessions as they open and close.
     pub fn connections(&self) -> watch::Receiver<Connections> {
         self.connections.subscribe()
+    }
+
+    /// Resolves when a snapshot waits for images that were never checked.
+    pub async fn images_unchecked(&self) {
+        self.unchecked_images.notified().await;
     }
 
     /// Fires whenever module statuses may have changed.
@@ -340,6 +348,7 @@ impl FleetState {
         let intents = cluster_intents(&inputs, kernels, &credentials, &inner.images);
         if intents.unchecked {
             // The image worker checks it within moments and recomputes.
+            self.unchecked_images.notify_one();
             return;
         }
         let Some(snapshot) = entry.outbox.offer(intents.snapshot) else {

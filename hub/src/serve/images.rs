@@ -61,6 +61,7 @@ pub async fn run(worker: ImageWorker) {
     let mut tasks: JoinSet<ImageKey> = JoinSet::new();
     loop {
         let needs = worker.state.image_needs();
+        tracing::debug!(needed = needs.len(), in_flight = in_flight.len(), "images");
         worker.state.retain_images();
         let now = Timestamp::now();
         let mut wake = now + k8s_openapi::jiff::SignedDuration::from_secs(60);
@@ -101,6 +102,7 @@ pub async fn run(worker: ImageWorker) {
                 // Changes come in bursts (a report per node): settle before looking.
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
+            () = worker.state.images_unchecked() => {}
             () = tokio::time::sleep(until) => {}
         }
     }
