@@ -298,7 +298,8 @@ fn bases_and_images_push_to_a_registry_a_dockerfile_build_takes_its_base_from() 
                 .context("reference")?;
             registry.manifest(repository, tag)?;
         }
-        let base = format!("{address}/kmm-fleet/base:bookworm");
+        // The hub's own base: kmm-hub loads OpenSSL's libraries (its module signer).
+        let base = format!("{address}/kmm-fleet/base-openssl:bookworm");
         let tag = "localhost/kmm-e2e/dockerfile-user:test";
         local.extend([base.clone(), tag.to_string()]);
         let release = options.target_dir.join("release");
