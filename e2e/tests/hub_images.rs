@@ -314,7 +314,14 @@ async fn signed_modules(fleet: &Fleet, kernel: &str) -> Result<usize> {
             ],
         )
         .await?;
-    let last = data.layers.last().context("a layer")?;
+    // Layers arrive in download order; the manifest says which is the top one.
+    let manifest = data.manifest.as_ref().context("a manifest")?;
+    let top = &manifest.layers.last().context("a layer")?.digest;
+    let last = data
+        .layers
+        .iter()
+        .find(|layer| layer.sha256_digest() == *top)
+        .context("the top layer downloaded")?;
     let mut archive = tar::Archive::new(flate2::read::GzDecoder::new(last.data.as_slice()));
     let mut signed = 0;
     for entry in archive.entries()? {

@@ -141,8 +141,24 @@ pub async fn sign_image(
         .await
         .map_err(|e| SigningError::Pull(RegistryError::from_client(unsigned, e)))?;
 
+    // oci-client downloads layers concurrently and returns them as they finish: put them
+    // back in the manifest's order, which the flattening and the pushed image rely on.
+    let mut downloaded = pulled.layers;
+    let mut ordered = Vec::with_capacity(downloaded.len());
+    for descriptor in pulled.manifest.iter().flat_map(|m| &m.layers) {
+        let index = downloaded
+            .iter()
+            .position(|layer| layer.sha256_digest() == descriptor.digest)
+            .ok_or_else(|| {
+                SigningError::Pull(RegistryError::Registry {
+                    image: unsigned.to_owned(),
+                    detail: format!("layer {} missing from the download", descriptor.digest),
+                })
+            })?;
+        ordered.push(downloaded.swap_remove(index));
+    }
     let files = plan.files.clone();
-    let layers = pulled.layers.clone();
+    let layers = ordered.clone();
     let owned_image = unsigned.to_owned();
     let signed = tokio::task::spawn_blocking(move || {
         let readers = layers
@@ -175,7 +191,7 @@ pub async fn sign_image(
     .expect("signing does not panic")?;
 
     let config = signed_config(unsigned, &pulled.config, &signed.diff_id, &signed.files)?;
-    let mut layers = pulled.layers;
+    let mut layers = ordered;
     layers.push(ImageLayer::new(
         signed.blob,
         LAYER_MEDIA_TYPE.to_owned(),
