@@ -19,15 +19,13 @@
 //! later entry adds, under another name, escapes both, and it is reported
 //! ([`SignError::LinkedAfterWrite`]), naming the path to list instead.
 
-use std::cell::Cell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsStr;
 use std::io::{self, Read, Write};
 use std::os::unix::ffi::OsStrExt;
-use std::rc::Rc;
 
 use flate2::write::GzEncoder;
-use kmm_extract::{Compression, Layer};
+use kmm_extract::{Bounded, Layer};
 
 use crate::SigningKey;
 use crate::module::{HashAlgorithm, SignError, sign_module};
@@ -301,20 +299,9 @@ impl<'a> Image<'a> {
 
     fn layer<R: Read>(&mut self, layer: usize, source: Layer<R>) -> Result<(), SignError> {
         let corrupt = |source| SignError::CorruptLayer { layer, source };
-        let exceeded = Rc::new(Cell::new(false));
         let limit = self.limits.max_layer_bytes;
-        let reader: Box<dyn Read + '_> = match source.compression {
-            Compression::None => Box::new(source.reader),
-            Compression::Gzip => Box::new(flate2::read::GzDecoder::new(source.reader)),
-            Compression::Zstd => {
-                Box::new(zstd::stream::read::Decoder::new(source.reader).map_err(corrupt)?)
-            }
-        };
-        let bounded = Bounded {
-            inner: reader,
-            remaining: limit,
-            exceeded: exceeded.clone(),
-        };
+        let reader = source.compression.decoder(source.reader).map_err(corrupt)?;
+        let (bounded, exceeded) = Bounded::new(reader, limit);
         let result = self.read_entries(layer, bounded);
         if exceeded.get() {
             return Err(SignError::LayerTooLarge { layer, limit });
@@ -582,33 +569,4 @@ fn join(parent: &[u8], name: &[u8]) -> Vec<u8> {
     }
     out.extend_from_slice(name);
     out
-}
-
-/// Fails reads past `remaining` bytes, and says so in `exceeded`.
-struct Bounded<R> {
-    inner: R,
-    remaining: u64,
-    exceeded: Rc<Cell<bool>>,
-}
-
-impl<R: Read> Read for Bounded<R> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        if self.remaining == 0 {
-            // One more byte would exceed the limit.
-            let mut probe = [0u8; 1];
-            return match self.inner.read(&mut probe)? {
-                0 => Ok(0),
-                _ => {
-                    self.exceeded.set(true);
-                    Err(io::Error::other("layer read limit exceeded"))
-                }
-            };
-        }
-        let max = usize::try_from(self.remaining)
-            .unwrap_or(usize::MAX)
-            .min(buf.len());
-        let n = self.inner.read(&mut buf[..max])?;
-        self.remaining -= n as u64;
-        Ok(n)
-    }
 }

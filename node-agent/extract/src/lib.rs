@@ -52,6 +52,15 @@ impl Compression {
             other => Err(ExtractError::UnsupportedMediaType(other.to_string())),
         }
     }
+
+    /// `reader` decompressed: the layer's tar stream.
+    pub fn decoder<'a, R: Read + 'a>(self, reader: R) -> io::Result<Box<dyn Read + 'a>> {
+        Ok(match self {
+            Self::None => Box::new(reader),
+            Self::Gzip => Box::new(flate2::read::GzDecoder::new(reader)),
+            Self::Zstd => Box::new(zstd::stream::read::Decoder::new(reader)?),
+        })
+    }
 }
 
 /// Size limits applied while extracting.
@@ -330,29 +339,20 @@ fn io_err(action: &'static str, path: PathBuf) -> impl FnOnce(io::Error) -> Extr
 
 impl Extractor {
     fn layer<R: Read>(&mut self, index: usize, layer: Layer<R>) -> Result<(), ExtractError> {
-        match layer.compression {
-            Compression::None => self.tar(index, layer.reader),
-            Compression::Gzip => self.tar(index, flate2::read::GzDecoder::new(layer.reader)),
-            Compression::Zstd => {
-                let decoder = zstd::stream::read::Decoder::new(layer.reader).map_err(|source| {
-                    ExtractError::Corrupt {
-                        layer: index,
-                        source,
-                    }
+        let reader =
+            layer
+                .compression
+                .decoder(layer.reader)
+                .map_err(|source| ExtractError::Corrupt {
+                    layer: index,
+                    source,
                 })?;
-                self.tar(index, decoder)
-            }
-        }
+        self.tar(index, reader)
     }
 
     fn tar<R: Read>(&mut self, layer: usize, reader: R) -> Result<(), ExtractError> {
-        let exceeded = std::rc::Rc::new(std::cell::Cell::new(false));
         let limit = self.limits.max_layer_read_bytes;
-        let reader = Bounded {
-            inner: reader,
-            remaining: limit,
-            exceeded: exceeded.clone(),
-        };
+        let (reader, exceeded) = Bounded::new(reader, limit);
         let result = self.tar_entries(layer, reader);
         if exceeded.get() {
             return Err(ExtractError::LayerTooLarge { layer, limit });
@@ -826,11 +826,26 @@ impl Extractor {
     }
 }
 
-/// Fails reads past `remaining` bytes, and says so in `exceeded`.
-struct Bounded<R> {
+/// Fails reads past a limit, and says so in the flag [`Bounded::new`] returns: a bound
+/// on the work a decompression bomb can cause, told apart from a corrupt stream.
+#[derive(Debug)]
+pub struct Bounded<R> {
     inner: R,
     remaining: u64,
     exceeded: std::rc::Rc<std::cell::Cell<bool>>,
+}
+
+impl<R> Bounded<R> {
+    /// `inner`, failing reads past `limit` bytes; the flag turns true when one did.
+    pub fn new(inner: R, limit: u64) -> (Self, std::rc::Rc<std::cell::Cell<bool>>) {
+        let exceeded = std::rc::Rc::new(std::cell::Cell::new(false));
+        let bounded = Self {
+            inner,
+            remaining: limit,
+            exceeded: exceeded.clone(),
+        };
+        (bounded, exceeded)
+    }
 }
 
 impl<R: Read> Read for Bounded<R> {
