@@ -14,6 +14,7 @@ use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kmm_e2e::fixture::{Fleet, wait_until};
+use kmm_e2e::fleet::kmm::Agent;
 use kmm_e2e::guest::module_signing::TestKey;
 use kmm_e2e::versions::Versions;
 use kube::api::{DeleteParams, PostParams};
@@ -99,17 +100,7 @@ async fn every_node_loads_the_digest_the_hub_pinned_and_a_missing_image_is_the_h
         .iter()
         .find(|a| a.cluster == spoke && a.node == with_image.0)
         .context("the agent of the node with an image")?;
-    let recorded = wait_until("the agent to record the load", WAIT, || async {
-        let state: Value = std::fs::read(agent.state_file())
-            .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok())
-            .ok_or("no state yet")?;
-        state["modules"][format!("{NAMESPACE}/{name}")]["digest"]
-            .as_str()
-            .map(str::to_owned)
-            .ok_or_else(|| state.to_string())
-    })
-    .await?;
+    let recorded = loaded_digest(agent, &format!("{NAMESPACE}/{name}")).await?;
     ensure!(
         recorded == pinned,
         "the agent loaded {recorded}, the hub pinned {pinned}"
@@ -254,17 +245,7 @@ async fn the_build_and_sign_example_converges_with_modules_the_hub_built_and_sig
         .collect();
     ensure!(!agents.is_empty(), "no agent on {kernel} in {spoke}");
     for agent in agents {
-        let recorded = wait_until("the agent to load the signed image", WAIT, || async {
-            let state: Value = std::fs::read(agent.state_file())
-                .ok()
-                .and_then(|b| serde_json::from_slice(&b).ok())
-                .ok_or("no state yet")?;
-            state["modules"][format!("kmm-demo/{name}")]["digest"]
-                .as_str()
-                .map(str::to_owned)
-                .ok_or_else(|| state.to_string())
-        })
-        .await?;
+        let recorded = loaded_digest(agent, &format!("kmm-demo/{name}")).await?;
         ensure!(
             recorded == pinned,
             "{} loaded {recorded}, the hub pinned {pinned}",
@@ -289,6 +270,26 @@ async fn the_build_and_sign_example_converges_with_modules_the_hub_built_and_sig
     }
     std::fs::remove_dir_all(&work)?;
     Ok(())
+}
+
+/// The digest the agent recorded loading module `key` (`namespace/name`) from, once it
+/// has.
+async fn loaded_digest(agent: &Agent, key: &str) -> Result<String> {
+    Ok(wait_until(
+        &format!("{} to record loading {key}", agent.node),
+        WAIT,
+        || async {
+            let state: Value = std::fs::read(agent.state_file())
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok())
+                .ok_or("no state yet")?;
+            state["modules"][key]["digest"]
+                .as_str()
+                .map(str::to_owned)
+                .ok_or_else(|| state.to_string())
+        },
+    )
+    .await?)
 }
 
 /// How many `.ko` files of the signed image's last layer end with Linux's signature
