@@ -189,7 +189,9 @@ async fn serve_main(args: Args) -> anyhow::Result<()> {
         // Lease still its own and lead without the others having had their chance.
         identity: format!("{instance}_{}", incarnation()),
         duration: args.leader_election_lease_duration,
-        renew_before: args.leader_election_lease_duration / 3,
+        // Renewing with two thirds of the hold left leaves room for retries when the
+        // apiserver is slow, rather than one late renewal costing the leadership.
+        renew_before: args.leader_election_lease_duration * 2 / 3,
         pod: args.pod_name,
     });
     let settings = Settings {

@@ -56,9 +56,10 @@ async fn one_replica_leads_and_the_other_takes_over_when_it_stops() {
                 standby.metrics.leader.get(),
                 standby.health.is_ready(),
             );
-            (states == (1, 0, true))
-                .then_some(())
-                .ok_or(format!("leader, standby, standby ready: {states:?}"))
+            let ended = (leader.ended(), standby.ended());
+            (states == (1, 0, true)).then_some(()).ok_or(format!(
+                "leader, standby, standby ready: {states:?}; runs ended: {ended:?}"
+            ))
         },
     )
     .await

@@ -122,7 +122,9 @@ impl TestHub {
                 lease: "kmm-hub".into(),
                 identity,
                 duration: LEASE_DURATION,
-                renew_before: Duration::from_secs(2),
+                // As the binary does: renew with two thirds left, so a loaded test
+                // machine's slow apiserver does not move the Lease mid-test.
+                renew_before: LEASE_DURATION * 2 / 3,
                 pod: None,
             }),
             addon_name: addon_name.clone(),
@@ -154,6 +156,11 @@ impl TestHub {
             stop: Some(stop),
             task: Some(task),
         }
+    }
+
+    /// Whether the hub's run has ended by itself (an error, or leadership lost).
+    pub fn ended(&self) -> bool {
+        self.task.as_ref().is_some_and(|task| task.is_finished())
     }
 
     /// Stops the hub and checks it stopped cleanly.
