@@ -288,6 +288,7 @@ async fn finished(builds: &BuildJobs, request: &BuildRequest) -> Result<(BuildPr
     let progress = wait_until("the build to finish", BUILD_TIMEOUT, || async {
         match builds.ensure(request).await {
             Ok(BuildProgress::Running { job }) => Err(format!("{job} running")),
+            Ok(BuildProgress::Retrying { job }) => Err(format!("{job} being replaced")),
             Ok(done) => Ok(done),
             Err(e) => Err(e.to_string()),
         }
@@ -421,7 +422,8 @@ async fn a_build_compiles_the_module_for_a_debian_kernel_and_pushes_the_image() 
 }
 
 #[tokio::test]
-async fn a_failing_dockerfile_reports_the_end_of_its_log_and_is_not_built_again() -> Result<()> {
+async fn a_failing_dockerfile_reports_the_end_of_its_log_and_is_built_again_only_on_retry()
+-> Result<()> {
     let _serial = SERIAL.lock().await;
     let fleet = Fleet::get().await?;
     let setup = setup(&fleet).await?;
@@ -466,6 +468,31 @@ async fn a_failing_dockerfile_reports_the_end_of_its_log_and_is_not_built_again(
     let jobs = jobs_of(&fleet.hub, &builds, &uid).await?;
     ensure!(jobs.len() == 1, "Jobs {jobs:?}");
 
+    // A retry (the hub's, after the backoff) replaces the failed Job by a new attempt.
+    let job_uid = |name: String| {
+        let jobs = Api::<Job>::namespaced(fleet.hub.clone(), builds.namespace());
+        async move { anyhow::Ok(jobs.get(&name).await?.uid()) }
+    };
+    let first_uid = job_uid(job.clone()).await?;
+    ensure!(
+        builds.retry(&request).await? == BuildProgress::Retrying { job: job.clone() },
+        "the failed build is not being replaced"
+    );
+    let (again, took) = finished(&builds, &request).await?;
+    ensure!(
+        matches!(&again, BuildProgress::Failed { job: j, .. } if j == job),
+        "the retry ended {again:?}"
+    );
+    let second_uid = job_uid(job.clone()).await?;
+    ensure!(
+        second_uid != first_uid,
+        "the retry reported the first attempt's Job ({first_uid:?})"
+    );
+    eprintln!(
+        "builds: {job}: retry -> a new attempt Failed in {:.1}s",
+        took.as_secs_f64()
+    );
+
     Api::<ManagedClusterModule>::all(fleet.hub.clone())
         .delete(&name, &DeleteParams::default())
         .await?;
@@ -495,6 +522,7 @@ async fn a_request_makes_one_job_and_a_changed_build_arg_exactly_one_more() -> R
     let job = |p: BuildProgress| match p {
         BuildProgress::Running { job } | BuildProgress::Succeeded { job } => Ok(job),
         BuildProgress::Failed { job, log_tail } => Err(anyhow::anyhow!("{job} failed: {log_tail}")),
+        BuildProgress::Retrying { job } => Err(anyhow::anyhow!("{job} is being retried")),
     };
     let debug_job = job(builds.ensure(&debug).await?)?;
     ensure!(

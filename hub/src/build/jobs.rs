@@ -36,11 +36,12 @@ pub enum BuildProgress {
     Running { job: String },
     /// The image was built and pushed.
     Succeeded { job: String },
-    /// The build failed; the end of its log says why. The Job stays until its TTL
-    /// (`job::TTL_SECONDS_AFTER_FINISHED`) and, while it does, `ensure` reports this
-    /// again instead of building again. To try again sooner: `cleanup` without this
-    /// fingerprint, then `ensure`.
+    /// The build failed; the end of its log says why. `ensure` reports this again
+    /// instead of building again; `retry` replaces the failed Job.
     Failed { job: String, log_tail: String },
+    /// A failed attempt's Job is being deleted (its Pods and input copies first); the
+    /// next `ensure` after it is gone starts the build afresh.
+    Retrying { job: String },
 }
 
 /// What went wrong talking to the API about a build.
@@ -137,6 +138,11 @@ impl BuildJobs {
             .await
             .map_err(|e| self.api_error("reading", "Job", &build.name, e))?
         {
+            // A new Job of the same name must wait: its inputs' copies would otherwise
+            // be found still owned by the old one and collected with it.
+            Some(job) if job.metadata.deletion_timestamp.is_some() => {
+                return Ok(BuildProgress::Retrying { job: build.name });
+            }
             Some(job) => job,
             None => {
                 // Checked before anything exists: a build that cannot start leaves
@@ -154,6 +160,23 @@ impl BuildJobs {
             return Ok(BuildProgress::Running { job: build.name });
         }
         Ok(self.progress(&job).await)
+    }
+
+    /// Tries a failed build again: its Job is deleted, and the build starts afresh once
+    /// the Job is gone. A build that has not failed is left as [`Self::ensure`] leaves
+    /// it.
+    pub async fn retry(&self, request: &BuildRequest) -> Result<BuildProgress, BuildError> {
+        let progress = self.ensure(request).await?;
+        let BuildProgress::Failed { job, .. } = progress else {
+            return Ok(progress);
+        };
+        match self.jobs.delete(&job, &DeleteParams::foreground()).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(status)) if status.code == 404 => {}
+            Err(e) => return Err(self.api_error("deleting", "Job", &job, e)),
+        }
+        tracing::info!(job, namespace = %self.namespace, "retrying a failed build");
+        Ok(BuildProgress::Retrying { job })
     }
 
     /// Deletes the build Jobs of the module `module_uid` whose fingerprint is not in

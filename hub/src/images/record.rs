@@ -58,6 +58,8 @@ pub enum Next {
     CheckUnsigned,
     /// Start the build, or look at the running one.
     Build,
+    /// Replace a failed build with a new attempt.
+    RetryBuild,
     /// Sign the unsigned image and push the signed one.
     Sign,
 }
@@ -91,6 +93,10 @@ pub enum Observation {
     BuildFailed {
         job: String,
         log_tail: String,
+    },
+    /// A failed build's Job is being replaced.
+    BuildRetrying {
+        job: String,
     },
     /// The build could not be started (its Dockerfile's ConfigMap is missing, say).
     BuildNotStarted {
@@ -362,7 +368,17 @@ pub fn observe(
         Observation::BuildFailed { job, log_tail } => failed(
             "BuildFailed",
             format!("build Job {job} failed; the end of its log:\n{log_tail}"),
+            Next::RetryBuild,
+        ),
+        // The failures stay counted: failing again backs off longer.
+        Observation::BuildRetrying { job } => record(
+            ImageState::Building,
+            pinned,
+            "ImageBuilding",
+            format!("retrying: the failed build Job {job} is being replaced"),
+            failures,
             Next::Build,
+            at(BUILD_POLL),
         ),
         Observation::BuildNotStarted { message } => failed("BuildNotStarted", message, Next::Build),
         Observation::SignFailed { message } => failed("SignFailed", message, Next::CheckUnsigned),
@@ -593,7 +609,45 @@ mod tests {
         assert_eq!(failed.state, ImageState::Failed);
         assert!(failed.message.contains("make: *** [all] Error 2"));
         assert_eq!(due(&need, Some(&failed), later(9)), None);
-        assert_eq!(due(&need, Some(&failed), later(10)), Some(Next::Build));
+        assert_eq!(due(&need, Some(&failed), later(10)), Some(Next::RetryBuild));
+    }
+
+    #[test]
+    fn a_retried_build_that_fails_again_backs_off_longer() {
+        let need = built();
+        let failed = |previous: Option<&ImageRecord>| {
+            observe(
+                &need,
+                previous,
+                Next::Build,
+                Observation::BuildFailed {
+                    job: "kmm-build-x".into(),
+                    log_tail: "Error 2".into(),
+                },
+                now(),
+            )
+        };
+        let first = failed(None);
+        let retrying = observe(
+            &need,
+            Some(&first),
+            Next::RetryBuild,
+            Observation::BuildRetrying {
+                job: "kmm-build-x".into(),
+            },
+            now(),
+        );
+        assert_eq!(retrying.state, ImageState::Building);
+        assert!(
+            retrying.message.contains("kmm-build-x"),
+            "{}",
+            retrying.message
+        );
+        assert_eq!(due(&need, Some(&retrying), later(5)), Some(Next::Build));
+        let second = failed(Some(&retrying));
+        assert_eq!(second.failures, 2);
+        assert_eq!(due(&need, Some(&second), later(19)), None);
+        assert_eq!(due(&need, Some(&second), later(20)), Some(Next::RetryBuild));
     }
 
     #[test]

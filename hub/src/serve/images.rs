@@ -180,7 +180,8 @@ impl ImageWorker {
                     },
                 }
             }
-            Next::Build => self.build(key, need).await,
+            Next::Build => self.build(key, need, false).await,
+            Next::RetryBuild => self.build(key, need, true).await,
             Next::Sign => self.sign(key, need, secret.as_ref()).await,
         }
     }
@@ -206,7 +207,8 @@ impl ImageWorker {
         }
     }
 
-    async fn build(&self, key: &ImageKey, need: &ImageNeed) -> Observation {
+    /// Starts or follows the image's build; `retry` replaces a failed one.
+    async fn build(&self, key: &ImageKey, need: &ImageNeed, retry: bool) -> Observation {
         let Some(build) = &need.build else {
             return Observation::BuildNotStarted {
                 message: "no build settings".into(),
@@ -251,8 +253,14 @@ impl ImageWorker {
             dockerfile,
             rebuild_generation: need.rebuild_generation,
         };
-        match self.builds.ensure(&request).await {
+        let progress = if retry {
+            self.builds.retry(&request).await
+        } else {
+            self.builds.ensure(&request).await
+        };
+        match progress {
             Ok(BuildProgress::Running { job }) => Observation::BuildRunning { job },
+            Ok(BuildProgress::Retrying { job }) => Observation::BuildRetrying { job },
             Ok(BuildProgress::Succeeded { job }) => Observation::BuildSucceeded { job },
             Ok(BuildProgress::Failed { job, log_tail }) => {
                 Observation::BuildFailed { job, log_tail }
