@@ -19,6 +19,7 @@ pub mod kmod;
 pub mod kwok_pod_runner;
 mod pki;
 mod process;
+pub mod registry_server;
 pub mod toolchain;
 pub mod versions;
 

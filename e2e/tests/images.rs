@@ -11,13 +11,12 @@
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use kmm_e2e::images::{self, Built, Image, Options, SOURCE, VERSION};
-use kmm_e2e::kmod;
+use kmm_e2e::registry_server::RegistryServer;
 
 const MIB: u64 = 1024 * 1024;
 /// Issue 10's goals.
@@ -277,8 +276,9 @@ fn a_second_build_with_nothing_changed_rebuilds_nothing() -> Result<()> {
 #[test]
 fn bases_and_images_push_to_a_registry_a_dockerfile_build_takes_its_base_from() -> Result<()> {
     built()?;
-    let registry = Registry::start()?;
+    let registry = RegistryServer::plain()?;
     let address = registry.address.clone();
+    let runtime = tokio::runtime::Runtime::new()?;
     let options = Options::new(Some(address.clone()));
     let pushed = images::build(&options)?;
     let mut local: Vec<String> = pushed.images.iter().map(|i| i.reference.clone()).collect();
@@ -296,7 +296,10 @@ fn bases_and_images_push_to_a_registry_a_dockerfile_build_takes_its_base_from() 
                 .strip_prefix(&format!("{address}/"))
                 .and_then(|n| n.rsplit_once(':'))
                 .context("reference")?;
-            registry.manifest(repository, tag)?;
+            ensure!(
+                runtime.block_on(registry.has(&format!("{repository}:{tag}")))?,
+                "{repository}:{tag} is not in the registry"
+            );
         }
         // The hub's own base: kmm-hub loads OpenSSL's libraries (its module signer).
         let base = format!("{address}/kmm-fleet/base-openssl:bookworm");
@@ -342,78 +345,4 @@ fn buildah(args: &[&str]) -> Result<String> {
         );
     }
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
-}
-
-/// Debian's docker-registry on a free loopback port, with its own storage; stopped (by
-/// its PID) and removed on drop.
-struct Registry {
-    address: String,
-    child: Child,
-    dir: std::path::PathBuf,
-}
-
-impl Registry {
-    fn start() -> Result<Self> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?
-            .local_addr()?
-            .port();
-        let dir =
-            std::env::temp_dir().join(format!("kmm-e2e-images-registry-{}", std::process::id()));
-        let config = kmod::registry_config(&dir, port)?;
-        let child = Command::new(kmod::registry_binary()?)
-            .arg("serve")
-            .arg(&config)
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.join("registry.log"))?)
-            .spawn()
-            .context("starting docker-registry")?;
-        let registry = Self {
-            address: format!("127.0.0.1:{port}"),
-            child,
-            dir,
-        };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while get(&registry.address, "/v2/", "*/*").is_err() {
-            ensure!(
-                Instant::now() < deadline,
-                "the registry did not answer on /v2/"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        Ok(registry)
-    }
-
-    /// Fail unless the registry holds `repository:tag`.
-    fn manifest(&self, repository: &str, tag: &str) -> Result<()> {
-        get(
-            &self.address,
-            &format!("/v2/{repository}/manifests/{tag}"),
-            "application/vnd.oci.image.manifest.v1+json",
-        )
-        .with_context(|| format!("{repository}:{tag} is not in the registry"))
-    }
-}
-
-impl Drop for Registry {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// A plain-HTTP GET; an error unless the answer is 200.
-fn get(address: &str, path: &str, accept: &str) -> Result<()> {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(address)?;
-    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: {address}\r\nAccept: {accept}\r\nConnection: close\r\n\r\n"
-    )?;
-    let mut answer = String::new();
-    stream.read_to_string(&mut answer)?;
-    let status = answer.lines().next().unwrap_or_default();
-    ensure!(status.contains(" 200 "), "GET {path}: {status}");
-    Ok(())
 }
