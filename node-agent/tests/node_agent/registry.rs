@@ -1,5 +1,6 @@
 //! Pulling: plain HTTP, TLS with htpasswd auth, moved tags, zstd, hostile images.
 
+use kmm_e2e::registry_server::docker_config_json;
 use kmm_node_agent::desired::{PullSecret, RegistryTls};
 use kmm_node_agent::image::cache::Cache;
 use kmm_node_agent::image::pull::{PullError, PullRequest};

@@ -6,12 +6,12 @@
 #![allow(dead_code)]
 
 use std::io::Write;
-use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use kmm_e2e::registry_server::RegistryServer;
 use oci_client::client::{ClientConfig, ClientProtocol, Config, ImageLayer};
 use oci_client::manifest::{IMAGE_CONFIG_MEDIA_TYPE, OciImageManifest};
 use oci_client::secrets::RegistryAuth;
@@ -265,113 +265,36 @@ pub fn zstd_layer(tar: &[u8]) -> PushLayer {
     }
 }
 
-/// A running `docker-registry`, killed on drop.
+/// A running `docker-registry` (kmm-e2e's), stopped on drop.
 pub struct Registry {
-    child: Child,
+    server: RegistryServer,
     /// `127.0.0.1:<port>`
     pub addr: String,
     pub tls: bool,
     pub user: Option<(String, String)>,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Registry {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 impl Registry {
     /// Plain HTTP, no authentication (`registryTLS.insecure`).
     pub fn plain() -> Self {
-        Self::start(false, None)
+        Self::of(RegistryServer::plain())
     }
 
     /// HTTPS with a self-signed certificate and htpasswd authentication
     /// (`insecureSkipTLSVerify` and a pull secret).
     pub fn tls_with_auth(user: &str, password: &str) -> Self {
-        Self::start(true, Some((user.into(), password.into())))
+        Self::of(RegistryServer::tls_with_auth(user, password))
     }
 
-    fn start(tls: bool, user: Option<(String, String)>) -> Self {
+    fn of(server: kmm_e2e::Result<RegistryServer>) -> Self {
         kernel(); // packages installed
-        let dir = tempfile::tempdir().unwrap();
-        let port = free_port();
-        let addr = format!("127.0.0.1:{port}");
-        let mut http = serde_json::json!({ "addr": addr });
-        if tls {
-            run(Command::new("openssl")
-                .args([
-                    "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                ])
-                .args([
-                    "-subj",
-                    "/CN=127.0.0.1",
-                    "-addext",
-                    "subjectAltName=IP:127.0.0.1",
-                ])
-                .arg("-keyout")
-                .arg(dir.path().join("key.pem"))
-                .arg("-out")
-                .arg(dir.path().join("cert.pem")));
-            http["tls"] = serde_json::json!({
-                "certificate": dir.path().join("cert.pem"),
-                "key": dir.path().join("key.pem"),
-            });
+        let server = server.unwrap_or_else(|e| panic!("starting a registry: {e}"));
+        Self {
+            addr: server.address.clone(),
+            tls: server.tls,
+            user: server.user.clone(),
+            server,
         }
-        let mut config = serde_json::json!({
-            "version": 0.1,
-            "log": { "level": "warn" },
-            "storage": {
-                "filesystem": { "rootdirectory": dir.path().join("storage") },
-                "delete": { "enabled": true },
-            },
-            "http": http,
-        });
-        if let Some((name, password)) = &user {
-            let hash = bcrypt::hash_with_result(password, 5)
-                .unwrap()
-                .format_for_version(bcrypt::Version::TwoY);
-            std::fs::write(dir.path().join("htpasswd"), format!("{name}:{hash}\n")).unwrap();
-            config["auth"] = serde_json::json!({
-                "htpasswd": { "realm": "kmm-test", "path": dir.path().join("htpasswd") }
-            });
-        }
-        let config_path = dir.path().join("config.yml");
-        std::fs::write(&config_path, serde_json::to_vec_pretty(&config).unwrap()).unwrap();
-        let log = std::fs::File::create(dir.path().join("registry.log")).unwrap();
-        let child = Command::new("/usr/bin/docker-registry")
-            .arg("serve")
-            .arg(&config_path)
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .expect("cannot start /usr/bin/docker-registry (Debian package docker-registry)");
-        let mut registry = Self {
-            child,
-            addr: addr.clone(),
-            tls,
-            user,
-            _dir: dir,
-        };
-        poll("the registry to listen", Duration::from_secs(30), || {
-            if let Ok(Some(status)) = registry.child.try_wait() {
-                let log = std::fs::read_to_string(registry._dir.path().join("registry.log"))
-                    .unwrap_or_default();
-                panic!("docker-registry exited ({status}):\n{log}");
-            }
-            TcpStream::connect(&addr).ok()
-        });
-        registry
     }
 
     fn client(&self) -> Client {
@@ -395,7 +318,7 @@ impl Registry {
 
     /// `<addr>/<name>`
     pub fn image(&self, name: &str) -> String {
-        format!("{}/{name}", self.addr)
+        self.server.image(name)
     }
 
     /// Pushes an image made of `layers` as `<addr>/<name>`; returns its digest.
@@ -431,13 +354,6 @@ impl Registry {
     pub async fn push_sample(&self, name: &str, sample: &Sample) -> String {
         self.push(name, vec![gzip_layer(&sample.tar())]).await
     }
-}
-
-/// A `.dockerconfigjson` for `registry` with these credentials.
-pub fn docker_config_json(registry: &str, user: &str, password: &str) -> String {
-    use base64::Engine;
-    let auth = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
-    serde_json::json!({ "auths": { registry: { "auth": auth } } }).to_string()
 }
 
 /// Every path below `dir` (links not followed).
