@@ -6,11 +6,16 @@ use kmm_api::{ImageStatus, MAX_IMAGE_KERNELS, MAX_IMAGE_STATUSES};
 use super::need::ImageKey;
 use super::record::ImageRecord;
 
-/// Status entries for `records` (one module's), sorted by image, bounded.
+/// Status entries for `records` (one module's), sorted by image, bounded. Only the
+/// entries kept are built: a module may track many more images than status lists.
 pub fn image_statuses<'a>(
     records: impl Iterator<Item = (&'a ImageKey, &'a ImageRecord)>,
 ) -> Vec<ImageStatus> {
-    let mut statuses: Vec<ImageStatus> = records
+    let mut records: Vec<_> = records.collect();
+    records.sort_by(|(a, _), (b, _)| a.image.cmp(&b.image));
+    records
+        .into_iter()
+        .take(MAX_IMAGE_STATUSES)
         .map(|(key, record)| ImageStatus {
             image: key.image.clone(),
             kernels: record
@@ -26,10 +31,7 @@ pub fn image_statuses<'a>(
             message: record.message.clone(),
             last_transition_time: Some(Time(record.since)),
         })
-        .collect();
-    statuses.sort_by(|a, b| a.image.cmp(&b.image));
-    statuses.truncate(MAX_IMAGE_STATUSES);
-    statuses
+        .collect()
 }
 
 /// The digest status persisted for `image`, for a new leader to start from.
