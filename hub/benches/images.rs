@@ -180,14 +180,19 @@ fn memory(what: &str, module: &ManagedClusterModule, images: usize) -> Result<()
         })
         .collect();
     let tracked = dhat::HeapStats::get().curr_bytes - before;
-    let statuses = image_statuses(records.iter());
-    let with_status = dhat::HeapStats::get().curr_bytes - before;
+    let needed = needs
+        .iter()
+        .map(|(key, need)| (key.clone(), need.kernels.clone()))
+        .collect();
+    let before_status = dhat::HeapStats::get().curr_bytes;
+    let statuses = image_statuses(records.iter(), &needed);
+    let status_bytes = dhat::HeapStats::get().curr_bytes - before_status;
     println!(
         "hub-images-memory: images={what} tracked={images} records_kib={} per_image_bytes={} status_entries={} status_kib={}",
         tracked / 1024,
         tracked / images,
         statuses.len(),
-        (with_status - tracked) / 1024,
+        status_bytes / 1024,
     );
     Ok(())
 }

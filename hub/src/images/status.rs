@@ -1,27 +1,36 @@
 //! The images of one module as its status lists them. Pure.
 
+use std::collections::{BTreeMap, BTreeSet};
+
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kmm_api::{ImageStatus, MAX_IMAGE_KERNELS, MAX_IMAGE_STATUSES};
 
 use super::need::ImageKey;
 use super::record::ImageRecord;
 
-/// Status entries for `records` (one module's), sorted by image, bounded. Only the
-/// entries kept are built: a module may track many more images than status lists.
+/// Status entries for `records` (one module's), bounded: the images some kernel needs
+/// now first, with those kernels (`needed`), then the ones none needs at the moment
+/// (their pins are kept, see `FleetState::track_images`), with no kernels; each group
+/// sorted by image. Only the entries kept are built: a module may track many more images
+/// than status lists.
 pub fn image_statuses<'a>(
     records: impl Iterator<Item = (&'a ImageKey, &'a ImageRecord)>,
+    needed: &BTreeMap<ImageKey, BTreeSet<String>>,
 ) -> Vec<ImageStatus> {
-    let mut records: Vec<_> = records.collect();
-    records.sort_by(|(a, _), (b, _)| a.image.cmp(&b.image));
+    let mut records: Vec<_> = records
+        .map(|(key, record)| (key, record, needed.get(key)))
+        .collect();
+    records.sort_by(|(a, _, a_needed), (b, _, b_needed)| {
+        (a_needed.is_none(), &a.image).cmp(&(b_needed.is_none(), &b.image))
+    });
     records
         .into_iter()
         .take(MAX_IMAGE_STATUSES)
-        .map(|(key, record)| ImageStatus {
+        .map(|(key, record, kernels)| ImageStatus {
             image: key.image.clone(),
-            kernels: record
-                .need
-                .kernels
-                .iter()
+            kernels: kernels
+                .into_iter()
+                .flatten()
                 .take(MAX_IMAGE_KERNELS)
                 .cloned()
                 .collect(),
@@ -75,16 +84,49 @@ mod tests {
                 )
             })
             .collect();
-        let statuses = image_statuses(records.iter().map(|(k, r)| (k, r)));
+        // Every image is needed but r/x:000 to r/x:009, whose kernels went away.
+        let needed: BTreeMap<ImageKey, BTreeSet<String>> = records
+            .iter()
+            .filter(|(key, _)| key.image.as_str() >= "r/x:010")
+            .map(|(key, record)| (key.clone(), record.need.kernels.clone()))
+            .collect();
+        let statuses = image_statuses(records.iter().map(|(k, r)| (k, r)), &needed);
         assert_eq!(statuses.len(), MAX_IMAGE_STATUSES);
-        assert_eq!(statuses[0].image, "r/x:000");
+        assert_eq!(statuses[0].image, "r/x:010", "needed images come first");
         assert_eq!(statuses[0].kernels.len(), MAX_IMAGE_KERNELS);
-        assert_eq!(statuses[0].state, "Exists");
-        assert_eq!(persisted_digest(&statuses, "r/x:007"), Some("sha256:007"));
+        assert_eq!(statuses[99].image, "r/x:109");
+        // r/x:014 down to r/x:000.
+        let few = image_statuses(records[135..].iter().map(|(k, r)| (k, r)), &needed);
+        let listed: Vec<(&str, usize)> = few
+            .iter()
+            .map(|s| (s.image.as_str(), s.kernels.len()))
+            .collect();
+        assert_eq!(listed[0], ("r/x:010", 10));
         assert_eq!(
-            persisted_digest(&statuses, "r/x:149"),
-            None,
-            "beyond the bound"
+            &listed[5..],
+            [
+                ("r/x:000", 0),
+                ("r/x:001", 0),
+                ("r/x:002", 0),
+                ("r/x:003", 0),
+                ("r/x:004", 0),
+                ("r/x:005", 0),
+                ("r/x:006", 0),
+                ("r/x:007", 0),
+                ("r/x:008", 0),
+                ("r/x:009", 0)
+            ],
+            "images no kernel needs now come last, with no kernels, pins kept"
         );
+        assert_eq!(persisted_digest(&few, "r/x:003"), Some("sha256:003"));
+        assert_eq!(statuses[0].state, "Exists");
+        assert_eq!(persisted_digest(&statuses, "r/x:017"), Some("sha256:017"));
+        for beyond in ["r/x:149", "r/x:007"] {
+            assert_eq!(
+                persisted_digest(&statuses, beyond),
+                None,
+                "beyond the bound"
+            );
+        }
     }
 }

@@ -84,6 +84,8 @@ struct Inner {
     gone: BTreeSet<String>,
     /// Where every image the fleet needs stands, as the image worker found it.
     images: BTreeMap<ImageKey, ImageRecord>,
+    /// The kernels needing each image now, as the image worker last computed them.
+    needed_images: BTreeMap<ImageKey, BTreeSet<String>>,
 }
 
 /// The shared fleet view.
@@ -415,16 +417,24 @@ impl FleetState {
         }
     }
 
-    /// Forgets the images of modules that are gone. The images of a module that exists
-    /// are kept even while no cluster needs them (a cluster reconnecting has not sent its
-    /// kernels yet): their pins must survive, so the same bytes load again.
-    pub fn retain_images(&self) {
+    /// Takes the image worker's latest `needs`: status lists each image with the kernels
+    /// needing it now. Forgets the images of modules that are gone; the images of a
+    /// module that exists are kept even while no kernel needs them (a cluster
+    /// reconnecting has not sent its kernels yet): their pins must survive, so the same
+    /// bytes load again.
+    pub fn track_images(&self, needs: &BTreeMap<ImageKey, ImageNeed>) {
         let mut inner = self.lock();
         let modules: BTreeSet<String> = self.modules(&inner).iter().map(|m| m.name_any()).collect();
         let before = inner.images.len();
         inner.images.retain(|key, _| modules.contains(&key.module));
-        if inner.images.len() != before {
-            drop(inner);
+        let needed: BTreeMap<ImageKey, BTreeSet<String>> = needs
+            .iter()
+            .map(|(key, need)| (key.clone(), need.kernels.clone()))
+            .collect();
+        let changed = inner.images.len() != before || inner.needed_images != needed;
+        inner.needed_images = needed;
+        drop(inner);
+        if changed {
             self.changed();
         }
     }
@@ -505,7 +515,10 @@ impl FleetState {
             })
             .collect();
         let mut status = module_status(module.metadata.generation, &reports);
-        status.images = image_statuses(inner.images.iter().filter(|(key, _)| key.module == name));
+        status.images = image_statuses(
+            inner.images.iter().filter(|(key, _)| key.module == name),
+            &inner.needed_images,
+        );
         let unloads: Vec<ClusterUnload<'_>> = inner
             .clusters
             .iter()

@@ -62,7 +62,7 @@ pub async fn run(worker: ImageWorker) {
     loop {
         let needs = worker.state.image_needs();
         tracing::debug!(needed = needs.len(), in_flight = in_flight.len(), "images");
-        worker.state.retain_images();
+        worker.state.track_images(&needs);
         let now = Timestamp::now();
         let mut wake = now + k8s_openapi::jiff::SignedDuration::from_secs(60);
         for (key, need) in needs {
