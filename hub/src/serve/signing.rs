@@ -158,9 +158,11 @@ pub async fn sign_image(
         ordered.push(downloaded.swap_remove(index));
     }
     let files = plan.files.clone();
-    let layers = ordered.clone();
     let owned_image = unsigned.to_owned();
-    let signed = tokio::task::spawn_blocking(move || {
+    // The layers go to the blocking task and come back with the signed layer: the image
+    // is held once, not copied.
+    let (signed, mut layers) = tokio::task::spawn_blocking(move || {
+        let layers = ordered;
         let readers = layers
             .iter()
             .map(|layer| {
@@ -175,7 +177,7 @@ pub async fn sign_image(
                     })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        kmm_signing::sign_files_in_layers(
+        let signed = kmm_signing::sign_files_in_layers(
             readers,
             &files,
             &key,
@@ -185,13 +187,13 @@ pub async fn sign_image(
         .map_err(|source| SigningError::Sign {
             image: owned_image,
             source,
-        })
+        })?;
+        Ok::<_, SigningError>((signed, layers))
     })
     .await
     .expect("signing does not panic")?;
 
     let config = signed_config(unsigned, &pulled.config, &signed.diff_id, &signed.files)?;
-    let mut layers = ordered;
     layers.push(ImageLayer::new(
         signed.blob,
         LAYER_MEDIA_TYPE.to_owned(),
