@@ -14,8 +14,8 @@ use std::process::Command;
 
 use sha2::{Digest, Sha256};
 
+use super::KEY_LABEL;
 use super::buildah::{self, Inspected};
-use super::{KEY_LABEL, PACKAGES_LABEL, SOURCE};
 use crate::process::output;
 use crate::{Error, IoContext, Result};
 
@@ -240,33 +240,18 @@ fn commit(
     if root_base {
         config.args(["--env", PATH]);
     }
-    for (label, value) in [
-        (
-            "org.opencontainers.image.title",
-            format!("{}/{}", super::NAMESPACE, base.name),
-        ),
-        (
-            "org.opencontainers.image.description",
-            base.description.into(),
-        ),
-        ("org.opencontainers.image.source", SOURCE.into()),
-        ("org.opencontainers.image.version", TAG.into()),
-        (PACKAGES_LABEL, packages.into()),
-        (KEY_LABEL, key.into()),
-    ] {
-        config.arg("--label").arg(format!("{label}={value}"));
-    }
-    output(config.arg(container))?;
-    buildah::run([
-        "commit",
-        "--quiet",
-        "--rm",
-        "--timestamp",
-        "0",
+    buildah::label_and_commit(
+        config,
         container,
+        buildah::BaseLabels {
+            title: format!("{}/{}", super::NAMESPACE, base.name),
+            description: base.description.into(),
+            version: TAG,
+            packages,
+            key,
+        },
         &local_reference(base),
-    ])?;
-    Ok(())
+    )
 }
 
 /// The versions apt would install of `names`, from its package lists.

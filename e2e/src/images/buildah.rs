@@ -59,6 +59,49 @@ where
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
+/// The labels of a base image: OCI's title, description, source and version, the
+/// packages it holds and the key of its content.
+#[derive(Debug)]
+pub(super) struct BaseLabels<'a> {
+    pub title: String,
+    pub description: String,
+    pub version: &'a str,
+    pub packages: &'a str,
+    pub key: &'a str,
+}
+
+/// Applies `config` (a `buildah config` with the image's other settings) with `labels`
+/// to `container`, then commits it as `reference` with timestamps zeroed, so the same
+/// content makes the same image.
+pub(super) fn label_and_commit(
+    mut config: Command,
+    container: &str,
+    labels: BaseLabels<'_>,
+    reference: &str,
+) -> Result<()> {
+    for (label, value) in [
+        ("org.opencontainers.image.title", labels.title.as_str()),
+        ("org.opencontainers.image.description", &labels.description),
+        ("org.opencontainers.image.source", super::SOURCE),
+        ("org.opencontainers.image.version", labels.version),
+        (super::PACKAGES_LABEL, labels.packages),
+        (super::KEY_LABEL, labels.key),
+    ] {
+        config.arg("--label").arg(format!("{label}={value}"));
+    }
+    output(config.arg(container))?;
+    run([
+        "commit",
+        "--quiet",
+        "--rm",
+        "--timestamp",
+        "0",
+        container,
+        reference,
+    ])?;
+    Ok(())
+}
+
 /// What `buildah inspect --type image` tells about a local image.
 #[derive(Debug, Clone)]
 pub struct Inspected {

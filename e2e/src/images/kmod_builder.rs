@@ -22,8 +22,7 @@ use std::process::Command;
 use sha2::{Digest, Sha256};
 
 use super::base::{self, Package};
-use super::{Image, KEY_LABEL, NAMESPACE, PACKAGES_LABEL, SOURCE, buildah, push, sizes};
-use crate::process::output;
+use super::{Image, KEY_LABEL, NAMESPACE, buildah, push, sizes};
 use crate::{Error, IoContext, Result, cache_dir};
 
 /// The repository under `kmm-fleet/`; the tag is the kernel.
@@ -234,36 +233,21 @@ fn commit(
         "--env",
         base::PATH,
     ]);
-    for (label, value) in [
-        (
-            "org.opencontainers.image.title",
-            format!("{NAMESPACE}/{NAME}"),
-        ),
-        (
-            "org.opencontainers.image.description",
-            format!(
+    buildah::label_and_commit(
+        config,
+        container,
+        buildah::BaseLabels {
+            title: format!("{NAMESPACE}/{NAME}"),
+            description: format!(
                 "Debian 12 gcc, make, kmod and linux-headers-{kernel}, with the kmm-hello \
                  sample's sources in {SAMPLE_SOURCES}"
             ),
-        ),
-        ("org.opencontainers.image.source", SOURCE.into()),
-        ("org.opencontainers.image.version", kernel.into()),
-        (PACKAGES_LABEL, packages.into()),
-        (KEY_LABEL, key.into()),
-    ] {
-        config.arg("--label").arg(format!("{label}={value}"));
-    }
-    output(config.arg(container))?;
-    buildah::run([
-        "commit",
-        "--quiet",
-        "--rm",
-        "--timestamp",
-        "0",
-        container,
+            version: kernel,
+            packages,
+            key,
+        },
         reference,
-    ])?;
-    Ok(())
+    )
 }
 
 #[cfg(test)]
