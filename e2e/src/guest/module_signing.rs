@@ -1,6 +1,6 @@
-//! Module signing for the real-kernel test: RSA test keys made per run with the
-//! `openssl` CLI (rcgen cannot generate RSA keys, and Debian's cloud kernel verifies
-//! no ECDSA), and modules signed by kmm-hub's own signer (`kmm-signing`), so that a real
+//! Module signing keys for the real-kernel test: RSA test keys made per run with the
+//! `openssl` CLI, with the extensions Linux gives its own signing key (Debian's cloud
+//! kernel verifies no ECDSA). The modules are signed by kmm-hub itself, so that a real
 //! kernel judges exactly the signatures the hub appends.
 //!
 //! The keys live in the test's work directory only: they are never committed, and the
@@ -84,49 +84,6 @@ impl TestKey {
             key_id,
         })
     }
-}
-
-/// Sign every module (`*.ko`) below `dir` in place with `key` and its certificate
-/// `cert` with kmm-hub's signer (sha256, byte-identical to Linux's `sign-file`); the
-/// number of modules signed, at least one.
-pub fn sign_modules(dir: &Path, key: &Path, cert: &Path) -> Result<usize> {
-    let modules = modules_below(dir)?;
-    if modules.is_empty() {
-        return Err(Error::Invalid(format!(
-            "no module (*.ko) below {} to sign",
-            dir.display()
-        )));
-    }
-    let read = |path: &Path| std::fs::read(path).context(|| format!("reading {}", path.display()));
-    let signing_key = kmm_signing::SigningKey::from_pem(&read(key)?, &read(cert)?)
-        .map_err(|e| Error::Invalid(format!("the test key pair: {e}")))?;
-    for module in &modules {
-        let name = module.display().to_string();
-        let signed = kmm_signing::sign_module(
-            &name,
-            &read(module)?,
-            &signing_key,
-            kmm_signing::HashAlgorithm::Sha256,
-        )
-        .map_err(|e| Error::Invalid(e.to_string()))?;
-        std::fs::write(module, signed).context(|| format!("writing {name}"))?;
-    }
-    Ok(modules.len())
-}
-
-fn modules_below(dir: &Path) -> Result<Vec<PathBuf>> {
-    let mut found = vec![];
-    for entry in std::fs::read_dir(dir).context(|| format!("reading {}", dir.display()))? {
-        let path = entry
-            .context(|| format!("reading {}", dir.display()))?
-            .path();
-        if path.is_dir() {
-            found.extend(modules_below(&path)?);
-        } else if path.extension().is_some_and(|e| e == "ko") {
-            found.push(path);
-        }
-    }
-    Ok(found)
 }
 
 /// The identifier from `openssl x509 -ext subjectKeyIdentifier` output
