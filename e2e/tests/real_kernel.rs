@@ -37,25 +37,19 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use k8s_openapi::ByteString;
-use k8s_openapi::api::core::v1::{ConfigMap, Secret};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kmm_e2e::fixture::{Fleet, wait_until};
+use kmm_e2e::fixture::Fleet;
 use kmm_e2e::guest::agent_peer::{AgentPeer, Session};
 use kmm_e2e::guest::firmware_image::{self, FIRMWARE_FILE, FIRMWARE_PATH};
 use kmm_e2e::guest::initramfs::{AGENT, GuestFile};
 use kmm_e2e::guest::machine::Machine;
 use kmm_e2e::guest::module_signing::TestKey;
 use kmm_e2e::guest::{HOST_FROM_GUEST, KERNEL, Rig};
-use kmm_e2e::images::kmod_builder;
 use kmm_e2e::kmod::SampleImage;
 use kmm_hub::images::{SignPlan, unsigned_image_name};
 use kmm_hub::serve::signing::sign_image;
 use kmm_proto::v1 as pb;
 use kmm_signing::SigningKey;
-use kube::Api;
-use kube::api::{DeleteParams, PostParams};
-use serde_json::json;
+use support::HubBuildSign;
 
 const NAMESPACE: &str = "kmm-demo";
 const NAME: &str = "kmm-hello";
@@ -73,8 +67,6 @@ const TOKEN_FILE: &str = "/etc/kmm/token";
 const AGENT_LOG: &str = "/run/agent.log";
 const METRICS: &str = "http://127.0.0.1:8082";
 const WAIT: Duration = Duration::from_secs(90);
-/// The installed hub's namespace: the build's ConfigMap and the key's Secrets.
-const HUB_NAMESPACE: &str = "kmm-hub";
 /// A build Job (about a minute on the fleet), then the signing.
 const BUILD_WAIT: Duration = Duration::from_secs(420);
 
@@ -382,16 +374,14 @@ impl GuestImage {
 }
 
 /// The sample modules for [`KERNEL`] as the installed kmm-hub makes them on the fleet,
-/// for boot 3: built by a build Job on the hub's node (from the builder base with the
-/// kernel's headers, `kmm_e2e::images::kmod_builder`) and signed natively by the hub
-/// with the key the guest's UEFI `db` holds; the intermediate unsigned image that build
-/// pushed; and that same unsigned image signed with another key. The last is signed
-/// here, with the hub's own signing code (`kmm_hub::serve::signing::sign_image`) rather
-/// than by a second module: a second module would build the same bytes again (a minute
-/// more) to prove nothing more.
+/// for boot 3 ([`HubBuildSign`]): built by a build Job on the hub's node and signed
+/// natively by the hub with the key the guest's UEFI `db` holds; the intermediate
+/// unsigned image that build pushed; and that same unsigned image signed with another
+/// key. The last is signed here, with the hub's own signing code
+/// (`kmm_hub::serve::signing::sign_image`) rather than by a second module: a second
+/// module would build the same bytes again (a minute more) to prove nothing more.
 struct HubBuilt {
-    module: String,
-    cluster: String,
+    made: HubBuildSign,
     signed: GuestImage,
     unsigned: GuestImage,
     wrongly_signed: GuestImage,
@@ -399,129 +389,32 @@ struct HubBuilt {
 
 impl HubBuilt {
     async fn make(fleet: &Fleet, trusted: &TestKey, other: &TestKey) -> Result<Self> {
-        let registry = fleet.state.registry.clone();
-        let node_registry = fleet.state.node_registry.clone();
-        let pushed = registry.clone();
-        tokio::task::spawn_blocking(move || kmod_builder::ensure(KERNEL, Some(&pushed)))
-            .await?
-            .with_context(|| format!("the builder base for {KERNEL}"))?;
-        let cluster = fleet
-            .spoke_names()
-            .into_iter()
-            .find(|s| {
-                fleet
-                    .state
-                    .cluster(s)
-                    .is_ok_and(|c| c.nodes.iter().any(|n| n.kernel == KERNEL))
-            })
-            .with_context(|| format!("a spoke with a node on {KERNEL}"))?;
-        // Per run: a rerun never finds an image an earlier run's key signed.
-        let module = format!("real-kernel-{}", &trusted.key_id[..12]);
-        let image = format!("{node_registry}/kmm-e2e/{module}:${{KERNEL_FULL_VERSION}}");
-        let hub = &fleet.hub;
-        let secrets: Api<Secret> = Api::namespaced(hub.clone(), HUB_NAMESPACE);
-        for (name, field, path) in [
-            (format!("{module}-key"), "key", &trusted.key),
-            (format!("{module}-cert"), "cert", &trusted.cert),
-        ] {
-            let secret = Secret {
-                metadata: ObjectMeta {
-                    name: Some(name),
-                    ..ObjectMeta::default()
-                },
-                data: Some([(field.to_owned(), ByteString(std::fs::read(path)?))].into()),
-                ..Secret::default()
-            };
-            secrets.create(&PostParams::default(), &secret).await?;
-        }
-        let dockerfile = build_dockerfile(&format!(
-            "{node_registry}/{}",
-            kmod_builder::repository(KERNEL)
-        ));
-        let config_map = ConfigMap {
-            metadata: ObjectMeta {
-                name: Some(format!("{module}-build")),
-                ..ObjectMeta::default()
-            },
-            data: Some([("dockerfile".to_owned(), dockerfile)].into()),
-            ..ConfigMap::default()
-        };
-        Api::<ConfigMap>::namespaced(hub.clone(), HUB_NAMESPACE)
-            .create(&PostParams::default(), &config_map)
-            .await?;
-        let extra = "/opt/lib/modules/${KERNEL_FULL_VERSION}/extra";
-        let mapping = json!([{
-            "literal": KERNEL,
-            "containerImage": image,
-            "build": {
-                "dockerfileConfigMap": {"name": format!("{module}-build")},
-                "baseImageRegistryTLS": {"insecure": true},
-            },
-            "sign": {
-                "keySecret": {"name": format!("{module}-key")},
-                "certSecret": {"name": format!("{module}-cert")},
-                "unsignedImageRegistryTLS": {"insecure": true},
-                "filesToSign": [
-                    format!("{extra}/{DEPENDENCY}.ko"),
-                    format!("{extra}/{MODULE}.ko"),
-                ],
-            },
-        }]);
-        let mut spec = support::module(&module, &module, mapping)?;
-        spec.spec.module_spec.selector =
-            [("kubernetes.io/os".to_owned(), "linux".to_owned())].into();
+        let (registry, node_registry) = (&fleet.state.registry, &fleet.state.node_registry);
         let created = Instant::now();
-        support::create(hub, &spec).await?;
-        support::label_cluster(hub, &cluster, &module, true).await?;
-
-        let pinned_image = image.replace("${KERNEL_FULL_VERSION}", KERNEL);
-        let digest = wait_until(
-            "the hub's built and signed image pinned",
-            BUILD_WAIT,
-            || async {
-                let status = support::status(hub, &module)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let entry = status["images"]
-                    .as_array()
-                    .and_then(|i| {
-                        i.iter()
-                            .find(|i| i["image"] == pinned_image.as_str())
-                            .cloned()
-                    })
-                    .ok_or_else(|| status.to_string())?;
-                match (entry["state"].as_str(), entry["digest"].as_str()) {
-                    (Some("Exists"), Some(digest)) => Ok(digest.to_owned()),
-                    (Some("Failed" | "NotFound"), _) => Err(format!("the hub gave up: {entry}")),
-                    _ => Err(entry.to_string()),
-                }
-            },
-        )
-        .await?;
+        let made = HubBuildSign::create(fleet, KERNEL, trusted).await?;
+        let digest = made.pinned(fleet, BUILD_WAIT).await?;
         println!(
             "real-kernel: module created -> built by the hub's Job, signed by kmm-hub and pinned in {:.1}s",
             created.elapsed().as_secs_f64()
         );
 
         // The same images as this machine reaches them.
-        let on_host = |image: &str| image.replacen(&node_registry, &registry, 1);
-        let signed_path = on_host(&pinned_image);
-        let unsigned_path = on_host(&unsigned_image_name(
-            &pinned_image,
+        let on_host = |image: &str| image.replacen(node_registry.as_str(), registry, 1);
+        let signed = on_host(&made.image);
+        let unsigned = on_host(&unsigned_image_name(
+            &made.image,
             support::NAMESPACE,
-            &module,
+            &made.module,
         ));
-        let client = kmm_registry::client(kmm_registry::RegistryTls {
+        let plain = kmm_registry::RegistryTls {
             insecure: true,
             insecure_skip_tls_verify: false,
-        });
-        let unsigned_digest = kmm_registry::resolve_digest(&client, &unsigned_path, None).await?;
+        };
+        let client = kmm_registry::client(plain);
+        let unsigned_digest = kmm_registry::resolve_digest(&client, &unsigned, None).await?;
         let plan = SignPlan {
-            unsigned_image: unsigned_path.clone(),
-            unsigned_tls: kmm_registry::RegistryTls {
-                insecure: true,
-                insecure_skip_tls_verify: false,
-            },
+            unsigned_image: unsigned.clone(),
+            unsigned_tls: plain,
             key_secret: String::new(),
             cert_secret: String::new(),
             files: [DEPENDENCY, MODULE]
@@ -530,57 +423,19 @@ impl HubBuilt {
         };
         let other_key =
             SigningKey::from_pem(&std::fs::read(&other.key)?, &std::fs::read(&other.cert)?)?;
-        let other_path = on_host(&format!(
-            "{node_registry}/kmm-e2e/{module}:{KERNEL}-other-key"
-        ));
-        let other_digest =
-            sign_image(&plan, other_key, &other_path, plan.unsigned_tls, None).await?;
+        let other_signed = format!("{signed}-other-key");
+        let other_digest = sign_image(&plan, other_key, &other_signed, plain, None).await?;
         Ok(Self {
-            module,
-            cluster,
-            signed: GuestImage::at(&registry, &signed_path, digest)?,
-            unsigned: GuestImage::at(&registry, &unsigned_path, unsigned_digest)?,
-            wrongly_signed: GuestImage::at(&registry, &other_path, other_digest)?,
+            signed: GuestImage::at(registry, &signed, digest)?,
+            unsigned: GuestImage::at(registry, &unsigned, unsigned_digest)?,
+            wrongly_signed: GuestImage::at(registry, &other_signed, other_digest)?,
+            made,
         })
     }
 
-    /// Removes the module (once the hub let it go), its Secrets and its ConfigMap.
     async fn clean_up(self, fleet: &Fleet) -> Result<()> {
-        let hub = &fleet.hub;
-        support::label_cluster(hub, &self.cluster, &self.module, false).await?;
-        support::delete(hub, &self.module).await?;
-        let secrets: Api<Secret> = Api::namespaced(hub.clone(), HUB_NAMESPACE);
-        for name in [
-            format!("{}-key", self.module),
-            format!("{}-cert", self.module),
-        ] {
-            secrets.delete(&name, &DeleteParams::default()).await?;
-        }
-        Api::<ConfigMap>::namespaced(hub.clone(), HUB_NAMESPACE)
-            .delete(&format!("{}-build", self.module), &DeleteParams::default())
-            .await?;
-        Ok(())
+        self.made.clean_up(fleet).await
     }
-}
-
-/// The Dockerfile the hub builds boot 3's image from: the sample modules compiled
-/// against the kernel's headers in the builder base at `base`, with the firmware file
-/// the agent is asked to install, laid out as the sample image.
-fn build_dockerfile(base: &str) -> String {
-    let sources = kmod_builder::SAMPLE_SOURCES;
-    let modules = "/image/opt/lib/modules/${KERNEL_FULL_VERSION}";
-    let firmware = format!("/image{FIRMWARE_PATH}/{FIRMWARE_FILE}");
-    format!(
-        "FROM {base} AS build\n\
-         ARG KERNEL_FULL_VERSION\n\
-         RUN make -C /usr/src/linux-headers-${{KERNEL_FULL_VERSION}} M={sources} modules\n\
-         RUN mkdir -p {modules}/extra \"$(dirname {firmware})\" \\\n  \
-             && cp {sources}/{DEPENDENCY}.ko {sources}/{MODULE}.ko {modules}/extra/ \\\n  \
-             && depmod -b /image/opt ${{KERNEL_FULL_VERSION}} \\\n  \
-             && printf 'kmm_hello firmware for %s\\n' ${{KERNEL_FULL_VERSION}} > {firmware}\n\
-         FROM scratch\n\
-         COPY --from=build /image /\n"
-    )
 }
 
 /// With the test key in UEFI db and signatures enforced, the kernel refuses the unsigned

@@ -8,12 +8,17 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Secret};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kmm_api::ManagedClusterModule;
 use kmm_api::labels::{ready_label, version_ready_label};
 use kmm_e2e::fixture::{Fleet, wait_until};
 use kmm_e2e::fleet::kmm::{self as fleet_kmm, Agent, Kmm};
 use kmm_e2e::fleet::{Settings, managed_clusters};
+use kmm_e2e::guest::firmware_image::{FIRMWARE_FILE, FIRMWARE_PATH};
+use kmm_e2e::guest::module_signing::TestKey;
+use kmm_e2e::images::kmod_builder;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::{Value, json};
@@ -265,4 +270,175 @@ pub async fn agent_attempts(fleet: &Fleet, agent: &Agent, what: &str) -> Result<
 
 pub fn settings() -> Result<Settings> {
     Ok(Settings::from_env()?)
+}
+
+/// The installed hub's namespace: build ConfigMaps and signing key Secrets go there.
+pub const HUB_NAMESPACE: &str = "kmm-hub";
+
+/// A ManagedClusterModule that has the installed kmm-hub build the sample modules for
+/// one kernel (a Job from the builder base with the kernel's headers,
+/// `kmm_e2e::images::kmod_builder`) and sign them with a test key, on a spoke with a
+/// node on that kernel; with its ConfigMap and key Secrets. The image is named after the
+/// module, itself named after the key: a run never finds an earlier run's image.
+pub struct HubBuildSign {
+    pub module: String,
+    pub cluster: String,
+    pub kernel: String,
+    /// The signed image as nodes pull it, its variable resolved.
+    pub image: String,
+}
+
+impl HubBuildSign {
+    /// Creates everything; the hub starts at once.
+    pub async fn create(fleet: &Fleet, kernel: &str, key: &TestKey) -> Result<Self> {
+        let (registry, node_registry) = (&fleet.state.registry, &fleet.state.node_registry);
+        let (owned_kernel, pushed) = (kernel.to_owned(), registry.clone());
+        tokio::task::spawn_blocking(move || kmod_builder::ensure(&owned_kernel, Some(&pushed)))
+            .await?
+            .with_context(|| format!("the builder base for {kernel}"))?;
+        let cluster = fleet
+            .spoke_names()
+            .into_iter()
+            .find(|s| {
+                fleet
+                    .state
+                    .cluster(s)
+                    .is_ok_and(|c| c.nodes.iter().any(|n| n.kernel == kernel))
+            })
+            .with_context(|| format!("a spoke with a node on {kernel}"))?;
+        let module = format!("built-{}", &key.key_id[..12]);
+        let image = format!("{node_registry}/kmm-e2e/{module}:${{KERNEL_FULL_VERSION}}");
+        let hub = &fleet.hub;
+        let secrets: Api<Secret> = Api::namespaced(hub.clone(), HUB_NAMESPACE);
+        for (name, field, path) in [
+            (format!("{module}-key"), "key", &key.key),
+            (format!("{module}-cert"), "cert", &key.cert),
+        ] {
+            let secret = Secret {
+                metadata: ObjectMeta {
+                    name: Some(name),
+                    ..ObjectMeta::default()
+                },
+                data: Some([(field.to_owned(), ByteString(std::fs::read(path)?))].into()),
+                ..Secret::default()
+            };
+            secrets.create(&PostParams::default(), &secret).await?;
+        }
+        let base = format!("{node_registry}/{}", kmod_builder::repository(kernel));
+        let config_map = ConfigMap {
+            metadata: ObjectMeta {
+                name: Some(format!("{module}-build")),
+                ..ObjectMeta::default()
+            },
+            data: Some([("dockerfile".to_owned(), sample_dockerfile(&base))].into()),
+            ..ConfigMap::default()
+        };
+        Api::<ConfigMap>::namespaced(hub.clone(), HUB_NAMESPACE)
+            .create(&PostParams::default(), &config_map)
+            .await?;
+        let extra = "/opt/lib/modules/${KERNEL_FULL_VERSION}/extra";
+        let mapping = json!([{
+            "literal": kernel,
+            "containerImage": image,
+            "build": {
+                "dockerfileConfigMap": {"name": format!("{module}-build")},
+                "baseImageRegistryTLS": {"insecure": true},
+            },
+            "sign": {
+                "keySecret": {"name": format!("{module}-key")},
+                "certSecret": {"name": format!("{module}-cert")},
+                "unsignedImageRegistryTLS": {"insecure": true},
+                "filesToSign": [
+                    format!("{extra}/kmm_hello_dep.ko"),
+                    format!("{extra}/kmm_hello.ko"),
+                ],
+            },
+        }]);
+        let mut spec = self::module(&module, &module, mapping)?;
+        spec.spec.module_spec.selector =
+            [("kubernetes.io/os".to_owned(), "linux".to_owned())].into();
+        create(hub, &spec).await?;
+        label_cluster(hub, &cluster, &module, true).await?;
+        Ok(Self {
+            image: image.replace("${KERNEL_FULL_VERSION}", kernel),
+            module,
+            cluster,
+            kernel: kernel.to_owned(),
+        })
+    }
+
+    /// The image's state in status and its digest, once status lists it.
+    pub async fn state(&self, fleet: &Fleet) -> Result<Option<(String, Option<String>)>> {
+        let status = status(&fleet.hub, &self.module).await?;
+        let entry = status["images"].as_array().and_then(|i| {
+            i.iter()
+                .find(|i| i["image"] == self.image.as_str())
+                .cloned()
+        });
+        Ok(entry.map(|e| {
+            let text = |field: &str| e[field].as_str().map(str::to_owned);
+            (text("state").unwrap_or_default(), text("digest"))
+        }))
+    }
+
+    /// Waits until the hub pinned the signed image; its digest. Fails at once when the
+    /// hub gives up.
+    pub async fn pinned(&self, fleet: &Fleet, timeout: Duration) -> Result<String> {
+        Ok(wait_until(
+            "the hub's built and signed image pinned",
+            timeout,
+            || async {
+                match self.state(fleet).await.map_err(|e| e.to_string())? {
+                    Some((state, Some(digest))) if state == "Exists" => Ok(digest),
+                    Some((state, _)) if state == "Failed" || state == "NotFound" => Err(format!(
+                        "the hub gave up: {}",
+                        status(&fleet.hub, &self.module)
+                            .await
+                            .map_err(|e| e.to_string())?
+                    )),
+                    other => Err(format!("{other:?}")),
+                }
+            },
+        )
+        .await?)
+    }
+
+    /// Removes the module (once the hub let it go), its Secrets and its ConfigMap.
+    pub async fn clean_up(self, fleet: &Fleet) -> Result<()> {
+        let hub = &fleet.hub;
+        label_cluster(hub, &self.cluster, &self.module, false).await?;
+        delete(hub, &self.module).await?;
+        let secrets: Api<Secret> = Api::namespaced(hub.clone(), HUB_NAMESPACE);
+        for name in [
+            format!("{}-key", self.module),
+            format!("{}-cert", self.module),
+        ] {
+            secrets.delete(&name, &DeleteParams::default()).await?;
+        }
+        Api::<ConfigMap>::namespaced(hub.clone(), HUB_NAMESPACE)
+            .delete(&format!("{}-build", self.module), &DeleteParams::default())
+            .await?;
+        Ok(())
+    }
+}
+
+/// A Dockerfile for the sample modules compiled against the kernel's headers in the
+/// builder base `base`, laid out as the sample image with firmware
+/// (`kmm_e2e::guest::firmware_image`): the modules under `/opt/lib/modules/<kernel>`
+/// with their `modules.dep`, the firmware file under `/firmware`.
+fn sample_dockerfile(base: &str) -> String {
+    let sources = kmod_builder::SAMPLE_SOURCES;
+    let modules = "/image/opt/lib/modules/${KERNEL_FULL_VERSION}";
+    let firmware = format!("/image{FIRMWARE_PATH}/{FIRMWARE_FILE}");
+    format!(
+        "FROM {base} AS build\n\
+         ARG KERNEL_FULL_VERSION\n\
+         RUN make -C /usr/src/linux-headers-${{KERNEL_FULL_VERSION}} M={sources} modules\n\
+         RUN mkdir -p {modules}/extra \"$(dirname {firmware})\" \\\n  \
+             && cp {sources}/kmm_hello_dep.ko {sources}/kmm_hello.ko {modules}/extra/ \\\n  \
+             && depmod -b /image/opt ${{KERNEL_FULL_VERSION}} \\\n  \
+             && printf 'kmm_hello firmware for %s\\n' ${{KERNEL_FULL_VERSION}} > {firmware}\n\
+         FROM scratch\n\
+         COPY --from=build /image /\n"
+    )
 }
