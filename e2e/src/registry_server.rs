@@ -184,7 +184,8 @@ impl RegistryServer {
         }
     }
 
-    fn client(&self) -> Client {
+    /// A client for this registry: its protocol, and its certificate accepted.
+    pub fn client(&self) -> Client {
         Client::new(ClientConfig {
             protocol: if self.tls {
                 ClientProtocol::Https
@@ -196,7 +197,8 @@ impl RegistryServer {
         })
     }
 
-    fn auth(&self) -> RegistryAuth {
+    /// The credentials this registry lets in.
+    pub fn auth(&self) -> RegistryAuth {
         match &self.user {
             Some((user, password)) => RegistryAuth::Basic(user.clone(), password.clone()),
             None => RegistryAuth::Anonymous,

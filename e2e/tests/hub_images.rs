@@ -22,8 +22,6 @@ use kube::{Api, ResourceExt};
 use serde_json::Value;
 use support::*;
 
-/// The hub's namespace, where the example's ConfigMap and key Secrets go.
-const HUB_NAMESPACE: &str = "kmm-hub";
 /// A build (~1 min on the fleet) then a signing.
 const BUILD_WAIT: Duration = Duration::from_secs(420);
 
@@ -155,16 +153,7 @@ async fn the_build_and_sign_example_converges_with_modules_the_hub_built_and_sig
     let fleet = Fleet::get().await?;
     let kmm = kmm(&fleet)?;
     let kernel = Versions::pinned().kernels.without_image;
-    let spoke = fleet
-        .spoke_names()
-        .into_iter()
-        .find(|s| {
-            fleet
-                .state
-                .cluster(s)
-                .is_ok_and(|c| c.nodes.iter().any(|n| n.kernel == kernel))
-        })
-        .context("a spoke with a node on the kernel without a sample image")?;
+    let spoke = spoke_with_kernel(&fleet, &kernel)?;
     let example = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../docs/examples/local-fleet-build-sign.yaml"

@@ -272,6 +272,20 @@ pub fn settings() -> Result<Settings> {
     Ok(Settings::from_env()?)
 }
 
+/// A spoke with a node (KWOK or real) on `kernel`.
+pub fn spoke_with_kernel(fleet: &Fleet, kernel: &str) -> Result<String> {
+    fleet
+        .spoke_names()
+        .into_iter()
+        .find(|s| {
+            fleet
+                .state
+                .cluster(s)
+                .is_ok_and(|c| c.nodes.iter().any(|n| n.kernel == kernel))
+        })
+        .with_context(|| format!("a spoke with a node on {kernel}"))
+}
+
 /// The installed hub's namespace: build ConfigMaps and signing key Secrets go there.
 pub const HUB_NAMESPACE: &str = "kmm-hub";
 
@@ -296,16 +310,7 @@ impl HubBuildSign {
         tokio::task::spawn_blocking(move || kmod_builder::ensure(&owned_kernel, Some(&pushed)))
             .await?
             .with_context(|| format!("the builder base for {kernel}"))?;
-        let cluster = fleet
-            .spoke_names()
-            .into_iter()
-            .find(|s| {
-                fleet
-                    .state
-                    .cluster(s)
-                    .is_ok_and(|c| c.nodes.iter().any(|n| n.kernel == kernel))
-            })
-            .with_context(|| format!("a spoke with a node on {kernel}"))?;
+        let cluster = spoke_with_kernel(fleet, kernel)?;
         let module = format!("built-{}", &key.key_id[..12]);
         let image = format!("{node_registry}/kmm-e2e/{module}:${{KERNEL_FULL_VERSION}}");
         let hub = &fleet.hub;

@@ -12,7 +12,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use kmm_e2e::registry_server::RegistryServer;
-use oci_client::client::{ClientConfig, ClientProtocol, Config, ImageLayer};
+use oci_client::client::{Config, ImageLayer};
 use oci_client::manifest::{IMAGE_CONFIG_MEDIA_TYPE, OciImageManifest};
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference};
@@ -298,22 +298,11 @@ impl Registry {
     }
 
     fn client(&self) -> Client {
-        Client::new(ClientConfig {
-            protocol: if self.tls {
-                ClientProtocol::Https
-            } else {
-                ClientProtocol::Http
-            },
-            accept_invalid_certificates: true,
-            ..Default::default()
-        })
+        self.server.client()
     }
 
     fn auth(&self) -> RegistryAuth {
-        match &self.user {
-            Some((u, p)) => RegistryAuth::Basic(u.clone(), p.clone()),
-            None => RegistryAuth::Anonymous,
-        }
+        self.server.auth()
     }
 
     /// `<addr>/<name>`
