@@ -181,9 +181,9 @@ impl Network {
         ])
     }
 
-    /// Remove every network namespace of this fleet (their veths go with them) and the
-    /// bridge (the routes via it go with it). Finds them by name, so it also cleans up
-    /// after a fleet whose state is lost.
+    /// Remove every network namespace of this fleet, the veths to them and the bridge
+    /// (the routes via it go with it). Finds them by name, so it also cleans up after a
+    /// fleet whose state is lost.
     pub fn remove(&self) -> Result<()> {
         let owned = format!("{}-", self.prefix);
         if let Ok(entries) = std::fs::read_dir(NETNS_DIR) {
@@ -191,6 +191,21 @@ impl Network {
                 let name = entry.file_name().to_string_lossy().into_owned();
                 if name.starts_with(&owned) {
                     ip(&["netns", "delete", &name])?;
+                }
+            }
+        }
+        // A deleted namespace takes its veths with it only when the kernel gets round to
+        // destroying it, after `down` has returned: delete the host ends now (each takes
+        // its peer). One the kernel removes meanwhile is as good as deleted.
+        let veths = format!("{}v", self.prefix);
+        if let Ok(entries) = std::fs::read_dir("/sys/class/net") {
+            for entry in entries.flatten() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if name.starts_with(&veths)
+                    && let Err(error) = ip(&["link", "delete", &name])
+                    && link_exists(&name)
+                {
+                    return Err(error);
                 }
             }
         }
