@@ -12,7 +12,7 @@ pub fn run(root: &Path, check: bool) -> anyhow::Result<()> {
             fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
         if committed != generated {
             bail!(
-                "{} is out of date with the Rust types in hub/api; run `cargo xtask crdgen`",
+                "{} is out of date with the Rust types in api/; run `cargo xtask crdgen`",
                 path.display()
             );
         }

@@ -16,7 +16,7 @@ fn committed_crd_matches_the_types() {
     let committed = std::fs::read_to_string(&path).expect("the CRD is committed");
     assert!(
         committed == managed_cluster_module_crd_yaml(),
-        "{} drifted from hub/api; run `cargo xtask crdgen` and commit the result",
+        "{} drifted from api/; run `cargo xtask crdgen` and commit the result",
         path.display()
     );
 }
