@@ -303,6 +303,19 @@ fn staging_replace_block(upstream_go_mod: &str, published: &str) -> String {
     block
 }
 
+/// The directory of a module in the Go module cache, downloading it if needed.
+pub(crate) fn go_module_dir(module_at_version: &str) -> Result<PathBuf> {
+    std::fs::create_dir_all(cache_dir())
+        .context(|| format!("creating {}", cache_dir().display()))?;
+    let out = output(go(&cache_dir()).args(["mod", "download", "-json", module_at_version]))?;
+    let info: serde_json::Value = serde_json::from_slice(&out)
+        .map_err(|e| Error::Invalid(format!("go mod download {module_at_version}: {e}")))?;
+    info["Dir"]
+        .as_str()
+        .map(PathBuf::from)
+        .ok_or_else(|| Error::Invalid(format!("go mod download {module_at_version}: {info}")))
+}
+
 fn go(dir: &Path) -> Command {
     // Upstream builds saturate every core; stay polite to whatever else runs.
     let mut cmd = Command::new("nice");

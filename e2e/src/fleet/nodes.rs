@@ -31,8 +31,7 @@ use serde_json::{Value, json};
 
 use super::network::{NodeAddress, POD_RANGE, netns_path};
 use super::{
-    APISERVER, ControlPlane, Credentials, Starting, http_get_plain, node_ready, wait_for,
-    write_kubeconfig,
+    APISERVER, ControlPlane, Credentials, Starting, http_get_plain, wait_for, write_kubeconfig,
 };
 use crate::process::run;
 use crate::process::{Confinement, Tracked};
@@ -751,6 +750,14 @@ pub(super) fn remove_cgroups(prefix: &str) -> Result<()> {
         cgroup::remove(&root, SWEEP_GRACE)?;
     }
     Ok(())
+}
+
+/// Whether the kubelet (or KWOK) reports the node Ready.
+pub fn node_ready(node: &Node) -> bool {
+    node.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
 #[cfg(test)]

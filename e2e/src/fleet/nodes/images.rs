@@ -20,8 +20,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
-use super::super::go_module_dir;
 use crate::process::run;
+use crate::toolchain::go_module_dir;
 use crate::{Error, IoContext, Result, cache_dir};
 
 /// The probe's sources (standard library only).
