@@ -1,30 +1,19 @@
 //! `kmm-node-agent`: the one kmm-fleet pod on every node.
 
+mod check_command;
+mod run_command;
+mod standalone;
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
-use std::time::Duration;
 
-use anyhow::Context;
 use clap::builder::NonEmptyStringValueParser;
 use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
-use kmm_node_agent::agent::{self, LoopTiming};
-use kmm_node_agent::check_image::{self, CheckOptions, EXIT_CODES};
-use kmm_node_agent::control::{self, EventReceiver, IntentSender};
-use kmm_node_agent::desired::{DesiredSnapshot, PullSecret, RegistryTls};
-use kmm_node_agent::image::cache::Cache;
-use kmm_node_agent::image::{ImageStore, Limits};
-use kmm_node_agent::kernel::{HostKernel, Kernel, SimulatedKernel};
-use kmm_node_agent::metrics::Metrics;
-use kmm_node_agent::proxy_connection::{self, ProxyConfig, ProxyConnection};
-use kmm_node_agent::readiness;
-use kmm_node_agent::reconcile::Reconciler;
-use kmm_node_agent::state::StateStore;
+use kmm_node_agent::check_image::EXIT_CODES;
+use kmm_node_agent::image::Limits;
+use kmm_node_agent::proxy_connection;
 use kmm_runtime::cli::LoggingArgs;
-use kmm_runtime::health::Health;
-use prometheus_client::registry::Registry;
-use tokio::sync::{mpsc, watch};
 
 /// The kmm-fleet agent that runs once on every node (one DaemonSet pod).
 ///
@@ -222,252 +211,19 @@ fn main() -> ExitCode {
         }
     };
     let code = match cli.command {
-        Command::Run(args) => match runtime.block_on(run(args)) {
+        Command::Run(args) => match runtime.block_on(run_command::run(args)) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 tracing::error!(error = format!("{e:#}"), "agent failed");
                 ExitCode::FAILURE
             }
         },
-        Command::CheckImage(args) => runtime.block_on(check(args)),
+        Command::CheckImage(args) => runtime.block_on(check_command::run(args)),
     };
     // Blocking work still running (a modprobe) is not waited for: state is saved
     // atomically after each step, so exiting now is safe.
     runtime.shutdown_background();
     code
-}
-
-async fn run(args: RunArgs) -> anyhow::Result<()> {
-    let kernel: Arc<dyn Kernel> = match args.kernel_backend {
-        Backend::Host => Arc::new(HostKernel::default()),
-        Backend::Simulated => {
-            let dir = args.simulated_dir.clone().context("--simulated-dir")?;
-            let release = match args.simulated_kernel.clone() {
-                Some(release) => release,
-                None => SimulatedKernel::node_release(&dir)
-                    .context("without --simulated-kernel, reading the node's release")?,
-            };
-            Arc::new(SimulatedKernel::open(dir, release).context("opening the simulated kernel")?)
-        }
-    };
-    let cache = Cache::open(&args.cache_dir).context("opening the image cache")?;
-    let images = ImageStore::new(cache, args.limits.limits());
-    let reconciler = Reconciler::new(
-        kernel,
-        images,
-        StateStore::new(&args.state_dir),
-        args.firmware_dir.clone(),
-    )
-    .context("loading the agent state")?;
-    let hello = reconciler.hello(&args.node_name);
-    tracing::info!(
-        node = %hello.node_name,
-        kernel = %hello.kernel_release,
-        boot_id = %hello.boot_id,
-        backend = reconciler.kernel().backend(),
-        loaded = hello.loaded.len(),
-        "agent started"
-    );
-
-    let mut registry = Registry::default();
-    let metrics = Metrics::register(&mut registry);
-    let health = Health::default();
-    let listener = tokio::net::TcpListener::bind(args.metrics_addr)
-        .await
-        .with_context(|| format!("cannot listen on --metrics-addr {}", args.metrics_addr))?;
-    tokio::spawn(kmm_runtime::health::serve_on(
-        listener,
-        registry,
-        health.clone(),
-        std::future::pending(),
-    ));
-
-    let progress = reconciler.progress();
-    let ((intent_tx, intent_rx), (event_tx, event_rx)) = control::channels();
-    let events = observed(event_rx, metrics.clone());
-    let (control, connected) = match (&args.proxy_address, &args.desired_file) {
-        (Some(address), _) => {
-            let (connected_tx, connected_rx) = watch::channel(false);
-            let connection = ProxyConnection {
-                config: ProxyConfig {
-                    server_name: args.proxy_server_name.clone(),
-                    ..ProxyConfig::new(
-                        address.clone(),
-                        args.proxy_ca_file.clone().context("--proxy-ca-file")?,
-                        args.token_file.clone().context("--token-file")?,
-                    )
-                },
-                hello,
-                agent_version: env!("CARGO_PKG_VERSION").into(),
-                progress: progress.clone(),
-                intents: intent_tx,
-                events,
-                connected: connected_tx,
-            };
-            (tokio::spawn(connection.run()), Some(connected_rx))
-        }
-        (None, Some(file)) => {
-            println!("{}", serde_json::json!({ "hello": hello }));
-            let poll = Duration::from_millis(args.desired_poll_ms);
-            let task = tokio::spawn(standalone(file.clone(), poll, intent_tx, events));
-            (task, None)
-        }
-        (None, None) => anyhow::bail!("one of --proxy-address or --desired-file is required"),
-    };
-    let readiness = tokio::spawn(readiness::track(progress, connected, health, metrics));
-    let timing = LoopTiming {
-        retry_initial: Duration::from_secs(args.retry_seconds.max(1)),
-        ..LoopTiming::default()
-    };
-    tokio::select! {
-        () = agent::run(reconciler, intent_rx, event_tx, timing) => {}
-        () = kmm_runtime::shutdown::signal() => tracing::info!("exiting without unloading anything"),
-    }
-    control.abort();
-    readiness.abort();
-    Ok(())
-}
-
-/// Counts every event in the metrics on its way to the control plane, connected or not.
-fn observed(mut events: EventReceiver, metrics: Metrics) -> EventReceiver {
-    let (tx, rx) = mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        while let Some(event) = events.recv().await {
-            metrics.observe(&event);
-            if tx.send(event).is_err() {
-                break;
-            }
-        }
-    });
-    rx
-}
-
-/// `--desired-file` mode: snapshots from the file, events as JSON lines on stdout.
-async fn standalone(
-    path: PathBuf,
-    poll: Duration,
-    intents: IntentSender,
-    mut events: EventReceiver,
-) {
-    let printer = async move {
-        while let Some(event) = events.recv().await {
-            println!("{}", serde_json::json!({ "event": event }));
-        }
-    };
-    tokio::join!(printer, watch_desired_file(path, poll, intents));
-}
-
-/// Feeds the desired-module snapshots from a JSON file, re-read when it changes.
-async fn watch_desired_file(path: PathBuf, every: Duration, intents: IntentSender) {
-    let mut last: Option<Vec<u8>> = None;
-    loop {
-        match tokio::fs::read(&path).await {
-            Ok(bytes) if last.as_deref() != Some(&bytes[..]) => {
-                match DesiredSnapshot::from_json(&bytes) {
-                    Ok(desired) => {
-                        tracing::info!(
-                            revision = desired.revision,
-                            modules = desired.modules.len(),
-                            unload = desired.unload.len(),
-                            "new desired modules"
-                        );
-                        let _ = intents.send(Some(desired));
-                    }
-                    Err(e) => {
-                        tracing::warn!(path = %path.display(), error = %e, "invalid desired-modules file")
-                    }
-                }
-                last = Some(bytes);
-            }
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => {
-                tracing::warn!(path = %path.display(), error = %e, "cannot read the desired-modules file")
-            }
-        }
-        tokio::time::sleep(every).await;
-    }
-}
-
-async fn check(args: CheckArgs) -> ExitCode {
-    let secret = match &args.registry_config {
-        Some(path) => match std::fs::read_to_string(path) {
-            Ok(text) => Some(PullSecret::DockerConfigJson(text)),
-            Err(e) => {
-                eprintln!("cannot read {}: {e}", path.display());
-                return ExitCode::FAILURE;
-            }
-        },
-        None => None,
-    };
-    let temp;
-    let cache_dir = match &args.cache_dir {
-        Some(dir) => dir.clone(),
-        None => match tempfile_dir() {
-            Ok(dir) => {
-                temp = dir;
-                temp.0.clone()
-            }
-            Err(e) => {
-                eprintln!("cannot create a temporary directory: {e}");
-                return ExitCode::FAILURE;
-            }
-        },
-    };
-    let options = CheckOptions {
-        image: args.image.clone(),
-        kernel: args.kernel.clone(),
-        module: args.module.clone(),
-        dir_name: args.dir_name.clone(),
-        firmware_path: args.firmware_path.clone(),
-        tls: RegistryTls {
-            insecure: args.insecure,
-            insecure_skip_tls_verify: args.insecure_skip_tls_verify,
-        },
-        secret,
-        require_signature: args.require_signature,
-        cache_dir,
-        limits: args.limits.limits(),
-    };
-    match check_image::check_image(&options).await {
-        Ok(report) => {
-            println!(
-                "OK: {} ({}) loads on kernel {}",
-                args.image, report.digest, args.kernel
-            );
-            for module in &report.modules {
-                let signer = module.signer.as_deref().unwrap_or("unsigned");
-                println!("  {} ({signer})", module.name);
-            }
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            println!("FAIL: {e}");
-            ExitCode::from(e.exit_code())
-        }
-    }
-}
-
-/// A temporary directory removed on drop.
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn tempfile_dir() -> std::io::Result<TempDir> {
-    let base = std::env::temp_dir();
-    for n in 0..1000u32 {
-        let dir = base.join(format!("kmm-check-image-{}-{n}", std::process::id()));
-        match std::fs::create_dir(&dir) {
-            Ok(()) => return Ok(TempDir(dir)),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
-            Err(e) => return Err(e),
-        }
-    }
-    Err(std::io::Error::other("no free temporary directory name"))
 }
 
 #[cfg(test)]

@@ -1,6 +1,21 @@
 //! Graceful shutdown: Kubernetes stops a pod with SIGTERM, a terminal with SIGINT.
+//!
+//! Every binary stops the same way: one [`CancellationToken`] from [`on_signal`], which
+//! each task (and each test, cancelling it itself) watches.
 
 use tokio::signal::unix::{SignalKind, signal as unix_signal};
+use tokio_util::sync::CancellationToken;
+
+/// A token cancelled on the first SIGTERM or SIGINT. Must be called inside a runtime.
+pub fn on_signal() -> CancellationToken {
+    let token = CancellationToken::new();
+    let cancel = token.clone();
+    tokio::spawn(async move {
+        signal().await;
+        cancel.cancel();
+    });
+    token
+}
 
 /// Resolves on the first SIGTERM or SIGINT. If the handlers cannot be installed (which
 /// only happens when the process is out of resources), it resolves at once so the
