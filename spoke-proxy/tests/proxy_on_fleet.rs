@@ -93,6 +93,83 @@ fn is(
         && status.state == state as i32
 }
 
+/// A module on another node whose ready label proves how far the proxy's label writer
+/// got. The writer takes every node changed before a pass and patches them in name
+/// order, so once the witness's label flips, the labels of any node named before the
+/// witness's show every change made before the flip: a check that a label is absent is
+/// then meaningful, not merely early.
+struct Witness {
+    agent: AgentConn,
+    index: usize,
+    label: String,
+    revision: u64,
+    loaded: bool,
+}
+
+impl Witness {
+    const MODULE: &str = "witness";
+
+    /// The witness's intent, to be part of every snapshot the test sends.
+    fn intent(spoke: &Spoke, index: usize) -> ModuleIntent {
+        intent_for_node(spoke, Self::MODULE, index)
+    }
+
+    /// Attaches the witness node's agent; its intent must have been sent already.
+    async fn attach(spoke: &Spoke, proxy: &ProxyProcess, ca: &str, index: usize) -> Result<Self> {
+        ensure!(
+            spoke.node_name(index) > spoke.node_name(0),
+            "the witness must sort after the node it watches"
+        );
+        let mut agent = AgentConn::attach(
+            proxy.agent_addr,
+            ca,
+            Some(&spoke.agent_token(index).await?),
+            hello(spoke.node_name(index)),
+        )
+        .await?;
+        let desired = agent.next_desired().await?;
+        ensure!(
+            desired
+                .modules
+                .iter()
+                .any(|m| m.key.as_ref().is_some_and(|k| k.name == Self::MODULE)),
+            "{desired:?}"
+        );
+        Ok(Self {
+            agent,
+            index,
+            label: format!(
+                "kmm.node.kubernetes.io/{}.{}.ready",
+                spoke.namespace,
+                Self::MODULE
+            ),
+            revision: desired.revision,
+            loaded: false,
+        })
+    }
+
+    /// Flips the witness's label (a successful load, then a failed one, ...) and waits
+    /// until the node shows it.
+    async fn catch_up(&mut self, spoke: &Spoke) -> Result<()> {
+        let mut report = event(spoke, Self::MODULE, Action::Load, self.revision);
+        if self.loaded {
+            report.outcome = Outcome::Failed.into();
+            report.error = "the witness fails on purpose".into();
+        }
+        self.agent.send(report).await?;
+        self.loaded = !self.loaded;
+        let (index, label, loaded) = (self.index, &self.label, self.loaded);
+        wait_until("the witness's label to flip", WAIT, || async move {
+            let labels = spoke.node_labels(index).await.map_err(|e| e.to_string())?;
+            (labels.contains_key(label) == loaded)
+                .then_some(())
+                .ok_or(format!("{labels:?}"))
+        })
+        .await?;
+        Ok(())
+    }
+}
+
 struct Started {
     spoke: Spoke,
     pki: HubPki,
@@ -317,7 +394,13 @@ async fn labels_on_proof_hub_loss_changes_nothing_unload_removes_labels() -> Res
     );
 
     let mut stream = hub.next_stream().await?;
-    stream.send(snapshot(1, vec![intent_for_node(&spoke, "hello", 0)]))?;
+    stream.send(snapshot(
+        1,
+        vec![
+            intent_for_node(&spoke, "hello", 0),
+            Witness::intent(&spoke, 1),
+        ],
+    ))?;
     let mut agent = AgentConn::attach(
         proxy.agent_addr,
         &ca,
@@ -333,6 +416,8 @@ async fn labels_on_proof_hub_loss_changes_nothing_unload_removes_labels() -> Res
     stream
         .wait_status("PENDING", |s| is(s, "hello", &node, ModuleState::Pending))
         .await?;
+    let mut witness = Witness::attach(&spoke, &proxy, &ca, 1).await?;
+    witness.catch_up(&spoke).await?;
     ensure!(
         !spoke.node_labels(0).await?.contains_key(&ready),
         "ready label before any proof"
@@ -389,7 +474,7 @@ async fn labels_on_proof_hub_loss_changes_nothing_unload_removes_labels() -> Res
     // Explicit unload: labels stay until the agent confirms, then go.
     let mut gone = intent_for_node(&spoke, "hello", 0);
     gone.unload = true;
-    stream.send(snapshot(2, vec![gone]))?;
+    stream.send(snapshot(2, vec![gone, Witness::intent(&spoke, 1)]))?;
     let desired = agent.next_desired().await?;
     ensure!(
         desired.modules.len() == 1 && desired.modules[0].unload,
@@ -399,6 +484,7 @@ async fn labels_on_proof_hub_loss_changes_nothing_unload_removes_labels() -> Res
         desired.modules[0].credential.is_none(),
         "an unload carries no credential"
     );
+    witness.catch_up(&spoke).await?;
     ensure!(
         spoke.node_labels(0).await?.contains_key(&ready),
         "labels removed before proof"
@@ -518,7 +604,7 @@ async fn deselected_node_gets_an_explicit_unload_and_a_newer_stream_wins() -> Re
     let mut intent = intent_for_node(&spoke, "hello", 0);
     intent.node_selector = [(selector.clone(), "yes".to_string())].into();
     let mut stream = hub.next_stream().await?;
-    stream.send(snapshot(1, vec![intent]))?;
+    stream.send(snapshot(1, vec![intent, Witness::intent(&spoke, 2)]))?;
 
     let mut agent = AgentConn::attach(
         proxy.agent_addr,
@@ -576,15 +662,17 @@ async fn deselected_node_gets_an_explicit_unload_and_a_newer_stream_wins() -> Re
     let nothing = bystander.next_desired().await?;
     ensure!(nothing.modules.is_empty(), "{nothing:?}");
 
+    let mut witness = Witness::attach(&spoke, &proxy, &ca, 2).await?;
     spoke.set_node_label(0, &selector, None).await?;
     let desired = agent.next_desired().await?;
     ensure!(
         desired.modules.len() == 1 && desired.modules[0].unload,
         "{desired:?}"
     );
+    witness.catch_up(&spoke).await?;
     ensure!(
         spoke.node_labels(0).await?.contains_key(&ready),
-        "labels before proof"
+        "labels removed before proof"
     );
     agent
         .send(event(&spoke, "hello", Action::Unload, desired.revision))
@@ -600,7 +688,7 @@ async fn deselected_node_gets_an_explicit_unload_and_a_newer_stream_wins() -> Re
     })
     .await?;
 
-    drop((agent, bystander));
+    drop((agent, bystander, witness));
     proxy.stop().await?;
     spoke.cleanup().await
 }
