@@ -1,9 +1,10 @@
-//! A registry of a test's own: Debian's `docker-registry` on a free loopback port with
+//! A registry of a test's own: Debian's `docker-registry` on a free port (of loopback,
+//! or of the fleet's bridge for the nodes to pull from) with
 //! its own storage, plain HTTP or HTTPS with a self-signed certificate, optionally behind
 //! htpasswd authentication. For what the fleet's shared registry cannot show: TLS
 //! verification, credentials, a registry that loses or moves an image.
 
-use std::net::{TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::path::Path;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
@@ -25,13 +26,15 @@ use sha2::{Digest, Sha256};
 
 use crate::{Error, IoContext, Result, kmod};
 
+const LOOPBACK: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
+
 /// How long the registry gets to listen.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A running registry; stopped (by its PID) and its storage removed on drop.
 #[derive(Debug)]
 pub struct RegistryServer {
-    /// `127.0.0.1:<port>`
+    /// `<ip>:<port>`: loopback unless started with [`RegistryServer::plain_with_auth_on`].
     pub address: String,
     /// HTTPS with a certificate for 127.0.0.1 that no one trusts.
     pub tls: bool,
@@ -45,25 +48,31 @@ pub struct RegistryServer {
 impl RegistryServer {
     /// Plain HTTP, anyone may pull and push.
     pub fn plain() -> Result<Self> {
-        Self::start(false, None)
+        Self::start(LOOPBACK, false, None)
     }
 
     /// HTTPS with a self-signed certificate, and only `user` with `password` may pull
     /// or push.
     pub fn tls_with_auth(user: &str, password: &str) -> Result<Self> {
-        Self::start(true, Some((user.to_owned(), password.to_owned())))
+        Self::start(LOOPBACK, true, Some((user.to_owned(), password.to_owned())))
     }
 
-    fn start(tls: bool, user: Option<(String, String)>) -> Result<Self> {
+    /// Plain HTTP on `ip` (the fleet's bridge, which its nodes and Pods reach), and only
+    /// `user` with `password` may pull or push.
+    pub fn plain_with_auth_on(ip: IpAddr, user: &str, password: &str) -> Result<Self> {
+        Self::start(ip, false, Some((user.to_owned(), password.to_owned())))
+    }
+
+    fn start(ip: IpAddr, tls: bool, user: Option<(String, String)>) -> Result<Self> {
         let dir = tempfile::Builder::new()
             .prefix("kmm-registry-server-")
             .tempdir()
             .context(|| "creating the registry's directory".into())?;
-        let port = TcpListener::bind("127.0.0.1:0")
+        let port = TcpListener::bind((ip, 0))
             .and_then(|l| l.local_addr())
-            .context(|| "finding a free loopback port".into())?
+            .context(|| format!("finding a free port on {ip}"))?
             .port();
-        let address = format!("127.0.0.1:{port}");
+        let address = SocketAddr::new(ip, port).to_string();
         let config = config(dir.path(), &address, tls, user.as_ref())?;
         let log = dir.path().join("registry.log");
         let output = std::fs::File::create(&log)
