@@ -1,11 +1,12 @@
 //! What every kmm-fleet binary shares at runtime: command-line conventions, logging,
 //! the `/metrics` `/healthz` `/readyz` endpoint, shutdown on SIGTERM, reconnect backoff,
-//! and the
-//! certificates the components issue to each other.
+//! the certificates the components issue to each other and the TLS servers that renew
+//! them while running.
 
 pub mod backoff;
 pub mod cli;
 pub mod health;
 pub mod logging;
 pub mod pki;
+pub mod serving;
 pub mod shutdown;
