@@ -1,25 +1,39 @@
 //! The proxy's own CA and serving certificate for node agents, kept in the Secret
 //! `kmm-spoke-proxy-tls`, and the CA published in the ConfigMap `kmm-agent-ca` that the
 //! agent DaemonSet mounts. The CA is created once and kept; the serving certificate is
-//! issued afresh from it at every start, so SAN changes and expiry are handled by a
-//! restart.
+//! issued from it at every start and again while running ([`keep_current`]): with a
+//! third of its lifetime left, and at once when the Secret's CA is replaced or the
+//! Secret deleted. Proxies starting together agree on one CA: whoever writes second
+//! reads the first one's and issues from it.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
+use futures::StreamExt as _;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kmm_runtime::pki::{CertificateAuthority, Leaf};
+use kmm_runtime::serving::{ServingCertificate, renew_at};
 use kube::api::{ObjectMeta, PostParams};
+use kube::runtime::WatchStreamExt as _;
+use kube::runtime::watcher::{self, Event};
 use kube::{Api, Client};
 use thiserror::Error;
+use time::OffsetDateTime;
+use tokio_util::sync::CancellationToken;
 use zeroize::Zeroizing;
 
 pub const SECRET_NAME: &str = "kmm-spoke-proxy-tls";
 pub const CONFIG_MAP_NAME: &str = "kmm-agent-ca";
 const CA_VALIDITY: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
-const SERVING_VALIDITY: Duration = Duration::from_secs(365 * 24 * 3600);
+/// The serving certificate's default lifetime.
+pub const SERVING_VALIDITY: Duration = Duration::from_secs(365 * 24 * 3600);
+/// How often [`ensure`] starts over when another writer got there first.
+const WRITE_ATTEMPTS: usize = 5;
+/// How long [`keep_current`] waits after a failed re-issue before the next try.
+const REISSUE_RETRY: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Error)]
 pub enum AgentTlsError {
@@ -40,6 +54,8 @@ pub enum AgentTlsError {
     },
     #[error("cannot issue the serving certificate: {0}")]
     Issue(#[source] kmm_runtime::pki::Error),
+    #[error("cannot serve the issued certificate: {0}")]
+    Serving(#[source] kmm_runtime::serving::ServingError),
 }
 
 /// The serving certificate and key for the agent-facing server.
@@ -47,6 +63,8 @@ pub struct ServingIdentity {
     pub ca_pem: String,
     pub cert_pem: String,
     pub key_pem: Zeroizing<String>,
+    pub not_before: OffsetDateTime,
+    pub not_after: OffsetDateTime,
 }
 
 impl std::fmt::Debug for ServingIdentity {
@@ -69,12 +87,42 @@ fn text(data: &BTreeMap<String, ByteString>, key: &str) -> Option<String> {
         .and_then(|b| String::from_utf8(b.0.clone()).ok())
 }
 
-/// Loads or creates the CA, issues a serving certificate for `sans`, stores both in the
-/// Secret and publishes the CA certificate in the ConfigMap.
+/// Loads or creates the CA, issues a serving certificate for `sans` valid for
+/// `validity`, stores both in the Secret and publishes the CA certificate in the
+/// ConfigMap. A write that loses to another proxy's (409) starts over from a fresh read.
 pub async fn ensure(
     client: &Client,
     namespace: &str,
     sans: &[String],
+    validity: Duration,
+) -> Result<ServingIdentity, AgentTlsError> {
+    let mut attempt = 1;
+    loop {
+        match ensure_once(client, namespace, sans, validity).await {
+            Err(AgentTlsError::Api {
+                source: kube::Error::Api(response),
+                verb,
+                kind,
+                ..
+            }) if response.code == 409 && attempt < WRITE_ATTEMPTS => {
+                tracing::info!(
+                    verb,
+                    kind,
+                    attempt,
+                    "another writer got there first; reading again"
+                );
+                attempt += 1;
+            }
+            other => return other,
+        }
+    }
+}
+
+async fn ensure_once(
+    client: &Client,
+    namespace: &str,
+    sans: &[String],
+    validity: Duration,
 ) -> Result<ServingIdentity, AgentTlsError> {
     let api_error = |verb, kind, name, source| AgentTlsError::Api {
         verb,
@@ -105,14 +153,8 @@ pub async fn ensure(
     let (ips, dns): (Vec<_>, Vec<_>) = sans.iter().partition(|s| s.parse::<IpAddr>().is_ok());
     let ips: Vec<IpAddr> = ips.iter().filter_map(|s| s.parse().ok()).collect();
     let dns: Vec<String> = dns.into_iter().cloned().collect();
-    let serving = ca
-        .issue(&Leaf::server(
-            "kmm-spoke-proxy",
-            &dns,
-            &ips,
-            SERVING_VALIDITY,
-        ))
-        .map_err(AgentTlsError::Issue)?;
+    let leaf = Leaf::server("kmm-spoke-proxy", &dns, &ips, validity);
+    let serving = ca.issue(&leaf).map_err(AgentTlsError::Issue)?;
 
     let data: BTreeMap<String, ByteString> = [
         ("ca.crt", ca.cert_pem().as_bytes().to_vec()),
@@ -156,7 +198,74 @@ pub async fn ensure(
         ca_pem: ca.cert_pem().to_owned(),
         cert_pem: serving.cert_pem,
         key_pem: serving.key_pem,
+        not_before: leaf.not_before,
+        not_after: leaf.not_after,
     })
+}
+
+/// Keeps `serving` (the agent server's certificate, issued as `identity`) current until
+/// `cancel`: re-issued with a third of its lifetime left, and at once when the Secret's
+/// CA changes or the Secret goes (a new CA is then made and published), so agents that
+/// trust the published CA keep connecting without a proxy restart.
+pub async fn keep_current(
+    client: Client,
+    namespace: String,
+    sans: Vec<String>,
+    validity: Duration,
+    serving: Arc<ServingCertificate>,
+    mut identity: ServingIdentity,
+    cancel: CancellationToken,
+) {
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &namespace);
+    let config = watcher::Config::default().fields(&format!("metadata.name={SECRET_NAME}"));
+    let mut events = watcher::watcher(secrets, config).default_backoff().boxed();
+    let mut retry_at: Option<tokio::time::Instant> = None;
+    loop {
+        let renew = retry_at
+            .unwrap_or_else(|| instant_of(renew_at(identity.not_before, identity.not_after)));
+        let why = tokio::select! {
+            () = cancel.cancelled() => return,
+            () = tokio::time::sleep_until(renew) => Some("renewal"),
+            event = events.next() => match event {
+                Some(Ok(Event::Apply(secret) | Event::InitApply(secret))) => {
+                    let stored = secret.data.as_ref().and_then(|d| text(d, "ca.crt"));
+                    (stored.as_deref() != Some(identity.ca_pem.as_str())).then_some("the Secret's CA changed")
+                }
+                Some(Ok(Event::Delete(_))) => Some("the Secret was deleted"),
+                Some(Ok(Event::Init | Event::InitDone)) => None,
+                Some(Err(error)) => {
+                    tracing::warn!(%error, "watching the serving Secret failed; retrying");
+                    None
+                }
+                None => return,
+            },
+        };
+        let Some(why) = why else { continue };
+        let issued = match ensure(&client, &namespace, &sans, validity).await {
+            Ok(next) => match serving.replace(&next.cert_pem, &next.key_pem) {
+                Ok(()) => Ok(next),
+                Err(error) => Err(AgentTlsError::Serving(error)),
+            },
+            Err(error) => Err(error),
+        };
+        match issued {
+            Ok(next) => {
+                tracing::info!(why, not_after = %next.not_after, "agent serving certificate re-issued");
+                identity = next;
+                retry_at = None;
+            }
+            Err(error) => {
+                tracing::warn!(why, %error, "re-issuing the agent serving certificate failed; will retry");
+                retry_at = Some(tokio::time::Instant::now() + REISSUE_RETRY);
+            }
+        }
+    }
+}
+
+/// The monotonic instant of a wall-clock time (now, if it has passed).
+fn instant_of(at: OffsetDateTime) -> tokio::time::Instant {
+    let ahead = Duration::try_from(at - OffsetDateTime::now_utc()).unwrap_or_default();
+    tokio::time::Instant::now() + ahead
 }
 
 fn owned_labels() -> BTreeMap<String, String> {

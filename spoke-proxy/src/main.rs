@@ -71,6 +71,10 @@ struct RunArgs {
     /// default: localhost, 127.0.0.1, kmm-spoke-proxy.<namespace>.svc).
     #[arg(long = "agent-san")]
     agent_sans: Vec<String>,
+    /// Lifetime of the agent-facing serving certificate, in seconds. It is re-issued
+    /// while the proxy runs, with a third of it left.
+    #[arg(long, default_value_t = kmm_spoke_proxy::agent_tls::SERVING_VALIDITY.as_secs(), value_parser = clap::value_parser!(u64).range(5..))]
+    agent_cert_validity_seconds: u64,
     /// Audience the node agents' projected ServiceAccount tokens must be issued for.
     #[arg(long, default_value = "kmm-spoke-proxy")]
     token_audience: String,
@@ -141,6 +145,7 @@ async fn main() -> anyhow::Result<()> {
         cluster_name: args.cluster_name,
         agent_addr: args.agent_addr,
         agent_sans,
+        agent_cert_validity: Duration::from_secs(args.agent_cert_validity_seconds),
         token_audience: args.token_audience,
         agent_service_account: args.agent_service_account,
         metrics_addr: args.metrics_addr,

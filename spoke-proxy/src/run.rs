@@ -7,12 +7,12 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use kmm_proto::v1::agent_server::AgentServer;
 use kmm_runtime::health::{self, Health};
+use kmm_runtime::serving::{self, ServingCertificate};
 use prometheus_client::registry::Registry;
 use thiserror::Error;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::{Identity, Server, ServerTlsConfig};
+use tonic::transport::Server;
 
 use crate::agent_auth::TokenAuthenticator;
 use crate::agent_server::AgentService;
@@ -31,6 +31,8 @@ pub struct ProxyConfig {
     pub cluster_name: String,
     pub agent_addr: SocketAddr,
     pub agent_sans: Vec<String>,
+    /// Lifetime of the agent server's certificate; re-issued with a third of it left.
+    pub agent_cert_validity: Duration,
     pub token_audience: String,
     /// `<namespace>:<name>` of the node agents' ServiceAccount.
     pub agent_service_account: String,
@@ -48,6 +50,8 @@ pub enum RunError {
     },
     #[error("the agent server cannot start: {0}")]
     AgentServer(#[source] tonic::transport::Error),
+    #[error("the agent server's TLS: {0}")]
+    AgentServing(#[source] serving::ServingError),
     #[error("cannot listen on --metrics-addr {addr}: {source}")]
     MetricsBind {
         addr: SocketAddr,
@@ -73,7 +77,15 @@ pub async fn run(
             addr: config.metrics_addr,
             source,
         })?;
-    let identity = agent_tls::ensure(&client, &config.namespace, &config.agent_sans).await?;
+    let identity = agent_tls::ensure(
+        &client,
+        &config.namespace,
+        &config.agent_sans,
+        config.agent_cert_validity,
+    )
+    .await?;
+    let certificate = ServingCertificate::new(&identity.cert_pem, &identity.key_pem)
+        .map_err(RunError::AgentServing)?;
     let agent_listener = TcpListener::bind(config.agent_addr)
         .await
         .map_err(|source| RunError::AgentBind {
@@ -128,22 +140,27 @@ pub async fn run(
     }
 
     let auth = TokenAuthenticator::new(
-        client,
+        client.clone(),
         config.token_audience.clone(),
         config.agent_service_account.clone(),
     );
     let service = AgentService::new(state, auth, metrics, cancel.clone());
-    let tls = ServerTlsConfig::new().identity(Identity::from_pem(
-        &identity.cert_pem,
-        identity.key_pem.as_bytes(),
+    let tls = serving::server_config(certificate.clone(), None, &[b"h2"])
+        .map_err(RunError::AgentServing)?;
+    tasks.spawn(agent_tls::keep_current(
+        client.clone(),
+        config.namespace.clone(),
+        config.agent_sans.clone(),
+        config.agent_cert_validity,
+        certificate,
+        identity,
+        cancel.clone(),
     ));
     let server = Server::builder()
-        .tls_config(tls)
-        .map_err(RunError::AgentServer)?
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
         .add_service(AgentServer::new(service))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(agent_listener), {
+        .serve_with_incoming_shutdown(serving::incoming(agent_listener, tls, cancel.clone()), {
             let cancel = cancel.clone();
             async move { cancel.cancelled().await }
         });

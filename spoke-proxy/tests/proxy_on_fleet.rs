@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::{Result, bail, ensure};
+use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret, ServiceAccount};
 use kmm_e2e::fixture::wait_until;
 use kmm_proto::v1::{
@@ -689,6 +690,156 @@ async fn deselected_node_gets_an_explicit_unload_and_a_newer_stream_wins() -> Re
     .await?;
 
     drop((agent, bystander, witness));
+    proxy.stop().await?;
+    spoke.cleanup().await
+}
+
+/// Two proxies starting together (a rolling update, a rescheduled Pod) each read, create
+/// or update the serving Secret; whoever writes second must read the first one's CA and
+/// issue from it, not fail or overwrite it: every agent trusts one CA.
+#[tokio::test]
+async fn proxies_starting_together_agree_on_one_ca() -> Result<()> {
+    let spoke = Spoke::get("proxy-race").await?;
+    let client = kmm_e2e::fleet::client_for(&spoke.proxy_kubeconfig().await?).await?;
+    let sans = kmm_spoke_proxy::agent_tls::default_sans(&spoke.namespace);
+    let secrets: Api<Secret> = Api::namespaced(spoke.client.clone(), &spoke.namespace);
+    // Each round from nothing (both create) and from an existing Secret (both update).
+    for round in 0..4 {
+        if round % 2 == 0 {
+            let _ = secrets
+                .delete("kmm-spoke-proxy-tls", &Default::default())
+                .await;
+        }
+        let ensure = || {
+            kmm_spoke_proxy::agent_tls::ensure(
+                &client,
+                &spoke.namespace,
+                &sans,
+                Duration::from_secs(3600),
+            )
+        };
+        let (first, second) = tokio::join!(ensure(), ensure());
+        let (first, second) = (first?, second?);
+        ensure!(
+            first.ca_pem == second.ca_pem,
+            "round {round}: two CAs for one proxy"
+        );
+        let stored = secrets
+            .get("kmm-spoke-proxy-tls")
+            .await?
+            .data
+            .unwrap_or_default();
+        ensure!(
+            stored.get("ca.crt").map(|c| c.0.as_slice()) == Some(first.ca_pem.as_bytes()),
+            "round {round}: the Secret holds another CA"
+        );
+        ensure!(
+            spoke.agent_ca().await? == first.ca_pem,
+            "round {round}: the agents are told another CA"
+        );
+    }
+    spoke.cleanup().await
+}
+
+/// An administrator replaces the CA in the Secret (or deletes the Secret): the running
+/// proxy serves a certificate of the new CA and publishes it, without a restart.
+#[tokio::test]
+async fn a_replaced_ca_is_served_from_without_a_restart() -> Result<()> {
+    let Started {
+        spoke,
+        pki: _pki,
+        hub: _hub,
+        proxy,
+        ca,
+    } = start("proxy-ca-rotation").await?;
+    let before = support::served_certificate(proxy.agent_addr, &ca).await?;
+    let new_ca = kmm_runtime::pki::CertificateAuthority::generate(
+        "rotated",
+        Duration::from_secs(24 * 3600),
+    )?;
+    let secrets: Api<Secret> = Api::namespaced(spoke.client.clone(), &spoke.namespace);
+    let mut secret = secrets.get("kmm-spoke-proxy-tls").await?;
+    let stored = secret.data.get_or_insert_default();
+    stored.insert("ca.crt".into(), ByteString(new_ca.cert_pem().into()));
+    stored.insert("ca.key".into(), ByteString(new_ca.key_pem().into()));
+    secrets
+        .replace("kmm-spoke-proxy-tls", &PostParams::default(), &secret)
+        .await?;
+    wait_until("a certificate of the new CA served", WAIT, || async {
+        support::served_certificate(proxy.agent_addr, new_ca.cert_pem())
+            .await
+            .map(drop)
+            .map_err(|e| format!("{e:#}"))
+    })
+    .await?;
+    ensure!(
+        support::served_certificate(proxy.agent_addr, &ca)
+            .await
+            .is_err(),
+        "the old CA still verifies the served certificate"
+    );
+    ensure!(
+        spoke.agent_ca().await? == new_ca.cert_pem(),
+        "the agents are not told the new CA"
+    );
+    ensure!(!before.is_empty());
+
+    // Deleted: a new CA is made, served and published.
+    secrets
+        .delete("kmm-spoke-proxy-tls", &Default::default())
+        .await?;
+    let published = wait_until("a new CA published", WAIT, || async {
+        let published = spoke.agent_ca().await.map_err(|e| e.to_string())?;
+        (published != new_ca.cert_pem())
+            .then_some(published)
+            .ok_or("the deleted CA is still published".to_owned())
+    })
+    .await?;
+    wait_until("a certificate of the newest CA served", WAIT, || async {
+        support::served_certificate(proxy.agent_addr, &published)
+            .await
+            .map(drop)
+            .map_err(|e| format!("{e:#}"))
+    })
+    .await?;
+    proxy.stop().await?;
+    spoke.cleanup().await
+}
+
+/// The serving certificate is re-issued while the proxy runs, well before it expires.
+#[tokio::test]
+async fn the_serving_certificate_is_renewed_before_it_expires() -> Result<()> {
+    let spoke = Spoke::get("proxy-renewal").await?;
+    let kubeconfig = spoke.proxy_kubeconfig().await?;
+    let pki = HubPki::new("renewal")?;
+    let hub = HubPeer::start(&pki, support::free_addr()).await?;
+    // Renewed with a third (10 s) of its 30 s left.
+    let mut proxy = ProxyProcess::start_with(
+        &kubeconfig,
+        &spoke.namespace,
+        &hub.address(),
+        &pki,
+        spoke.dir.path(),
+        &["--agent-cert-validity-seconds", "30"],
+    )?;
+    proxy.wait_ready().await?;
+    let ca = spoke.agent_ca().await?;
+    let first = support::served_certificate(proxy.agent_addr, &ca).await?;
+    let issued = std::time::Instant::now();
+    wait_until("a renewed certificate served", WAIT, || async {
+        let now = support::served_certificate(proxy.agent_addr, &ca)
+            .await
+            .map_err(|e| format!("{e:#}"))?;
+        (now != first)
+            .then_some(())
+            .ok_or("the first certificate is still served".to_owned())
+    })
+    .await?;
+    ensure!(
+        issued.elapsed() < Duration::from_secs(30),
+        "renewed only after the first certificate expired ({:?})",
+        issued.elapsed()
+    );
     proxy.stop().await?;
     spoke.cleanup().await
 }

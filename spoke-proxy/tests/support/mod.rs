@@ -5,6 +5,7 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -260,6 +261,18 @@ impl ProxyProcess {
         pki: &HubPki,
         log_dir: &Path,
     ) -> Result<Self> {
+        Self::start_with(kubeconfig, namespace, hub_address, pki, log_dir, &[])
+    }
+
+    /// [`ProxyProcess::start`] with `extra` arguments.
+    pub fn start_with(
+        kubeconfig: &Path,
+        namespace: &str,
+        hub_address: &str,
+        pki: &HubPki,
+        log_dir: &Path,
+        extra: &[&str],
+    ) -> Result<Self> {
         let agent_addr = free_addr();
         let metrics_addr = free_addr();
         let log = log_dir.join("proxy.log");
@@ -284,6 +297,7 @@ impl ProxyProcess {
                 "100",
             ])
             .args(["--reconnect-max-seconds", "1"])
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(log_file)
             .spawn()
@@ -740,4 +754,29 @@ impl AgentConn {
             .await
             .map_err(|_| anyhow!("agent stream closed"))
     }
+}
+
+/// The certificate (DER) a TLS client verifying with `ca_pem` is served at `addr` now.
+pub async fn served_certificate(addr: SocketAddr, ca_pem: &str) -> Result<Vec<u8>> {
+    use rustls::pki_types::pem::PemObject as _;
+    use rustls::pki_types::{CertificateDer, ServerName};
+
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(CertificateDer::from_pem_slice(ca_pem.as_bytes())?)?;
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(ServerName::try_from("localhost")?, tcp)
+        .await?;
+    let certificates = tls
+        .get_ref()
+        .1
+        .peer_certificates()
+        .context("no certificate served")?;
+    Ok(certificates[0].to_vec())
 }
