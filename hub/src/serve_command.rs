@@ -98,6 +98,11 @@ pub struct Args {
     #[arg(long, value_name = "IMAGE", default_value = DEFAULT_BUILDER_IMAGE)]
     builder_image: String,
 
+    /// Lifetime of the gRPC and webhook serving certificates, in seconds. They are
+    /// re-issued from the hub CA while the hub runs, with a third of it left.
+    #[arg(long, default_value_t = serve::ca::SERVING_VALIDITY.as_secs(), value_parser = clap::value_parser!(u64).range(5..))]
+    serving_cert_validity_seconds: u64,
+
     #[command(flatten)]
     metrics: MetricsArgs,
 }
@@ -164,19 +169,14 @@ async fn serve_main(args: Args) -> anyhow::Result<()> {
     let mut registry = Registry::default();
     metrics.register(&mut registry);
     let health = Health::default();
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let stop = std::sync::Arc::new(stop);
-    let wait_stop = move || {
-        let mut stopped = stopped.clone();
-        async move {
-            let _ = stopped.wait_for(|s| *s).await;
-        }
-    };
+    let shutdown = kmm_runtime::shutdown::on_signal();
+    // Ends the endpoint with serving, however serving ends (a lost Lease too).
+    let stop = shutdown.child_token();
     let endpoint = tokio::spawn(health::serve(
         args.metrics.metrics_addr,
         registry,
         health.clone(),
-        wait_stop(),
+        stop.clone().cancelled_owned(),
     ));
     let instance = args
         .pod_name
@@ -205,22 +205,15 @@ async fn serve_main(args: Args) -> anyhow::Result<()> {
         leader_election,
         addon_name: args.addon_name,
         builder_image: args.builder_image,
-    };
-    let shutdown = {
-        let stop = stop.clone();
-        async move {
-            kmm_runtime::shutdown::signal().await;
-            let _ = stop.send(true);
-        }
+        serving_validity: Duration::from_secs(args.serving_cert_validity_seconds),
     };
     let listeners = Listeners {
         grpc,
         webhook: Some(webhook),
     };
     let served = serve::run(client, settings, listeners, health, metrics, shutdown).await;
-    // However serving ended (a lost Lease too), the endpoint ends with it and the process
-    // exits; a replica that lost its leadership restarts as standby.
-    let _ = stop.send(true);
+    // The process exits; a replica that lost its leadership restarts as standby.
+    stop.cancel();
     let endpoint = endpoint.await.context("the metrics endpoint panicked")?;
     served?;
     endpoint?;

@@ -1,23 +1,32 @@
 //! The hub's certificate authority: Secret `kmm-hub-ca` in the hub's namespace, created on
 //! first start and never overwritten (OCM's CustomSigner registration signs the proxies'
-//! client certificates with it), and the gRPC serving certificate issued from it in memory.
-//! OCM's addon-manager signs only with an RSA key, so a CA with another key is refused.
+//! client certificates with it), and the serving certificates (gRPC, admission webhook)
+//! issued from it in memory and re-issued while the hub runs, with a third of their
+//! lifetime left. OCM's addon-manager signs only with an RSA key, so a CA with another key
+//! is refused.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
-use kmm_runtime::pki::{CertificateAuthority, IssuedCertificate, Leaf};
+use kmm_runtime::pki::{CertificateAuthority, Leaf};
+use kmm_runtime::serving::{ServingCertificate, ServingError, renew_at};
 use kube::api::{ObjectMeta, PostParams};
 use kube::{Api, Client};
 use thiserror::Error;
+use time::OffsetDateTime;
+use tokio_util::sync::CancellationToken;
 
 /// Name of the CA Secret in the hub's namespace.
 pub const CA_SECRET: &str = "kmm-hub-ca";
 const CA_VALIDITY: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
-const SERVING_VALIDITY: Duration = Duration::from_secs(365 * 24 * 3600);
+/// The serving certificates' default lifetime.
+pub const SERVING_VALIDITY: Duration = Duration::from_secs(365 * 24 * 3600);
+/// How long a failed renewal waits before the next try.
+const RENEWAL_RETRY: Duration = Duration::from_secs(30);
 
 #[derive(Debug, Error)]
 pub enum CaError {
@@ -45,6 +54,8 @@ pub enum CaError {
     NotRsa { namespace: String },
     #[error("cannot issue the hub's serving certificate: {0}")]
     Issue(kmm_runtime::pki::Error),
+    #[error("cannot serve the hub's certificate: {0}")]
+    Serving(#[from] ServingError),
 }
 
 /// Reads the CA Secret, creating it when absent. When two hubs start at once, the create
@@ -136,17 +147,104 @@ fn from_secret(secret: &Secret, namespace: &str) -> Result<CertificateAuthority,
 }
 
 /// A serving certificate of the hub named `common_name` for `sans` (DNS names and IP
-/// addresses alike): the gRPC endpoint's and the admission webhook's.
-pub fn serving_certificate(
-    ca: &CertificateAuthority,
-    common_name: &str,
-    sans: &[String],
-) -> Result<IssuedCertificate, CaError> {
+/// addresses alike): the gRPC endpoint's or the admission webhook's. Its
+/// [`RenewingCertificate::certificate`] goes into the listener's TLS configuration;
+/// [`RenewingCertificate::keep_renewed`] keeps it valid.
+pub struct RenewingCertificate {
+    pub certificate: Arc<ServingCertificate>,
+    common_name: &'static str,
+    sans: Vec<String>,
+    validity: Duration,
+    not_before: OffsetDateTime,
+    not_after: OffsetDateTime,
+}
+
+impl std::fmt::Debug for RenewingCertificate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RenewingCertificate")
+            .field("common_name", &self.common_name)
+            .field("not_after", &self.not_after)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RenewingCertificate {
+    pub fn issue(
+        ca: &CertificateAuthority,
+        common_name: &'static str,
+        sans: &[String],
+        validity: Duration,
+    ) -> Result<Self, CaError> {
+        let leaf = serving_leaf(common_name, sans, validity);
+        let issued = ca.issue(&leaf).map_err(CaError::Issue)?;
+        Ok(Self {
+            certificate: ServingCertificate::new(&issued.cert_pem, &issued.key_pem)?,
+            common_name,
+            sans: sans.to_vec(),
+            validity,
+            not_before: leaf.not_before,
+            not_after: leaf.not_after,
+        })
+    }
+
+    /// Re-issues the certificate with a third of its lifetime left, from the CA as its
+    /// Secret holds it then, until `stop`. A failed renewal is logged and retried; the
+    /// current certificate stays served meanwhile.
+    pub async fn keep_renewed(
+        mut self,
+        client: Client,
+        namespace: String,
+        stop: CancellationToken,
+    ) {
+        let secrets: Api<Secret> = Api::namespaced(client, &namespace);
+        let mut at = renew_at(self.not_before, self.not_after);
+        loop {
+            let wait = Duration::try_from(at - OffsetDateTime::now_utc()).unwrap_or_default();
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(wait) => {}
+            }
+            match self.renew(&secrets, &namespace).await {
+                Ok(()) => {
+                    tracing::info!(
+                        certificate = self.common_name,
+                        not_after = %self.not_after,
+                        "serving certificate renewed"
+                    );
+                    at = renew_at(self.not_before, self.not_after);
+                }
+                Err(error) => {
+                    tracing::warn!(certificate = self.common_name, %error, "renewing the serving certificate failed; will retry");
+                    at = OffsetDateTime::now_utc() + RENEWAL_RETRY;
+                }
+            }
+        }
+    }
+
+    async fn renew(&mut self, secrets: &Api<Secret>, namespace: &str) -> Result<(), CaError> {
+        let secret = secrets
+            .get(CA_SECRET)
+            .await
+            .map_err(|source| CaError::Api {
+                namespace: namespace.to_owned(),
+                source,
+            })?;
+        let ca = from_secret(&secret, namespace)?;
+        let leaf = serving_leaf(self.common_name, &self.sans, self.validity);
+        let issued = ca.issue(&leaf).map_err(CaError::Issue)?;
+        self.certificate
+            .replace(&issued.cert_pem, &issued.key_pem)?;
+        self.not_before = leaf.not_before;
+        self.not_after = leaf.not_after;
+        Ok(())
+    }
+}
+
+fn serving_leaf(common_name: &str, sans: &[String], validity: Duration) -> Leaf {
     let (ips, dns): (Vec<_>, Vec<_>) = sans.iter().partition(|s| s.parse::<IpAddr>().is_ok());
     let ips: Vec<IpAddr> = ips.iter().filter_map(|s| s.parse().ok()).collect();
     let dns: Vec<String> = dns.into_iter().cloned().collect();
-    ca.issue(&Leaf::server(common_name, &dns, &ips, SERVING_VALIDITY))
-        .map_err(CaError::Issue)
+    Leaf::server(common_name, &dns, &ips, validity)
 }
 
 #[cfg(test)]
@@ -165,7 +263,13 @@ mod tests {
         let read = from_secret(&secret, "kmm-hub").unwrap();
         assert!(read.is_rsa());
         assert_eq!(read.cert_pem(), ca.cert_pem());
-        serving_certificate(&read, "kmm-hub", &["localhost".into(), "127.0.0.1".into()]).unwrap();
+        RenewingCertificate::issue(
+            &read,
+            "kmm-hub",
+            &["localhost".into(), "127.0.0.1".into()],
+            SERVING_VALIDITY,
+        )
+        .unwrap();
     }
 
     #[test]

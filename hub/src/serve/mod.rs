@@ -14,7 +14,6 @@ pub mod sync_service;
 pub mod webhook;
 pub mod webhook_configuration;
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,6 +22,7 @@ use k8s_openapi::api::core::v1::Secret;
 use kmm_api::ManagedClusterModule;
 use kmm_proto::v1::hub_server::HubServer;
 use kmm_runtime::health::Health;
+use kmm_runtime::serving;
 use kube::core::DynamicObject;
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector;
@@ -30,10 +30,12 @@ use kube::runtime::{Controller, WatchStreamExt, watcher};
 use kube::{Api, Client};
 use thiserror::Error;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::{TcpListenerStream, WatchStream};
-use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
+use tokio_stream::wrappers::WatchStream;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
+use tonic::transport::Server;
 
-use self::ca::CaError;
+use self::ca::{CaError, RenewingCertificate};
 use self::controller::Context;
 use self::fleet_state::{FleetState, Stores, managed_cluster_resource};
 use self::leadership::{Election, LeaderElection, LeadershipError};
@@ -66,6 +68,8 @@ pub struct Settings {
     pub addon_name: String,
     /// The image kmod build Jobs run.
     pub builder_image: String,
+    /// Lifetime of the serving certificates; they are re-issued with a third of it left.
+    pub serving_validity: Duration,
 }
 
 /// Where the hub listens.
@@ -82,7 +86,7 @@ pub enum ServeError {
     #[error(transparent)]
     Ca(#[from] CaError),
     #[error("the gRPC server's TLS settings are invalid: {0}")]
-    Tls(tonic::transport::Error),
+    Tls(#[from] serving::ServingError),
     #[error("the gRPC server failed: {0}")]
     Grpc(tonic::transport::Error),
     #[error(transparent)]
@@ -93,7 +97,7 @@ pub enum ServeError {
     LeadershipLost,
 }
 
-/// Runs the hub until `shutdown` resolves: the CA is loaded or created first, then the
+/// Runs the hub until `shutdown` is cancelled: the CA is loaded or created first, then the
 /// admission webhook serves; with leader election the replica stands by (ready) until it
 /// wins the Lease. Readiness of the leader turns true once every watch has listed.
 pub async fn run(
@@ -102,50 +106,46 @@ pub async fn run(
     listeners: Listeners,
     health: Health,
     metrics: Metrics,
-    shutdown: impl Future<Output = ()> + Send + 'static,
+    shutdown: CancellationToken,
 ) -> Result<(), ServeError> {
     let ca = ca::load_or_create(&client, &settings.namespace).await?;
-    let serving = ca::serving_certificate(&ca, "kmm-hub", &settings.grpc_sans)?;
-    let tls = ServerTlsConfig::new()
-        .identity(Identity::from_pem(
-            &serving.cert_pem,
-            serving.key_pem.as_bytes(),
-        ))
-        .client_ca_root(Certificate::from_pem(ca.cert_pem()))
-        .timeout(Duration::from_secs(10));
+    let grpc_certificate = RenewingCertificate::issue(
+        &ca,
+        "kmm-hub",
+        &settings.grpc_sans,
+        settings.serving_validity,
+    )?;
+    let grpc_tls = serving::server_config(
+        grpc_certificate.certificate.clone(),
+        Some(ca.cert_pem()),
+        &[b"h2"],
+    )?;
+    // Ends the servers and every background task: on shutdown, or when leadership is lost.
+    let stop = CancellationToken::new();
 
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let stop_signal = move || {
-        let mut stopped = stopped.clone();
-        async move {
-            let _ = stopped.wait_for(|s| *s).await;
-        }
-    };
-    let (shut, shut_down) = tokio::sync::watch::channel(false);
-    let shutdown_signal = move || {
-        let mut shut_down = shut_down.clone();
-        async move {
-            let _ = shut_down.wait_for(|s| *s).await;
-        }
-    };
-    tokio::spawn(async move {
-        shutdown.await;
-        let _ = shut.send(true);
-    });
-
-    let mut background = Vec::new();
+    let mut background = vec![AbortOnDropHandle::new(tokio::spawn(
+        grpc_certificate.keep_renewed(client.clone(), settings.namespace.clone(), stop.clone()),
+    ))];
     if let Some(listener) = listeners.webhook {
-        let certificate = ca::serving_certificate(&ca, "kmm-hub-webhook", &settings.webhook_sans)?;
-        let acceptor = webhook::acceptor(&certificate.cert_pem, &certificate.key_pem)?;
-        background.push(abort_on_drop(tokio::spawn(webhook::serve(
+        let certificate = RenewingCertificate::issue(
+            &ca,
+            "kmm-hub-webhook",
+            &settings.webhook_sans,
+            settings.serving_validity,
+        )?;
+        let acceptor = webhook::acceptor(certificate.certificate.clone())?;
+        background.push(AbortOnDropHandle::new(tokio::spawn(
+            certificate.keep_renewed(client.clone(), settings.namespace.clone(), stop.clone()),
+        )));
+        background.push(AbortOnDropHandle::new(tokio::spawn(webhook::serve(
             listener,
             acceptor,
             metrics.clone(),
-            stop_signal(),
+            stop.clone().cancelled_owned(),
         ))));
     }
     if let Some(name) = &settings.webhook_configuration {
-        background.push(abort_on_drop(tokio::spawn(
+        background.push(AbortOnDropHandle::new(tokio::spawn(
             webhook_configuration::keep_ca_bundle(
                 client.clone(),
                 name.clone(),
@@ -174,8 +174,8 @@ pub async fn run(
             );
             tokio::select! {
                 won = election.won() => won?,
-                () = shutdown_signal() => {
-                    let _ = stop.send(true);
+                () = shutdown.cancelled() => {
+                    stop.cancel();
                     election.resign().await;
                     return Ok(());
                 }
@@ -219,7 +219,7 @@ pub async fn run(
         "Secrets",
     );
     tokio::spawn(wait_synced(stores.clone(), state.clone(), health.clone()));
-    let addon = abort_on_drop(tokio::spawn(addon::run(
+    let addon = AbortOnDropHandle::new(tokio::spawn(addon::run(
         client.clone(),
         settings.addon_name.clone(),
         ca_pem,
@@ -233,7 +233,7 @@ pub async fn run(
             instance: Some(settings.instance.clone()),
         },
     );
-    let image_worker = abort_on_drop(tokio::spawn(images::run(images::ImageWorker {
+    let image_worker = AbortOnDropHandle::new(tokio::spawn(images::run(images::ImageWorker {
         state: state.clone(),
         modules: stores.modules.clone(),
         secrets: stores.secrets.clone(),
@@ -253,31 +253,32 @@ pub async fn run(
     let reconciler = controller
         .reconcile_all_on(WatchStream::from_changes(state.changes()).map(|_| ()))
         .with_config(kube::runtime::Config::default().debounce(Duration::from_millis(300)))
-        .graceful_shutdown_on(stop_signal())
+        .graceful_shutdown_on(stop.clone().cancelled_owned())
         .run(controller::reconcile, controller::error_policy, context)
         .for_each(|_| futures::future::ready(()));
 
     let grpc_server = Server::builder()
-        .tls_config(tls)
-        .map_err(ServeError::Tls)?
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .add_service(HubServer::new(SyncService {
             state: state.clone(),
             metrics: metrics.clone(),
             addon_name: settings.addon_name.clone(),
         }))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listeners.grpc), stop_signal());
+        .serve_with_incoming_shutdown(
+            serving::incoming(listeners.grpc, grpc_tls, stop.clone()),
+            stop.clone().cancelled_owned(),
+        );
     tracing::info!(namespace = settings.namespace, "kmm-hub serving");
 
     let stopping = state.clone();
     let stopper = async move {
         let lost_leadership = match lost {
             Some(lost) => tokio::select! {
-                () = shutdown_signal() => false,
+                () = shutdown.cancelled() => false,
                 () = lost => true,
             },
             None => {
-                shutdown_signal().await;
+                shutdown.cancelled().await;
                 false
             }
         };
@@ -290,11 +291,11 @@ pub async fn run(
         };
         // Streams never end by themselves; the server's graceful stop waits for them.
         stopping.end_streams(why);
-        let _ = stop.send(true);
+        stop.cancel();
         lost_leadership
     };
-    let clusters = abort_on_drop(tokio::spawn(clusters));
-    let secrets = abort_on_drop(tokio::spawn(secrets));
+    let clusters = AbortOnDropHandle::new(tokio::spawn(clusters));
+    let secrets = AbortOnDropHandle::new(tokio::spawn(secrets));
     let (grpc_result, (), lost_leadership) = tokio::join!(grpc_server, reconciler, stopper);
     drop((clusters, secrets, addon, image_worker, background));
     health.set_ready(false);
@@ -358,16 +359,4 @@ where
             return result;
         }
     }
-}
-
-struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
-
-impl<T> Drop for AbortOnDrop<T> {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
-fn abort_on_drop<T>(handle: tokio::task::JoinHandle<T>) -> AbortOnDrop<T> {
-    AbortOnDrop(handle)
 }

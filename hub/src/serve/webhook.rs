@@ -13,10 +13,9 @@ use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
+use kmm_runtime::serving::{self, ServingCertificate};
 use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview};
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use thiserror::Error;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
@@ -29,27 +28,15 @@ const MAX_BODY: usize = 8 * 1024 * 1024;
 
 #[derive(Debug, Error)]
 pub enum WebhookError {
-    #[error("the webhook's serving certificate is unusable: {0}")]
-    Certificate(String),
     #[error("the webhook's TLS settings are invalid: {0}")]
-    Tls(#[from] rustls::Error),
+    Tls(#[from] serving::ServingError),
 }
 
-/// A TLS acceptor for the webhook from a PEM certificate chain and key.
-pub fn acceptor(cert_pem: &str, key_pem: &str) -> Result<TlsAcceptor, WebhookError> {
-    let chain = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| WebhookError::Certificate(e.to_string()))?;
-    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes())
-        .map_err(|e| WebhookError::Certificate(e.to_string()))?;
-    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()?
-    .with_no_client_auth()
-    .with_single_cert(chain, key)?;
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
-    Ok(TlsAcceptor::from(Arc::new(config)))
+/// The TLS side of the webhook: HTTP/1.1 only, presenting `certificate` (renewed while the
+/// hub runs) from each handshake on.
+pub fn acceptor(certificate: Arc<ServingCertificate>) -> Result<TlsAcceptor, WebhookError> {
+    let config = serving::server_config(certificate, None, &[b"http/1.1"])?;
+    Ok(TlsAcceptor::from(config))
 }
 
 /// Serves admission reviews on `listener` until `shutdown` resolves; then open

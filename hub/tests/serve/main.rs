@@ -4,6 +4,7 @@
 
 mod addon;
 mod admission;
+mod certificates;
 mod images;
 mod leadership;
 mod support;

@@ -9,7 +9,7 @@ use k8s_openapi::api::core::v1::Secret;
 use kmm_api::ManagedClusterModule;
 use kmm_e2e::fixture::{Fleet, TempNamespace, wait_until};
 use kmm_hub::serve::leadership::LeaderElection;
-use kmm_hub::serve::{self, Listeners, ServeError, Settings, metrics::Metrics};
+use kmm_hub::serve::{self, Listeners, ServeError, Settings, ca, metrics::Metrics};
 use kmm_proto::v1::{
     HubMessage, IntentSnapshot, Kernel, KernelInventory, ModuleKey, ModuleNodeKey,
     ModuleNodeStatus, ModuleState, NodeStatusReport, ProxyHello, ProxyMessage,
@@ -21,9 +21,10 @@ use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::json;
 use tokio::net::TcpListener;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
 use tonic::Streaming;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
@@ -68,6 +69,8 @@ pub struct HubOptions {
     /// The OCM add-on the hub serves. Default: the test's namespace, an add-on with no
     /// OCM objects, so that test hubs never write to the fleet's real `kmm` add-on.
     pub addon_name: Option<String>,
+    /// Lifetime of the serving certificates. Default: the binary's.
+    pub serving_validity: Option<Duration>,
 }
 
 /// A running hub.
@@ -79,7 +82,7 @@ pub struct TestHub {
     pub namespace: String,
     pub addr: SocketAddr,
     pub addon_name: String,
-    stop: Option<oneshot::Sender<()>>,
+    stop: CancellationToken,
     task: Option<JoinHandle<Result<(), ServeError>>>,
 }
 
@@ -129,9 +132,10 @@ impl TestHub {
             }),
             addon_name: addon_name.clone(),
             builder_image: "127.0.0.1:1/kmm-fleet/kmm-builder:test".into(),
+            serving_validity: options.serving_validity.unwrap_or(ca::SERVING_VALIDITY),
         };
         let (health, metrics) = (Health::default(), Metrics::default());
-        let (stop, stopped) = oneshot::channel();
+        let stop = CancellationToken::new();
         let task = tokio::spawn(serve::run(
             fleet.hub.clone(),
             settings,
@@ -141,9 +145,7 @@ impl TestHub {
             },
             health.clone(),
             metrics.clone(),
-            async {
-                let _ = stopped.await;
-            },
+            stop.clone(),
         ));
         Self {
             client: fleet.hub.clone(),
@@ -153,7 +155,7 @@ impl TestHub {
             namespace: namespace.to_owned(),
             addr,
             addon_name,
-            stop: Some(stop),
+            stop,
             task: Some(task),
         }
     }
@@ -165,7 +167,7 @@ impl TestHub {
 
     /// Stops the hub and checks it stopped cleanly.
     pub async fn stop(mut self) {
-        let _ = self.stop.take().unwrap().send(());
+        self.stop.cancel();
         let task = self.task.take().unwrap();
         tokio::time::timeout(WAIT, task)
             .await
