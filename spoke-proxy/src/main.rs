@@ -153,7 +153,7 @@ async fn main() -> anyhow::Result<()> {
     let client = kube::Client::try_default()
         .await
         .context("no Kubernetes configuration (in-cluster or KUBECONFIG)")?;
-    run(config, client, kmm_runtime::shutdown::signal()).await?;
+    run(config, client, kmm_runtime::shutdown::on_signal()).await?;
     Ok(())
 }
 

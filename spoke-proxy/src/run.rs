@@ -1,7 +1,6 @@
 //! Wires the proxy together: agent TLS material, the agent server, the Node watch, the
 //! hub link, the label patcher and the observability endpoint, until shutdown.
 
-use std::future::Future;
 use std::net::SocketAddr;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -59,17 +58,18 @@ pub enum RunError {
     },
 }
 
-/// Runs the proxy until `shutdown` resolves, then stops every task and returns.
+/// Runs the proxy until `shutdown` is cancelled, then stops every task and returns.
 pub async fn run(
     config: ProxyConfig,
     client: kube::Client,
-    shutdown: impl Future<Output = ()> + Send + 'static,
+    shutdown: CancellationToken,
 ) -> Result<(), RunError> {
     let metrics = Metrics::default();
     let mut registry = Registry::default();
     metrics.register(&mut registry);
     let health = Health::default();
-    let cancel = CancellationToken::new();
+    // Also cancelled when the agent server fails, ending every task.
+    let cancel = shutdown.child_token();
 
     let metrics_listener = TcpListener::bind(config.metrics_addr)
         .await
@@ -165,13 +165,6 @@ pub async fn run(
             async move { cancel.cancelled().await }
         });
 
-    tokio::spawn({
-        let cancel = cancel.clone();
-        async move {
-            shutdown.await;
-            cancel.cancel();
-        }
-    });
     let served = server.await;
     cancel.cancel();
     while tasks.join_next().await.is_some() {}

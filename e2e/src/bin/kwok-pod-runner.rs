@@ -76,9 +76,9 @@ fn main() -> anyhow::Result<()> {
     };
     tokio::runtime::Runtime::new()
         .context("starting the async runtime")?
-        .block_on(kwok_pod_runner::run(
-            config,
-            kmm_runtime::shutdown::signal(),
-        ))?;
+        .block_on(async {
+            let shutdown = kmm_runtime::shutdown::on_signal();
+            kwok_pod_runner::run(config, shutdown.cancelled_owned()).await
+        })?;
     Ok(())
 }
