@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use kmm_proto::v1::{ModuleIntent, ModuleLoad, Unresolved, kernel_target::Target};
 
 use crate::node_facts::NodeFacts;
-use crate::tolerations::blocking_taint;
+use crate::tolerations::{TaintVerdict, verdict};
 
 /// What one module means for one node.
 #[derive(Clone, Debug, PartialEq)]
@@ -51,14 +51,20 @@ pub fn place(intent: &ModuleIntent, node: &NodeFacts, may_have_it: bool) -> Plac
     if intent.unload {
         return Placement::Unload;
     }
-    let matches = selects(&intent.node_selector, &node.labels)
-        && blocking_taint(&intent.tolerations, &node.taints).is_none();
-    if !matches {
+    let taints = verdict(&intent.tolerations, &node.taints);
+    let excluded = !selects(&intent.node_selector, &node.labels)
+        || matches!(taints, TaintVerdict::Excludes(_));
+    if excluded {
         return if may_have_it {
             Placement::Unload
         } else {
             Placement::NotApplicable
         };
+    }
+    // A node Kubernetes itself marks (NotReady, unreachable, ...) keeps what it has but
+    // starts nothing new.
+    if matches!(taints, TaintVerdict::HoldsNewLoads(_)) && !may_have_it {
+        return Placement::NotApplicable;
     }
     if node.kernel.is_empty() {
         return Placement::AwaitingKernel;
@@ -212,6 +218,37 @@ mod tests {
             place(&tolerant, &n, false),
             Placement::Load(Box::new(load("reg/m:6.1")))
         );
+    }
+
+    #[test]
+    fn a_node_kubernetes_marks_unready_keeps_its_module_but_starts_none() {
+        for (key, effect) in [
+            ("node.kubernetes.io/not-ready", "NoExecute"),
+            ("node.kubernetes.io/unreachable", "NoExecute"),
+            ("node.kubernetes.io/not-ready", "NoSchedule"),
+            ("node.kubernetes.io/network-unavailable", "NoSchedule"),
+            ("node.kubernetes.io/memory-pressure", "NoExecute"),
+        ] {
+            let mut n = node("6.1");
+            n.taints.push(Taint {
+                key: key.into(),
+                value: String::new(),
+                effect: effect.into(),
+            });
+            assert_eq!(
+                place(&intent(), &n, true),
+                Placement::Load(Box::new(load("reg/m:6.1"))),
+                "{key}:{effect} unloaded the module"
+            );
+            assert_eq!(
+                place(&intent(), &n, false),
+                Placement::NotApplicable,
+                "{key}:{effect} started a load"
+            );
+            // A user's change still unloads.
+            n.labels.clear();
+            assert_eq!(place(&intent(), &n, true), Placement::Unload);
+        }
     }
 
     #[test]

@@ -23,10 +23,10 @@ pub fn tolerates(toleration: &Toleration, taint: &Taint) -> bool {
     }
 }
 
-/// `NoSchedule` taints every module tolerates: cordoning a node for maintenance
-/// (`unschedulable`) or the kubelet reporting pressure must not unload the modules its
-/// running workloads use. Upstream KMM tolerates the pressure taints the same way; a
-/// DaemonSet tolerates all four by default.
+/// `NoSchedule` taints a new load tolerates, as a DaemonSet does by default: cordoning a
+/// node for maintenance (`unschedulable`) or the kubelet reporting pressure must not keep
+/// the modules its workloads use off it. Upstream KMM tolerates the pressure taints the
+/// same way.
 const BUILT_IN: &[&str] = &[
     "node.kubernetes.io/unschedulable",
     "node.kubernetes.io/disk-pressure",
@@ -34,16 +34,54 @@ const BUILT_IN: &[&str] = &[
     "node.kubernetes.io/pid-pressure",
 ];
 
-/// The first taint that keeps the module off the node: a `NoSchedule` or `NoExecute`
-/// taint no toleration tolerates (`PreferNoSchedule` never does, as upstream KMM), the
-/// built-in `NoSchedule` tolerations aside.
-pub fn blocking_taint<'a>(tolerations: &[Toleration], taints: &'a [Taint]) -> Option<&'a Taint> {
-    taints.iter().find(|taint| {
-        let built_in = taint.effect == "NoSchedule" && BUILT_IN.contains(&taint.key.as_str());
+/// Taints Kubernetes itself sets from a node's conditions, and cordoning. They say what
+/// the node is going through, not what a user wants: they may hold back a new load, but
+/// never unload a module already there (a node that is briefly NotReady or unreachable
+/// keeps its driver). Only a user's change unloads.
+const NODE_CONDITION: &[&str] = &[
+    "node.kubernetes.io/not-ready",
+    "node.kubernetes.io/unreachable",
+    "node.kubernetes.io/network-unavailable",
+    "node.kubernetes.io/unschedulable",
+    "node.kubernetes.io/disk-pressure",
+    "node.kubernetes.io/memory-pressure",
+    "node.kubernetes.io/pid-pressure",
+];
+
+/// What a node's taints mean for one module.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TaintVerdict<'a> {
+    /// Nothing keeps the module off the node.
+    Allowed,
+    /// Only Kubernetes' own condition taints: no new load starts, a module already on
+    /// the node stays.
+    HoldsNewLoads(&'a Taint),
+    /// A `NoSchedule` or `NoExecute` taint of a user's that no toleration tolerates
+    /// (`PreferNoSchedule` never counts, as upstream KMM): the module leaves the node.
+    Excludes(&'a Taint),
+}
+
+/// Judges `taints` against a module's `tolerations`. A user's taint decides over a
+/// condition taint; the built-in `NoSchedule` tolerations hold back nothing.
+pub fn verdict<'a>(tolerations: &[Toleration], taints: &'a [Taint]) -> TaintVerdict<'a> {
+    let mut untolerated = taints.iter().filter(|taint| {
         matches!(taint.effect.as_str(), "NoSchedule" | "NoExecute")
-            && !built_in
             && !tolerations.iter().any(|t| tolerates(t, taint))
-    })
+    });
+    let (mut user, mut condition) = (None, None);
+    for taint in untolerated.by_ref() {
+        let key = taint.key.as_str();
+        if !NODE_CONDITION.contains(&key) {
+            user = user.or(Some(taint));
+        } else if !(taint.effect == "NoSchedule" && BUILT_IN.contains(&key)) {
+            condition = condition.or(Some(taint));
+        }
+    }
+    match (user, condition) {
+        (Some(taint), _) => TaintVerdict::Excludes(taint),
+        (None, Some(taint)) => TaintVerdict::HoldsNewLoads(taint),
+        (None, None) => TaintVerdict::Allowed,
+    }
 }
 
 #[cfg(test)]
@@ -68,18 +106,47 @@ mod tests {
     }
 
     #[test]
-    fn cordoned_or_pressured_nodes_keep_their_modules_but_not_when_evicting() {
+    fn cordoned_or_pressured_nodes_take_new_loads() {
         for key in BUILT_IN {
             assert_eq!(
-                blocking_taint(&[], &[taint(key, "", "NoSchedule")]),
-                None,
+                verdict(&[], &[taint(key, "", "NoSchedule")]),
+                TaintVerdict::Allowed,
                 "{key}"
             );
-            let evicting = [taint(key, "", "NoExecute")];
-            assert_eq!(blocking_taint(&[], &evicting), evicting.first(), "{key}");
         }
-        let other = [taint("node.kubernetes.io/not-ready", "", "NoSchedule")];
-        assert_eq!(blocking_taint(&[], &other), other.first());
+    }
+
+    #[test]
+    fn kubernetes_condition_taints_hold_new_loads_whatever_their_effect() {
+        for key in NODE_CONDITION {
+            for effect in ["NoSchedule", "NoExecute"] {
+                let taints = [taint(key, "", effect)];
+                if effect == "NoSchedule" && BUILT_IN.contains(key) {
+                    continue;
+                }
+                assert_eq!(
+                    verdict(&[], &taints),
+                    TaintVerdict::HoldsNewLoads(&taints[0]),
+                    "{key}:{effect}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_users_taint_excludes_even_beside_a_condition_taint() {
+        let taints = [
+            taint("node.kubernetes.io/unreachable", "", "NoExecute"),
+            taint("example.com/drain", "", "NoExecute"),
+        ];
+        assert_eq!(verdict(&[], &taints), TaintVerdict::Excludes(&taints[1]));
+        let tolerated = [tol("example.com/drain", "Exists", "", "")];
+        assert_eq!(
+            verdict(&tolerated, &taints),
+            TaintVerdict::HoldsNewLoads(&taints[0])
+        );
+        let everything = [tol("", "Exists", "", "")];
+        assert_eq!(verdict(&everything, &taints), TaintVerdict::Allowed);
     }
 
     #[test]
@@ -172,28 +239,28 @@ mod tests {
     }
 
     #[test]
-    fn only_noschedule_and_noexecute_block() {
+    fn only_noschedule_and_noexecute_exclude() {
         let prefer = [taint("k", "v", "PreferNoSchedule")];
-        assert_eq!(blocking_taint(&[], &prefer), None);
+        assert_eq!(verdict(&[], &prefer), TaintVerdict::Allowed);
         let hard = [
             taint("a", "", "PreferNoSchedule"),
             taint("k", "v", "NoExecute"),
         ];
-        assert_eq!(blocking_taint(&[], &hard), Some(&hard[1]));
+        assert_eq!(verdict(&[], &hard), TaintVerdict::Excludes(&hard[1]));
     }
 
     #[test]
-    fn every_blocking_taint_must_be_tolerated() {
+    fn every_excluding_taint_must_be_tolerated() {
         let taints = [taint("a", "1", "NoSchedule"), taint("b", "2", "NoExecute")];
         let only_a = [tol("a", "Equal", "1", "NoSchedule")];
-        assert_eq!(blocking_taint(&only_a, &taints), Some(&taints[1]));
+        assert_eq!(verdict(&only_a, &taints), TaintVerdict::Excludes(&taints[1]));
         let both = [
             tol("a", "Equal", "1", "NoSchedule"),
             tol("b", "Exists", "", ""),
         ];
-        assert_eq!(blocking_taint(&both, &taints), None);
+        assert_eq!(verdict(&both, &taints), TaintVerdict::Allowed);
         let everything = [tol("", "Exists", "", "")];
-        assert_eq!(blocking_taint(&everything, &taints), None);
-        assert_eq!(blocking_taint(&[], &[]), None);
+        assert_eq!(verdict(&everything, &taints), TaintVerdict::Allowed);
+        assert_eq!(verdict(&[], &[]), TaintVerdict::Allowed);
     }
 }
