@@ -253,7 +253,10 @@ mod tests {
     fn every_excluding_taint_must_be_tolerated() {
         let taints = [taint("a", "1", "NoSchedule"), taint("b", "2", "NoExecute")];
         let only_a = [tol("a", "Equal", "1", "NoSchedule")];
-        assert_eq!(verdict(&only_a, &taints), TaintVerdict::Excludes(&taints[1]));
+        assert_eq!(
+            verdict(&only_a, &taints),
+            TaintVerdict::Excludes(&taints[1])
+        );
         let both = [
             tol("a", "Equal", "1", "NoSchedule"),
             tol("b", "Exists", "", ""),

@@ -843,3 +843,97 @@ async fn the_serving_certificate_is_renewed_before_it_expires() -> Result<()> {
     proxy.stop().await?;
     spoke.cleanup().await
 }
+
+/// Kubernetes marking a node NotReady and unreachable (its taints, with effect
+/// `NoExecute`) never unloads the module the node has; a user's taint does.
+#[tokio::test]
+async fn a_node_kubernetes_marks_not_ready_keeps_its_module() -> Result<()> {
+    let Started {
+        spoke,
+        pki: _pki,
+        mut hub,
+        proxy,
+        ca,
+    } = start("proxy-not-ready").await?;
+    let node = spoke.node_name(0).to_string();
+    let ready = format!("kmm.node.kubernetes.io/{}.hello.ready", spoke.namespace);
+    // Removed from the nodes by cleanup(), as every label named after the namespace.
+    let witness_label = format!("kmm-fleet.dev/test-{}", spoke.namespace);
+    let mut witness_intent = intent_for_node(&spoke, "witness", 1);
+    witness_intent.node_selector = [(witness_label.clone(), "yes".to_string())].into();
+    let stream = hub.next_stream().await?;
+    stream.send(snapshot(
+        1,
+        vec![intent_for_node(&spoke, "hello", 0), witness_intent],
+    ))?;
+    let mut agent = AgentConn::attach(
+        proxy.agent_addr,
+        &ca,
+        Some(&spoke.agent_token(0).await?),
+        hello(&node),
+    )
+    .await?;
+    let desired = agent.next_desired().await?;
+    agent
+        .send(event(&spoke, "hello", Action::Load, desired.revision))
+        .await?;
+    wait_until("the ready label", WAIT, || async {
+        let labels = spoke.node_labels(0).await.map_err(|e| e.to_string())?;
+        labels
+            .contains_key(&ready)
+            .then_some(())
+            .ok_or(format!("{labels:?}"))
+    })
+    .await?;
+    let mut witness = AgentConn::attach(
+        proxy.agent_addr,
+        &ca,
+        Some(&spoke.agent_token(1).await?),
+        hello(spoke.node_name(1)),
+    )
+    .await?;
+    let nothing = witness.next_desired().await?;
+    ensure!(nothing.modules.is_empty(), "{nothing:?}");
+
+    spoke
+        .set_node_taints(
+            0,
+            &[
+                ("node.kubernetes.io/not-ready", "NoExecute"),
+                ("node.kubernetes.io/unreachable", "NoExecute"),
+            ],
+        )
+        .await?;
+    // The proxy's Node watch delivers in order: once node 1's later label reaches the
+    // witness as work, the proxy has acted on node 0's taints.
+    spoke.set_node_label(1, &witness_label, Some("yes")).await?;
+    let witnessed = witness.next_desired().await?;
+    ensure!(witnessed.modules.len() == 1, "{witnessed:?}");
+    if let Some(unexpected) = agent.quiet_for(Duration::from_millis(500)).await {
+        bail!("a NotReady node was sent work: {unexpected}");
+    }
+    ensure!(
+        spoke.node_labels(0).await?.contains_key(&ready),
+        "a NotReady node lost its ready label"
+    );
+
+    // A user's taint beside them does unload.
+    spoke
+        .set_node_taints(
+            0,
+            &[
+                ("node.kubernetes.io/not-ready", "NoExecute"),
+                ("example.com/drain", "NoExecute"),
+            ],
+        )
+        .await?;
+    let desired = agent.next_desired().await?;
+    ensure!(
+        desired.modules.len() == 1 && desired.modules[0].unload,
+        "{desired:?}"
+    );
+    spoke.set_node_taints(0, &[]).await?;
+    drop((agent, witness));
+    proxy.stop().await?;
+    spoke.cleanup().await
+}

@@ -629,6 +629,23 @@ impl Spoke {
         Ok(())
     }
 
+    /// Sets node `i`'s taints to `taints` (key, effect), replacing any it had.
+    pub async fn set_node_taints(&self, i: usize, taints: &[(&str, &str)]) -> Result<()> {
+        let taints: Vec<_> = taints
+            .iter()
+            .map(|(key, effect)| serde_json::json!({"key": key, "effect": effect}))
+            .collect();
+        let patch = serde_json::json!({"spec": {"taints": taints}});
+        Api::<Node>::all(self.client.clone())
+            .patch(
+                self.node_name(i),
+                &PatchParams::default(),
+                &Patch::Merge(&patch),
+            )
+            .await?;
+        Ok(())
+    }
+
     /// Removes the test namespace and cluster-scoped binding, and any label of this
     /// test (all named after the namespace) left on the nodes.
     pub async fn cleanup(self) -> Result<()> {
