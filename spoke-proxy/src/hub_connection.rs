@@ -218,10 +218,11 @@ async fn session(
         )
     });
     let mut inventory_revision = inventory.revision;
+    let applied = hello.applied_intent_revision;
     let first = [
         proxy_message::Message::Hello(hello),
         proxy_message::Message::Inventory(inventory),
-        proxy_message::Message::Status(reporter.full(statuses)),
+        proxy_message::Message::Status(reporter.full(statuses, applied)),
     ];
     for message in first {
         // The channel is fresh and larger than three messages: this cannot block.
@@ -267,15 +268,15 @@ async fn session(
                 Err(status) => return Err(SessionError::Broken(status)),
             },
             _ = changes.changed() => {
-                let (inventory, statuses) = state.update_quietly(|s| {
+                let (inventory, statuses, applied) = state.update_quietly(|s| {
                     let dirty = s.take_status_dirty();
-                    (s.inventory(), s.statuses_of(&dirty))
+                    (s.inventory(), s.statuses_of(&dirty), s.applied_intent_revision())
                 });
                 if inventory.revision != inventory_revision {
                     inventory_revision = inventory.revision;
                     send(&tx, proxy_message::Message::Inventory(inventory)).await?;
                 }
-                if let Some(delta) = reporter.delta(statuses) {
+                if let Some(delta) = reporter.delta(statuses, applied) {
                     send(&tx, proxy_message::Message::Status(delta)).await?;
                 }
             }

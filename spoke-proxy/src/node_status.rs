@@ -150,17 +150,25 @@ fn wire_key((module, node): &StatusKey) -> ModuleNodeKey {
 /// One node's statuses, by module.
 pub type NodeStatuses = BTreeMap<ModuleId, ModuleNodeStatus>;
 
-/// What the hub was last told, per node, so later reports carry only changes.
+/// What the hub was last told, per node, so later reports carry only changes, and the
+/// intent revision the last report reflected.
 #[derive(Clone, Debug, Default)]
 pub struct StatusReporter {
     sent: BTreeMap<String, NodeStatuses>,
+    revision: u64,
 }
 
 impl StatusReporter {
-    /// The complete state, for the first report of a stream.
-    pub fn full(&mut self, current: BTreeMap<String, NodeStatuses>) -> NodeStatusReport {
+    /// The complete state, made with the intents of `revision` applied, for the first
+    /// report of a stream.
+    pub fn full(
+        &mut self,
+        current: BTreeMap<String, NodeStatuses>,
+        revision: u64,
+    ) -> NodeStatusReport {
         self.sent = current;
         self.sent.retain(|_, statuses| !statuses.is_empty());
+        self.revision = revision;
         NodeStatusReport {
             full: true,
             statuses: self
@@ -169,13 +177,20 @@ impl StatusReporter {
                 .flat_map(|statuses| statuses.values().cloned())
                 .collect(),
             removed: Vec::new(),
+            intent_revision: revision,
         }
     }
 
     /// Changed and removed entries of the nodes in `current` (the nodes that may have
-    /// changed; an empty map means the node has no status left). Other nodes are as
-    /// last sent. `None` when nothing changed.
-    pub fn delta(&mut self, current: BTreeMap<String, NodeStatuses>) -> Option<NodeStatusReport> {
+    /// changed; an empty map means the node has no status left), made with the intents
+    /// of `revision` applied. Other nodes are as last sent. `None` when nothing changed
+    /// and the revision is the one last reported: a newly applied revision is always
+    /// reported, so the hub learns that statuses reflect it.
+    pub fn delta(
+        &mut self,
+        current: BTreeMap<String, NodeStatuses>,
+        revision: u64,
+    ) -> Option<NodeStatusReport> {
         let mut statuses = Vec::new();
         let mut removed = Vec::new();
         for (node, now) in current {
@@ -195,10 +210,13 @@ impl StatusReporter {
                 self.sent.insert(node, now);
             }
         }
-        (!statuses.is_empty() || !removed.is_empty()).then_some(NodeStatusReport {
+        let advanced = revision != self.revision;
+        self.revision = revision;
+        (advanced || !statuses.is_empty() || !removed.is_empty()).then_some(NodeStatusReport {
             full: false,
             statuses,
             removed,
+            intent_revision: revision,
         })
     }
 }
@@ -392,14 +410,15 @@ mod tests {
             node("c", None),
         ]
         .into();
-        let full = reporter.full(first.clone());
+        let full = reporter.full(first.clone(), 1);
         assert!(full.full);
         assert_eq!(full.statuses.len(), 2);
-        assert_eq!(reporter.delta(first), None);
+        assert_eq!(full.intent_revision, 1);
+        assert_eq!(reporter.delta(first, 1), None);
 
         // Only a changed: b is not mentioned, so it stays as sent.
         let only_a: BTreeMap<_, _> = [node("a", Some(ModuleState::Loaded))].into();
-        let delta = reporter.delta(only_a).unwrap();
+        let delta = reporter.delta(only_a, 1).unwrap();
         assert!(!delta.full);
         assert_eq!(delta.statuses.len(), 1);
         assert_eq!(delta.statuses[0].state, ModuleState::Loaded as i32);
@@ -407,15 +426,31 @@ mod tests {
 
         // b has nothing left: its entry is removed.
         let b_gone: BTreeMap<_, _> = [node("b", None)].into();
-        let delta = reporter.delta(b_gone.clone()).unwrap();
+        let delta = reporter.delta(b_gone.clone(), 1).unwrap();
         assert!(delta.statuses.is_empty());
         assert_eq!(delta.removed.len(), 1);
         assert_eq!(delta.removed[0].node, "b");
-        assert_eq!(reporter.delta(b_gone), None);
+        assert_eq!(reporter.delta(b_gone, 1), None);
 
         // After a reconnect the full report replaces everything again.
-        let again = reporter.full([node("a", Some(ModuleState::Loaded))].into());
+        let again = reporter.full([node("a", Some(ModuleState::Loaded))].into(), 1);
         assert!(again.full);
         assert_eq!(again.statuses.len(), 1);
+    }
+
+    #[test]
+    fn every_newly_applied_revision_is_reported_even_without_changes() {
+        let mut reporter = StatusReporter::default();
+        let nodes: BTreeMap<_, _> = [node("a", Some(ModuleState::Loaded))].into();
+        reporter.full(nodes.clone(), 3);
+        let ack = reporter.delta(BTreeMap::new(), 4).unwrap();
+        assert_eq!(ack.intent_revision, 4);
+        assert!(ack.statuses.is_empty() && ack.removed.is_empty());
+        assert_eq!(reporter.delta(BTreeMap::new(), 4), None);
+        let changed = reporter
+            .delta([node("a", Some(ModuleState::Pending))].into(), 4)
+            .unwrap();
+        assert_eq!(changed.intent_revision, 4);
+        assert_eq!(changed.statuses.len(), 1);
     }
 }

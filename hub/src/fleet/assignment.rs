@@ -103,7 +103,7 @@ mod tests {
                     ..ModuleNodeStatus::default()
                 })
                 .collect(),
-            removed: vec![],
+            ..NodeStatusReport::default()
         });
         statuses
     }

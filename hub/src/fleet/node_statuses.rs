@@ -115,12 +115,14 @@ mod tests {
                 status("b", "n1", ModuleState::Loaded),
             ],
             removed: vec![],
+            ..NodeStatusReport::default()
         });
         assert_eq!(nodes(&statuses.module("drivers", "a")), ["n1", "n2"]);
         statuses.apply(NodeStatusReport {
             full: false,
             statuses: vec![status("a", "n2", ModuleState::Unloaded)],
             removed: vec![key("a", "n1")],
+            ..NodeStatusReport::default()
         });
         let a = statuses.module("drivers", "a");
         assert_eq!(nodes(&a), ["n2"]);
@@ -131,6 +133,7 @@ mod tests {
             full: true,
             statuses: vec![status("c", "n9", ModuleState::Failed)],
             removed: vec![],
+            ..NodeStatusReport::default()
         });
         assert!(statuses.module("drivers", "b").is_empty(), "full replaces");
         assert_eq!(statuses.not_unloaded("drivers", "c"), ["n9"]);
@@ -151,6 +154,7 @@ mod tests {
                 status("a", "", ModuleState::Loaded),
             ],
             removed: vec![ModuleNodeKey::default()],
+            ..NodeStatusReport::default()
         });
         assert_eq!(statuses, NodeStatuses::default());
     }

@@ -2,6 +2,8 @@
 //! differs from the last one sent, or when the current stream has not received it yet;
 //! revisions only ever increase, also past what a proxy applied from an earlier hub. Pure.
 
+use std::collections::BTreeMap;
+
 use kmm_proto::v1::IntentSnapshot;
 
 /// The snapshots sent to one cluster, kept across its reconnects.
@@ -11,6 +13,9 @@ pub struct Outbox {
     /// The highest revision the proxy said it applied (its hello).
     applied: u64,
     delivered_on_stream: bool,
+    /// Per module (namespace, name) in the last snapshot: the generation it carries and
+    /// the revision of the first snapshot that carried that generation.
+    generations: BTreeMap<(String, String), (i64, u64)>,
 }
 
 impl Outbox {
@@ -32,9 +37,35 @@ impl Outbox {
         if !unchanged || self.applied > last_revision || last_revision == 0 {
             content.revision = last_revision.max(self.applied) + 1;
         }
+        let mut generations = BTreeMap::new();
+        for intent in &content.modules {
+            let Some(key) = &intent.key else { continue };
+            let id = (key.namespace.clone(), key.name.clone());
+            let first = match self.generations.get(&id) {
+                Some(&(generation, revision)) if generation == intent.generation => revision,
+                _ => content.revision,
+            };
+            generations.insert(id, (intent.generation, first));
+        }
+        self.generations = generations;
         self.last = Some(content.clone());
         self.delivered_on_stream = true;
         Some(content)
+    }
+
+    /// Whether statuses the proxy made with revision `acked` applied reflect `generation`
+    /// of module `namespace/name`: a snapshot carrying that generation went out, and the
+    /// proxy has applied it (or a later one).
+    pub fn reflects(
+        &self,
+        namespace: &str,
+        name: &str,
+        generation: Option<i64>,
+        acked: u64,
+    ) -> bool {
+        self.generations
+            .get(&(namespace.to_owned(), name.to_owned()))
+            .is_some_and(|&(sent, revision)| Some(sent) == generation && acked >= revision)
     }
 
     /// The last snapshot sent, if any.
@@ -124,5 +155,41 @@ mod tests {
             52,
             "an older applied revision never lowers the counter"
         );
+    }
+
+    #[test]
+    fn a_generation_is_reflected_once_the_snapshot_first_carrying_it_is_applied() {
+        let with_generation = |names: &[&str], generation: i64| {
+            let mut s = snapshot(names);
+            for m in &mut s.modules {
+                m.generation = generation;
+            }
+            s
+        };
+        let mut outbox = Outbox::default();
+        outbox.new_stream(0);
+        assert!(
+            !outbox.reflects("drivers", "a", Some(1), 0),
+            "nothing sent yet"
+        );
+        outbox.offer(with_generation(&["a"], 1)).unwrap();
+        assert!(!outbox.reflects("drivers", "a", Some(1), 0));
+        assert!(outbox.reflects("drivers", "a", Some(1), 1));
+        // Another module's change sends revision 2; a's generation 1 stays reflected.
+        outbox.offer(with_generation(&["a", "b"], 1)).unwrap();
+        assert!(outbox.reflects("drivers", "a", Some(1), 1));
+        assert!(!outbox.reflects("drivers", "b", Some(1), 1));
+        // a's spec changes: only revision 3 (or later) reflects generation 2.
+        outbox.offer(with_generation(&["a", "b"], 2)).unwrap();
+        assert!(!outbox.reflects("drivers", "a", Some(2), 2));
+        assert!(outbox.reflects("drivers", "a", Some(2), 3));
+        assert!(
+            !outbox.reflects("drivers", "a", Some(1), 3),
+            "an older generation"
+        );
+        assert!(!outbox.reflects("drivers", "a", None, 3));
+        // A module left out of the snapshot is reflected no more.
+        outbox.offer(with_generation(&["b"], 2)).unwrap();
+        assert!(!outbox.reflects("drivers", "a", Some(2), 4));
     }
 }

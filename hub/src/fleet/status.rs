@@ -15,6 +15,9 @@ pub struct ClusterReport<'a> {
     pub cluster: &'a str,
     /// Whether the cluster's spoke proxy is connected now.
     pub connected: bool,
+    /// Whether its node statuses were made with the module's current generation applied:
+    /// until then the cluster cannot have converged, whatever its nodes said before.
+    pub reflects_generation: bool,
     /// The module's per-kernel resolution for this cluster.
     pub kernels: &'a [KernelTarget],
     /// The module's per-node status in this cluster.
@@ -54,7 +57,7 @@ pub fn module_status(
         nodes.loaded += count(loaded);
         if report.connected {
             clusters.connected += 1;
-            if loaded == matching.len() {
+            if report.reflects_generation && loaded == matching.len() {
                 clusters.converged += 1;
             }
         }
@@ -149,18 +152,21 @@ mod tests {
                 ClusterReport {
                     cluster: "a",
                     connected: true,
+                    reflects_generation: true,
                     kernels: &kernels,
                     nodes: &a,
                 },
                 ClusterReport {
                     cluster: "b",
                     connected: true,
+                    reflects_generation: true,
                     kernels: &kernels,
                     nodes: &b,
                 },
                 ClusterReport {
                     cluster: "c",
                     connected: false,
+                    reflects_generation: false,
                     kernels: &[],
                     nodes: &c,
                 },
@@ -204,6 +210,7 @@ mod tests {
         let report = [ClusterReport {
             cluster: "big",
             connected: true,
+            reflects_generation: true,
             kernels: &[],
             nodes: &many,
         }];
@@ -217,5 +224,29 @@ mod tests {
             "same input, same status: no churn"
         );
         assert_eq!(status.clusters.converged, 0);
+    }
+
+    #[test]
+    fn a_cluster_converges_only_once_its_statuses_reflect_the_current_generation() {
+        let loaded = [node("n1", ModuleState::Loaded, "")];
+        let none: [ModuleNodeStatus; 0] = [];
+        for nodes in [&loaded[..], &none[..]] {
+            let report = |reflects_generation| ClusterReport {
+                cluster: "a",
+                connected: true,
+                reflects_generation,
+                kernels: &[],
+                nodes,
+            };
+            assert_eq!(
+                module_status(Some(2), &[report(false)]).clusters.converged,
+                0,
+                "statuses of an older generation, or none yet, prove nothing: {nodes:?}"
+            );
+            assert_eq!(
+                module_status(Some(2), &[report(true)]).clusters.converged,
+                1
+            );
+        }
     }
 }

@@ -72,6 +72,9 @@ struct ClusterEntry {
     statuses: NodeStatuses,
     /// A full status report arrived since the hub started.
     statuses_known: bool,
+    /// The intent revision the current stream's statuses were made with (its hello, then
+    /// every report).
+    acked_revision: u64,
 }
 
 #[derive(Debug, Default)]
@@ -190,6 +193,7 @@ impl FleetState {
         }
         let entry = inner.clusters.entry(cluster.to_owned()).or_default();
         entry.outbox.new_stream(applied_revision);
+        entry.acked_revision = applied_revision;
         entry.kernels = None;
         entry.inventory_revision = 0;
         self.metrics
@@ -257,6 +261,7 @@ impl FleetState {
         }
         let entry = inner.clusters.entry(cluster.to_owned()).or_default();
         entry.statuses_known |= report.full;
+        entry.acked_revision = entry.acked_revision.max(report.intent_revision);
         entry.statuses.apply(report);
         // Confirmed unloads of deselected modules take them out of the snapshot.
         self.recompute(&mut inner, cluster);
@@ -507,9 +512,15 @@ impl FleetState {
             .collect();
         let reports: Vec<ClusterReport<'_>> = per_cluster
             .iter()
-            .map(|(cluster, _, kernels, nodes)| ClusterReport {
+            .map(|(cluster, entry, kernels, nodes)| ClusterReport {
                 cluster,
                 connected: inner.sessions.is_connected(cluster),
+                reflects_generation: entry.outbox.reflects(
+                    namespace,
+                    &name,
+                    module.metadata.generation,
+                    entry.acked_revision,
+                ),
                 kernels,
                 nodes,
             })

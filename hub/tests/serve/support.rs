@@ -20,7 +20,9 @@ use kmm_runtime::pki::{CertificateAuthority, IssuedCertificate, Leaf};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::json;
+use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::net::TcpListener;
+
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::ReceiverStream;
@@ -342,6 +344,9 @@ impl Drop for TestHub {
 pub struct Proxy {
     outbound: mpsc::Sender<ProxyMessage>,
     pub inbound: Streaming<HubMessage>,
+    /// The revision of the last snapshot received: what its statuses are made with, as a
+    /// real proxy's are.
+    applied: AtomicU64,
 }
 
 impl Proxy {
@@ -360,7 +365,11 @@ impl Proxy {
             .sync(ReceiverStream::new(rx))
             .await?
             .into_inner();
-        Ok(Self { outbound, inbound })
+        Ok(Self {
+            outbound,
+            inbound,
+            applied: AtomicU64::new(0),
+        })
     }
 
     pub async fn send(&self, message: proxy_message::Message) {
@@ -392,6 +401,7 @@ impl Proxy {
             full,
             statuses,
             removed: vec![],
+            intent_revision: self.applied.load(Ordering::Relaxed),
         }))
         .await;
     }
@@ -404,7 +414,10 @@ impl Proxy {
             .expect("the stream stays healthy")
             .expect("the stream stays open");
         match message.message {
-            Some(hub_message::Message::Intents(snapshot)) => snapshot,
+            Some(hub_message::Message::Intents(snapshot)) => {
+                self.applied.store(snapshot.revision, Ordering::Relaxed);
+                snapshot
+            }
             None => panic!("an empty HubMessage"),
         }
     }
