@@ -597,3 +597,96 @@ async fn deletion_completes_after_the_unload_timeout_naming_the_leftovers() {
     assert!(note.contains("spoke1/spoke1-node3"), "{note}");
     hub.clean_up(namespace, &[], &["spoke1"]).await;
 }
+
+/// Ready means loaded: statuses that do not reflect the module's current generation (none
+/// yet, or made before the proxy applied the snapshot carrying it) never make it Ready,
+/// even when they say every matching node is loaded.
+#[tokio::test]
+async fn a_module_is_ready_only_once_the_statuses_reflect_its_current_generation() {
+    let fleet = fleet().await;
+    let (hub, namespace) = TestHub::start(&fleet, WAIT).await;
+    hub.label_cluster("spoke1", true).await;
+    hub.create_module("hello-r", module("1", None)).await;
+    let mut proxy = hub.proxy("spoke1", &[MAPPED_KERNEL]).await;
+    // Before the proxy applied anything, it knows no node of the module: zero matching
+    // nodes, all loaded, would read as converged.
+    proxy.send_status(true, vec![]).await;
+    let early = hub
+        .wait_module(
+            "hello-r",
+            "a status with the cluster connected",
+            WAIT,
+            |m| {
+                let status = m.and_then(|m| m.status).ok_or("no status")?;
+                (status.clusters.connected == 1)
+                    .then_some(status.clone())
+                    .ok_or_else(|| format!("{status:?}"))
+            },
+        )
+        .await;
+    let ready = |status: &kmm_api::ManagedClusterModuleStatus| {
+        status
+            .conditions
+            .first()
+            .is_some_and(|c| c.status == "True")
+    };
+    assert!(
+        !ready(&early) && early.clusters.converged == 0,
+        "ready before any report of the module: {early:?}"
+    );
+
+    proxy
+        .snapshot_where("hello-r", |s| intent(s, "hello-r").is_some())
+        .await;
+    let loaded = || {
+        vec![node_status(
+            "hello-r",
+            "spoke1-node1",
+            ModuleState::Loaded,
+            "",
+        )]
+    };
+    proxy.send_status(false, loaded()).await;
+    hub.wait_module("hello-r", "hello-r ready", WAIT, |m| {
+        let status = m.and_then(|m| m.status).ok_or("no status")?;
+        ready(&status)
+            .then_some(())
+            .ok_or_else(|| format!("{status:?}"))
+    })
+    .await;
+
+    // A spec change: until the proxy applied it, its statuses are of the old generation.
+    let patch = json!({"spec": {"moduleSpec": {"moduleLoader": {"container": {"version": "2"}}}}});
+    hub.modules()
+        .patch("hello-r", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+    let changed = hub
+        .wait_module("hello-r", "a status of generation 2", WAIT, |m| {
+            let m = m.ok_or("gone")?;
+            let status = m.status.clone().ok_or("no status")?;
+            (status.observed_generation == m.metadata.generation
+                && m.metadata.generation == Some(2))
+            .then_some(status.clone())
+            .ok_or_else(|| format!("{status:?}"))
+        })
+        .await;
+    assert!(
+        !ready(&changed),
+        "ready on statuses of the previous generation: {changed:?}"
+    );
+    proxy
+        .snapshot_where("hello-r at version 2", |s| {
+            intent(s, "hello-r").is_some_and(|i| i.generation == 2)
+        })
+        .await;
+    proxy.send_status(false, loaded()).await;
+    hub.wait_module("hello-r", "hello-r ready at generation 2", WAIT, |m| {
+        let status = m.and_then(|m| m.status).ok_or("no status")?;
+        (ready(&status) && status.observed_generation == Some(2))
+            .then_some(())
+            .ok_or_else(|| format!("{status:?}"))
+    })
+    .await;
+    hub.clean_up(namespace, &["hello-r"], &["spoke1"]).await;
+}
