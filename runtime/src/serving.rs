@@ -178,11 +178,12 @@ pub fn incoming(
     ReceiverStream::new(rx)
 }
 
-/// When a certificate valid from `not_before` to `not_after` is renewed: with a third of
-/// its lifetime left, as cert-manager does by default, so a renewal that fails has time
-/// to be retried.
-pub fn renew_at(not_before: OffsetDateTime, not_after: OffsetDateTime) -> OffsetDateTime {
-    not_before + (not_after - not_before) * 2 / 3
+/// When a certificate issued for `validity`, until `not_after`, is renewed: with a third
+/// of its lifetime left, as cert-manager does by default, so a renewal that fails has
+/// time to be retried. (From the validity asked for, not from `notBefore`, which is
+/// backdated for clock skew.)
+pub fn renew_at(not_after: OffsetDateTime, validity: Duration) -> OffsetDateTime {
+    not_after - validity / 3
 }
 
 #[cfg(test)]
@@ -194,11 +195,15 @@ mod tests {
 
     #[test]
     fn renewal_comes_with_a_third_of_the_lifetime_left() {
-        let start = OffsetDateTime::UNIX_EPOCH;
+        let end = OffsetDateTime::UNIX_EPOCH + time::Duration::days(90);
         assert_eq!(
-            renew_at(start, start + time::Duration::days(90)),
-            start + time::Duration::days(60)
+            renew_at(end, Duration::from_secs(90 * 24 * 3600)),
+            OffsetDateTime::UNIX_EPOCH + time::Duration::days(60)
         );
+        // A backdated notBefore does not move it: issued now for 30 s, renewed in 20 s.
+        let leaf = Leaf::server("s", &[], &[], Duration::from_secs(30));
+        let wait = renew_at(leaf.not_after, Duration::from_secs(30)) - OffsetDateTime::now_utc();
+        assert!(wait > time::Duration::seconds(18) && wait <= time::Duration::seconds(20));
     }
 
     #[test]

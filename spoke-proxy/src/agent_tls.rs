@@ -63,7 +63,6 @@ pub struct ServingIdentity {
     pub ca_pem: String,
     pub cert_pem: String,
     pub key_pem: Zeroizing<String>,
-    pub not_before: OffsetDateTime,
     pub not_after: OffsetDateTime,
 }
 
@@ -198,7 +197,6 @@ async fn ensure_once(
         ca_pem: ca.cert_pem().to_owned(),
         cert_pem: serving.cert_pem,
         key_pem: serving.key_pem,
-        not_before: leaf.not_before,
         not_after: leaf.not_after,
     })
 }
@@ -221,8 +219,7 @@ pub async fn keep_current(
     let mut events = watcher::watcher(secrets, config).default_backoff().boxed();
     let mut retry_at: Option<tokio::time::Instant> = None;
     loop {
-        let renew = retry_at
-            .unwrap_or_else(|| instant_of(renew_at(identity.not_before, identity.not_after)));
+        let renew = retry_at.unwrap_or_else(|| instant_of(renew_at(identity.not_after, validity)));
         let why = tokio::select! {
             () = cancel.cancelled() => return,
             () = tokio::time::sleep_until(renew) => Some("renewal"),

@@ -835,9 +835,10 @@ async fn the_serving_certificate_is_renewed_before_it_expires() -> Result<()> {
             .ok_or("the first certificate is still served".to_owned())
     })
     .await?;
+    // Due 20 s after issue: not at once (a renewal loop), not after expiry.
     ensure!(
-        issued.elapsed() < Duration::from_secs(30),
-        "renewed only after the first certificate expired ({:?})",
+        (Duration::from_secs(10)..Duration::from_secs(30)).contains(&issued.elapsed()),
+        "renewed {:?} after the first certificate was served, for a 30 s lifetime",
         issued.elapsed()
     );
     proxy.stop().await?;

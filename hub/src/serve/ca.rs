@@ -155,7 +155,6 @@ pub struct RenewingCertificate {
     common_name: &'static str,
     sans: Vec<String>,
     validity: Duration,
-    not_before: OffsetDateTime,
     not_after: OffsetDateTime,
 }
 
@@ -182,7 +181,6 @@ impl RenewingCertificate {
             common_name,
             sans: sans.to_vec(),
             validity,
-            not_before: leaf.not_before,
             not_after: leaf.not_after,
         })
     }
@@ -197,7 +195,7 @@ impl RenewingCertificate {
         stop: CancellationToken,
     ) {
         let secrets: Api<Secret> = Api::namespaced(client, &namespace);
-        let mut at = renew_at(self.not_before, self.not_after);
+        let mut at = renew_at(self.not_after, self.validity);
         loop {
             let wait = Duration::try_from(at - OffsetDateTime::now_utc()).unwrap_or_default();
             tokio::select! {
@@ -211,7 +209,7 @@ impl RenewingCertificate {
                         not_after = %self.not_after,
                         "serving certificate renewed"
                     );
-                    at = renew_at(self.not_before, self.not_after);
+                    at = renew_at(self.not_after, self.validity);
                 }
                 Err(error) => {
                     tracing::warn!(certificate = self.common_name, %error, "renewing the serving certificate failed; will retry");
@@ -234,7 +232,6 @@ impl RenewingCertificate {
         let issued = ca.issue(&leaf).map_err(CaError::Issue)?;
         self.certificate
             .replace(&issued.cert_pem, &issued.key_pem)?;
-        self.not_before = leaf.not_before;
         self.not_after = leaf.not_after;
         Ok(())
     }

@@ -291,9 +291,30 @@ impl FleetState {
         self.recompute_locked(&mut inner);
     }
 
-    /// ManagedClusters or Secrets changed.
+    /// ManagedClusters or Secrets changed. A connected cluster the hub no longer accepts
+    /// (`hubAcceptsClient` false, or deleted) loses its stream at once, before any other
+    /// snapshot could reach it.
     pub fn recompute_all(&self) {
         let mut inner = self.lock();
+        let denied: Vec<String> = inner
+            .sessions
+            .connected()
+            .filter(|cluster| self.accepts_cluster(cluster) == Some(false))
+            .map(str::to_owned)
+            .collect();
+        for cluster in &denied {
+            if let Some(stream) = inner.sessions.get(cluster) {
+                tracing::warn!(
+                    cluster,
+                    "the cluster is no longer accepted; ending its stream"
+                );
+                self.metrics.streams_refused.inc();
+                stream.send_replace(Outbound::End(
+                    tonic::Code::PermissionDenied,
+                    format!("cluster {cluster} is no longer a ManagedCluster this hub accepts"),
+                ));
+            }
+        }
         self.recompute_locked(&mut inner);
         drop(inner);
         self.changed();
@@ -311,7 +332,12 @@ impl FleetState {
                 .collect();
             inner.gone.retain(|uid| present.contains(uid));
         }
-        let clusters: Vec<String> = inner.sessions.connected().map(str::to_owned).collect();
+        let clusters: Vec<String> = inner
+            .sessions
+            .connected()
+            .filter(|cluster| self.accepts_cluster(cluster) != Some(false))
+            .map(str::to_owned)
+            .collect();
         for cluster in clusters {
             self.recompute(inner, &cluster);
         }

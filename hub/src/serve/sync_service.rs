@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use futures::{Stream, StreamExt};
 use kmm_proto::v1::{HubMessage, ProxyMessage, hub_message, hub_server::Hub, proxy_message};
+use time::OffsetDateTime;
 use tokio::sync::watch;
 use tonic::{Code, Request, Response, Status, Streaming};
 use x509_parser::prelude::{FromDer, X509Certificate};
@@ -39,15 +40,17 @@ impl Hub for SyncService {
         &self,
         request: Request<Streaming<ProxyMessage>>,
     ) -> Result<Response<Self::SyncStream>, Status> {
-        let identity = peer_identity(&request, &self.addon_name).inspect_err(|status| {
-            self.metrics.streams_refused.inc();
-            tracing::warn!(error = status.message(), "refused a proxy stream");
-        })?;
+        let (identity, expires) =
+            peer_identity(&request, &self.addon_name).inspect_err(|status| {
+                self.metrics.streams_refused.inc();
+                tracing::warn!(error = status.message(), "refused a proxy stream");
+            })?;
         let (outbound, receiver) = watch::channel(Outbound::Idle);
         tokio::spawn(serve_stream(
             self.state.clone(),
             self.metrics.clone(),
             identity,
+            expires,
             request.into_inner(),
             outbound,
         ));
@@ -55,8 +58,12 @@ impl Hub for SyncService {
     }
 }
 
-/// The cluster named by the verified client certificate's common name.
-fn peer_identity<T>(request: &Request<T>, addon_name: &str) -> Result<ClusterIdentity, Status> {
+/// The cluster named by the verified client certificate's common name, and when that
+/// certificate expires.
+fn peer_identity<T>(
+    request: &Request<T>,
+    addon_name: &str,
+) -> Result<(ClusterIdentity, OffsetDateTime), Status> {
     let certs = request
         .peer_certs()
         .ok_or_else(|| Status::unauthenticated("a client certificate is required"))?;
@@ -71,8 +78,9 @@ fn peer_identity<T>(request: &Request<T>, addon_name: &str) -> Result<ClusterIde
         .next()
         .and_then(|cn| cn.as_str().ok())
         .ok_or_else(|| Status::unauthenticated("the client certificate has no common name"))?;
-    ClusterIdentity::from_common_name(common_name, addon_name)
-        .map_err(|e| Status::permission_denied(e.to_string()))
+    let identity = ClusterIdentity::from_common_name(common_name, addon_name)
+        .map_err(|e| Status::permission_denied(e.to_string()))?;
+    Ok((identity, cert.validity().not_after.to_datetime()))
 }
 
 /// Reads one stream: hello first, then inventories and status reports, until the proxy
@@ -81,6 +89,7 @@ async fn serve_stream(
     state: Arc<FleetState>,
     metrics: Metrics,
     identity: ClusterIdentity,
+    expires: OffsetDateTime,
     mut inbound: Streaming<ProxyMessage>,
     outbound: watch::Sender<Outbound>,
 ) {
@@ -128,6 +137,18 @@ async fn serve_stream(
         );
     }
     let mut ended = outbound.subscribe();
+    // The handshake checked the certificate once; a stream outliving it ends with it, and
+    // the proxy reconnects with its renewed one.
+    let expiry = outbound.clone();
+    let until_expiry = Duration::try_from(expires - OffsetDateTime::now_utc()).unwrap_or_default();
+    let expire = tokio::spawn(async move {
+        tokio::time::sleep(until_expiry).await;
+        expiry.send_replace(Outbound::End(
+            Code::Unauthenticated,
+            format!("the client certificate expired at {expires}; reconnect with a renewed one"),
+        ));
+    });
+    let expire = tokio_util::task::AbortOnDropHandle::new(expire);
     let id = state.open_session(cluster, hello.applied_intent_revision, outbound);
     tracing::info!(
         cluster,
@@ -176,6 +197,7 @@ async fn serve_stream(
             }
         }
     }
+    drop(expire);
     state.close_session(cluster, id);
     tracing::info!(cluster, "proxy stream ended");
 }

@@ -99,9 +99,10 @@ async fn serving_certificates_are_renewed_before_they_expire() {
     })
     .await
     .expect("the certificates are renewed");
+    // Due 20 s after issue: not at once (a renewal loop), not after expiry.
     assert!(
-        issued.elapsed() < Duration::from_secs(30),
-        "renewed only after the first certificates expired ({:?})",
+        (Duration::from_secs(10)..Duration::from_secs(30)).contains(&issued.elapsed()),
+        "renewed {:?} after the first certificates were served, for a 30 s lifetime",
         issued.elapsed()
     );
     hub.stop().await;

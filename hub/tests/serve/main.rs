@@ -690,3 +690,107 @@ async fn a_module_is_ready_only_once_the_statuses_reflect_its_current_generation
     .await;
     hub.clean_up(namespace, &["hello-r"], &["spoke1"]).await;
 }
+
+/// A cluster the hub stops accepting (`hubAcceptsClient: false`, or deleted) loses its
+/// stream at once: no more intents or credentials reach it.
+#[tokio::test]
+async fn a_cluster_no_longer_accepted_loses_its_stream_at_once() {
+    let fleet = fleet().await;
+    let (hub, namespace) = TestHub::start(&fleet, WAIT).await;
+    let cluster = format!("deny-{}", namespace.name.rsplit('-').next().unwrap_or("x"));
+    let clusters = kmm_e2e::fleet::managed_clusters(&fleet.hub);
+    let object: kube::core::DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "cluster.open-cluster-management.io/v1",
+        "kind": "ManagedCluster",
+        "metadata": { "name": cluster, "labels": { hub.cluster_label(): "yes" } },
+        "spec": { "hubAcceptsClient": true },
+    }))
+    .unwrap();
+    clusters
+        .create(&PostParams::default(), &object)
+        .await
+        .expect("a ManagedCluster of the test's");
+    hub.create_module("hello-deny", module("1", None)).await;
+    let accept = |accepted: bool| json!({"spec": {"hubAcceptsClient": accepted}});
+    let ended = |proxy: Proxy| async move {
+        let mut proxy = proxy;
+        loop {
+            match tokio::time::timeout(WAIT, proxy.inbound.message())
+                .await
+                .expect("the stream ends within the deadline")
+            {
+                Ok(Some(_)) => continue,
+                Ok(None) => panic!("the stream ended without saying why"),
+                Err(status) => return status,
+            }
+        }
+    };
+
+    let mut proxy = hub.proxy(&cluster, &[MAPPED_KERNEL]).await;
+    proxy
+        .snapshot_where("the module reaches the cluster", |s| {
+            intent(s, "hello-deny").is_some()
+        })
+        .await;
+    clusters
+        .patch(
+            &cluster,
+            &PatchParams::default(),
+            &Patch::Merge(&accept(false)),
+        )
+        .await
+        .unwrap();
+    let status = ended(proxy).await;
+    assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+    assert!(status.message().contains(&cluster), "{status:?}");
+
+    // Accepted again, it connects; deleted, it loses the stream again.
+    clusters
+        .patch(
+            &cluster,
+            &PatchParams::default(),
+            &Patch::Merge(&accept(true)),
+        )
+        .await
+        .unwrap();
+    let mut proxy = hub.proxy(&cluster, &[MAPPED_KERNEL]).await;
+    proxy
+        .snapshot_where("the module reaches the cluster again", |s| {
+            intent(s, "hello-deny").is_some()
+        })
+        .await;
+    clusters
+        .delete(&cluster, &DeleteParams::background())
+        .await
+        .unwrap();
+    let status = ended(proxy).await;
+    assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+    hub.clean_up(namespace, &["hello-deny"], &[]).await;
+}
+
+/// A stream lives no longer than the client certificate it was opened with.
+#[tokio::test]
+async fn a_stream_ends_when_its_client_certificate_expires() {
+    let fleet = fleet().await;
+    let (hub, namespace) = TestHub::start(&fleet, WAIT).await;
+    let certificate = hub
+        .proxy_certificate_valid_for("spoke1", Duration::from_secs(8))
+        .await;
+    let mut proxy = Proxy::open(hub.channel(&certificate).await.expect("the handshake"))
+        .await
+        .expect("the stream opens");
+    proxy.send_inventory(1, &[MAPPED_KERNEL]).await;
+    let status = loop {
+        match tokio::time::timeout(WAIT, proxy.inbound.message())
+            .await
+            .expect("the stream ends within the deadline")
+        {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the stream ended without saying why"),
+            Err(status) => break status,
+        }
+    };
+    assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
+    assert!(status.message().contains("expired"), "{status:?}");
+    hub.clean_up(namespace, &[], &[]).await;
+}

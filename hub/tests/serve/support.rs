@@ -199,6 +199,16 @@ impl TestHub {
 
     /// A client certificate as OCM's add-on registration issues it for `cluster`.
     pub async fn proxy_certificate(&self, cluster: &str) -> IssuedCertificate {
+        self.proxy_certificate_valid_for(cluster, Duration::from_secs(3600))
+            .await
+    }
+
+    /// [`TestHub::proxy_certificate`] valid for `validity` from now.
+    pub async fn proxy_certificate_valid_for(
+        &self,
+        cluster: &str,
+        validity: Duration,
+    ) -> IssuedCertificate {
         let addon = &self.addon_name;
         self.ca()
             .await
@@ -211,7 +221,7 @@ impl TestHub {
                     format!("system:open-cluster-management:addon:{addon}"),
                     "system:authenticated".into(),
                 ],
-                Duration::from_secs(3600),
+                validity,
             ))
             .expect("a client certificate")
     }
