@@ -2,7 +2,8 @@
 //! validated, the fleet view recomputes the clusters' snapshots, status (counts, failure
 //! sample, `Ready`) is written by server-side apply, transitions become Events, and a
 //! deleted module's finalizer goes once every affected node confirmed the unload or the
-//! unload timeout elapsed.
+//! unload timeout elapsed (and its Warning Event is recorded). A refused finalizer patch
+//! is never taken for done: it is logged, reported as an Event and retried.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,6 +32,8 @@ pub const FIELD_MANAGER: &str = "kmm-hub";
 const RESYNC: Duration = Duration::from_secs(300);
 /// While unloading, check again at least this often (reports also trigger a check).
 const UNLOAD_RECHECK: Duration = Duration::from_secs(10);
+/// What the apiserver answers when a JSON patch's `test` op fails: our view was stale.
+const PATCH_TEST_FAILED: &str = "the server rejected our request due to an error in our request";
 /// Leftovers named in an Event or log line.
 const LEFTOVERS_SHOWN: usize = 20;
 
@@ -40,6 +43,12 @@ pub enum ReconcileError {
     Api {
         name: String,
         action: &'static str,
+        source: kube::Error,
+    },
+    #[error("ManagedClusterModule {name}: the Event {reason} cannot be recorded: {source}")]
+    Event {
+        name: String,
+        reason: &'static str,
         source: kube::Error,
     },
 }
@@ -70,7 +79,7 @@ pub async fn reconcile(
     let deleting = module.metadata.deletion_timestamp.is_some();
     if !deleting && !has_finalizer {
         // The update it causes reconciles the module again.
-        add_finalizer(&ctx.api, &module).await?;
+        add_finalizer(&ctx, &module).await?;
         return Ok(Action::await_change());
     }
     if deleting && !has_finalizer {
@@ -117,17 +126,22 @@ pub async fn reconcile(
             Deletion::TimedOut(leftovers) => {
                 let list = describe(&leftovers, LEFTOVERS_SHOWN);
                 tracing::warn!(module = name, leftovers = %list, timeout = ?ctx.unload_timeout, "unload not confirmed in time; releasing the finalizer");
-                publish(
-                    &ctx,
-                    &module,
-                    EventType::Warning,
+                // The leftovers must be on record before the module can go.
+                let event = warning(
                     "UnloadTimedOut",
                     format!(
                         "unload not confirmed within {}s on: {list}",
                         ctx.unload_timeout.as_secs()
                     ),
-                )
-                .await;
+                );
+                ctx.recorder
+                    .publish(&event, &module.object_ref(&()))
+                    .await
+                    .map_err(|source| ReconcileError::Event {
+                        name: name.clone(),
+                        reason: "UnloadTimedOut",
+                        source,
+                    })?;
                 return release(&ctx, &module).await;
             }
             Deletion::Waiting(leftovers) => {
@@ -183,10 +197,7 @@ pub fn error_policy(
     Action::requeue(Duration::from_secs(5))
 }
 
-async fn add_finalizer(
-    api: &Api<ManagedClusterModule>,
-    module: &ManagedClusterModule,
-) -> Result<(), ReconcileError> {
+async fn add_finalizer(ctx: &Context, module: &ManagedClusterModule) -> Result<(), ReconcileError> {
     // `test` on resourceVersion: never overwrite finalizers someone changed meanwhile.
     let mut finalizers = module.finalizers().to_vec();
     finalizers.push(FINALIZER.to_owned());
@@ -194,7 +205,7 @@ async fn add_finalizer(
         {"op": "test", "path": "/metadata/resourceVersion", "value": module.resource_version()},
         {"op": "add", "path": "/metadata/finalizers", "value": finalizers},
     ]);
-    patch_json(api, module, patch, "adding the finalizer").await
+    patch_json(ctx, module, patch, "adding the finalizer").await
 }
 
 async fn release(ctx: &Context, module: &ManagedClusterModule) -> Result<Action, ReconcileError> {
@@ -205,31 +216,50 @@ async fn release(ctx: &Context, module: &ManagedClusterModule) -> Result<Action,
         {"op": "test", "path": format!("/metadata/finalizers/{index}"), "value": FINALIZER},
         {"op": "remove", "path": format!("/metadata/finalizers/{index}")},
     ]);
-    patch_json(&ctx.api, module, patch, "removing the finalizer").await?;
+    patch_json(ctx, module, patch, "removing the finalizer").await?;
     ctx.state.forget_module(module);
     Ok(Action::await_change())
 }
 
+/// Applies a finalizer patch. Only "gone already" counts as done; anything else is an
+/// error the controller logs and retries. A refusal (an admission policy or webhook, RBAC)
+/// is also reported as a Warning Event on the module; a stale view (the patch's `test`
+/// failed, a conflict) is not, the watch brings the newer state.
 async fn patch_json(
-    api: &Api<ManagedClusterModule>,
+    ctx: &Context,
     module: &ManagedClusterModule,
     patch: serde_json::Value,
     action: &'static str,
 ) -> Result<(), ReconcileError> {
     let name = module.name_any();
     let patch: json_patch::Patch = serde_json::from_value(patch).expect("a well-formed JSON patch");
-    match api
+    match ctx
+        .api
         .patch(&name, &PatchParams::default(), &Patch::<()>::Json(patch))
         .await
     {
         Ok(_) => Ok(()),
-        // Gone already, or changed meanwhile: the watch brings the newer state.
-        Err(kube::Error::Api(s)) if s.code == 404 || s.code == 422 || s.code == 409 => Ok(()),
-        Err(source) => Err(ReconcileError::Api {
-            name,
-            action,
-            source,
-        }),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+        Err(source) => {
+            // A failed `test` op is answered 422 with this message and nothing else.
+            let stale = matches!(&source, kube::Error::Api(s)
+                if s.code == 409 || (s.code == 422 && s.message == PATCH_TEST_FAILED));
+            if !stale {
+                publish(
+                    ctx,
+                    module,
+                    EventType::Warning,
+                    "FinalizerPatchFailed",
+                    format!("{action} failed, will retry: {source}"),
+                )
+                .await;
+            }
+            Err(ReconcileError::Api {
+                name,
+                action,
+                source,
+            })
+        }
     }
 }
 
@@ -257,7 +287,18 @@ async fn write_status(
     })
 }
 
-/// Events are best effort: a failure to record one is logged, never fails reconciliation.
+fn warning(reason: &str, note: String) -> Event {
+    Event {
+        type_: EventType::Warning,
+        reason: reason.to_owned(),
+        note: Some(truncate(note, 1024)),
+        action: "Reconcile".to_owned(),
+        secondary: None,
+    }
+}
+
+/// Events are best effort (but for the unload timeout's, see above): a failure to record
+/// one is logged, never fails reconciliation.
 async fn publish(
     ctx: &Context,
     module: &ManagedClusterModule,
@@ -267,10 +308,7 @@ async fn publish(
 ) {
     let event = Event {
         type_,
-        reason: reason.to_owned(),
-        note: Some(truncate(note, 1024)),
-        action: "Reconcile".to_owned(),
-        secondary: None,
+        ..warning(reason, note)
     };
     if let Err(error) = ctx.recorder.publish(&event, &module.object_ref(&())).await {
         tracing::warn!(module = module.name_any(), reason, %error, "cannot record an Event");

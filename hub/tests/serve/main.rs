@@ -5,6 +5,7 @@
 mod addon;
 mod admission;
 mod certificates;
+mod finalizers;
 mod images;
 mod leadership;
 mod support;
