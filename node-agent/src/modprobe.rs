@@ -2,8 +2,12 @@
 //! (pure, unit-tested) and the few checks shared by the simulated backend and
 //! `check-image` (real dry-run resolution and vermagic).
 
+use std::io::Read as _;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use wait_timeout::ChildExt as _;
 
 use crate::desired::Modprobe;
 
@@ -156,30 +160,74 @@ pub enum ToolError {
         status: String,
         stderr: String,
     },
+    #[error("{command} did not finish within {}s and was killed (a module stuck in the kernel?)", .limit.as_secs())]
+    TimedOut { command: String, limit: Duration },
 }
 
-/// Runs a kmod tool and returns its standard output.
+/// How long a kmod tool may run: a `modprobe` stuck in a module's init or exit is
+/// reported as a failure (and retried later) instead of holding the agent forever.
+pub const TOOL_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Runs a kmod tool and returns its standard output; killed after [`TOOL_TIMEOUT`].
 pub fn run_tool(program: &str, args: &[String]) -> Result<String, ToolError> {
+    run_tool_within(program, args, TOOL_TIMEOUT)
+}
+
+/// [`run_tool`] with a limit of `limit`.
+pub fn run_tool_within(
+    program: &str,
+    args: &[String],
+    limit: Duration,
+) -> Result<String, ToolError> {
     let command = format!("{program} {}", args.join(" "));
     tracing::debug!(%command, "running");
-    let output = Command::new(program)
+    let spawn_error = |source| ToolError::Spawn {
+        command: command.clone(),
+        source,
+    };
+    let mut child = Command::new(program)
         .args(args)
         .env("LC_ALL", "C")
-        .output()
-        .map_err(|source| ToolError::Spawn {
-            command: command.clone(),
-            source,
-        })?;
-    if !output.status.success() {
-        let stderr = String::from_utf8_lossy(&output.stderr).trim().to_string();
-        let stdout = String::from_utf8_lossy(&output.stdout).trim().to_string();
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(spawn_error)?;
+    // Read both pipes while waiting: a tool that fills one would otherwise never exit.
+    let drain = |pipe: Option<Box<dyn std::io::Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            if let Some(mut pipe) = pipe {
+                let _ = pipe.read_to_end(&mut bytes);
+            }
+            bytes
+        })
+    };
+    let stdout = drain(child.stdout.take().map(|p| Box::new(p) as _));
+    let stderr = drain(child.stderr.take().map(|p| Box::new(p) as _));
+    let Some(status) = child.wait_timeout(limit).map_err(spawn_error)? else {
+        // A process in uninterruptible sleep outlives SIGKILL: neither waited for nor
+        // its pipes, so the agent goes on.
+        let _ = child.kill();
+        std::thread::spawn(move || child.wait());
+        return Err(ToolError::TimedOut { command, limit });
+    };
+    let stdout = String::from_utf8_lossy(&stdout.join().unwrap_or_default()).into_owned();
+    let stderr = String::from_utf8_lossy(&stderr.join().unwrap_or_default())
+        .trim()
+        .to_string();
+    if !status.success() {
         return Err(ToolError::Failed {
             command,
-            status: output.status.to_string(),
-            stderr: if stderr.is_empty() { stdout } else { stderr },
+            status: status.to_string(),
+            stderr: if stderr.is_empty() {
+                stdout.trim().to_string()
+            } else {
+                stderr
+            },
         });
     }
-    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+    Ok(stdout)
 }
 
 /// `depmod -b <dir> <kernel>` when `<dir>/lib/modules/<kernel>/modules.dep` is missing.
@@ -376,5 +424,24 @@ mod tests {
         assert_eq!(parsed[0].name, "kmm_hello");
         assert_eq!(parsed[1].name, "kmm_hello_dep");
         assert_eq!(parsed[1].parameters, ["x=1", "y=2"]);
+    }
+
+    #[test]
+    fn a_tool_that_hangs_is_killed_and_reported() {
+        let started = std::time::Instant::now();
+        let error =
+            run_tool_within("sleep", &["30".into()], Duration::from_millis(200)).unwrap_err();
+        assert!(matches!(error, ToolError::TimedOut { .. }), "{error}");
+        assert!(error.to_string().contains("sleep 30"), "{error}");
+        assert!(started.elapsed() < Duration::from_secs(10));
+        let output = run_tool_within("echo", &["done".into()], Duration::from_secs(10)).unwrap();
+        assert_eq!(output.trim(), "done");
+        let error = run_tool_within(
+            "sh",
+            &["-c".into(), "echo why >&2; exit 3".into()],
+            Duration::from_secs(10),
+        )
+        .unwrap_err();
+        assert!(error.to_string().contains("why"), "{error}");
     }
 }

@@ -1,6 +1,8 @@
 //! One `oci-client` per `registryTLS`, the pull secret's credentials for the image's
 //! registry, and the digest an image reference stands for.
 
+use std::time::Duration;
+
 use oci_client::client::{ClientConfig, ClientProtocol};
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference};
@@ -17,7 +19,14 @@ pub fn parse_reference(image: &str) -> Result<Reference, RegistryError> {
     )
 }
 
-/// A client speaking plain HTTP, HTTPS, or HTTPS without verifying the certificate.
+/// How long connecting to a registry may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a registry may leave a response (or a blob's next bytes) waiting: a registry
+/// that stalls mid-download fails the pull instead of holding it forever.
+pub const READ_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A client speaking plain HTTP, HTTPS, or HTTPS without verifying the certificate, with
+/// [`CONNECT_TIMEOUT`] and [`READ_TIMEOUT`].
 pub fn client(tls: RegistryTls) -> Client {
     Client::new(ClientConfig {
         protocol: if tls.insecure {
@@ -26,6 +35,8 @@ pub fn client(tls: RegistryTls) -> Client {
             ClientProtocol::Https
         },
         accept_invalid_certificates: tls.insecure_skip_tls_verify,
+        connect_timeout: Some(CONNECT_TIMEOUT),
+        read_timeout: Some(READ_TIMEOUT),
         ..Default::default()
     })
 }

@@ -1,9 +1,13 @@
 //! Pulling with `oci-client`: tags are resolved to a digest once; manifests and layers
-//! are fetched by digest into the cache (layers verified against their digest by the
-//! client before they are moved into place). Credentials stay in memory.
+//! are fetched by digest into the cache. A layer is written no further than the size its
+//! manifest declares, verified against its digest by the client, flushed to disk, and
+//! only then renamed into place: a cached blob is always whole. Credentials stay in
+//! memory.
 
 use std::collections::HashMap;
+use std::pin::Pin;
 use std::sync::Mutex;
+use std::task::{Context, Poll};
 
 pub(crate) use kmm_registry::error_chain;
 use kmm_registry::{RegistryError, parse_reference};
@@ -21,6 +25,12 @@ pub enum PullError {
     UnsupportedLayer { image: String, media_type: String },
     #[error(transparent)]
     Cache(#[from] CacheError),
+    #[error("{image}: layer {digest} is larger than the {declared} bytes its manifest declares")]
+    Oversized {
+        image: String,
+        digest: String,
+        declared: u64,
+    },
 }
 
 impl PullError {
@@ -149,16 +159,95 @@ impl Puller {
             let file = tokio::fs::File::create(&tmp)
                 .await
                 .map_err(io("creating", &tmp))?;
-            let result = client.pull_blob(&reference, layer, file).await;
+            let declared = u64::try_from(layer.size).unwrap_or(0);
+            let mut bounded = Bounded::new(file, declared);
+            let result = client.pull_blob(&reference, layer, &mut bounded).await;
             if let Err(e) = result {
                 let _ = tokio::fs::remove_file(&tmp).await;
-                return Err(PullError::from_client(request.image, e));
+                return Err(if bounded.exceeded {
+                    PullError::Oversized {
+                        image: request.image.to_string(),
+                        digest: layer.digest.clone(),
+                        declared,
+                    }
+                } else {
+                    PullError::from_client(request.image, e)
+                });
             }
+            bounded
+                .inner
+                .sync_all()
+                .await
+                .map_err(io("flushing", &tmp))?;
             tokio::fs::rename(&tmp, &path)
                 .await
                 .map_err(io("renaming", &tmp))?;
             downloaded = true;
         }
         Ok((manifest, downloaded))
+    }
+}
+
+/// A writer that refuses to go past `limit` bytes: a registry cannot fill the disk with
+/// more than the manifest declared (the digest check would only come at the end).
+struct Bounded<W> {
+    inner: W,
+    remaining: u64,
+    exceeded: bool,
+}
+
+impl<W> Bounded<W> {
+    fn new(inner: W, limit: u64) -> Self {
+        Self {
+            inner,
+            remaining: limit,
+            exceeded: false,
+        }
+    }
+}
+
+impl<W: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Bounded<W> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        if buf.len() as u64 > self.remaining {
+            self.exceeded = true;
+            return Poll::Ready(Err(std::io::Error::other(
+                "more bytes than the manifest declares",
+            )));
+        }
+        let written = std::task::ready!(Pin::new(&mut self.inner).poll_write(cx, buf))?;
+        self.remaining -= written as u64;
+        Poll::Ready(Ok(written))
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::AsyncWriteExt as _;
+
+    use super::Bounded;
+
+    #[tokio::test]
+    async fn a_writer_bounded_by_the_declared_size_refuses_one_byte_more() {
+        let mut exact = Bounded::new(Vec::new(), 4);
+        exact.write_all(b"abcd").await.unwrap();
+        assert_eq!(exact.inner, b"abcd");
+        assert!(!exact.exceeded);
+        let mut over = Bounded::new(Vec::new(), 4);
+        over.write_all(b"abc").await.unwrap();
+        assert!(over.write_all(b"de").await.is_err());
+        assert!(over.exceeded);
+        assert_eq!(over.inner, b"abc", "nothing past the limit is written");
     }
 }
