@@ -345,3 +345,112 @@ async fn hostile_images_from_the_registry_are_refused_and_leave_nothing() {
         assert!(!std::path::Path::new("/escaped").exists());
     }
 }
+
+/// A registry that lies about one layer: it serves `served` for the layer the manifest
+/// declares as `declared` (its digest and size). Plain HTTP/1.1, one request per
+/// connection, on loopback.
+struct LyingRegistry {
+    address: String,
+    _server: tokio::task::JoinHandle<()>,
+}
+
+impl LyingRegistry {
+    async fn start(declared: &PushLayer, served: Vec<u8>) -> Self {
+        use sha2::Digest as _;
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+        let digest = |bytes: &[u8]| format!("sha256:{:x}", sha2::Sha256::digest(bytes));
+        let config = serde_json::to_vec(&serde_json::json!({
+            "architecture": "amd64", "os": "linux",
+            "rootfs": {"type": "layers", "diff_ids": [declared.diff_id]},
+        }))
+        .unwrap();
+        let layer_digest = digest(&declared.blob);
+        let manifest = serde_json::to_vec(&serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                       "digest": digest(&config), "size": config.len()},
+            "layers": [{"mediaType": declared.media_type,
+                        "digest": layer_digest, "size": declared.blob.len()}],
+        }))
+        .unwrap();
+        let manifest_digest = digest(&manifest);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let server = tokio::spawn(async move {
+            loop {
+                let Ok((mut stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") {
+                    if stream.read_exact(&mut byte).await.is_err() {
+                        break;
+                    }
+                    head.push(byte[0]);
+                }
+                let head = String::from_utf8_lossy(&head).into_owned();
+                let mut words = head.split_whitespace();
+                let (method, path) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
+                let (body, kind): (&[u8], &str) = if path.contains("/manifests/") {
+                    (&manifest, "application/vnd.oci.image.manifest.v1+json")
+                } else if path.ends_with(&layer_digest) {
+                    (&served, "application/octet-stream")
+                } else if path.contains("/blobs/") {
+                    (&config, "application/octet-stream")
+                } else {
+                    (b"{}", "application/json")
+                };
+                let mut response = format!(
+                    "HTTP/1.1 200 OK\r\nContent-Type: {kind}\r\nContent-Length: {}\r\n\
+                     Docker-Content-Digest: {manifest_digest}\r\nConnection: close\r\n\r\n",
+                    body.len()
+                )
+                .into_bytes();
+                if method != "HEAD" {
+                    response.extend_from_slice(body);
+                }
+                let _ = stream.write_all(&response).await;
+            }
+        });
+        Self {
+            address,
+            _server: server,
+        }
+    }
+}
+
+/// A layer bigger than its manifest says, or with other bytes than its digest says, is
+/// refused and never reaches the cache, not even half-written.
+#[tokio::test]
+async fn a_layer_unlike_its_manifest_is_refused_and_never_cached() {
+    let layer = gzip_layer(&Sample::good(kernel()).tar());
+    let mut oversized = layer.blob.clone();
+    oversized.extend(std::iter::repeat_n(0u8, 1 << 20));
+    let mut corrupt = layer.blob.clone();
+    let middle = corrupt.len() / 2;
+    corrupt[middle] ^= 0xff;
+    for (name, served, expected) in [
+        ("oversized", oversized, "larger than the"),
+        ("corrupt", corrupt, "digest"),
+    ] {
+        let registry = LyingRegistry::start(&layer, served).await;
+        let image = format!("{}/lie:v1", registry.address);
+        let cache_dir = tempfile::tempdir().unwrap();
+        let store = ImageStore::new(Cache::open(cache_dir.path()).unwrap(), Limits::default());
+        let err = store
+            .fetch(&request(&image, INSECURE, None))
+            .await
+            .unwrap_err();
+        let text = kmm_error_text(&err);
+        assert!(text.contains(expected), "{name}: {text}");
+        let blobs = tree(&cache_dir.path().join("blobs"));
+        assert!(
+            blobs.iter().all(|p| p.is_dir()),
+            "{name}: a blob reached the cache: {blobs:?}"
+        );
+        assert!(tree(&cache_dir.path().join("tmp")).is_empty(), "{name}");
+    }
+}
