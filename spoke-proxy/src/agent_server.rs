@@ -15,11 +15,17 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::agent_auth::{AuthError, TokenAuthenticator};
+use crate::agent_auth::{AuthError, Authenticated, TokenAuthenticator};
 use crate::metrics::Metrics;
+use crate::rate_limit::TokenBucket;
+use crate::review_cache;
 use crate::shared_state::SharedState;
 
 type Replacement = (u64, oneshot::Sender<()>);
+
+/// Events one agent may send at once, and then per second.
+const EVENT_BURST: u32 = 200;
+const EVENTS_PER_SECOND: u32 = 20;
 
 /// How long an authenticated agent may take to say hello.
 const HELLO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
@@ -65,7 +71,7 @@ impl AgentService {
     async fn authenticate(
         &self,
         request: &Request<Streaming<AgentMessage>>,
-    ) -> Result<String, Status> {
+    ) -> Result<Authenticated, Status> {
         let token = request
             .metadata()
             .get("authorization")
@@ -82,18 +88,24 @@ impl AgentService {
                 )
             })?;
         self.auth
-            .node_of(token)
+            .authenticate(token)
             .await
             .map_err(|error| match &error {
                 AuthError::Refused(refusal) if refusal.is_permission() => {
                     self.refuse("forbidden", Status::permission_denied(error.to_string()))
                 }
-                AuthError::Refused(_) => self.refuse(
+                AuthError::RefusedBefore {
+                    permission: true, ..
+                } => self.refuse("forbidden", Status::permission_denied(error.to_string())),
+                AuthError::Refused(_) | AuthError::RefusedBefore { .. } => self.refuse(
                     "unauthenticated",
                     Status::unauthenticated(error.to_string()),
                 ),
                 AuthError::Review(_) => {
                     self.refuse("review_failed", Status::unavailable(error.to_string()))
+                }
+                AuthError::Throttled { .. } => {
+                    self.refuse("throttled", Status::resource_exhausted(error.to_string()))
                 }
             })
     }
@@ -130,7 +142,7 @@ impl Agent for AgentService {
         &self,
         request: Request<Streaming<AgentMessage>>,
     ) -> Result<Response<Self::AttachStream>, Status> {
-        let node = self.authenticate(&request).await?;
+        let Authenticated { node, expires } = self.authenticate(&request).await?;
         let mut inbound = request.into_inner();
         let first = tokio::time::timeout(HELLO_TIMEOUT, inbound.message())
             .await
@@ -172,9 +184,12 @@ impl Agent for AgentService {
         let (id, replaced) = self.register(&node);
         let (tx, rx) = mpsc::channel(4);
         let service = self.clone();
+        // The stream lives no longer than the token that opened it; the agent reconnects
+        // with the one the kubelet rotated in.
+        let deadline = expires.map(|at| review_cache::instant_of(at, std::time::Instant::now()));
         tokio::spawn(async move {
             service.metrics.agents_connected.inc();
-            let end = service.serve(&node, inbound, &tx, replaced).await;
+            let end = service.serve(&node, inbound, &tx, replaced, deadline).await;
             service.metrics.agents_connected.dec();
             service.unregister(&node, id);
             tracing::info!(node, end, "agent stream ended");
@@ -192,9 +207,21 @@ impl AgentService {
         mut inbound: Streaming<AgentMessage>,
         tx: &mpsc::Sender<Result<AgentInstruction, Status>>,
         mut replaced: oneshot::Receiver<()>,
+        deadline: Option<std::time::Instant>,
     ) -> &'static str {
         let mut changes = self.state.subscribe();
         let mut sent_revision = None;
+        let expired = async {
+            match deadline {
+                Some(at) => tokio::time::sleep_until(at.into()).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(expired);
+        // An agent sends an event per load or unload attempt: a burst at start, then a
+        // trickle. One that floods is cut off, so it cannot starve the other nodes.
+        let mut events =
+            TokenBucket::new(EVENT_BURST, EVENTS_PER_SECOND, std::time::Instant::now());
         loop {
             changes.borrow_and_update();
             let revision = self.state.read(|s| s.desired_revision(node));
@@ -224,9 +251,20 @@ impl AgentService {
                     let _ = tx.send(Err(Status::aborted(format!("a newer stream for node {node:?} replaced this one")))).await;
                     return "replaced by a newer stream";
                 }
+                () = &mut expired => {
+                    let _ = tx.send(Err(Status::unauthenticated("the agent's token expired; reconnect with the current one"))).await;
+                    return "token expired";
+                }
                 _ = changes.changed() => {}
                 message = inbound.message() => match message {
                     Ok(Some(AgentMessage { message: Some(agent_message::Message::Event(event)) })) => {
+                        if !events.try_take(std::time::Instant::now()) {
+                            self.refuse("flooding", Status::resource_exhausted("too many events"));
+                            let _ = tx.send(Err(Status::resource_exhausted(format!(
+                                "more than {EVENTS_PER_SECOND} events a second from node {node:?}; reconnect later"
+                            )))).await;
+                            return "cut off for flooding";
+                        }
                         self.metrics.agent_events.inc();
                         tracing::info!(
                             node,

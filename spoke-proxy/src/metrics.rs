@@ -22,6 +22,8 @@ pub struct Metrics {
     pub agent_events: Counter,
     pub label_patches: Counter,
     pub label_patch_errors: Counter,
+    pub token_reviews: Counter,
+    pub token_review_cache_hits: Counter,
 }
 
 impl Metrics {
@@ -78,6 +80,16 @@ impl Metrics {
             "label_patch_errors",
             "Node label patches that failed",
             self.label_patch_errors.clone(),
+        );
+        r.register(
+            "token_reviews",
+            "TokenReviews of agent tokens sent to the API server",
+            self.token_reviews.clone(),
+        );
+        r.register(
+            "token_review_cache_hits",
+            "Agent attaches answered from the TokenReview cache",
+            self.token_review_cache_hits.clone(),
         );
     }
 }

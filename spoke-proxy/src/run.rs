@@ -143,6 +143,7 @@ pub async fn run(
         client.clone(),
         config.token_audience.clone(),
         config.agent_service_account.clone(),
+        metrics.clone(),
     );
     let service = AgentService::new(state, auth, metrics, cancel.clone());
     let tls = serving::server_config(certificate.clone(), None, &[b"h2"])

@@ -938,3 +938,154 @@ async fn a_node_kubernetes_marks_not_ready_keeps_its_module() -> Result<()> {
     proxy.stop().await?;
     spoke.cleanup().await
 }
+
+/// The value of counter `name` on the proxy's `/metrics`.
+async fn counter(proxy: &ProxyProcess, name: &str) -> Result<u64> {
+    let text = proxy.metrics().await?;
+    let prefix = format!("kmm_spoke_proxy_{name}_total ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix)?.trim().parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("no counter {name} in:\n{text}"))
+}
+
+/// An agent reconnecting costs one TokenReview, not one per attach; clients attaching
+/// with tokens of their own making cannot make the proxy review more than its rate.
+#[tokio::test]
+async fn token_reviews_are_cached_and_rate_limited() -> Result<()> {
+    let Started {
+        spoke,
+        pki: _pki,
+        hub: _hub,
+        proxy,
+        ca,
+    } = start("proxy-reviews").await?;
+    let token = spoke.agent_token(0).await?;
+    for _ in 0..10 {
+        let mut agent = AgentConn::attach(
+            proxy.agent_addr,
+            &ca,
+            Some(&token),
+            hello(spoke.node_name(0)),
+        )
+        .await?;
+        // Attached: the stream answers (no intents yet, so it stays quiet).
+        ensure!(
+            agent.quiet_for(Duration::from_millis(50)).await.is_none(),
+            "the stream ended"
+        );
+    }
+    ensure!(
+        counter(&proxy, "token_reviews").await? == 1,
+        "one token, one review"
+    );
+    ensure!(counter(&proxy, "token_review_cache_hits").await? >= 9);
+
+    // Made-up tokens, all at once: most are refused without a review.
+    let attempts = (0..120).map(|i| {
+        let ca = ca.clone();
+        let node = spoke.node_name(0).to_string();
+        async move {
+            AgentConn::attach(
+                proxy.agent_addr,
+                &ca,
+                Some(&format!("made-up-{i}")),
+                hello(&node),
+            )
+            .await
+            .err()
+            .map(|status| status.code())
+        }
+    });
+    let started = std::time::Instant::now();
+    let codes = futures::future::join_all(attempts).await;
+    let reviews = counter(&proxy, "token_reviews").await? - 1;
+    let allowed = 50 + 10 * (started.elapsed().as_secs() + 1);
+    ensure!(
+        reviews <= allowed,
+        "{reviews} reviews for 120 made-up tokens in {:?}",
+        started.elapsed()
+    );
+    ensure!(
+        codes.contains(&Some(Code::ResourceExhausted)),
+        "none throttled: {codes:?}"
+    );
+    ensure!(
+        codes
+            .iter()
+            .all(|c| matches!(c, Some(Code::ResourceExhausted | Code::Unauthenticated))),
+        "{codes:?}"
+    );
+    proxy.stop().await?;
+    spoke.cleanup().await
+}
+
+/// An agent that floods the proxy with events is cut off; another node's agent keeps
+/// its stream and its work.
+#[tokio::test]
+async fn a_flooding_agent_is_cut_off_without_affecting_others() -> Result<()> {
+    let Started {
+        spoke,
+        pki: _pki,
+        mut hub,
+        proxy,
+        ca,
+    } = start("proxy-flood").await?;
+    let stream = hub.next_stream().await?;
+    stream.send(snapshot(
+        1,
+        vec![
+            intent_for_node(&spoke, "hello", 0),
+            intent_for_node(&spoke, "other", 1),
+        ],
+    ))?;
+    let mut flooder = AgentConn::attach(
+        proxy.agent_addr,
+        &ca,
+        Some(&spoke.agent_token(0).await?),
+        hello(spoke.node_name(0)),
+    )
+    .await?;
+    let desired = flooder.next_desired().await?;
+    let mut other = AgentConn::attach(
+        proxy.agent_addr,
+        &ca,
+        Some(&spoke.agent_token(1).await?),
+        hello(spoke.node_name(1)),
+    )
+    .await?;
+    other.next_desired().await?;
+    for _ in 0..1000 {
+        if flooder
+            .send(event(&spoke, "hello", Action::Load, desired.revision))
+            .await
+            .is_err()
+        {
+            break;
+        }
+    }
+    let ended = loop {
+        match flooder.next_desired().await {
+            Ok(_) => continue,
+            Err(e) => break format!("{e:#}"),
+        }
+    };
+    ensure!(
+        ended.contains("too many events") || ended.contains("events a second"),
+        "{ended}"
+    );
+    // The other node is unaffected: its event counts and new work reaches it.
+    other.send(event(&spoke, "other", Action::Load, 1)).await?;
+    stream.send(snapshot(
+        2,
+        vec![
+            intent_for_node(&spoke, "hello", 0),
+            intent_for_node(&spoke, "other", 1),
+            intent_for_node(&spoke, "more", 1),
+        ],
+    ))?;
+    let more = other.next_desired().await?;
+    ensure!(more.modules.len() == 2, "{more:?}");
+    drop((flooder, other));
+    proxy.stop().await?;
+    spoke.cleanup().await
+}
