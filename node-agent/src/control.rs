@@ -6,9 +6,10 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 
 use crate::desired::DesiredSnapshot;
+pub use crate::event_queue::{EventReceiver, EventSender};
 
 /// Sent first on every connection.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -93,12 +94,11 @@ pub(crate) fn now_unix_ms() -> u64 {
 /// agent never acts on silence.
 pub type IntentReceiver = watch::Receiver<Option<DesiredSnapshot>>;
 pub type IntentSender = watch::Sender<Option<DesiredSnapshot>>;
-pub type EventSender = mpsc::UnboundedSender<AgentEvent>;
-pub type EventReceiver = mpsc::UnboundedReceiver<AgentEvent>;
 
-/// The two channels between the agent and a control-plane client.
+/// The two channels between the agent and a control-plane client: the latest intents
+/// down, the events (bounded, coalesced by module) up.
 pub fn channels() -> ((IntentSender, IntentReceiver), (EventSender, EventReceiver)) {
-    (watch::channel(None), mpsc::unbounded_channel())
+    (watch::channel(None), crate::event_queue::event_queue())
 }
 
 /// What the reconciler has done so far: its loaded modules (for a [`Hello`] on every

@@ -9,6 +9,7 @@ pub mod agent;
 pub mod check_image;
 pub mod control;
 pub mod desired;
+pub mod event_queue;
 pub mod firmware;
 pub mod image;
 pub mod kernel;

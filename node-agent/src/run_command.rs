@@ -7,6 +7,7 @@ use std::time::Duration;
 use anyhow::Context;
 use kmm_node_agent::agent::{self, LoopTiming};
 use kmm_node_agent::control::{self, EventReceiver};
+use kmm_node_agent::event_queue::event_queue;
 use kmm_node_agent::image::ImageStore;
 use kmm_node_agent::image::cache::Cache;
 use kmm_node_agent::kernel::{HostKernel, Kernel, SimulatedKernel};
@@ -17,7 +18,7 @@ use kmm_node_agent::reconcile::Reconciler;
 use kmm_node_agent::state::StateStore;
 use kmm_runtime::health::Health;
 use prometheus_client::registry::Registry;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 
 use crate::standalone;
 use crate::{Backend, RunArgs};
@@ -116,7 +117,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<()> {
 
 /// Counts every event in the metrics on its way to the control plane, connected or not.
 fn observed(mut events: EventReceiver, metrics: Metrics) -> EventReceiver {
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (tx, rx) = event_queue();
     tokio::spawn(async move {
         while let Some(event) = events.recv().await {
             metrics.observe(&event);
