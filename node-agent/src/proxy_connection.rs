@@ -265,14 +265,20 @@ impl ProxyConnection {
         // Bounded, so that a proxy stuck before answering (e.g. on its TokenReview) is
         // retried rather than waited for forever.
         let answer = self.config.connect_timeout * 3;
-        let mut inbound = tokio::time::timeout(answer, AgentClient::new(channel).attach(request))
-            .await
-            .map_err(|_| ConnectionError::NoAnswer(answer))?
-            .map_err(|status| ConnectionError::Refused {
-                code: status.code(),
-                message: status.message().to_string(),
-            })?
-            .into_inner();
+        let mut inbound = tokio::time::timeout(
+            answer,
+            AgentClient::new(channel)
+                .max_encoding_message_size(kmm_proto::limits::AGENT_MESSAGE)
+                .max_decoding_message_size(kmm_proto::limits::AGENT_INSTRUCTION)
+                .attach(request),
+        )
+        .await
+        .map_err(|_| ConnectionError::NoAnswer(answer))?
+        .map_err(|status| ConnectionError::Refused {
+            code: status.code(),
+            message: status.message().to_string(),
+        })?
+        .into_inner();
         self.connected.send_replace(true);
         tracing::info!(%address, loaded = hello.loaded.len(), "connected to the proxy");
 

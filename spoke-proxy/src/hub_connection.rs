@@ -233,7 +233,9 @@ async fn session(
         .map_err(|_| SessionError::Closed)?;
     }
 
-    let mut client = HubClient::new(channel);
+    let mut client = HubClient::new(channel)
+        .max_encoding_message_size(kmm_proto::limits::PROXY_MESSAGE)
+        .max_decoding_message_size(kmm_proto::limits::HUB_MESSAGE);
     let response = tokio::select! {
         () = cancel.cancelled() => return Ok(SessionEnd::Shutdown),
         response = tokio::time::timeout(HANDSHAKE, client.sync(ReceiverStream::new(rx))) => response

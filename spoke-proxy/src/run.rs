@@ -160,7 +160,11 @@ pub async fn run(
     let server = Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
-        .add_service(AgentServer::new(service))
+        .add_service(
+            AgentServer::new(service)
+                .max_decoding_message_size(kmm_proto::limits::AGENT_MESSAGE)
+                .max_encoding_message_size(kmm_proto::limits::AGENT_INSTRUCTION),
+        )
         .serve_with_incoming_shutdown(serving::incoming(agent_listener, tls, cancel.clone()), {
             let cancel = cancel.clone();
             async move { cancel.cancelled().await }

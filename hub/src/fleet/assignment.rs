@@ -87,24 +87,29 @@ mod tests {
 
     fn reported(entries: &[(&str, ModuleState)]) -> NodeStatuses {
         let mut statuses = NodeStatuses::default();
-        statuses.apply(NodeStatusReport {
-            full: true,
-            statuses: entries
-                .iter()
-                .map(|(name, state)| ModuleNodeStatus {
-                    key: Some(ModuleNodeKey {
-                        module: Some(ModuleKey {
-                            namespace: "drivers".into(),
-                            name: (*name).into(),
-                        }),
-                        node: "n1".into(),
-                    }),
-                    state: (*state).into(),
-                    ..ModuleNodeStatus::default()
-                })
-                .collect(),
-            ..NodeStatusReport::default()
-        });
+        statuses
+            .apply(
+                NodeStatusReport {
+                    full: true,
+                    statuses: entries
+                        .iter()
+                        .map(|(name, state)| ModuleNodeStatus {
+                            key: Some(ModuleNodeKey {
+                                module: Some(ModuleKey {
+                                    namespace: "drivers".into(),
+                                    name: (*name).into(),
+                                }),
+                                node: "n1".into(),
+                            }),
+                            state: (*state).into(),
+                            ..ModuleNodeStatus::default()
+                        })
+                        .collect(),
+                    ..NodeStatusReport::default()
+                },
+                |_, _| true,
+            )
+            .unwrap();
         statuses
     }
 

@@ -1,12 +1,25 @@
 //! What a cluster's spoke proxy last reported about every module on every node: a full
 //! report replaces everything, a delta updates and removes entries. Pure.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use kmm_proto::v1::{ModuleKey, ModuleNodeStatus, ModuleState, NodeStatusReport};
 
 /// `(spokeNamespace, module name, node)`.
 type EntryKey = (String, String, String);
+
+/// Node statuses one cluster may hold: a report that would go beyond is refused, so no
+/// proxy can grow the hub's memory without bound (5,000 nodes with 50 modules fit).
+pub const MAX_ENTRIES: usize = 250_000;
+
+/// A report refused for its size.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the report would leave {entries} node statuses, more than the {MAX_ENTRIES} a cluster may hold"
+)]
+pub struct TooManyStatuses {
+    pub entries: usize,
+}
 
 /// The per-module per-node status of one cluster.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -15,26 +28,66 @@ pub struct NodeStatuses {
 }
 
 impl NodeStatuses {
-    /// Applies a report. Entries without a complete key are ignored: they cannot be
-    /// attributed to a module and node.
-    pub fn apply(&mut self, report: NodeStatusReport) {
+    /// Applies a report. Entries without a complete key are ignored (they cannot be
+    /// attributed to a module and node), and so are entries of modules `known` denies
+    /// (modules the hub never sent the cluster). A report that would leave more than
+    /// [`MAX_ENTRIES`] is refused whole.
+    pub fn apply(
+        &mut self,
+        report: NodeStatusReport,
+        known: impl Fn(&str, &str) -> bool,
+    ) -> Result<(), TooManyStatuses> {
+        let keyed: Vec<(EntryKey, ModuleNodeStatus)> = report
+            .statuses
+            .into_iter()
+            .filter_map(|status| {
+                let key = status
+                    .key
+                    .as_ref()
+                    .and_then(|k| entry_key(k.module.as_ref(), &k.node))?;
+                known(&key.0, &key.1).then_some((key, status))
+            })
+            .collect();
+        let removed: BTreeSet<EntryKey> = report
+            .removed
+            .iter()
+            .filter_map(|r| entry_key(r.module.as_ref(), &r.node))
+            .collect();
+        let kept = if report.full {
+            0
+        } else {
+            self.entries.len()
+                - removed
+                    .iter()
+                    .filter(|k| self.entries.contains_key(*k))
+                    .count()
+        };
+        let added = keyed
+            .iter()
+            .filter(|(k, _)| report.full || removed.contains(k) || !self.entries.contains_key(k))
+            .count();
+        if kept + added > MAX_ENTRIES {
+            return Err(TooManyStatuses {
+                entries: kept + added,
+            });
+        }
         if report.full {
             self.entries.clear();
         }
-        for removed in &report.removed {
-            if let Some(key) = entry_key(removed.module.as_ref(), &removed.node) {
-                self.entries.remove(&key);
-            }
+        for key in &removed {
+            self.entries.remove(key);
         }
-        for status in report.statuses {
-            let key = status
-                .key
-                .as_ref()
-                .and_then(|k| entry_key(k.module.as_ref(), &k.node));
-            if let Some(key) = key {
-                self.entries.insert(key, status);
-            }
-        }
+        self.entries.extend(keyed);
+        Ok(())
+    }
+
+    /// How many node statuses are held.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
     }
 
     /// Every node's status for one module, ordered by node name.
@@ -107,34 +160,49 @@ mod tests {
     #[test]
     fn full_report_replaces_and_delta_updates_and_removes() {
         let mut statuses = NodeStatuses::default();
-        statuses.apply(NodeStatusReport {
-            full: true,
-            statuses: vec![
-                status("a", "n1", ModuleState::Loaded),
-                status("a", "n2", ModuleState::Pending),
-                status("b", "n1", ModuleState::Loaded),
-            ],
-            removed: vec![],
-            ..NodeStatusReport::default()
-        });
+        statuses
+            .apply(
+                NodeStatusReport {
+                    full: true,
+                    statuses: vec![
+                        status("a", "n1", ModuleState::Loaded),
+                        status("a", "n2", ModuleState::Pending),
+                        status("b", "n1", ModuleState::Loaded),
+                    ],
+                    removed: vec![],
+                    ..NodeStatusReport::default()
+                },
+                |_, _| true,
+            )
+            .unwrap();
         assert_eq!(nodes(&statuses.module("drivers", "a")), ["n1", "n2"]);
-        statuses.apply(NodeStatusReport {
-            full: false,
-            statuses: vec![status("a", "n2", ModuleState::Unloaded)],
-            removed: vec![key("a", "n1")],
-            ..NodeStatusReport::default()
-        });
+        statuses
+            .apply(
+                NodeStatusReport {
+                    full: false,
+                    statuses: vec![status("a", "n2", ModuleState::Unloaded)],
+                    removed: vec![key("a", "n1")],
+                    ..NodeStatusReport::default()
+                },
+                |_, _| true,
+            )
+            .unwrap();
         let a = statuses.module("drivers", "a");
         assert_eq!(nodes(&a), ["n2"]);
         assert_eq!(a[0].state, i32::from(ModuleState::Unloaded));
         assert!(statuses.not_unloaded("drivers", "a").is_empty());
         assert_eq!(statuses.not_unloaded("drivers", "b"), ["n1"]);
-        statuses.apply(NodeStatusReport {
-            full: true,
-            statuses: vec![status("c", "n9", ModuleState::Failed)],
-            removed: vec![],
-            ..NodeStatusReport::default()
-        });
+        statuses
+            .apply(
+                NodeStatusReport {
+                    full: true,
+                    statuses: vec![status("c", "n9", ModuleState::Failed)],
+                    removed: vec![],
+                    ..NodeStatusReport::default()
+                },
+                |_, _| true,
+            )
+            .unwrap();
         assert!(statuses.module("drivers", "b").is_empty(), "full replaces");
         assert_eq!(statuses.not_unloaded("drivers", "c"), ["n9"]);
         assert!(
@@ -146,16 +214,66 @@ mod tests {
     #[test]
     fn entries_without_a_complete_key_are_ignored() {
         let mut statuses = NodeStatuses::default();
-        statuses.apply(NodeStatusReport {
-            full: false,
-            statuses: vec![
-                ModuleNodeStatus::default(),
-                status("", "n1", ModuleState::Loaded),
-                status("a", "", ModuleState::Loaded),
-            ],
-            removed: vec![ModuleNodeKey::default()],
-            ..NodeStatusReport::default()
-        });
+        statuses
+            .apply(
+                NodeStatusReport {
+                    full: false,
+                    statuses: vec![
+                        ModuleNodeStatus::default(),
+                        status("", "n1", ModuleState::Loaded),
+                        status("a", "", ModuleState::Loaded),
+                    ],
+                    removed: vec![ModuleNodeKey::default()],
+                    ..NodeStatusReport::default()
+                },
+                |_, _| true,
+            )
+            .unwrap();
         assert_eq!(statuses, NodeStatuses::default());
+    }
+
+    #[test]
+    fn statuses_of_modules_never_sent_are_ignored_and_the_total_is_bounded() {
+        let mut statuses = NodeStatuses::default();
+        statuses
+            .apply(
+                NodeStatusReport {
+                    full: true,
+                    statuses: vec![
+                        status("a", "n1", ModuleState::Loaded),
+                        status("stranger", "n1", ModuleState::Loaded),
+                    ],
+                    ..NodeStatusReport::default()
+                },
+                |_, name| name == "a",
+            )
+            .unwrap();
+        assert_eq!(statuses.len(), 1);
+        assert!(statuses.module("drivers", "stranger").is_empty());
+
+        let flood = |n: usize, full: bool| NodeStatusReport {
+            full,
+            statuses: (0..n)
+                .map(|i| status("a", &format!("n{i}"), ModuleState::Pending))
+                .collect(),
+            ..NodeStatusReport::default()
+        };
+        let before = statuses.clone();
+        let refused = statuses
+            .apply(flood(MAX_ENTRIES + 1, true), |_, _| true)
+            .unwrap_err();
+        assert_eq!(refused.entries, MAX_ENTRIES + 1);
+        assert_eq!(statuses, before, "a refused report changes nothing");
+        statuses
+            .apply(flood(MAX_ENTRIES, true), |_, _| true)
+            .unwrap();
+        assert_eq!(statuses.len(), MAX_ENTRIES);
+        // Updating existing entries is fine; one new node is one too many.
+        statuses.apply(flood(10, false), |_, _| true).unwrap();
+        let one_more = NodeStatusReport {
+            statuses: vec![status("a", "new", ModuleState::Pending)],
+            ..NodeStatusReport::default()
+        };
+        assert!(statuses.apply(one_more, |_, _| true).is_err());
     }
 }

@@ -260,9 +260,40 @@ impl FleetState {
             return;
         }
         let entry = inner.clusters.entry(cluster.to_owned()).or_default();
-        entry.statuses_known |= report.full;
-        entry.acked_revision = entry.acked_revision.max(report.intent_revision);
-        entry.statuses.apply(report);
+        let acked = report.intent_revision;
+        let full = report.full;
+        // Statuses of modules the hub does not know (no ManagedClusterModule, nothing
+        // sent) mean nothing here: a proxy cannot make the hub keep them.
+        let mut known_modules: BTreeSet<(String, String)> = self
+            .stores
+            .modules
+            .state()
+            .iter()
+            .map(|m| (m.spec.spoke_namespace.clone(), m.name_any()))
+            .collect();
+        if let Some(sent) = entry.outbox.last() {
+            known_modules.extend(
+                sent.modules
+                    .iter()
+                    .filter_map(|m| m.key.as_ref())
+                    .map(|k| (k.namespace.clone(), k.name.clone())),
+            );
+        }
+        let known = |namespace: &str, name: &str| {
+            known_modules.contains(&(namespace.to_owned(), name.to_owned()))
+        };
+        if let Err(refused) = entry.statuses.apply(report, known) {
+            tracing::warn!(cluster, error = %refused, "refused a node status report; ending the stream");
+            if let Some(stream) = inner.sessions.get(cluster) {
+                stream.send_replace(Outbound::End(
+                    tonic::Code::ResourceExhausted,
+                    refused.to_string(),
+                ));
+            }
+            return;
+        }
+        entry.statuses_known |= full;
+        entry.acked_revision = entry.acked_revision.max(acked);
         // Confirmed unloads of deselected modules take them out of the snapshot.
         self.recompute(&mut inner, cluster);
         drop(inner);

@@ -20,6 +20,7 @@ use std::time::Duration;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Secret;
 use kmm_api::ManagedClusterModule;
+use kmm_proto::limits;
 use kmm_proto::v1::hub_server::HubServer;
 use kmm_runtime::health::Health;
 use kmm_runtime::serving;
@@ -259,11 +260,15 @@ pub async fn run(
 
     let grpc_server = Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
-        .add_service(HubServer::new(SyncService {
-            state: state.clone(),
-            metrics: metrics.clone(),
-            addon_name: settings.addon_name.clone(),
-        }))
+        .add_service(
+            HubServer::new(SyncService {
+                state: state.clone(),
+                metrics: metrics.clone(),
+                addon_name: settings.addon_name.clone(),
+            })
+            .max_decoding_message_size(limits::PROXY_MESSAGE)
+            .max_encoding_message_size(limits::HUB_MESSAGE),
+        )
         .serve_with_incoming_shutdown(
             serving::incoming(listeners.grpc, grpc_tls, stop.clone()),
             stop.clone().cancelled_owned(),

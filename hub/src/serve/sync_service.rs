@@ -140,6 +140,7 @@ async fn serve_stream(
     // The handshake checked the certificate once; a stream outliving it ends with it, and
     // the proxy reconnects with its renewed one.
     let expiry = outbound.clone();
+    let failure = outbound.clone();
     let until_expiry = Duration::try_from(expires - OffsetDateTime::now_utc()).unwrap_or_default();
     let expire = tokio::spawn(async move {
         tokio::time::sleep(until_expiry).await;
@@ -193,6 +194,11 @@ async fn serve_stream(
             Ok(None) => break,
             Err(status) => {
                 tracing::info!(cluster, %status, "proxy stream failed");
+                // Tell the proxy why (an oversized message, say), not just end.
+                failure.send_replace(Outbound::End(
+                    status.code(),
+                    format!("the stream from the proxy failed: {}", status.message()),
+                ));
                 break;
             }
         }

@@ -795,3 +795,57 @@ async fn a_stream_ends_when_its_client_certificate_expires() {
     assert!(status.message().contains("expired"), "{status:?}");
     hub.clean_up(namespace, &[], &[]).await;
 }
+
+/// A proxy with a valid certificate that sends a message over the contract's limit loses
+/// its stream; the hub keeps serving the other clusters.
+#[tokio::test]
+async fn a_giant_message_ends_only_its_own_stream() {
+    let fleet = fleet().await;
+    let (hub, namespace) = TestHub::start(&fleet, WAIT).await;
+    hub.label_cluster("spoke1", true).await;
+    hub.label_cluster("spoke2", true).await;
+    hub.create_module("hello-big", module("1", None)).await;
+    let mut hostile = hub.proxy("spoke1", &[MAPPED_KERNEL]).await;
+    let mut other = hub.proxy("spoke2", &[MAPPED_KERNEL]).await;
+    other
+        .snapshot_where("hello-big for spoke2", |s| intent(s, "hello-big").is_some())
+        .await;
+    let mut giant = node_status(
+        "hello-big",
+        "spoke1-node1",
+        ModuleState::Failed,
+        "LoadFailed",
+    );
+    giant.message = "x".repeat(kmm_proto::limits::PROXY_MESSAGE + 1);
+    hostile.send_status(true, vec![giant]).await;
+    let ended = loop {
+        match tokio::time::timeout(WAIT, hostile.inbound.message())
+            .await
+            .expect("the stream ends within the deadline")
+        {
+            Ok(Some(_)) => continue,
+            Ok(None) => break tonic::Status::ok("ended"),
+            Err(status) => break status,
+        }
+    };
+    assert!(
+        matches!(
+            ended.code(),
+            tonic::Code::OutOfRange | tonic::Code::ResourceExhausted
+        ),
+        "{ended:?}"
+    );
+    // spoke2 is served as before: a spec change reaches it.
+    let patch = json!({"spec": {"moduleSpec": {"moduleLoader": {"container": {"version": "2"}}}}});
+    hub.modules()
+        .patch("hello-big", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+    other
+        .snapshot_where("hello-big at version 2 for spoke2", |s| {
+            intent(s, "hello-big").is_some_and(|i| i.generation == 2)
+        })
+        .await;
+    hub.clean_up(namespace, &["hello-big"], &["spoke1", "spoke2"])
+        .await;
+}
