@@ -9,14 +9,24 @@ use std::fs;
 use std::io::Cursor;
 use std::path::{Path, PathBuf};
 
-use kmm_extract::{Compression, Layer, Limits, Selection, extract_image};
 use arbitrary::{Arbitrary, Unstructured};
+use kmm_extract::{Compression, Layer, Limits, Selection, extract_image};
 use libfuzzer_sys::fuzz_target;
 
 const KERNEL: &str = "6.1.0-56-amd64";
 const COMPONENTS: &[&str] = &[
-    "opt", "lib", "modules", KERNEL, "firmware", "..", ".", "a.ko", "outside", ".wh.a.ko",
-    ".wh..wh..opq", "",
+    "opt",
+    "lib",
+    "modules",
+    KERNEL,
+    "firmware",
+    "..",
+    ".",
+    "a.ko",
+    "outside",
+    ".wh.a.ko",
+    ".wh..wh..opq",
+    "",
 ];
 
 #[derive(Debug, Arbitrary)]
@@ -43,7 +53,11 @@ impl Name {
             .map(|p| COMPONENTS[*p as usize % COMPONENTS.len()])
             .collect();
         let joined = parts.join("/");
-        if self.absolute { format!("/{joined}") } else { joined }
+        if self.absolute {
+            format!("/{joined}")
+        } else {
+            joined
+        }
     }
 }
 
@@ -150,10 +164,20 @@ fuzz_target!(|data: &[u8]| {
 
     let mut everything = BTreeSet::new();
     walk(sandbox.path(), &mut everything);
-    let outside: Vec<_> = everything.iter().filter(|p| !p.starts_with(&root)).collect();
-    assert_eq!(outside, vec![&sandbox.path().join("outside")], "written outside the root");
+    let outside: Vec<_> = everything
+        .iter()
+        .filter(|p| !p.starts_with(&root))
+        .collect();
+    assert_eq!(
+        outside,
+        vec![&sandbox.path().join("outside")],
+        "written outside the root"
+    );
     assert!(
-        fs::read_dir(sandbox.path().join("outside")).expect("outside").next().is_none(),
+        fs::read_dir(sandbox.path().join("outside"))
+            .expect("outside")
+            .next()
+            .is_none(),
         "written outside the root"
     );
     match result {

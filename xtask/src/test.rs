@@ -9,7 +9,12 @@ use std::{
 use anyhow::{Context, bail};
 
 /// Fuzz targets run for a bounded time by `cargo xtask test`.
-const FUZZ_TARGETS: &[&str] = &["kernel_template", "extract_layers"];
+const FUZZ_TARGETS: &[&str] = &[
+    "kernel_template",
+    "extract_layers",
+    "hub_messages",
+    "proxy_agent_messages",
+];
 
 #[derive(Debug, clap::Args)]
 pub struct Options {
