@@ -8,5 +8,6 @@ pub mod cli;
 pub mod health;
 pub mod logging;
 pub mod pki;
+pub mod rate_limit;
 pub mod serving;
 pub mod shutdown;

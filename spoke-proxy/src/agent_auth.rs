@@ -13,8 +13,8 @@ use thiserror::Error;
 
 use crate::agent_identity::{Refusal, bound_node};
 use crate::metrics::Metrics;
-use crate::rate_limit::TokenBucket;
 use crate::review_cache::{Answer, MAX_AGE, REFUSAL_AGE, ReviewCache, instant_of, token_expiry};
+use kmm_runtime::rate_limit::TokenBucket;
 
 /// Tokens whose answers are kept (a node has one agent; this is many clusters' worth).
 const CACHE_CAPACITY: usize = 10_000;

@@ -17,9 +17,9 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::agent_auth::{AuthError, Authenticated, TokenAuthenticator};
 use crate::metrics::Metrics;
-use crate::rate_limit::TokenBucket;
 use crate::review_cache;
 use crate::shared_state::SharedState;
+use kmm_runtime::rate_limit::TokenBucket;
 
 type Replacement = (u64, oneshot::Sender<()>);
 

@@ -22,7 +22,6 @@ pub mod node_labels;
 pub mod node_status;
 pub mod nodes;
 pub mod placement;
-pub mod rate_limit;
 pub mod review_cache;
 pub mod run;
 pub mod shared_state;

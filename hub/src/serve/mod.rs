@@ -265,6 +265,7 @@ pub async fn run(
                 state: state.clone(),
                 metrics: metrics.clone(),
                 addon_name: settings.addon_name.clone(),
+                opens: Arc::default(),
             })
             .max_decoding_message_size(limits::PROXY_MESSAGE)
             .max_encoding_message_size(limits::HUB_MESSAGE),

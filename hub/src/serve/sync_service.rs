@@ -2,12 +2,14 @@
 //! certificate's subject (never by a message field), the newest stream of a cluster
 //! replacing any older one.
 
+use std::collections::HashMap;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
 use kmm_proto::v1::{HubMessage, ProxyMessage, hub_message, hub_server::Hub, proxy_message};
+use kmm_runtime::rate_limit::TokenBucket;
 use time::OffsetDateTime;
 use tokio::sync::watch;
 use tonic::{Code, Request, Response, Status, Streaming};
@@ -21,6 +23,11 @@ use super::metrics::Metrics;
 /// How long a new stream may take to say hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Stream opens one cluster may make at once, and then per minute: a proxy reconnecting
+/// in a tight loop is refused rather than recomputing its snapshot over and over.
+const OPEN_BURST: u32 = 10;
+const OPENS_PER_MINUTE: u32 = 12;
+
 /// The service, sharing the fleet view with the controller.
 #[derive(Debug, Clone)]
 pub struct SyncService {
@@ -28,6 +35,8 @@ pub struct SyncService {
     pub metrics: Metrics,
     /// The add-on whose agents' certificates name a cluster.
     pub addon_name: String,
+    /// Per accepted cluster, its stream opens.
+    pub opens: Arc<Mutex<HashMap<String, TokenBucket>>>,
 }
 
 type Outgoing = Pin<Box<dyn Stream<Item = Result<HubMessage, Status>> + Send>>;
@@ -49,6 +58,7 @@ impl Hub for SyncService {
         tokio::spawn(serve_stream(
             self.state.clone(),
             self.metrics.clone(),
+            self.opens.clone(),
             identity,
             expires,
             request.into_inner(),
@@ -88,6 +98,7 @@ fn peer_identity<T>(
 async fn serve_stream(
     state: Arc<FleetState>,
     metrics: Metrics,
+    opens: Arc<Mutex<HashMap<String, TokenBucket>>>,
     identity: ClusterIdentity,
     expires: OffsetDateTime,
     mut inbound: Streaming<ProxyMessage>,
@@ -134,6 +145,22 @@ async fn serve_stream(
         return refuse(
             Code::PermissionDenied,
             format!("cluster {cluster} is not a ManagedCluster this hub accepts"),
+        );
+    }
+    let may_open = {
+        let mut opens = opens
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let now = std::time::Instant::now();
+        opens
+            .entry(cluster.to_owned())
+            .or_insert_with(|| TokenBucket::per_minute(OPEN_BURST, OPENS_PER_MINUTE, now))
+            .try_take(now)
+    };
+    if !may_open {
+        return refuse(
+            Code::ResourceExhausted,
+            format!("cluster {cluster} reconnects too often; retry in a few seconds"),
         );
     }
     let mut ended = outbound.subscribe();

@@ -849,3 +849,43 @@ async fn a_giant_message_ends_only_its_own_stream() {
     hub.clean_up(namespace, &["hello-big"], &["spoke1", "spoke2"])
         .await;
 }
+
+/// A proxy reconnecting in a tight loop is refused after a burst, and only its cluster.
+#[tokio::test]
+async fn a_cluster_reconnecting_in_a_tight_loop_is_refused() {
+    let fleet = fleet().await;
+    let (hub, namespace) = TestHub::start(&fleet, WAIT).await;
+    let certificate = hub.proxy_certificate("spoke1").await;
+    let mut codes = Vec::new();
+    for _ in 0..15 {
+        let proxy = Proxy::open(hub.channel(&certificate).await.unwrap()).await;
+        let code = match proxy {
+            Err(status) => status.code(),
+            Ok(mut proxy) => {
+                // Served, it answers the inventory with a snapshot; refused, with an error
+                // (maybe before the inventory could even be sent).
+                let _ = proxy.try_send_inventory(1, &[MAPPED_KERNEL]).await;
+                match tokio::time::timeout(WAIT, proxy.inbound.message()).await {
+                    Ok(Ok(Some(_))) => tonic::Code::Ok,
+                    Ok(Err(status)) => status.code(),
+                    other => panic!("{other:?}"),
+                }
+            }
+        };
+        codes.push(code);
+    }
+    assert!(
+        codes.contains(&tonic::Code::ResourceExhausted),
+        "never refused: {codes:?}"
+    );
+    assert!(
+        codes[..10].iter().all(|c| *c == tonic::Code::Ok),
+        "{codes:?}"
+    );
+    // Another cluster is not held back.
+    let mut other = hub.proxy("spoke2", &[MAPPED_KERNEL]).await;
+    other
+        .snapshot_where("a snapshot for spoke2", |_| true)
+        .await;
+    hub.clean_up(namespace, &[], &[]).await;
+}

@@ -392,7 +392,15 @@ impl Proxy {
     }
 
     pub async fn send_inventory(&self, revision: u64, kernels: &[&str]) {
-        self.send(proxy_message::Message::Inventory(KernelInventory {
+        assert!(
+            self.try_send_inventory(revision, kernels).await,
+            "the stream is open"
+        );
+    }
+
+    /// [`Proxy::send_inventory`]; `false` when the hub already ended the stream.
+    pub async fn try_send_inventory(&self, revision: u64, kernels: &[&str]) -> bool {
+        let message = proxy_message::Message::Inventory(KernelInventory {
             revision,
             kernels: kernels
                 .iter()
@@ -402,8 +410,13 @@ impl Proxy {
                     node_count: 1,
                 })
                 .collect(),
-        }))
-        .await;
+        });
+        self.outbound
+            .send(ProxyMessage {
+                message: Some(message),
+            })
+            .await
+            .is_ok()
     }
 
     pub async fn send_status(&self, full: bool, statuses: Vec<ModuleNodeStatus>) {

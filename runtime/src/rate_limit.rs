@@ -1,6 +1,6 @@
 //! A token bucket: at most `burst` at once, refilled at `per_second`. Pure: the caller
-//! passes the clock. Bounds what one client can make the proxy do (TokenReviews on
-//! attach, events from one agent).
+//! passes the clock. Bounds what one peer can make a component do (the proxy's
+//! TokenReviews and one agent's events, one cluster's stream opens on the hub).
 
 use std::time::{Duration, Instant};
 
@@ -18,6 +18,16 @@ impl TokenBucket {
         Self {
             burst: f64::from(burst),
             per_second: f64::from(per_second),
+            tokens: f64::from(burst),
+            last: now,
+        }
+    }
+
+    /// A full bucket refilled at `per_minute`.
+    pub fn per_minute(burst: u32, per_minute: u32, now: Instant) -> Self {
+        Self {
+            burst: f64::from(burst),
+            per_second: f64::from(per_minute) / 60.0,
             tokens: f64::from(burst),
             last: now,
         }
@@ -71,5 +81,17 @@ mod tests {
         assert!(bucket.try_take(start));
         assert!(!bucket.try_take(start - Duration::from_secs(5)));
         assert!(!bucket.try_take(start));
+    }
+
+    #[test]
+    fn per_minute_refills_slowly() {
+        let start = Instant::now();
+        let mut bucket = TokenBucket::per_minute(2, 12, start);
+        assert!(bucket.try_take(start) && bucket.try_take(start));
+        assert!(!bucket.try_take(start + Duration::from_secs(4)));
+        assert!(
+            bucket.try_take(start + Duration::from_secs(5)),
+            "one every 5 s"
+        );
     }
 }
