@@ -260,26 +260,14 @@ async fn inventory_and_agents_bound_to_their_own_node() -> Result<()> {
 
     let node0 = spoke.node_name(0).to_string();
     let node1 = spoke.node_name(1).to_string();
-    let mut agent0 = AgentConn::attach(
-        proxy.agent_addr,
-        &ca,
-        Some(&spoke.agent_token(0).await?),
-        hello(&node0),
-    )
-    .await?;
+    let mut agent0 = attach_agent(&proxy, &ca, &spoke, 0, &node0).await?;
     let desired0 = agent0.next_desired().await?;
     ensure!(
         desired0.revision > 0 && desired0.modules.is_empty(),
         "node 0 must get nothing: {desired0:?}"
     );
 
-    let mut agent1 = AgentConn::attach(
-        proxy.agent_addr,
-        &ca,
-        Some(&spoke.agent_token(1).await?),
-        hello(&node1),
-    )
-    .await?;
+    let mut agent1 = attach_agent(&proxy, &ca, &spoke, 1, &node1).await?;
     let desired1 = agent1.next_desired().await?;
     ensure!(desired1.modules.len() == 1, "{}", desired1.modules.len());
     let module = &desired1.modules[0];
@@ -402,13 +390,7 @@ async fn labels_on_proof_hub_loss_changes_nothing_unload_removes_labels() -> Res
             Witness::intent(&spoke, 1),
         ],
     ))?;
-    let mut agent = AgentConn::attach(
-        proxy.agent_addr,
-        &ca,
-        Some(&spoke.agent_token(0).await?),
-        hello(&node),
-    )
-    .await?;
+    let mut agent = attach_agent(&proxy, &ca, &spoke, 0, &node).await?;
     let desired = agent.next_desired().await?;
     ensure!(
         desired.modules.len() == 1 && !desired.modules[0].unload,
@@ -607,13 +589,7 @@ async fn deselected_node_gets_an_explicit_unload_and_a_newer_stream_wins() -> Re
     let mut stream = hub.next_stream().await?;
     stream.send(snapshot(1, vec![intent, Witness::intent(&spoke, 2)]))?;
 
-    let mut agent = AgentConn::attach(
-        proxy.agent_addr,
-        &ca,
-        Some(&spoke.agent_token(0).await?),
-        hello(&node),
-    )
-    .await?;
+    let mut agent = attach_agent(&proxy, &ca, &spoke, 0, &node).await?;
     let desired = agent.next_desired().await?;
     ensure!(
         desired.modules.len() == 1 && !desired.modules[0].unload,
@@ -621,13 +597,7 @@ async fn deselected_node_gets_an_explicit_unload_and_a_newer_stream_wins() -> Re
     );
 
     // A newer stream for the same node replaces the older one, and gets the same work.
-    let mut newer = AgentConn::attach(
-        proxy.agent_addr,
-        &ca,
-        Some(&spoke.agent_token(0).await?),
-        hello(&node),
-    )
-    .await?;
+    let mut newer = attach_agent(&proxy, &ca, &spoke, 0, &node).await?;
     let again = newer.next_desired().await?;
     ensure!(
         again == desired,
@@ -653,13 +623,7 @@ async fn deselected_node_gets_an_explicit_unload_and_a_newer_stream_wins() -> Re
     .await?;
 
     // A node that never had the module gets no unload for it.
-    let mut bystander = AgentConn::attach(
-        proxy.agent_addr,
-        &ca,
-        Some(&spoke.agent_token(1).await?),
-        hello(&other),
-    )
-    .await?;
+    let mut bystander = attach_agent(&proxy, &ca, &spoke, 1, &other).await?;
     let nothing = bystander.next_desired().await?;
     ensure!(nothing.modules.is_empty(), "{nothing:?}");
 
@@ -867,13 +831,7 @@ async fn a_node_kubernetes_marks_not_ready_keeps_its_module() -> Result<()> {
         1,
         vec![intent_for_node(&spoke, "hello", 0), witness_intent],
     ))?;
-    let mut agent = AgentConn::attach(
-        proxy.agent_addr,
-        &ca,
-        Some(&spoke.agent_token(0).await?),
-        hello(&node),
-    )
-    .await?;
+    let mut agent = attach_agent(&proxy, &ca, &spoke, 0, &node).await?;
     let desired = agent.next_desired().await?;
     agent
         .send(event(&spoke, "hello", Action::Load, desired.revision))
@@ -886,13 +844,7 @@ async fn a_node_kubernetes_marks_not_ready_keeps_its_module() -> Result<()> {
             .ok_or(format!("{labels:?}"))
     })
     .await?;
-    let mut witness = AgentConn::attach(
-        proxy.agent_addr,
-        &ca,
-        Some(&spoke.agent_token(1).await?),
-        hello(spoke.node_name(1)),
-    )
-    .await?;
+    let mut witness = attach_agent(&proxy, &ca, &spoke, 1, spoke.node_name(1)).await?;
     let nothing = witness.next_desired().await?;
     ensure!(nothing.modules.is_empty(), "{nothing:?}");
 
@@ -1038,21 +990,9 @@ async fn a_flooding_agent_is_cut_off_without_affecting_others() -> Result<()> {
             intent_for_node(&spoke, "other", 1),
         ],
     ))?;
-    let mut flooder = AgentConn::attach(
-        proxy.agent_addr,
-        &ca,
-        Some(&spoke.agent_token(0).await?),
-        hello(spoke.node_name(0)),
-    )
-    .await?;
+    let mut flooder = attach_agent(&proxy, &ca, &spoke, 0, spoke.node_name(0)).await?;
     let desired = flooder.next_desired().await?;
-    let mut other = AgentConn::attach(
-        proxy.agent_addr,
-        &ca,
-        Some(&spoke.agent_token(1).await?),
-        hello(spoke.node_name(1)),
-    )
-    .await?;
+    let mut other = attach_agent(&proxy, &ca, &spoke, 1, spoke.node_name(1)).await?;
     other.next_desired().await?;
     for _ in 0..1000 {
         if flooder
@@ -1088,4 +1028,22 @@ async fn a_flooding_agent_is_cut_off_without_affecting_others() -> Result<()> {
     drop((flooder, other));
     proxy.stop().await?;
     spoke.cleanup().await
+}
+
+/// An agent of node `i` (its real node-bound token) attached to `proxy`, saying hello as
+/// `node`.
+async fn attach_agent(
+    proxy: &ProxyProcess,
+    ca: &str,
+    spoke: &Spoke,
+    i: usize,
+    node: &str,
+) -> Result<AgentConn> {
+    Ok(AgentConn::attach(
+        proxy.agent_addr,
+        ca,
+        Some(&spoke.agent_token(i).await?),
+        hello(node),
+    )
+    .await?)
 }

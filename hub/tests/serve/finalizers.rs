@@ -3,8 +3,7 @@
 
 use kmm_e2e::fixture::wait_until;
 use kube::api::{
-    Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch,
-    PatchParams, PostParams,
+    Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams,
 };
 use serde_json::json;
 
@@ -121,25 +120,7 @@ async fn a_refused_finalizer_removal_is_reported_and_retried_until_it_succeeds()
         .delete("hello-keep", &DeleteParams::default())
         .await
         .unwrap();
-    let events: Api<k8s_openapi::api::events::v1::Event> = Api::all(fleet.hub.clone());
-    let note = wait_until("the FinalizerPatchFailed Event", WAIT, || async {
-        let list = events
-            .list(&ListParams::default().fields("regarding.name=hello-keep"))
-            .await
-            .map_err(|e| e.to_string())?;
-        list.items
-            .iter()
-            .find(|e| e.reason.as_deref() == Some("FinalizerPatchFailed"))
-            .and_then(|e| e.note.clone())
-            .ok_or_else(|| {
-                format!(
-                    "{:?}",
-                    list.items.iter().map(|e| &e.reason).collect::<Vec<_>>()
-                )
-            })
-    })
-    .await
-    .expect("the refusal is reported");
+    let note = event_note(&fleet.hub, "hello-keep", "FinalizerPatchFailed").await;
     assert!(
         note.contains("removing the finalizer") && note.contains("keeps the kmm finalizer"),
         "{note}"

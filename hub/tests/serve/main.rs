@@ -576,25 +576,7 @@ async fn deletion_completes_after_the_unload_timeout_naming_the_leftovers() {
         },
     )
     .await;
-    let events: Api<Event> = Api::all(fleet.hub.clone());
-    let note = kmm_e2e::fixture::wait_until("the UnloadTimedOut Event", WAIT, || async {
-        let list = events
-            .list(&ListParams::default().fields("regarding.name=hello-f"))
-            .await
-            .map_err(|e| e.to_string())?;
-        list.items
-            .iter()
-            .find(|e| e.reason.as_deref() == Some("UnloadTimedOut"))
-            .and_then(|e| e.note.clone())
-            .ok_or_else(|| {
-                format!(
-                    "{:?}",
-                    list.items.iter().map(|e| &e.reason).collect::<Vec<_>>()
-                )
-            })
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let note = event_note(&fleet.hub, "hello-f", "UnloadTimedOut").await;
     assert!(note.contains("spoke1/spoke1-node3"), "{note}");
     hub.clean_up(namespace, &[], &["spoke1"]).await;
 }

@@ -531,3 +531,31 @@ pub fn intent<'a>(
         .iter()
         .find(|m| m.key.as_ref().is_some_and(|k| k.name == name))
 }
+
+/// The note of the first Event about `regarding` with `reason`, waiting for it.
+pub async fn event_note(client: &Client, regarding: &str, reason: &str) -> String {
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::all(client.clone());
+    let selector = format!("regarding.name={regarding}");
+    wait_until(
+        &format!("the {reason} Event of {regarding}"),
+        WAIT,
+        || async {
+            let list = events
+                .list(&kube::api::ListParams::default().fields(&selector))
+                .await
+                .map_err(|e| e.to_string())?;
+            list.items
+                .iter()
+                .find(|e| e.reason.as_deref() == Some(reason))
+                .and_then(|e| e.note.clone())
+                .ok_or_else(|| {
+                    format!(
+                        "{:?}",
+                        list.items.iter().map(|e| &e.reason).collect::<Vec<_>>()
+                    )
+                })
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"))
+}

@@ -618,15 +618,8 @@ impl Spoke {
 
     /// Sets (or with `None` removes) a label on node `i`.
     pub async fn set_node_label(&self, i: usize, key: &str, value: Option<&str>) -> Result<()> {
-        let patch = serde_json::json!({"metadata": {"labels": {key: value}}});
-        Api::<Node>::all(self.client.clone())
-            .patch(
-                self.node_name(i),
-                &PatchParams::default(),
-                &Patch::Merge(&patch),
-            )
-            .await?;
-        Ok(())
+        self.patch_node(i, serde_json::json!({"metadata": {"labels": {key: value}}}))
+            .await
     }
 
     /// Sets node `i`'s taints to `taints` (key, effect), replacing any it had.
@@ -635,7 +628,11 @@ impl Spoke {
             .iter()
             .map(|(key, effect)| serde_json::json!({"key": key, "effect": effect}))
             .collect();
-        let patch = serde_json::json!({"spec": {"taints": taints}});
+        self.patch_node(i, serde_json::json!({"spec": {"taints": taints}}))
+            .await
+    }
+
+    async fn patch_node(&self, i: usize, patch: serde_json::Value) -> Result<()> {
         Api::<Node>::all(self.client.clone())
             .patch(
                 self.node_name(i),
