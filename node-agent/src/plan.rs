@@ -119,6 +119,28 @@ pub fn plan(
     unloads
 }
 
+/// `actions` with those of modules in `failed_last` (whose last attempt failed: a module
+/// stuck in the kernel, say) moved after all others, each group in its order. A module
+/// whose modprobe hangs until the tool's time limit then delays no other module's unload
+/// or load, pass after pass.
+pub fn failed_last(actions: Vec<Action>, failed_last: &BTreeSet<String>) -> Vec<Action> {
+    let (mut healthy, failed): (Vec<Action>, Vec<Action>) = actions
+        .into_iter()
+        .partition(|action| !failed_last.contains(action.key()));
+    healthy.extend(failed);
+    healthy
+}
+
+impl Action {
+    /// The module the action is about.
+    pub fn key(&self) -> &str {
+        match self {
+            Self::Unload { record, .. } => &record.key,
+            Self::Load { desired, .. } => &desired.key,
+        }
+    }
+}
+
 /// Keys the snapshot asks to unload that this agent has not loaded (in this boot):
 /// already unloaded, which is confirmed to the control plane once per snapshot.
 pub fn already_unloaded<'a>(
@@ -412,6 +434,32 @@ mod tests {
         assert_eq!(
             summary(&plan(&want(&[a]), &recs, &loaded(&[]))),
             ["load ns/a New"]
+        );
+    }
+
+    #[test]
+    fn modules_that_failed_last_time_go_after_the_others() {
+        let (stuck, ok, new) = (
+            desired("stuck", Some("1")),
+            desired("ok", Some("1")),
+            desired("new", Some("1")),
+        );
+        let planned = plan(
+            &unload(std::slice::from_ref(&new), &["ok", "stuck"]),
+            &records(&[&stuck, &ok]),
+            &BTreeSet::new(),
+        );
+        let keys = |actions: &[Action]| {
+            actions
+                .iter()
+                .map(|a| a.key().to_owned())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(keys(&planned), ["ok", "stuck", "new"]);
+        let failing: BTreeSet<String> = ["stuck".to_string()].into();
+        assert_eq!(
+            keys(&failed_last(planned, &failing)),
+            ["ok", "new", "stuck"]
         );
     }
 }

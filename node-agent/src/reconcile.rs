@@ -56,6 +56,8 @@ pub struct Reconciler {
     firmware_dir: PathBuf,
     release: String,
     progress: watch::Sender<Progress>,
+    /// Modules whose last attempt failed: their actions go after the others'.
+    failing: BTreeSet<String>,
 }
 
 impl Reconciler {
@@ -99,6 +101,7 @@ impl Reconciler {
             firmware_dir,
             release,
             progress,
+            failing: BTreeSet::new(),
         })
     }
 
@@ -163,7 +166,10 @@ impl Reconciler {
                 return vec![];
             }
         };
-        let actions = plan::plan(snapshot, &self.state.modules, &loaded);
+        let actions = plan::failed_last(
+            plan::plan(snapshot, &self.state.modules, &loaded),
+            &self.failing,
+        );
         let mut events = Vec::with_capacity(actions.len());
         let mut keep: BTreeSet<String> = BTreeSet::new();
         // Keys whose previous version could not be unloaded: loading the new one now
@@ -201,9 +207,11 @@ impl Reconciler {
             };
             match &event.outcome {
                 Outcome::Success => {
+                    self.failing.remove(&event.key);
                     tracing::info!(key = %event.key, action = ?event.action, "done")
                 }
                 Outcome::Failure(error) => {
+                    self.failing.insert(event.key.clone());
                     tracing::warn!(key = %event.key, action = ?event.action, %error, "failed")
                 }
             }
