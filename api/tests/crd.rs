@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 #[test]
 fn committed_crd_matches_the_types() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../..")
+        .join("..")
         .join(CRD_PATH);
     let committed = std::fs::read_to_string(&path).expect("the CRD is committed");
     assert!(
