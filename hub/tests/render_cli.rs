@@ -240,7 +240,7 @@ fn text_output_is_a_readable_summary() {
 fn an_upstream_mcm_with_every_field_renders() {
     let fixture = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/api/tests/fixtures/upstream-every-field.yaml"
+        "/../api/tests/fixtures/upstream-every-field.yaml"
     );
     let output = render(&[
         "-f",
