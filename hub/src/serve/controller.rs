@@ -168,6 +168,7 @@ pub async fn reconcile(
     status.conditions = vec![condition.clone()];
     if current != Some(&status) {
         write_status(&ctx.api, &name, &status).await?;
+        ctx.metrics.status_writes.inc();
     }
     if transition {
         let type_ = if phase.is_warning() {

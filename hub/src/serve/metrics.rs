@@ -29,6 +29,8 @@ pub struct Metrics {
     pub streams_refused: Counter,
     pub streams_replaced: Counter,
     pub reconcile_errors: Counter,
+    /// ManagedClusterModule status writes (server-side apply of `status`).
+    pub status_writes: Counter,
 }
 
 impl Default for Metrics {
@@ -43,6 +45,7 @@ impl Default for Metrics {
             streams_refused: Counter::default(),
             streams_replaced: Counter::default(),
             reconcile_errors: Counter::default(),
+            status_writes: Counter::default(),
         }
     }
 }
@@ -96,6 +99,11 @@ impl Metrics {
             "kmm_hub_reconcile_errors",
             "ManagedClusterModule reconciliations that failed",
             self.reconcile_errors.clone(),
+        );
+        registry.register(
+            "kmm_hub_status_writes",
+            "ManagedClusterModule status writes",
+            self.status_writes.clone(),
         );
     }
 }
