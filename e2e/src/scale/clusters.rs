@@ -13,7 +13,7 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
 use super::{Error, Result, poll_until};
-use crate::fleet::managed_clusters;
+use crate::fleet::{condition_true, managed_clusters};
 
 /// Label of everything a run creates on the fleet's hub; its value is the run's name.
 pub const RUN_LABEL: &str = "scale.kmm-fleet.dev/run";
@@ -50,6 +50,25 @@ pub async fn create(hub: &Client, run: &str, count: usize) -> Result<Vec<String>
     })
     .await?;
     Ok(names)
+}
+
+/// What OCM's registration controller has yet to do for the run's `count` clusters:
+/// accept each (`HubAcceptedManagedCluster`, its finalizers) and make its namespace;
+/// `None` once done.
+pub async fn ocm_pending(hub: &Client, run: &str, count: usize) -> Result<Option<String>> {
+    let selector = ListParams::default().labels(&format!("{RUN_LABEL}={run}"));
+    let accepted = managed_clusters(hub)
+        .list(&selector)
+        .await?
+        .items
+        .iter()
+        .filter(|c| {
+            condition_true(&c.data, "HubAcceptedManagedCluster") && !c.finalizers().is_empty()
+        })
+        .count();
+    let namespaces = namespaces(hub, run).await?.len();
+    Ok((accepted < count || namespaces < count)
+        .then(|| format!("{accepted} of {count} clusters accepted, {namespaces} namespaces made")))
 }
 
 /// Namespaces OCM's controllers made for the run's clusters (one per accepted cluster,

@@ -109,7 +109,8 @@ impl ScenarioFigures {
 pub struct SetupFigures {
     pub clusters: usize,
     pub create_s: f64,
-    /// From the first create until OCM's controllers had made every cluster's namespace.
+    /// From the first create until OCM's registration controller had accepted every
+    /// cluster and made its namespace.
     pub ocm_settled_s: f64,
     pub fleet: FleetCpu,
 }

@@ -99,6 +99,12 @@ impl Harness {
         &self.options.shape
     }
 
+    /// Deadline of waits on OCM's controllers, which work through clusters at a rate
+    /// of their own (about 8 a second here).
+    fn fleet_timeout(&self) -> Duration {
+        self.options.converge_timeout + Duration::from_millis(500) * self.shape().clusters as u32
+    }
+
     fn namespace(&self) -> String {
         format!("kmm-scale-{}", self.run)
     }
@@ -150,21 +156,18 @@ impl Harness {
         let started = Instant::now();
         self.clusters = clusters::create(&self.fleet.hub, &self.run, n).await?;
         let create_s = started.elapsed().as_secs_f64();
-        // OCM's registration controller makes a namespace, RBAC, finalizers and a taint
-        // per accepted cluster: the hub starts once it is done, so that its figures are
-        // its own.
-        let hub_client = &self.fleet.hub;
-        let run = &self.run;
+        // OCM's registration controller accepts each cluster (a condition, finalizers, a
+        // taint, RBAC, a namespace): the hub starts once it is done, so that its figures
+        // are its own.
+        let (hub_client, run) = (&self.fleet.hub, &self.run);
         poll_until(
-            "OCM's namespace for every cluster",
-            self.options.converge_timeout,
-            METRICS_POLL,
+            "OCM's registration controller to accept every cluster",
+            self.fleet_timeout(),
+            Duration::from_secs(1),
             || async {
-                let made = clusters::namespaces(hub_client, run).await?.len();
-                Ok(if made >= n {
-                    Ok(())
-                } else {
-                    Err(format!("{made} of {n}"))
+                Ok(match clusters::ocm_pending(hub_client, run, n).await? {
+                    None => Ok(()),
+                    Some(pending) => Err(pending),
                 })
             },
         )
@@ -540,7 +543,7 @@ impl Harness {
         }
         note(modules::delete_all(&self.fleet.hub, &self.run).await);
         note(modules::release_leftovers(&self.fleet.hub, &self.run).await);
-        note(clusters::delete(&self.fleet.hub, &self.run, self.options.converge_timeout).await);
+        note(clusters::delete(&self.fleet.hub, &self.run, self.fleet_timeout()).await);
         let namespaces: Api<Namespace> = Api::all(self.fleet.hub.clone());
         note(
             match namespaces
