@@ -5,8 +5,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use kmm_proto::v1::{ModuleKey, ModuleNodeStatus, ModuleState, NodeStatusReport};
 
-/// `(spokeNamespace, module name, node)`.
-type EntryKey = (String, String, String);
+/// `(spokeNamespace, module name)`.
+pub type ModuleId = (String, String);
 
 /// Node statuses one cluster may hold: a report that would go beyond is refused, so no
 /// proxy can grow the hub's memory without bound (5,000 nodes with 50 modules fit).
@@ -21,93 +21,151 @@ pub struct TooManyStatuses {
     pub entries: usize,
 }
 
-/// The per-module per-node status of one cluster.
+/// The per-module per-node status of one cluster. Kept per module, each module's nodes
+/// sorted by name, so that one module's statuses are read without scanning the others'.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct NodeStatuses {
-    entries: BTreeMap<EntryKey, ModuleNodeStatus>,
+    modules: BTreeMap<ModuleId, Vec<ModuleNodeStatus>>,
+    entries: usize,
 }
 
 impl NodeStatuses {
-    /// Applies a report. Entries without a complete key are ignored (they cannot be
-    /// attributed to a module and node), and so are entries of modules `known` denies
-    /// (modules the hub never sent the cluster). A report that would leave more than
-    /// [`MAX_ENTRIES`] is refused whole.
+    /// Applies a report and returns the modules whose statuses it changed. Entries
+    /// without a complete key are ignored (they cannot be attributed to a module and
+    /// node), and so are entries of modules `known` denies (modules the hub never sent
+    /// the cluster). A report that would leave more than [`MAX_ENTRIES`] is refused whole.
     pub fn apply(
         &mut self,
         report: NodeStatusReport,
         known: impl Fn(&str, &str) -> bool,
-    ) -> Result<(), TooManyStatuses> {
-        let keyed: Vec<(EntryKey, ModuleNodeStatus)> = report
-            .statuses
-            .into_iter()
-            .filter_map(|status| {
-                let key = status
-                    .key
-                    .as_ref()
-                    .and_then(|k| entry_key(k.module.as_ref(), &k.node))?;
-                known(&key.0, &key.1).then_some((key, status))
-            })
-            .collect();
-        let removed: BTreeSet<EntryKey> = report
-            .removed
-            .iter()
-            .filter_map(|r| entry_key(r.module.as_ref(), &r.node))
-            .collect();
-        let kept = if report.full {
-            0
+    ) -> Result<BTreeSet<ModuleId>, TooManyStatuses> {
+        let mut updates: BTreeMap<ModuleId, BTreeMap<String, ModuleNodeStatus>> = BTreeMap::new();
+        for status in report.statuses {
+            let Some((module, node)) = status
+                .key
+                .as_ref()
+                .and_then(|k| entry_key(k.module.as_ref(), &k.node))
+            else {
+                continue;
+            };
+            if known(&module.0, &module.1) {
+                updates.entry(module).or_default().insert(node, status);
+            }
+        }
+        let mut removals: BTreeMap<ModuleId, BTreeSet<String>> = BTreeMap::new();
+        for removed in &report.removed {
+            if let Some((module, node)) = entry_key(removed.module.as_ref(), &removed.node) {
+                removals.entry(module).or_default().insert(node);
+            }
+        }
+        let entries = if report.full {
+            updates.values().map(BTreeMap::len).sum()
         } else {
-            self.entries.len()
-                - removed
-                    .iter()
-                    .filter(|k| self.entries.contains_key(*k))
-                    .count()
+            let removed = removals
+                .iter()
+                .map(|(module, nodes)| nodes.iter().filter(|n| self.has(module, n)).count())
+                .sum::<usize>();
+            let added = updates
+                .iter()
+                .map(|(module, nodes)| {
+                    let gone = removals.get(module);
+                    nodes
+                        .keys()
+                        .filter(|n| gone.is_some_and(|g| g.contains(*n)) || !self.has(module, n))
+                        .count()
+                })
+                .sum::<usize>();
+            self.entries - removed + added
         };
-        let added = keyed
-            .iter()
-            .filter(|(k, _)| report.full || removed.contains(k) || !self.entries.contains_key(k))
-            .count();
-        if kept + added > MAX_ENTRIES {
-            return Err(TooManyStatuses {
-                entries: kept + added,
-            });
+        if entries > MAX_ENTRIES {
+            return Err(TooManyStatuses { entries });
         }
+        let mut changed = BTreeSet::new();
         if report.full {
-            self.entries.clear();
+            let before = std::mem::take(&mut self.modules);
+            for (module, nodes) in updates {
+                let nodes: Vec<ModuleNodeStatus> = nodes.into_values().collect();
+                if before.get(&module) != Some(&nodes) {
+                    changed.insert(module.clone());
+                }
+                self.modules.insert(module, nodes);
+            }
+            changed.extend(
+                before
+                    .into_keys()
+                    .filter(|module| !self.modules.contains_key(module)),
+            );
+        } else {
+            for (module, nodes) in removals {
+                let Some(statuses) = self.modules.get_mut(&module) else {
+                    continue;
+                };
+                let before = statuses.len();
+                statuses.retain(|s| !nodes.contains(node_of(s)));
+                if statuses.len() != before {
+                    changed.insert(module.clone());
+                }
+                if statuses.is_empty() {
+                    self.modules.remove(&module);
+                }
+            }
+            for (module, nodes) in updates {
+                let statuses = self.modules.entry(module.clone()).or_default();
+                for (node, status) in nodes {
+                    match statuses.binary_search_by(|s| node_of(s).cmp(node.as_str())) {
+                        Ok(i) if statuses[i] == status => {}
+                        Ok(i) => {
+                            statuses[i] = status;
+                            changed.insert(module.clone());
+                        }
+                        Err(i) => {
+                            statuses.insert(i, status);
+                            changed.insert(module.clone());
+                        }
+                    }
+                }
+            }
         }
-        for key in &removed {
-            self.entries.remove(key);
-        }
-        self.entries.extend(keyed);
-        Ok(())
+        self.entries = entries;
+        Ok(changed)
+    }
+
+    fn has(&self, module: &ModuleId, node: &str) -> bool {
+        self.modules
+            .get(module)
+            .is_some_and(|s| s.binary_search_by(|s| node_of(s).cmp(node)).is_ok())
     }
 
     /// How many node statuses are held.
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.entries
     }
 
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.entries == 0
     }
 
     /// Every node's status for one module, ordered by node name.
-    pub fn module(&self, namespace: &str, name: &str) -> Vec<ModuleNodeStatus> {
-        self.entries
-            .iter()
-            .filter(|((ns, n, _), _)| ns == namespace && n == name)
-            .map(|(_, status)| status.clone())
-            .collect()
+    pub fn module(&self, namespace: &str, name: &str) -> &[ModuleNodeStatus] {
+        self.modules
+            .get(&(namespace.to_owned(), name.to_owned()))
+            .map_or(&[], Vec::as_slice)
     }
 
     /// Nodes on which the module may still be loaded: any reported state but UNLOADED.
     pub fn not_unloaded(&self, namespace: &str, name: &str) -> Vec<String> {
-        self.entries
+        self.module(namespace, name)
             .iter()
-            .filter(|((ns, n, _), status)| {
-                ns == namespace && n == name && state(status) != ModuleState::Unloaded
-            })
-            .map(|((_, _, node), _)| node.clone())
+            .filter(|status| state(status) != ModuleState::Unloaded)
+            .map(|status| node_of(status).to_owned())
             .collect()
+    }
+
+    /// Whether any node may still have the module loaded.
+    pub fn lingers(&self, namespace: &str, name: &str) -> bool {
+        self.module(namespace, name)
+            .iter()
+            .any(|status| state(status) != ModuleState::Unloaded)
     }
 }
 
@@ -115,14 +173,18 @@ fn state(status: &ModuleNodeStatus) -> ModuleState {
     ModuleState::try_from(status.state).unwrap_or_default()
 }
 
-fn entry_key(module: Option<&ModuleKey>, node: &str) -> Option<EntryKey> {
+/// The node of a stored status (stored statuses always carry a complete key).
+fn node_of(status: &ModuleNodeStatus) -> &str {
+    status.key.as_ref().map_or("", |k| k.node.as_str())
+}
+
+fn entry_key(module: Option<&ModuleKey>, node: &str) -> Option<(ModuleId, String)> {
     let module = module?;
     if module.name.is_empty() || node.is_empty() {
         return None;
     }
     Some((
-        module.namespace.clone(),
-        module.name.clone(),
+        (module.namespace.clone(), module.name.clone()),
         node.to_owned(),
     ))
 }
@@ -175,7 +237,7 @@ mod tests {
                 |_, _| true,
             )
             .unwrap();
-        assert_eq!(nodes(&statuses.module("drivers", "a")), ["n1", "n2"]);
+        assert_eq!(nodes(statuses.module("drivers", "a")), ["n1", "n2"]);
         statuses
             .apply(
                 NodeStatusReport {
@@ -188,7 +250,7 @@ mod tests {
             )
             .unwrap();
         let a = statuses.module("drivers", "a");
-        assert_eq!(nodes(&a), ["n2"]);
+        assert_eq!(nodes(a), ["n2"]);
         assert_eq!(a[0].state, i32::from(ModuleState::Unloaded));
         assert!(statuses.not_unloaded("drivers", "a").is_empty());
         assert_eq!(statuses.not_unloaded("drivers", "b"), ["n1"]);

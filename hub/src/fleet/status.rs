@@ -29,69 +29,90 @@ pub fn module_status(
     generation: Option<i64>,
     reports: &[ClusterReport<'_>],
 ) -> ManagedClusterModuleStatus {
-    let mut clusters = ClusterCounts {
-        selected: count(reports.len()),
-        ..ClusterCounts::default()
-    };
-    let mut nodes = NodeCounts::default();
-    let mut resolved = BTreeSet::new();
-    let mut unresolved = BTreeSet::new();
-    let mut failures = Vec::new();
+    let mut tally = StatusTally::default();
     for report in reports {
+        tally.add(report);
+    }
+    tally.finish(generation)
+}
+
+/// A module's status counted one cluster at a time, so that no more than one cluster's
+/// statuses need be at hand at once.
+#[derive(Debug, Default)]
+pub struct StatusTally {
+    clusters: ClusterCounts,
+    nodes: NodeCounts,
+    resolved: BTreeSet<String>,
+    unresolved: BTreeSet<String>,
+    /// The smallest failures by (cluster, node, kernel), at most [`MAX_FAILURE_SAMPLES`].
+    failures: Vec<FailureSample>,
+}
+
+impl StatusTally {
+    pub fn add(&mut self, report: &ClusterReport<'_>) {
         let state = |s: &ModuleNodeStatus| ModuleState::try_from(s.state).unwrap_or_default();
-        let matching: Vec<&ModuleNodeStatus> = report
-            .nodes
-            .iter()
-            .filter(|s| {
-                matches!(
-                    state(s),
-                    ModuleState::Pending | ModuleState::Loaded | ModuleState::Failed
-                )
-            })
-            .collect();
-        let loaded = matching
-            .iter()
-            .filter(|s| state(s) == ModuleState::Loaded)
-            .count();
-        nodes.matching += count(matching.len());
-        nodes.loaded += count(loaded);
-        if report.connected {
-            clusters.connected += 1;
-            if report.reflects_generation && loaded == matching.len() {
-                clusters.converged += 1;
+        self.clusters.selected += 1;
+        let mut matching = 0;
+        let mut loaded = 0;
+        for status in report.nodes {
+            match state(status) {
+                ModuleState::Loaded => loaded += 1,
+                ModuleState::Failed => {
+                    self.nodes.failed += 1;
+                    self.failures.push(FailureSample {
+                        cluster: report.cluster.to_owned(),
+                        node: status.key.as_ref().map(|k| k.node.clone()),
+                        kernel: status.kernel.clone(),
+                        reason: status.reason.clone(),
+                        message: status.message.clone(),
+                    });
+                }
+                ModuleState::Pending => {}
+                ModuleState::Unloaded | ModuleState::Unspecified => continue,
             }
+            matching += 1;
         }
-        for status in matching.iter().filter(|s| state(s) == ModuleState::Failed) {
-            nodes.failed += 1;
-            failures.push(FailureSample {
-                cluster: report.cluster.to_owned(),
-                node: status.key.as_ref().map(|k| k.node.clone()),
-                kernel: status.kernel.clone(),
-                reason: status.reason.clone(),
-                message: status.message.clone(),
-            });
+        self.nodes.matching += count(matching);
+        self.nodes.loaded += count(loaded);
+        if report.connected {
+            self.clusters.connected += 1;
+            if report.reflects_generation && loaded == matching {
+                self.clusters.converged += 1;
+            }
         }
         for target in report.kernels {
             match target.target {
-                Some(Target::Load(_)) => resolved.insert(target.kernel.clone()),
-                _ => unresolved.insert(target.kernel.clone()),
+                Some(Target::Load(_)) => self.resolved.insert(target.kernel.clone()),
+                _ => self.unresolved.insert(target.kernel.clone()),
             };
         }
+        // Keep the sample bounded however many clusters fail.
+        if self.failures.len() > 4 * MAX_FAILURE_SAMPLES {
+            self.trim_failures();
+        }
     }
-    failures
-        .sort_by(|a, b| (&a.cluster, &a.node, &a.kernel).cmp(&(&b.cluster, &b.node, &b.kernel)));
-    failures.truncate(MAX_FAILURE_SAMPLES);
-    ManagedClusterModuleStatus {
-        observed_generation: generation,
-        clusters,
-        nodes,
-        kernels: KernelCounts {
-            resolved: count(resolved.len()),
-            unresolved: count(unresolved.len()),
-        },
-        failures,
-        images: Vec::new(),
-        conditions: Vec::new(),
+
+    fn trim_failures(&mut self) {
+        self.failures.sort_by(|a, b| {
+            (&a.cluster, &a.node, &a.kernel).cmp(&(&b.cluster, &b.node, &b.kernel))
+        });
+        self.failures.truncate(MAX_FAILURE_SAMPLES);
+    }
+
+    pub fn finish(mut self, generation: Option<i64>) -> ManagedClusterModuleStatus {
+        self.trim_failures();
+        ManagedClusterModuleStatus {
+            observed_generation: generation,
+            clusters: self.clusters,
+            nodes: self.nodes,
+            kernels: KernelCounts {
+                resolved: count(self.resolved.len()),
+                unresolved: count(self.unresolved.len()),
+            },
+            failures: self.failures,
+            images: Vec::new(),
+            conditions: Vec::new(),
+        }
     }
 }
 

@@ -132,14 +132,11 @@ async fn serve_stream(
             );
         }
     };
-    let mut changes = state.changes();
-    let accepted = loop {
-        if let Some(accepted) = state.accepts_cluster(cluster) {
-            break accepted;
-        }
-        if changes.changed().await.is_err() {
-            return;
-        }
+    if state.synced().wait_for(|synced| *synced).await.is_err() {
+        return;
+    }
+    let Some(accepted) = state.accepts_cluster(cluster) else {
+        return;
     };
     if !accepted {
         return refuse(
