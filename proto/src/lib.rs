@@ -9,14 +9,66 @@
 /// `RESOURCE_EXHAUSTED`, never an unbounded allocation on the receiving side. Sizes are of
 /// the encoded message.
 pub mod limits {
-    /// Proxy to hub (`ProxyMessage`): a full node status report of a large cluster.
-    pub const PROXY_MESSAGE: usize = 32 << 20;
+    /// Proxy to hub (`ProxyMessage`): a hello, an inventory, or one part of a node status
+    /// report (see [`crate::report_parts`]).
+    pub const PROXY_MESSAGE: usize = 4 << 20;
+    /// The size a node status report's parts are cut to: well below
+    /// [`PROXY_MESSAGE`], so that a part stays valid whatever its last entry weighs
+    /// (an agent's error text is bounded far below the difference).
+    pub const REPORT_PART: usize = 1 << 20;
     /// Hub to proxy (`HubMessage`): a cluster's complete intents with credentials.
     pub const HUB_MESSAGE: usize = 64 << 20;
     /// Agent to proxy (`AgentMessage`): a hello or one event.
     pub const AGENT_MESSAGE: usize = 1 << 20;
     /// Proxy to agent (`AgentInstruction`): one node's desired modules.
     pub const AGENT_INSTRUCTION: usize = 16 << 20;
+}
+
+/// A node status report cut into parts of at most `max_bytes` of entries each (at least
+/// one entry per part), every part with the report's `full` and `intent_revision`, all
+/// but the last marked `continued`. A report that fits is its own single part.
+pub fn report_parts(report: v1::NodeStatusReport, max_bytes: usize) -> Vec<v1::NodeStatusReport> {
+    use prost::Message;
+    let part = |statuses, removed| v1::NodeStatusReport {
+        full: report.full,
+        statuses,
+        removed,
+        intent_revision: report.intent_revision,
+        continued: true,
+    };
+    let mut parts = Vec::new();
+    let (mut statuses, mut removed, mut size) = (Vec::new(), Vec::new(), 0);
+    for status in report.statuses {
+        let len = entry_len(status.encoded_len());
+        if size + len > max_bytes && !(statuses.is_empty() && removed.is_empty()) {
+            parts.push(part(std::mem::take(&mut statuses), Vec::new()));
+            size = 0;
+        }
+        size += len;
+        statuses.push(status);
+    }
+    for key in report.removed {
+        let len = entry_len(key.encoded_len());
+        if size + len > max_bytes && !(statuses.is_empty() && removed.is_empty()) {
+            parts.push(part(
+                std::mem::take(&mut statuses),
+                std::mem::take(&mut removed),
+            ));
+            size = 0;
+        }
+        size += len;
+        removed.push(key);
+    }
+    parts.push(part(statuses, removed));
+    if let Some(last) = parts.last_mut() {
+        last.continued = false;
+    }
+    parts
+}
+
+/// What a repeated message field's entry adds to its message: tag, length, body.
+fn entry_len(body: usize) -> usize {
+    1 + prost::length_delimiter_len(body) + body
 }
 
 /// Generated code for package `kmm.v1`.

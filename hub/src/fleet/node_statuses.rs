@@ -169,6 +169,45 @@ impl NodeStatuses {
     }
 }
 
+/// The parts of a report cut for the wire (`continued`), put back together: a report is
+/// applied only whole, so its revision is never taken for statuses half applied.
+#[derive(Clone, Debug, Default)]
+pub struct ReportParts {
+    pending: Option<NodeStatusReport>,
+}
+
+impl ReportParts {
+    /// Adds a part; returns the whole report once its last part arrived. A part that does
+    /// not continue the pending report (another `full` or revision) starts a new one. A
+    /// report growing beyond what a cluster may hold is refused (and forgotten).
+    pub fn add(
+        &mut self,
+        part: NodeStatusReport,
+    ) -> Result<Option<NodeStatusReport>, TooManyStatuses> {
+        let whole = match self.pending.take() {
+            Some(mut pending)
+                if pending.full == part.full && pending.intent_revision == part.intent_revision =>
+            {
+                pending.statuses.extend(part.statuses);
+                pending.removed.extend(part.removed);
+                pending.continued = part.continued;
+                pending
+            }
+            _ => part,
+        };
+        let entries = whole.statuses.len().max(whole.removed.len());
+        if entries > MAX_ENTRIES {
+            return Err(TooManyStatuses { entries });
+        }
+        if whole.continued {
+            self.pending = Some(whole);
+            Ok(None)
+        } else {
+            Ok(Some(whole))
+        }
+    }
+}
+
 fn state(status: &ModuleNodeStatus) -> ModuleState {
     ModuleState::try_from(status.state).unwrap_or_default()
 }
@@ -270,6 +309,105 @@ mod tests {
         assert!(
             statuses.module("other", "c").is_empty(),
             "namespace is part of the key"
+        );
+    }
+
+    #[test]
+    fn the_modules_a_report_changed_are_named() {
+        let mut statuses = NodeStatuses::default();
+        let full = |list| NodeStatusReport {
+            full: true,
+            statuses: list,
+            ..NodeStatusReport::default()
+        };
+        let changed = statuses
+            .apply(
+                full(vec![
+                    status("a", "n1", ModuleState::Loaded),
+                    status("b", "n1", ModuleState::Pending),
+                ]),
+                |_, _| true,
+            )
+            .unwrap();
+        let names = |set: BTreeSet<ModuleId>| set.into_iter().map(|(_, n)| n).collect::<Vec<_>>();
+        assert_eq!(names(changed), ["a", "b"]);
+        let same = statuses
+            .apply(
+                NodeStatusReport {
+                    statuses: vec![status("a", "n1", ModuleState::Loaded)],
+                    ..NodeStatusReport::default()
+                },
+                |_, _| true,
+            )
+            .unwrap();
+        assert!(same.is_empty(), "a status reported again changes nothing");
+        let changed = statuses
+            .apply(
+                NodeStatusReport {
+                    statuses: vec![status("b", "n1", ModuleState::Loaded)],
+                    removed: vec![key("a", "n1"), key("a", "gone")],
+                    ..NodeStatusReport::default()
+                },
+                |_, _| true,
+            )
+            .unwrap();
+        assert_eq!(names(changed), ["a", "b"]);
+        assert_eq!(statuses.len(), 1);
+        let changed = statuses
+            .apply(
+                full(vec![status("b", "n1", ModuleState::Loaded)]),
+                |_, _| true,
+            )
+            .unwrap();
+        assert!(
+            changed.is_empty(),
+            "a full report equal to what is held changes nothing"
+        );
+        let changed = statuses.apply(full(vec![]), |_, _| true).unwrap();
+        assert_eq!(names(changed), ["b"], "a full report drops what it lacks");
+        assert!(statuses.is_empty());
+    }
+
+    #[test]
+    fn a_report_in_parts_is_applied_only_whole() {
+        let mut parts = ReportParts::default();
+        let part = |node: &str, revision, continued| NodeStatusReport {
+            full: true,
+            statuses: vec![status("a", node, ModuleState::Loaded)],
+            intent_revision: revision,
+            continued,
+            ..NodeStatusReport::default()
+        };
+        assert_eq!(parts.add(part("n1", 3, true)).unwrap(), None);
+        assert_eq!(parts.add(part("n2", 3, true)).unwrap(), None);
+        let whole = parts.add(part("n3", 3, false)).unwrap().unwrap();
+        assert_eq!(nodes(&whole.statuses), ["n1", "n2", "n3"]);
+        assert!(!whole.continued);
+        assert_eq!(whole.intent_revision, 3);
+
+        // A report left unfinished is dropped when another starts.
+        assert_eq!(parts.add(part("n1", 4, true)).unwrap(), None);
+        let other = parts.add(part("n9", 5, false)).unwrap().unwrap();
+        assert_eq!(nodes(&other.statuses), ["n9"]);
+
+        let huge = NodeStatusReport {
+            removed: (0..=MAX_ENTRIES)
+                .map(|i| key("a", &format!("n{i}")))
+                .collect(),
+            continued: true,
+            ..NodeStatusReport::default()
+        };
+        assert!(
+            parts.add(huge).is_err(),
+            "parts cannot pile up without bound"
+        );
+        assert_eq!(
+            parts
+                .add(part("n1", 6, false))
+                .unwrap()
+                .unwrap()
+                .intent_revision,
+            6
         );
     }
 

@@ -27,7 +27,7 @@ use tokio::sync::{Notify, watch};
 use crate::fleet::assignment::{cluster_modules, is_deleting, is_selected};
 use crate::fleet::deletion::{ClusterUnload, Leftover, leftovers};
 use crate::fleet::intents::cluster_intents;
-use crate::fleet::node_statuses::NodeStatuses;
+use crate::fleet::node_statuses::{NodeStatuses, ReportParts, TooManyStatuses};
 use crate::fleet::outbox::Outbox;
 use crate::fleet::resolutions::Resolutions;
 use crate::fleet::status::{ClusterReport, StatusTally};
@@ -80,6 +80,8 @@ struct ClusterEntry {
     kernels: Option<BTreeSet<String>>,
     inventory_revision: u64,
     statuses: NodeStatuses,
+    /// The parts of a report still arriving.
+    parts: ReportParts,
     /// A full status report arrived since the hub started.
     statuses_known: bool,
     /// The intent revision the current stream's statuses were made with (its hello, then
@@ -348,6 +350,7 @@ impl FleetState {
         entry.acked_revision = applied_revision;
         entry.kernels = None;
         entry.inventory_revision = 0;
+        entry.parts = ReportParts::default();
         // Under the cluster's lock: a close and an open of the same cluster must not swap
         // places.
         self.connections.send_if_modified(|c| {
@@ -421,8 +424,8 @@ impl FleetState {
         }
     }
 
-    /// A node status report arrived on stream `id`.
-    pub fn status(&self, cluster: &str, id: SessionId, report: NodeStatusReport) {
+    /// A node status report (or a part of one) arrived on stream `id`.
+    pub fn status(&self, cluster: &str, id: SessionId, part: NodeStatusReport) {
         let Some(entry) = self.entry(cluster) else {
             return;
         };
@@ -430,6 +433,11 @@ impl FleetState {
         if !entry.current(id) {
             return;
         }
+        let report = match entry.parts.add(part) {
+            Ok(Some(report)) => report,
+            Ok(None) => return,
+            Err(refused) => return self.refuse_report(cluster, &entry, &refused),
+        };
         let acked = report.intent_revision;
         let full = report.full;
         // Statuses of modules the hub does not know (no ManagedClusterModule, nothing
@@ -454,16 +462,7 @@ impl FleetState {
         };
         let changed = match entry.statuses.apply(report, known) {
             Ok(changed) => changed,
-            Err(refused) => {
-                tracing::warn!(cluster, error = %refused, "refused a node status report; ending the stream");
-                if let Some((_, stream)) = &entry.stream {
-                    stream.send_replace(Outbound::End(
-                        tonic::Code::ResourceExhausted,
-                        refused.to_string(),
-                    ));
-                }
-                return;
-            }
+            Err(refused) => return self.refuse_report(cluster, &entry, &refused),
         };
         entry.statuses_known |= full;
         let newly_acked = acked > entry.acked_revision;
@@ -491,6 +490,16 @@ impl FleetState {
         }
         drop(entry);
         self.touched.add(touched);
+    }
+
+    fn refuse_report(&self, cluster: &str, entry: &ClusterEntry, refused: &TooManyStatuses) {
+        tracing::warn!(cluster, error = %refused, "refused a node status report; ending the stream");
+        if let Some((_, stream)) = &entry.stream {
+            stream.send_replace(Outbound::End(
+                tonic::Code::ResourceExhausted,
+                refused.to_string(),
+            ));
+        }
     }
 
     /// A ManagedClusterModule was reconciled: recompute the clusters it concerns when what

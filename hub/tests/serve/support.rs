@@ -425,6 +425,7 @@ impl Proxy {
             statuses,
             removed: vec![],
             intent_revision: self.applied.load(Ordering::Relaxed),
+            continued: false,
         }))
         .await;
     }
