@@ -420,12 +420,22 @@ impl Proxy {
     }
 
     pub async fn send_status(&self, full: bool, statuses: Vec<ModuleNodeStatus>) {
+        self.send_status_part(full, statuses, false).await;
+    }
+
+    /// One part of a report; more follow while `continued`.
+    pub async fn send_status_part(
+        &self,
+        full: bool,
+        statuses: Vec<ModuleNodeStatus>,
+        continued: bool,
+    ) {
         self.send(proxy_message::Message::Status(NodeStatusReport {
             full,
             statuses,
             removed: vec![],
             intent_revision: self.applied.load(Ordering::Relaxed),
-            continued: false,
+            continued,
         }))
         .await;
     }
