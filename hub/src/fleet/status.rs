@@ -7,7 +7,9 @@ use kmm_api::{
     ClusterCounts, FailureSample, KernelCounts, MAX_FAILURE_SAMPLES, ManagedClusterModuleStatus,
     NodeCounts,
 };
-use kmm_proto::v1::{KernelTarget, ModuleNodeStatus, ModuleState, kernel_target::Target};
+use kmm_proto::v1::{KernelTarget, ModuleState, kernel_target::Target};
+
+use super::node_statuses::NodeStatus;
 
 /// What one selected cluster says about one module.
 #[derive(Clone, Copy, Debug)]
@@ -21,7 +23,7 @@ pub struct ClusterReport<'a> {
     /// The module's per-kernel resolution for this cluster.
     pub kernels: &'a [KernelTarget],
     /// The module's per-node status in this cluster.
-    pub nodes: &'a [ModuleNodeStatus],
+    pub nodes: &'a [NodeStatus],
 }
 
 /// Aggregates the reports of every selected cluster.
@@ -50,21 +52,20 @@ pub struct StatusTally {
 
 impl StatusTally {
     pub fn add(&mut self, report: &ClusterReport<'_>) {
-        let state = |s: &ModuleNodeStatus| ModuleState::try_from(s.state).unwrap_or_default();
         self.clusters.selected += 1;
         let mut matching = 0;
         let mut loaded = 0;
         for status in report.nodes {
-            match state(status) {
+            match status.state {
                 ModuleState::Loaded => loaded += 1,
                 ModuleState::Failed => {
                     self.nodes.failed += 1;
                     self.failures.push(FailureSample {
                         cluster: report.cluster.to_owned(),
-                        node: status.key.as_ref().map(|k| k.node.clone()),
-                        kernel: status.kernel.clone(),
-                        reason: status.reason.clone(),
-                        message: status.message.clone(),
+                        node: Some(status.node.to_string()),
+                        kernel: status.kernel.to_string(),
+                        reason: status.reason().to_owned(),
+                        message: status.message().to_owned(),
                     });
                 }
                 ModuleState::Pending => {}
@@ -122,12 +123,12 @@ fn count(n: usize) -> i32 {
 
 #[cfg(test)]
 mod tests {
-    use kmm_proto::v1::{ModuleKey, ModuleLoad, ModuleNodeKey, Unresolved};
+    use kmm_proto::v1::{ModuleKey, ModuleLoad, ModuleNodeKey, ModuleNodeStatus, Unresolved};
 
     use super::*;
 
-    fn node(name: &str, state: ModuleState, reason: &str) -> ModuleNodeStatus {
-        ModuleNodeStatus {
+    fn node(name: &str, state: ModuleState, reason: &str) -> NodeStatus {
+        NodeStatus::from(&ModuleNodeStatus {
             key: Some(ModuleNodeKey {
                 module: Some(ModuleKey::default()),
                 node: name.into(),
@@ -137,7 +138,7 @@ mod tests {
             reason: reason.into(),
             message: format!("{reason} on {name}"),
             ..ModuleNodeStatus::default()
-        }
+        })
     }
 
     fn targets() -> Vec<KernelTarget> {
@@ -166,7 +167,7 @@ mod tests {
             node("b2", ModuleState::Failed, "LoadFailed"),
             node("b3", ModuleState::Pending, ""),
         ];
-        let c: [ModuleNodeStatus; 0] = [];
+        let c: [NodeStatus; 0] = [];
         let status = module_status(
             Some(5),
             &[
@@ -224,7 +225,7 @@ mod tests {
 
     #[test]
     fn failure_samples_stay_bounded_and_deterministic() {
-        let many: Vec<ModuleNodeStatus> = (0..500)
+        let many: Vec<NodeStatus> = (0..500)
             .rev()
             .map(|i| node(&format!("n{i:03}"), ModuleState::Failed, "NoKernelMapping"))
             .collect();
@@ -250,7 +251,7 @@ mod tests {
     #[test]
     fn a_cluster_converges_only_once_its_statuses_reflect_the_current_generation() {
         let loaded = [node("n1", ModuleState::Loaded, "")];
-        let none: [ModuleNodeStatus; 0] = [];
+        let none: [NodeStatus; 0] = [];
         for nodes in [&loaded[..], &none[..]] {
             let report = |reflects_generation| ClusterReport {
                 cluster: "a",
