@@ -71,6 +71,78 @@ fn entry_len(body: usize) -> usize {
     1 + prost::length_delimiter_len(body) + body
 }
 
+/// The snapshot to send when the stream last carried `previous`: only the intents that
+/// are new or differ and the modules that left (see `IntentSnapshot.delta`), so that a
+/// change of one module costs each cluster one intent on the wire, not its whole snapshot.
+pub fn snapshot_delta(
+    previous: &v1::IntentSnapshot,
+    next: &v1::IntentSnapshot,
+) -> v1::IntentSnapshot {
+    let before: std::collections::HashMap<_, _> = previous
+        .modules
+        .iter()
+        .map(|m| (module_key(m), m))
+        .collect();
+    let after: std::collections::HashSet<_> = next.modules.iter().map(module_key).collect();
+    v1::IntentSnapshot {
+        revision: next.revision,
+        modules: next
+            .modules
+            .iter()
+            .filter(|m| before.get(&module_key(m)) != Some(m))
+            .cloned()
+            .collect(),
+        credentials: next.credentials.clone(),
+        delta: true,
+        removed: previous
+            .modules
+            .iter()
+            .filter(|m| !after.contains(&module_key(m)))
+            .filter_map(|m| m.key.clone())
+            .collect(),
+    }
+}
+
+/// The complete snapshot `received` stands for, given the one applied before it
+/// (`None` before any): a complete snapshot as it is, a delta applied to `previous`.
+/// Modules are kept in the order the hub sends them, by name then namespace.
+pub fn apply_snapshot(
+    previous: Option<&v1::IntentSnapshot>,
+    received: v1::IntentSnapshot,
+) -> v1::IntentSnapshot {
+    if !received.delta {
+        return received;
+    }
+    let removed: std::collections::HashSet<(String, String)> = received
+        .removed
+        .iter()
+        .map(|k| (k.name.clone(), k.namespace.clone()))
+        .collect();
+    let mut modules: std::collections::BTreeMap<(String, String), v1::ModuleIntent> = previous
+        .into_iter()
+        .flat_map(|p| p.modules.iter())
+        .map(|m| (module_key(m), m.clone()))
+        .filter(|(key, _)| !removed.contains(key))
+        .collect();
+    modules.extend(received.modules.into_iter().map(|m| (module_key(&m), m)));
+    v1::IntentSnapshot {
+        revision: received.revision,
+        modules: modules.into_values().collect(),
+        credentials: received.credentials,
+        delta: false,
+        removed: Vec::new(),
+    }
+}
+
+/// A module intent's identity: (name, namespace).
+fn module_key(module: &v1::ModuleIntent) -> (String, String) {
+    module
+        .key
+        .as_ref()
+        .map(|k| (k.name.clone(), k.namespace.clone()))
+        .unwrap_or_default()
+}
+
 /// Generated code for package `kmm.v1`.
 #[allow(missing_docs, clippy::all, clippy::pedantic)]
 pub mod v1 {

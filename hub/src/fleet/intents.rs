@@ -76,6 +76,7 @@ pub fn cluster_intents(
                 .into_iter()
                 .filter_map(|id| credentials.get(&id).cloned())
                 .collect(),
+            ..IntentSnapshot::default()
         },
         unchecked,
     }

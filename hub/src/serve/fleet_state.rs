@@ -47,7 +47,8 @@ pub fn managed_cluster_resource() -> ApiResource {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Outbound {
     Idle,
-    Snapshot(IntentSnapshot),
+    /// The cluster's complete snapshot; the stream sends what changed since its last.
+    Snapshot(Arc<IntentSnapshot>),
     /// End the stream with this gRPC status.
     End(tonic::Code, String),
 }
