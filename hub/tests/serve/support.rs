@@ -357,6 +357,8 @@ pub struct Proxy {
     /// The revision of the last snapshot received: what its statuses are made with, as a
     /// real proxy's are.
     applied: AtomicU64,
+    /// The complete snapshot the ones received so far stand for (deltas applied).
+    current: Option<IntentSnapshot>,
 }
 
 impl Proxy {
@@ -379,6 +381,7 @@ impl Proxy {
             outbound,
             inbound,
             applied: AtomicU64::new(0),
+            current: None,
         })
     }
 
@@ -440,7 +443,8 @@ impl Proxy {
         .await;
     }
 
-    /// The next snapshot, failing after [`WAIT`].
+    /// The next snapshot, complete (a delta applied as a real proxy does), failing after
+    /// [`WAIT`].
     pub async fn next_snapshot(&mut self) -> IntentSnapshot {
         let message = tokio::time::timeout(WAIT, self.inbound.message())
             .await
@@ -448,8 +452,10 @@ impl Proxy {
             .expect("the stream stays healthy")
             .expect("the stream stays open");
         match message.message {
-            Some(hub_message::Message::Intents(snapshot)) => {
-                self.applied.store(snapshot.revision, Ordering::Relaxed);
+            Some(hub_message::Message::Intents(received)) => {
+                self.applied.store(received.revision, Ordering::Relaxed);
+                let snapshot = kmm_proto::apply_snapshot(self.current.as_ref(), received);
+                self.current = Some(snapshot.clone());
                 snapshot
             }
             None => panic!("an empty HubMessage"),
