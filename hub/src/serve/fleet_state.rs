@@ -358,13 +358,19 @@ impl FleetState {
             c.closed_at.remove(cluster);
             c.open.insert(cluster.to_owned())
         });
+        self.connection_changed(cluster, entry);
+        id
+    }
+
+    /// A session opened or closed (under the cluster's lock, handed over): the gauge
+    /// follows, and the modules counting the cluster are touched.
+    fn connection_changed(&self, cluster: &str, entry: MutexGuard<'_, ClusterEntry>) {
         self.metrics
             .connected_clusters
             .set(gauge(self.connections.borrow().open.len()));
         let touched = self.modules_of(cluster, Some(&entry));
         drop(entry);
         self.touched.add(touched);
-        id
     }
 
     /// Ends every stream (shutdown): proxies reconnect, to this hub or another replica.
@@ -391,12 +397,7 @@ impl FleetState {
             c.closed_at
                 .insert(cluster.to_owned(), Time(Timestamp::now()));
         });
-        self.metrics
-            .connected_clusters
-            .set(gauge(self.connections.borrow().open.len()));
-        let touched = self.modules_of(cluster, Some(&entry));
-        drop(entry);
-        self.touched.add(touched);
+        self.connection_changed(cluster, entry);
     }
 
     /// A kernel inventory arrived on stream `id`; late duplicates are ignored.
@@ -853,12 +854,23 @@ impl FleetState {
             .filter(|c| is_selected(module, Some(c.labels())))
             .map(|c| c.name_any())
             .collect();
-        let entries: HashMap<String, Entry> = self.entries().into_iter().collect();
-        let empty = Arc::new(Mutex::new(ClusterEntry::default()));
         let mut tally = StatusTally::default();
         let mut unloads: Vec<(String, bool, bool, Vec<String>)> = Vec::new();
         for cluster in &selected {
-            let entry = lock(entries.get(cluster).unwrap_or(&empty));
+            let Some(entry) = self.entry(cluster) else {
+                tally.add(&ClusterReport {
+                    cluster,
+                    connected: false,
+                    reflects_generation: false,
+                    kernels: &[],
+                    nodes: &[],
+                });
+                if deleting {
+                    unloads.push((cluster.clone(), true, false, Vec::new()));
+                }
+                continue;
+            };
+            let entry = lock(&entry);
             let kernels = entry
                 .outbox
                 .last()
@@ -893,10 +905,13 @@ impl FleetState {
             }
         }
         if deleting {
-            for (cluster, entry) in entries.iter().filter(|(c, _)| !selected.contains(*c)) {
-                let entry = lock(entry);
+            for (cluster, entry) in self.entries() {
+                if selected.contains(&cluster) {
+                    continue;
+                }
+                let entry = lock(&entry);
                 unloads.push((
-                    cluster.clone(),
+                    cluster,
                     false,
                     entry.statuses_known,
                     entry.statuses.not_unloaded(namespace, &name),
