@@ -33,9 +33,9 @@ mod registry;
 mod simulated_nodes;
 mod state;
 
-use control_plane::{
-    APISERVER, ControlPlane, Credentials, Ports, get_text, http_get_plain, write_kubeconfig,
-};
+use control_plane::{APISERVER, ControlPlane, Credentials, Ports, get_text, write_kubeconfig};
+// The scale harness reads its own hub's /metrics and /readyz with it.
+pub(crate) use control_plane::http_get_plain;
 pub use control_plane::{apply_crd, client_for};
 use network::{MAX_REAL_NODES, Network};
 pub use nodes::node_ready;

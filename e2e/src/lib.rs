@@ -9,6 +9,7 @@
 //! * [`fixture`] attaches tests to a running environment (or starts one).
 //! * [`images`] builds kmm-fleet's container images and their bases (`cargo xtask images`).
 //! * [`kwok_pod_runner`] runs the pods KWOK only pretends to run (`kwok-pod-runner`).
+//! * [`scale`] puts a real kmm-hub in front of thousands of simulated clusters.
 
 mod cgroup;
 pub mod fixture;
@@ -20,6 +21,7 @@ pub mod kwok_pod_runner;
 mod pki;
 mod process;
 pub mod registry_server;
+pub mod scale;
 pub mod toolchain;
 pub mod versions;
 

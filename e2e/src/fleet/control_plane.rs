@@ -284,7 +284,7 @@ pub(super) const LOOPBACK: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
 
 /// A plain-HTTP GET, for etcd, the registry and the real nodes' daemons; `None` unless
 /// 200 OK.
-pub(super) async fn http_get_plain(ip: IpAddr, port: u16, path: &str) -> Option<String> {
+pub(crate) async fn http_get_plain(ip: IpAddr, port: u16, path: &str) -> Option<String> {
     let mut stream = tokio::net::TcpStream::connect((ip, port)).await.ok()?;
     let request = format!("GET {path} HTTP/1.0\r\nHost: {ip}\r\n\r\n");
     stream.write_all(request.as_bytes()).await.ok()?;

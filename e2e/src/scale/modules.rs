@@ -1,0 +1,338 @@
+//! The run's ManagedClusterModules, the kmod images they name, and convergence as the
+//! hub reports it: a watch of the modules' status, never the simulated proxies' view.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use kmm_api::ManagedClusterModule;
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::WatchStreamExt;
+use kube::runtime::watcher::{self, Event};
+use kube::{Api, Client, ResourceExt};
+use serde_json::json;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use super::{Error, Result, io};
+use crate::fleet::kmm::TEST_HUB_LABEL;
+use crate::kmod;
+
+/// The modules' `spokeNamespace`.
+pub const SPOKE_NAMESPACE: &str = "kmm-scale";
+/// Where the run's kmod images are, one tag per kernel.
+pub const REPOSITORY: &str = "kmm-scale/kmod";
+/// The node label every module's node selector names (every simulated node has it).
+pub const NODE_SELECTOR: (&str, &str) = ("kubernetes.io/os", "linux");
+/// The kernels the mapping matches: Debian's release scheme.
+const KERNEL_REGEXP: &str = r"^6\.1\.0-[0-9]+-amd64$";
+
+/// The name of module `index` of `run`.
+pub fn module_name(run: &str, index: usize) -> String {
+    format!("{run}-m{index:02}")
+}
+
+/// Module `name` of `run`: selects the run's clusters and every node; one regexp
+/// mapping to the run's image for the node's kernel. The label keeps the fleet's own
+/// hub (if it runs) away from it and lets the run's hub (`--module-selector`) find it.
+pub fn module(
+    run: &str,
+    name: &str,
+    registry: &str,
+    version: &str,
+) -> Result<ManagedClusterModule> {
+    serde_json::from_value(json!({
+        "apiVersion": "hub.kmm.sigs.x-k8s.io/v1beta1",
+        "kind": "ManagedClusterModule",
+        "metadata": { "name": name, "labels": { TEST_HUB_LABEL: run } },
+        "spec": {
+            "spokeNamespace": SPOKE_NAMESPACE,
+            "selector": { super::clusters::RUN_LABEL: run },
+            "moduleSpec": {
+                "selector": { NODE_SELECTOR.0: NODE_SELECTOR.1 },
+                "moduleLoader": { "container": {
+                    "version": version,
+                    "modprobe": { "moduleName": "kmm_scale" },
+                    "registryTLS": { "insecure": true },
+                    "kernelMappings": [{
+                        "regexp": KERNEL_REGEXP,
+                        "containerImage": format!("{registry}/{REPOSITORY}:${{KERNEL_FULL_VERSION}}"),
+                    }],
+                }},
+            },
+        },
+    }))
+    .map_err(|e| Error::Invalid(format!("module {name}: {e}")))
+}
+
+/// The module selector of the run's hub.
+pub fn module_selector(run: &str) -> String {
+    format!("{TEST_HUB_LABEL}={run}")
+}
+
+/// Applies the ManagedClusterModule CRD (a fleet started with `--no-kmm` lacks it).
+pub async fn apply_crd(hub: &Client) -> Result<()> {
+    let crd: serde_json::Value =
+        serde_yaml_ng::from_str(&kmm_api::managed_cluster_module_crd_yaml())
+            .map_err(|e| Error::Invalid(format!("the ManagedClusterModule CRD: {e}")))?;
+    Ok(crate::fleet::apply_crd(hub, &crd).await?)
+}
+
+/// Pushes a small image for each kernel (the hub checks every image exists before it
+/// sends a load): `<registry>/kmm-scale/kmod:<kernel>`.
+pub async fn push_images(registry: &str, kernels: &BTreeSet<String>) -> Result<()> {
+    let dir = tempfile::tempdir().map_err(io("making a temporary directory"))?;
+    for kernel in kernels {
+        let root = dir.path().join(kernel);
+        let modules = root.join("opt/lib/modules").join(kernel);
+        std::fs::create_dir_all(&modules).map_err(io(format!("creating {}", modules.display())))?;
+        // Never loaded by anything: the nodes are simulated.
+        std::fs::write(modules.join("modules.dep"), b"")
+            .map_err(io(format!("writing into {}", modules.display())))?;
+        kmod::push_root(registry, REPOSITORY, kernel, kernel, &root, &[]).await?;
+    }
+    Ok(())
+}
+
+/// Creates the module; its generation.
+pub async fn create(hub: &Client, module: &ManagedClusterModule) -> Result<i64> {
+    let created = Api::<ManagedClusterModule>::all(hub.clone())
+        .create(&PostParams::default(), module)
+        .await?;
+    generation(&created)
+}
+
+/// Sets the module's `version`: a new generation every node must reach; that generation.
+pub async fn set_version(hub: &Client, name: &str, version: &str) -> Result<i64> {
+    let patch =
+        json!({"spec": {"moduleSpec": {"moduleLoader": {"container": {"version": version}}}}});
+    let patched = Api::<ManagedClusterModule>::all(hub.clone())
+        .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    generation(&patched)
+}
+
+fn generation(module: &ManagedClusterModule) -> Result<i64> {
+    module
+        .metadata
+        .generation
+        .ok_or_else(|| Error::Invalid(format!("module {} has no generation", module.name_any())))
+}
+
+/// Deletes the run's modules: the hub releases each once every node confirmed the unload.
+pub async fn delete_all(hub: &Client, run: &str) -> Result<()> {
+    let api = Api::<ManagedClusterModule>::all(hub.clone());
+    for module in api
+        .list_metadata(&ListParams::default().labels(&module_selector(run)))
+        .await?
+    {
+        match api
+            .delete(&module.name_any(), &DeleteParams::background())
+            .await
+        {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 404 => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+/// Removes the hub's finalizer from the run's modules left behind (cleanup after the
+/// hub is gone: nothing else would release them).
+pub async fn release_leftovers(hub: &Client, run: &str) -> Result<()> {
+    let api = Api::<ManagedClusterModule>::all(hub.clone());
+    for module in api
+        .list_metadata(&ListParams::default().labels(&module_selector(run)))
+        .await?
+    {
+        let patch = json!({"metadata": {"finalizers": null}});
+        match api
+            .patch(
+                &module.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(&patch),
+            )
+            .await
+        {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 404 => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+/// What converged means for a scenario.
+#[derive(Clone, Debug)]
+pub struct Expected {
+    /// Each module and the generation it must have at least: the watch may not have
+    /// seen the latest write yet, and the previous generation's status converged.
+    pub modules: BTreeMap<String, i64>,
+    pub clusters: i32,
+    pub nodes: i32,
+    /// The kernels the module's images must be listed for (exactly), when the scenario
+    /// changed kernels without changing the module.
+    pub kernels: Option<BTreeSet<String>>,
+}
+
+/// `Ok` when the hub's status of every expected module says: this generation observed,
+/// every cluster selected, connected and converged, every node matching and loaded,
+/// nothing failed, Ready; else what is missing.
+pub fn converged(
+    modules: &BTreeMap<String, ManagedClusterModule>,
+    expected: &Expected,
+) -> Result<(), String> {
+    let mut waiting = vec![];
+    for (name, generation) in &expected.modules {
+        if let Err(why) = module_converged(modules.get(name), *generation, expected) {
+            waiting.push(format!("{name}: {why}"));
+        }
+    }
+    match waiting.first() {
+        None => Ok(()),
+        Some(first) => Err(format!(
+            "{} of {} modules not converged; {first}",
+            waiting.len(),
+            expected.modules.len()
+        )),
+    }
+}
+
+fn module_converged(
+    module: Option<&ManagedClusterModule>,
+    generation: i64,
+    e: &Expected,
+) -> Result<(), String> {
+    let module = module.ok_or("absent")?;
+    if module.metadata.generation < Some(generation) {
+        return Err(format!(
+            "generation {:?} seen, {generation} written",
+            module.metadata.generation
+        ));
+    }
+    let status = module.status.as_ref().ok_or("no status yet")?;
+    let (c, n) = (&status.clusters, &status.nodes);
+    let summary = || {
+        format!(
+            "generation {:?} observed {:?}; clusters {}/{}/{} (selected/connected/converged), \
+             nodes {}/{}/{} (matching/loaded/failed); want {} clusters, {} nodes",
+            module.metadata.generation,
+            status.observed_generation,
+            c.selected,
+            c.connected,
+            c.converged,
+            n.matching,
+            n.loaded,
+            n.failed,
+            e.clusters,
+            e.nodes
+        )
+    };
+    let counts_ok = status.observed_generation == module.metadata.generation
+        && (c.selected, c.connected, c.converged) == (e.clusters, e.clusters, e.clusters)
+        && (n.matching, n.loaded, n.failed) == (e.nodes, e.nodes, 0);
+    if !counts_ok {
+        return Err(summary());
+    }
+    let ready = status
+        .conditions
+        .iter()
+        .any(|c| c.type_ == "Ready" && c.status == "True");
+    if !ready {
+        return Err(format!("not Ready; {}", summary()));
+    }
+    if let Some(kernels) = &e.kernels {
+        let named: BTreeSet<String> = status
+            .images
+            .iter()
+            .filter(|i| i.state == "Exists")
+            .flat_map(|i| i.kernels.iter().cloned())
+            .collect();
+        if &named != kernels {
+            return Err(format!(
+                "images exist for kernels {named:?}, want exactly {kernels:?}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The run's modules as the apiserver has them, kept current by a watch.
+#[derive(Debug)]
+pub struct ModuleWatch {
+    modules: watch::Receiver<BTreeMap<String, ManagedClusterModule>>,
+    task: JoinHandle<()>,
+}
+
+impl ModuleWatch {
+    pub fn start(hub: &Client, run: &str) -> Self {
+        let api = Api::<ManagedClusterModule>::all(hub.clone());
+        let config = watcher::Config::default().labels(&module_selector(run));
+        let (tx, modules) = watch::channel(BTreeMap::new());
+        let task = tokio::spawn(async move {
+            let mut events = std::pin::pin!(watcher::watcher(api, config).default_backoff());
+            let mut listing = BTreeMap::new();
+            while let Some(event) = tokio_stream::StreamExt::next(&mut events).await {
+                // A failed watch is retried with backoff; the waits' deadlines bound it.
+                let Ok(event) = event else { continue };
+                match event {
+                    Event::Apply(m) => {
+                        tx.send_modify(|all| {
+                            all.insert(m.name_any(), m);
+                        });
+                    }
+                    Event::Delete(m) => {
+                        tx.send_modify(|all| {
+                            all.remove(&m.name_any());
+                        });
+                    }
+                    Event::Init => listing.clear(),
+                    Event::InitApply(m) => {
+                        listing.insert(m.name_any(), m);
+                    }
+                    Event::InitDone => {
+                        tx.send_replace(std::mem::take(&mut listing));
+                    }
+                }
+            }
+        });
+        Self { modules, task }
+    }
+
+    /// Waits until `check` holds on the modules, failing after `timeout` with what
+    /// `check` last said.
+    pub async fn wait_for(
+        &mut self,
+        what: &str,
+        timeout: Duration,
+        check: impl Fn(&BTreeMap<String, ManagedClusterModule>) -> Result<(), String>,
+    ) -> Result<()> {
+        let mut last = String::from("nothing yet");
+        let waited = tokio::time::timeout(
+            timeout,
+            self.modules.wait_for(|modules| match check(modules) {
+                Ok(()) => true,
+                Err(why) => {
+                    last = why;
+                    false
+                }
+            }),
+        )
+        .await;
+        match waited {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(_)) => Err(Error::Invalid("the module watch ended".into())),
+            Err(_) => Err(Error::Timeout {
+                what: what.to_owned(),
+                seconds: timeout.as_secs(),
+                observed: last,
+            }),
+        }
+    }
+}
+
+impl Drop for ModuleWatch {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}

@@ -1,0 +1,766 @@
+//! Simulated spoke proxies: one tokio task per cluster, each a real `Hub.Sync` client
+//! over its own TLS connection with its own client certificate, as OCM's add-on
+//! registration would issue it.
+//!
+//! Each behaves as `kmm-spoke-proxy` does towards the hub, with node agents that load
+//! and unload at once: hello (with the revision it last applied), the full kernel
+//! inventory, a full node status report; then every intent snapshot is applied to its M
+//! nodes (LOADED at the target's version, FAILED with the hub's reason for an unresolved
+//! kernel, PENDING for a kernel the snapshot has no target for, UNLOADED on `unload`)
+//! and answered with a delta report carrying the snapshot's revision (empty when nothing
+//! changed). A stream that ends is reopened after the real proxy's jittered backoff.
+//! Every unload is recorded per (cluster, node, module), so that a lost or repeated one
+//! shows.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use kmm_proto::v1::{
+    HubMessage, IntentSnapshot, Kernel, KernelInventory, ModuleIntent, ModuleKey, ModuleNodeKey,
+    ModuleNodeStatus, ModuleState, NodeStatusReport, ProxyHello, ProxyMessage,
+    hub_client::HubClient, hub_message, kernel_target::Target, proxy_message,
+};
+use kmm_runtime::backoff::{Backoff, random_fraction};
+use prost::Message as _;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinSet;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+
+use super::{Error, Result, Shape};
+
+/// Distinct kernels in the fleet per kernel wave; each cluster runs
+/// [`KERNELS_PER_CLUSTER`] of them.
+pub const KERNELS_PER_WAVE: usize = 6;
+pub const KERNELS_PER_CLUSTER: usize = 3;
+/// The real proxy's defaults (`--reconnect-initial-ms`, `--reconnect-max-seconds`).
+const RECONNECT_INITIAL: Duration = Duration::from_millis(500);
+const RECONNECT_MAX: Duration = Duration::from_secs(30);
+/// The real proxy's bounds on the TLS handshake and on the hub answering the stream.
+const HANDSHAKE: Duration = Duration::from_secs(10);
+const OS_IMAGE: &str = "Debian GNU/Linux 12 (bookworm)";
+
+/// Kernel `k` of wave `wave` (0 at the start, one more per upgrade).
+pub fn kernel(wave: u32, k: usize) -> String {
+    format!(
+        "6.1.0-{}-amd64",
+        100 + wave as usize * 10 + k % KERNELS_PER_WAVE
+    )
+}
+
+/// The kernel of node `node` of cluster `cluster` in wave `wave`: each cluster runs
+/// three neighbouring kernels of the wave, its nodes spread over them.
+pub fn node_kernel(wave: u32, cluster: usize, node: usize) -> String {
+    kernel(wave, cluster + node % KERNELS_PER_CLUSTER)
+}
+
+/// Every kernel the fleet of `shape` runs in wave `wave`.
+pub fn fleet_kernels(shape: &Shape, wave: u32) -> BTreeSet<String> {
+    (0..shape.clusters.min(KERNELS_PER_WAVE))
+        .flat_map(|c| (0..shape.nodes_per_cluster).map(move |n| node_kernel(wave, c, n)))
+        .collect()
+}
+
+pub fn node_name(node: usize) -> String {
+    format!("node-{node:03}")
+}
+
+/// One cluster's identity towards the hub.
+#[derive(Clone)]
+pub struct ProxyIdentity {
+    pub cluster: String,
+    pub cert_pem: String,
+    pub key_pem: String,
+}
+
+impl std::fmt::Debug for ProxyIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProxyIdentity")
+            .field("cluster", &self.cluster)
+            .finish_non_exhaustive()
+    }
+}
+
+/// (cluster, node, module name).
+pub type LoadKey = (String, String, String);
+
+/// What the simulated nodes did, for the unload audit.
+#[derive(Debug, Default)]
+pub struct Outcome {
+    /// Unloads done, per (cluster, node, module).
+    pub unloads: BTreeMap<LoadKey, u32>,
+    /// Modules still loaded when the proxies stopped.
+    pub loaded: BTreeSet<LoadKey>,
+}
+
+/// Counters shared by every simulated proxy.
+#[derive(Debug, Default)]
+struct Shared {
+    /// Encoded size of every HubMessage received.
+    bytes_received: AtomicU64,
+    snapshots_received: AtomicU64,
+    streams_open: AtomicI64,
+    /// Modules in each cluster's latest snapshot.
+    modules_listed: Vec<AtomicUsize>,
+}
+
+#[derive(Debug)]
+enum Command {
+    /// End the stream now, as a broken connection would; reconnect after the backoff.
+    Drop,
+    /// Reboot every node into the kernels of this wave.
+    Kernels(u32),
+}
+
+/// The simulated proxies of a run.
+#[derive(Debug)]
+pub struct Proxies {
+    commands: Vec<mpsc::UnboundedSender<Command>>,
+    shared: Arc<Shared>,
+    stop: watch::Sender<bool>,
+    tasks: JoinSet<Outcome>,
+}
+
+impl Proxies {
+    /// Starts one proxy per identity, connecting to the hub at `hub` (whose serving
+    /// certificate `ca_pem` signs), each reporting `nodes` nodes on wave 0's kernels.
+    pub fn start(
+        hub: SocketAddr,
+        ca_pem: &str,
+        identities: Vec<ProxyIdentity>,
+        nodes: usize,
+    ) -> Result<Self> {
+        let shared = Arc::new(Shared {
+            modules_listed: (0..identities.len()).map(|_| AtomicUsize::new(0)).collect(),
+            ..Shared::default()
+        });
+        let (stop, stopped) = watch::channel(false);
+        let mut tasks = JoinSet::new();
+        let mut commands = Vec::with_capacity(identities.len());
+        for (index, identity) in identities.into_iter().enumerate() {
+            let tls = ClientTlsConfig::new()
+                .ca_certificate(Certificate::from_pem(ca_pem))
+                .identity(Identity::from_pem(&identity.cert_pem, &identity.key_pem))
+                .domain_name(hub.ip().to_string());
+            let endpoint = Endpoint::from_shared(format!("https://{hub}"))
+                .map_err(|e| Error::Invalid(format!("hub address {hub}: {e}")))?
+                .tls_config(tls)?
+                .connect_timeout(HANDSHAKE)
+                .http2_keep_alive_interval(Duration::from_secs(30))
+                .keep_alive_timeout(Duration::from_secs(20))
+                .keep_alive_while_idle(true);
+            let (tx, rx) = mpsc::unbounded_channel();
+            commands.push(tx);
+            let sim = ClusterSim::new(index, identity.cluster, nodes);
+            tasks.spawn(run(sim, endpoint, rx, stopped.clone(), shared.clone()));
+        }
+        Ok(Self {
+            commands,
+            shared,
+            stop,
+            tasks,
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.commands.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.commands.is_empty()
+    }
+
+    /// Breaks the streams of these clusters (indices) at once.
+    pub fn drop_streams(&self, clusters: impl IntoIterator<Item = usize>) {
+        for index in clusters {
+            let _ = self.commands[index].send(Command::Drop);
+        }
+    }
+
+    /// Every cluster reboots its nodes into the kernels of `wave`.
+    pub fn upgrade_kernels(&self, wave: u32) {
+        for tx in &self.commands {
+            let _ = tx.send(Command::Kernels(wave));
+        }
+    }
+
+    /// Encoded bytes of every HubMessage received so far.
+    pub fn bytes_received(&self) -> u64 {
+        self.shared.bytes_received.load(Ordering::Relaxed)
+    }
+
+    pub fn snapshots_received(&self) -> u64 {
+        self.shared.snapshots_received.load(Ordering::Relaxed)
+    }
+
+    /// Streams open now, as the proxies see them.
+    pub fn streams_open(&self) -> i64 {
+        self.shared.streams_open.load(Ordering::Relaxed)
+    }
+
+    /// Clusters whose latest snapshot still lists some module.
+    pub fn clusters_with_modules(&self) -> usize {
+        self.shared
+            .modules_listed
+            .iter()
+            .filter(|n| n.load(Ordering::Relaxed) > 0)
+            .count()
+    }
+
+    /// Stops every proxy (their streams end) and returns what their nodes did.
+    pub async fn stop(mut self) -> Result<Outcome> {
+        let _ = self.stop.send(true);
+        let mut outcome = Outcome::default();
+        while let Some(done) = self.tasks.join_next().await {
+            let one = done.map_err(|e| Error::Invalid(format!("a simulated proxy failed: {e}")))?;
+            outcome.unloads.extend(one.unloads);
+            outcome.loaded.extend(one.loaded);
+        }
+        Ok(outcome)
+    }
+}
+
+#[derive(Debug)]
+struct SimNode {
+    name: String,
+    kernel: String,
+    labels: BTreeMap<String, String>,
+}
+
+/// (module namespace, module name, node).
+type StatusKey = (String, String, String);
+
+/// One cluster's proxy and nodes; owned by its task.
+#[derive(Debug)]
+struct ClusterSim {
+    index: usize,
+    name: String,
+    nodes: Vec<SimNode>,
+    inventory_revision: u64,
+    /// Revision of the last snapshot applied: sent in hello, carried by every report.
+    applied: u64,
+    intents: Vec<ModuleIntent>,
+    /// Statuses as last reported to the hub.
+    sent: BTreeMap<StatusKey, ModuleNodeStatus>,
+    /// Version loaded per (module, node), as the node agents would have it.
+    loaded: BTreeMap<StatusKey, String>,
+    unloads: BTreeMap<StatusKey, u32>,
+}
+
+impl ClusterSim {
+    fn new(index: usize, name: String, nodes: usize) -> Self {
+        let nodes = (0..nodes)
+            .map(|n| SimNode {
+                name: node_name(n),
+                kernel: node_kernel(0, index, n),
+                labels: BTreeMap::from([
+                    (
+                        super::modules::NODE_SELECTOR.0.to_owned(),
+                        super::modules::NODE_SELECTOR.1.to_owned(),
+                    ),
+                    ("kubernetes.io/hostname".to_owned(), node_name(n)),
+                ]),
+            })
+            .collect();
+        Self {
+            index,
+            name,
+            nodes,
+            inventory_revision: 1,
+            applied: 0,
+            intents: Vec::new(),
+            sent: BTreeMap::new(),
+            loaded: BTreeMap::new(),
+            unloads: BTreeMap::new(),
+        }
+    }
+
+    fn inventory(&self) -> KernelInventory {
+        let mut counts: BTreeMap<&str, u32> = BTreeMap::new();
+        for node in &self.nodes {
+            *counts.entry(&node.kernel).or_default() += 1;
+        }
+        KernelInventory {
+            revision: self.inventory_revision,
+            kernels: counts
+                .into_iter()
+                .map(|(release, node_count)| Kernel {
+                    release: release.to_owned(),
+                    os_image: OS_IMAGE.to_owned(),
+                    node_count,
+                })
+                .collect(),
+        }
+    }
+
+    /// Applies a snapshot: loads and unloads as the intents say.
+    fn apply(&mut self, snapshot: IntentSnapshot) {
+        self.applied = snapshot.revision;
+        self.intents = snapshot.modules;
+        self.reconcile();
+        // A module absent from the snapshot is forgotten, never unloaded: what stays
+        // loaded of it shows in the audit as a lost unload.
+    }
+
+    /// The node agents act on the current intents.
+    fn reconcile(&mut self) {
+        for intent in &self.intents {
+            let Some(module) = &intent.key else { continue };
+            for node in self.nodes.iter().filter(|n| selects(intent, n)) {
+                let key = (
+                    module.namespace.clone(),
+                    module.name.clone(),
+                    node.name.clone(),
+                );
+                if intent.unload {
+                    if self.loaded.remove(&key).is_some() {
+                        *self.unloads.entry(key).or_default() += 1;
+                    }
+                    continue;
+                }
+                let target = intent
+                    .kernels
+                    .iter()
+                    .find(|t| t.kernel == node.kernel)
+                    .and_then(|t| t.target.as_ref());
+                if let Some(Target::Load(load)) = target {
+                    // A new version replaces the old: a reload, not an unload.
+                    self.loaded.insert(key, load.version.clone());
+                }
+            }
+        }
+    }
+
+    /// Every node reboots into the kernels of `wave`: nothing is loaded after a reboot,
+    /// then the agents load what the intents they have target the new kernels with.
+    fn reboot(&mut self, wave: u32) {
+        for (n, node) in self.nodes.iter_mut().enumerate() {
+            node.kernel = node_kernel(wave, self.index, n);
+        }
+        self.loaded.clear();
+        self.inventory_revision += 1;
+        self.reconcile();
+    }
+
+    /// The current status of every (module, node) the intents concern.
+    fn statuses(&self) -> BTreeMap<StatusKey, ModuleNodeStatus> {
+        let mut statuses = BTreeMap::new();
+        for intent in &self.intents {
+            let Some(module) = &intent.key else { continue };
+            for node in self.nodes.iter().filter(|n| selects(intent, n)) {
+                let key = (
+                    module.namespace.clone(),
+                    module.name.clone(),
+                    node.name.clone(),
+                );
+                let loaded = self.loaded.get(&key);
+                let (state, version, reason, message) = if intent.unload {
+                    (ModuleState::Unloaded, None, "", String::new())
+                } else {
+                    match intent
+                        .kernels
+                        .iter()
+                        .find(|t| t.kernel == node.kernel)
+                        .and_then(|t| t.target.as_ref())
+                    {
+                        Some(Target::Load(_)) => (ModuleState::Loaded, loaded, "", String::new()),
+                        Some(Target::Unresolved(u)) => (
+                            ModuleState::Failed,
+                            None,
+                            u.reason.as_str(),
+                            u.message.clone(),
+                        ),
+                        None => (
+                            ModuleState::Pending,
+                            None,
+                            "",
+                            format!("no image resolved yet for kernel {:?}", node.kernel),
+                        ),
+                    }
+                };
+                let status = ModuleNodeStatus {
+                    key: Some(ModuleNodeKey {
+                        module: Some(module.clone()),
+                        node: node.name.clone(),
+                    }),
+                    kernel: node.kernel.clone(),
+                    state: state.into(),
+                    loaded_version: version.cloned().unwrap_or_default(),
+                    message,
+                    reason: reason.to_owned(),
+                };
+                statuses.insert(key, status);
+            }
+        }
+        statuses
+    }
+
+    fn full_report(&mut self) -> NodeStatusReport {
+        self.sent = self.statuses();
+        NodeStatusReport {
+            full: true,
+            statuses: self.sent.values().cloned().collect(),
+            removed: Vec::new(),
+            intent_revision: self.applied,
+        }
+    }
+
+    /// What changed since the last report, made with the applied revision.
+    fn delta_report(&mut self) -> NodeStatusReport {
+        let now = self.statuses();
+        let statuses = now
+            .iter()
+            .filter(|(key, status)| self.sent.get(*key) != Some(*status))
+            .map(|(_, status)| status.clone())
+            .collect();
+        let removed = self
+            .sent
+            .keys()
+            .filter(|key| !now.contains_key(*key))
+            .map(|(namespace, name, node)| ModuleNodeKey {
+                module: Some(ModuleKey {
+                    namespace: namespace.clone(),
+                    name: name.clone(),
+                }),
+                node: node.clone(),
+            })
+            .collect();
+        self.sent = now;
+        NodeStatusReport {
+            full: false,
+            statuses,
+            removed,
+            intent_revision: self.applied,
+        }
+    }
+
+    fn outcome(self) -> Outcome {
+        let cluster = &self.name;
+        let key = |(_, module, node): StatusKey| (cluster.clone(), node, module);
+        Outcome {
+            unloads: self.unloads.into_iter().map(|(k, n)| (key(k), n)).collect(),
+            loaded: self.loaded.into_keys().map(key).collect(),
+        }
+    }
+}
+
+/// Whether the intent's node selector selects the node (the simulated nodes have no
+/// taints, so tolerations do not matter).
+fn selects(intent: &ModuleIntent, node: &SimNode) -> bool {
+    intent
+        .node_selector
+        .iter()
+        .all(|(k, v)| node.labels.get(k) == Some(v))
+}
+
+/// The encoded size of the HubMessage that carried `snapshot` (field 1, length-delimited).
+fn hub_message_len(snapshot: &IntentSnapshot) -> u64 {
+    let len = snapshot.encoded_len();
+    (1 + prost::length_delimiter_len(len) + len) as u64
+}
+
+fn message(message: proxy_message::Message) -> ProxyMessage {
+    ProxyMessage {
+        message: Some(message),
+    }
+}
+
+enum SessionEnd {
+    Stopped,
+    /// Dropped on command, or ended by the hub, or never opened.
+    Ended,
+}
+
+async fn run(
+    mut sim: ClusterSim,
+    endpoint: Endpoint,
+    mut commands: mpsc::UnboundedReceiver<Command>,
+    mut stop: watch::Receiver<bool>,
+    shared: Arc<Shared>,
+) -> Outcome {
+    let mut backoff = Backoff::new(RECONNECT_INITIAL, RECONNECT_MAX);
+    loop {
+        if let SessionEnd::Stopped = session(
+            &mut sim,
+            &endpoint,
+            &mut commands,
+            &mut stop,
+            &shared,
+            &mut backoff,
+        )
+        .await
+        {
+            break;
+        }
+        let pause = tokio::time::sleep(backoff.next_delay(random_fraction()));
+        tokio::pin!(pause);
+        loop {
+            tokio::select! {
+                () = &mut pause => break,
+                _ = stop.changed() => return sim.outcome(),
+                command = commands.recv() => match command {
+                    // Nodes reboot whether or not the hub is reachable.
+                    Some(Command::Kernels(wave)) => sim.reboot(wave),
+                    Some(Command::Drop) => {}
+                    None => return sim.outcome(),
+                },
+            }
+        }
+    }
+    sim.outcome()
+}
+
+async fn session(
+    sim: &mut ClusterSim,
+    endpoint: &Endpoint,
+    commands: &mut mpsc::UnboundedReceiver<Command>,
+    stop: &mut watch::Receiver<bool>,
+    shared: &Shared,
+    backoff: &mut Backoff,
+) -> SessionEnd {
+    let channel = tokio::select! {
+        _ = stop.changed() => return SessionEnd::Stopped,
+        connected = endpoint.connect() => match connected {
+            Ok(channel) => channel,
+            Err(_) => return SessionEnd::Ended,
+        },
+    };
+    let (tx, rx) = mpsc::channel(16);
+    let first = [
+        proxy_message::Message::Hello(ProxyHello {
+            proxy_version: "fleet-scale-sim".into(),
+            applied_intent_revision: sim.applied,
+        }),
+        proxy_message::Message::Inventory(sim.inventory()),
+        proxy_message::Message::Status(sim.full_report()),
+    ];
+    for m in first {
+        // A fresh channel larger than three messages: cannot block or fail.
+        let _ = tx.send(message(m)).await;
+    }
+    let mut client = HubClient::new(channel)
+        .max_encoding_message_size(kmm_proto::limits::PROXY_MESSAGE)
+        .max_decoding_message_size(kmm_proto::limits::HUB_MESSAGE);
+    let mut inbound = tokio::select! {
+        _ = stop.changed() => return SessionEnd::Stopped,
+        response = tokio::time::timeout(HANDSHAKE, client.sync(ReceiverStream::new(rx))) => {
+            match response {
+                Ok(Ok(response)) => response.into_inner(),
+                _ => return SessionEnd::Ended,
+            }
+        }
+    };
+    backoff.reset();
+    shared.streams_open.fetch_add(1, Ordering::Relaxed);
+    let end = loop {
+        let (report, inventory) = tokio::select! {
+            _ = stop.changed() => break SessionEnd::Stopped,
+            received = inbound.message() => match received {
+                Ok(Some(HubMessage { message: Some(hub_message::Message::Intents(snapshot)) })) => {
+                    shared.bytes_received.fetch_add(hub_message_len(&snapshot), Ordering::Relaxed);
+                    shared.snapshots_received.fetch_add(1, Ordering::Relaxed);
+                    shared.modules_listed[sim.index].store(snapshot.modules.len(), Ordering::Relaxed);
+                    sim.apply(snapshot);
+                    (sim.delta_report(), None)
+                }
+                Ok(Some(_)) => continue,
+                Ok(None) | Err(_) => break SessionEnd::Ended,
+            },
+            command = commands.recv() => match command {
+                Some(Command::Drop) => break SessionEnd::Ended,
+                // The nodes' statuses change as they go down, before the inventory: the
+                // hub knows they are no longer loaded by the time it sees new kernels.
+                Some(Command::Kernels(wave)) => {
+                    sim.reboot(wave);
+                    (sim.delta_report(), Some(sim.inventory()))
+                }
+                None => break SessionEnd::Stopped,
+            },
+        };
+        let mut outgoing = vec![proxy_message::Message::Status(report)];
+        outgoing.extend(inventory.map(proxy_message::Message::Inventory));
+        let mut sent = true;
+        for m in outgoing {
+            sent = sent && tx.send(message(m)).await.is_ok();
+        }
+        if !sent {
+            break SessionEnd::Ended;
+        }
+    };
+    shared.streams_open.fetch_sub(1, Ordering::Relaxed);
+    end
+}
+
+#[cfg(test)]
+mod tests {
+    use kmm_proto::v1::{KernelTarget, ModuleLoad, Unresolved};
+
+    use super::*;
+
+    fn intent(name: &str, unload: bool, kernels: Vec<KernelTarget>) -> ModuleIntent {
+        ModuleIntent {
+            key: Some(ModuleKey {
+                namespace: "ns".into(),
+                name: name.into(),
+            }),
+            generation: 1,
+            node_selector: [("kubernetes.io/os".to_owned(), "linux".to_owned())].into(),
+            tolerations: vec![],
+            kernels,
+            unload,
+        }
+    }
+
+    fn load(kernel: &str, version: &str) -> KernelTarget {
+        KernelTarget {
+            kernel: kernel.into(),
+            target: Some(Target::Load(ModuleLoad {
+                version: version.into(),
+                ..ModuleLoad::default()
+            })),
+        }
+    }
+
+    fn states(report: &NodeStatusReport) -> Vec<(String, i32, String)> {
+        report
+            .statuses
+            .iter()
+            .map(|s| {
+                (
+                    s.key.as_ref().unwrap().node.clone(),
+                    s.state,
+                    s.loaded_version.clone(),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn loads_fails_and_waits_per_kernel_and_answers_every_snapshot() {
+        // Cluster 0, 3 nodes: kernels 100, 101, 102.
+        let mut sim = ClusterSim::new(0, "c".into(), 3);
+        assert_eq!(sim.inventory().kernels.len(), 3);
+        assert!(sim.full_report().statuses.is_empty());
+        let unresolved = KernelTarget {
+            kernel: kernel(0, 1),
+            target: Some(Target::Unresolved(Unresolved {
+                reason: "ImageNotFound".into(),
+                message: "no image".into(),
+            })),
+        };
+        sim.apply(IntentSnapshot {
+            revision: 7,
+            modules: vec![intent(
+                "m",
+                false,
+                vec![load(&kernel(0, 0), "1"), unresolved],
+            )],
+            credentials: vec![],
+        });
+        let report = sim.delta_report();
+        assert_eq!(report.intent_revision, 7);
+        let loaded = ModuleState::Loaded as i32;
+        assert_eq!(
+            states(&report),
+            vec![
+                ("node-000".into(), loaded, "1".into()),
+                ("node-001".into(), ModuleState::Failed as i32, String::new()),
+                (
+                    "node-002".into(),
+                    ModuleState::Pending as i32,
+                    String::new()
+                ),
+            ]
+        );
+        // The same intents again: an empty answer with the new revision.
+        sim.apply(IntentSnapshot {
+            revision: 8,
+            modules: sim.intents.clone(),
+            credentials: vec![],
+        });
+        let again = sim.delta_report();
+        assert_eq!(again.intent_revision, 8);
+        assert!(again.statuses.is_empty() && again.removed.is_empty());
+    }
+
+    #[test]
+    fn records_each_unload_once_and_forgets_without_unloading() {
+        let mut sim = ClusterSim::new(0, "c".into(), 2);
+        let all = vec![load(&kernel(0, 0), "1"), load(&kernel(0, 1), "1")];
+        let snapshot = |revision, unload| IntentSnapshot {
+            revision,
+            modules: vec![intent("m", unload, all.clone())],
+            credentials: vec![],
+        };
+        sim.apply(snapshot(1, false));
+        sim.delta_report();
+        sim.apply(snapshot(2, true));
+        let report = sim.delta_report();
+        assert!(
+            report
+                .statuses
+                .iter()
+                .all(|s| s.state == ModuleState::Unloaded as i32)
+        );
+        // Repeated unload intents unload nothing more.
+        sim.apply(snapshot(3, true));
+        sim.apply(IntentSnapshot {
+            revision: 4,
+            modules: vec![],
+            credentials: vec![],
+        });
+        let forgotten = sim.delta_report();
+        assert_eq!(forgotten.removed.len(), 2);
+        let outcome = sim.outcome();
+        assert!(outcome.loaded.is_empty());
+        assert_eq!(outcome.unloads.len(), 2);
+        assert!(outcome.unloads.values().all(|n| *n == 1));
+    }
+
+    #[test]
+    fn counts_the_bytes_of_the_hub_message() {
+        let snapshot = IntentSnapshot {
+            revision: 3,
+            modules: vec![intent("m", false, vec![load(&kernel(0, 0), "1")])],
+            credentials: vec![],
+        };
+        let wrapped = HubMessage {
+            message: Some(hub_message::Message::Intents(snapshot.clone())),
+        };
+        assert_eq!(hub_message_len(&snapshot), wrapped.encoded_len() as u64);
+    }
+
+    #[test]
+    fn a_reboot_into_new_kernels_reports_them_pending() {
+        let mut sim = ClusterSim::new(1, "c".into(), 2);
+        let targets = (0..KERNELS_PER_WAVE)
+            .map(|k| load(&kernel(0, k), "1"))
+            .collect();
+        sim.apply(IntentSnapshot {
+            revision: 1,
+            modules: vec![intent("m", false, targets)],
+            credentials: vec![],
+        });
+        sim.delta_report();
+        sim.reboot(1);
+        assert_eq!(sim.inventory().revision, 2);
+        assert!(
+            sim.inventory()
+                .kernels
+                .iter()
+                .all(|k| k.release.starts_with("6.1.0-11"))
+        );
+        let report = sim.delta_report();
+        assert_eq!(report.intent_revision, 1);
+        assert!(
+            report
+                .statuses
+                .iter()
+                .all(|s| s.state == ModuleState::Pending as i32)
+        );
+        assert!(sim.outcome().unloads.is_empty());
+    }
+}
