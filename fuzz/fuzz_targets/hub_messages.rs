@@ -1,11 +1,11 @@
 //! What a spoke proxy with a valid certificate can send the hub, on arbitrary bytes:
-//! decoding, applying node status reports to the cluster's record and counting a
+//! decoding, assembling and applying node status reports to the cluster's record and counting a
 //! module's status from it never panics, keeps only statuses of known modules, and never
 //! holds more than the bound.
 
 #![no_main]
 
-use kmm_hub::fleet::node_statuses::{MAX_ENTRIES, NodeStatuses};
+use kmm_hub::fleet::node_statuses::{MAX_ENTRIES, NodeStatuses, ReportParts};
 use kmm_hub::fleet::status::{ClusterReport, module_status};
 use kmm_proto::v1::{ProxyMessage, proxy_message};
 use libfuzzer_sys::fuzz_target;
@@ -13,12 +13,15 @@ use prost::Message as _;
 
 fuzz_target!(|data: &[u8]| {
     let mut statuses = NodeStatuses::default();
+    let mut parts = ReportParts::default();
     // Several messages in a row, as a stream carries them.
     for chunk in data.split(|b| *b == 0xff) {
         let Ok(message) = ProxyMessage::decode(chunk) else {
             continue;
         };
-        if let Some(proxy_message::Message::Status(report)) = message.message {
+        if let Some(proxy_message::Message::Status(part)) = message.message
+            && let Ok(Some(report)) = parts.add(part)
+        {
             let _ = statuses.apply(report, |namespace, name| namespace == "ns" && name == "m");
         }
         assert!(statuses.len() <= MAX_ENTRIES);
@@ -31,7 +34,7 @@ fuzz_target!(|data: &[u8]| {
                 connected: true,
                 reflects_generation: true,
                 kernels: &[],
-                nodes: &nodes,
+                nodes,
             }],
         );
         assert!(counted.nodes.loaded <= counted.nodes.matching);

@@ -38,7 +38,7 @@ fuzz_target!(|data: &[u8]| {
             }],
             ..ModuleIntent::default()
         }],
-        credentials: vec![],
+        ..IntentSnapshot::default()
     });
     for chunk in data.split(|b| *b == 0xff) {
         let Ok(message) = AgentMessage::decode(chunk) else {

@@ -9,14 +9,138 @@
 /// `RESOURCE_EXHAUSTED`, never an unbounded allocation on the receiving side. Sizes are of
 /// the encoded message.
 pub mod limits {
-    /// Proxy to hub (`ProxyMessage`): a full node status report of a large cluster.
-    pub const PROXY_MESSAGE: usize = 32 << 20;
+    /// Proxy to hub (`ProxyMessage`): a hello, an inventory, or one part of a node status
+    /// report (see [`crate::report_parts`]).
+    pub const PROXY_MESSAGE: usize = 4 << 20;
+    /// The size a node status report's parts are cut to: well below
+    /// [`PROXY_MESSAGE`], so that a part stays valid whatever its last entry weighs
+    /// (an agent's error text is bounded far below the difference).
+    pub const REPORT_PART: usize = 1 << 20;
     /// Hub to proxy (`HubMessage`): a cluster's complete intents with credentials.
     pub const HUB_MESSAGE: usize = 64 << 20;
     /// Agent to proxy (`AgentMessage`): a hello or one event.
     pub const AGENT_MESSAGE: usize = 1 << 20;
     /// Proxy to agent (`AgentInstruction`): one node's desired modules.
     pub const AGENT_INSTRUCTION: usize = 16 << 20;
+}
+
+/// A node status report cut into parts of at most `max_bytes` of entries each (at least
+/// one entry per part), every part with the report's `full` and `intent_revision`, all
+/// but the last marked `continued`. A report that fits is its own single part.
+pub fn report_parts(report: v1::NodeStatusReport, max_bytes: usize) -> Vec<v1::NodeStatusReport> {
+    use prost::Message;
+    let part = |statuses, removed| v1::NodeStatusReport {
+        full: report.full,
+        statuses,
+        removed,
+        intent_revision: report.intent_revision,
+        continued: true,
+    };
+    let mut parts = Vec::new();
+    let (mut statuses, mut removed, mut size) = (Vec::new(), Vec::new(), 0);
+    for status in report.statuses {
+        let len = entry_len(status.encoded_len());
+        if size + len > max_bytes && !(statuses.is_empty() && removed.is_empty()) {
+            parts.push(part(std::mem::take(&mut statuses), Vec::new()));
+            size = 0;
+        }
+        size += len;
+        statuses.push(status);
+    }
+    for key in report.removed {
+        let len = entry_len(key.encoded_len());
+        if size + len > max_bytes && !(statuses.is_empty() && removed.is_empty()) {
+            parts.push(part(
+                std::mem::take(&mut statuses),
+                std::mem::take(&mut removed),
+            ));
+            size = 0;
+        }
+        size += len;
+        removed.push(key);
+    }
+    parts.push(part(statuses, removed));
+    if let Some(last) = parts.last_mut() {
+        last.continued = false;
+    }
+    parts
+}
+
+/// What a repeated message field's entry adds to its message: tag, length, body.
+fn entry_len(body: usize) -> usize {
+    1 + prost::length_delimiter_len(body) + body
+}
+
+/// The snapshot to send when the stream last carried `previous`: only the intents that
+/// are new or differ and the modules that left (see `IntentSnapshot.delta`), so that a
+/// change of one module costs each cluster one intent on the wire, not its whole snapshot.
+pub fn snapshot_delta(
+    previous: &v1::IntentSnapshot,
+    next: &v1::IntentSnapshot,
+) -> v1::IntentSnapshot {
+    let before: std::collections::HashMap<_, _> = previous
+        .modules
+        .iter()
+        .map(|m| (module_key(m), m))
+        .collect();
+    let after: std::collections::HashSet<_> = next.modules.iter().map(module_key).collect();
+    v1::IntentSnapshot {
+        revision: next.revision,
+        modules: next
+            .modules
+            .iter()
+            .filter(|m| before.get(&module_key(m)) != Some(m))
+            .cloned()
+            .collect(),
+        credentials: next.credentials.clone(),
+        delta: true,
+        removed: previous
+            .modules
+            .iter()
+            .filter(|m| !after.contains(&module_key(m)))
+            .filter_map(|m| m.key.clone())
+            .collect(),
+    }
+}
+
+/// The complete snapshot `received` stands for, given the one applied before it
+/// (`None` before any): a complete snapshot as it is, a delta applied to `previous`.
+/// Modules are kept in the order the hub sends them, by name then namespace.
+pub fn apply_snapshot(
+    previous: Option<&v1::IntentSnapshot>,
+    received: v1::IntentSnapshot,
+) -> v1::IntentSnapshot {
+    if !received.delta {
+        return received;
+    }
+    let removed: std::collections::HashSet<(String, String)> = received
+        .removed
+        .iter()
+        .map(|k| (k.name.clone(), k.namespace.clone()))
+        .collect();
+    let mut modules: std::collections::BTreeMap<(String, String), v1::ModuleIntent> = previous
+        .into_iter()
+        .flat_map(|p| p.modules.iter())
+        .map(|m| (module_key(m), m.clone()))
+        .filter(|(key, _)| !removed.contains(key))
+        .collect();
+    modules.extend(received.modules.into_iter().map(|m| (module_key(&m), m)));
+    v1::IntentSnapshot {
+        revision: received.revision,
+        modules: modules.into_values().collect(),
+        credentials: received.credentials,
+        delta: false,
+        removed: Vec::new(),
+    }
+}
+
+/// A module intent's identity: (name, namespace).
+fn module_key(module: &v1::ModuleIntent) -> (String, String) {
+    module
+        .key
+        .as_ref()
+        .map(|k| (k.name.clone(), k.namespace.clone()))
+        .unwrap_or_default()
 }
 
 /// Generated code for package `kmm.v1`.

@@ -46,6 +46,7 @@ fn intent_snapshot_encoding_is_stable() {
             id: "c".into(),
             content: Some(Content::DockerConfigJson(b"{}".to_vec())),
         }],
+        ..IntentSnapshot::default()
     };
     let bytes = snapshot.encode_to_vec();
     assert_eq!(

@@ -152,8 +152,10 @@ impl ClusterState {
 
     /// Applies the hub's complete snapshot. Modules absent from it are forgotten (their
     /// status entries disappear) but never unloaded.
+    /// Applies a snapshot from the hub: a complete one as it is, a delta onto the one
+    /// applied before.
     pub fn set_intents(&mut self, snapshot: IntentSnapshot) {
-        self.intents = Some(snapshot);
+        self.intents = Some(kmm_proto::apply_snapshot(self.intents.as_ref(), snapshot));
         self.refresh();
     }
 
@@ -444,6 +446,7 @@ mod tests {
                     content: Some(Content::DockerConfigJson(b"{}".to_vec())),
                 },
             ],
+            ..IntentSnapshot::default()
         }
     }
 

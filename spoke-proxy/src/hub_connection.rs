@@ -10,6 +10,8 @@
 
 use std::time::{Duration, Instant};
 
+use kmm_proto::limits::REPORT_PART;
+use kmm_proto::report_parts;
 use kmm_proto::v1::hub_client::HubClient;
 use kmm_proto::v1::{HubMessage, ProxyHello, ProxyMessage, hub_message, proxy_message};
 use thiserror::Error;
@@ -203,7 +205,6 @@ async fn session(
     };
 
     let mut changes = state.subscribe();
-    let (tx, rx) = mpsc::channel::<ProxyMessage>(64);
     let mut reporter = StatusReporter::default();
     changes.borrow_and_update();
     let (hello, inventory, statuses) = state.update_quietly(|s| {
@@ -219,13 +220,18 @@ async fn session(
     });
     let mut inventory_revision = inventory.revision;
     let applied = hello.applied_intent_revision;
-    let first = [
+    let mut first = vec![
         proxy_message::Message::Hello(hello),
         proxy_message::Message::Inventory(inventory),
-        proxy_message::Message::Status(reporter.full(statuses, applied)),
     ];
+    first.extend(
+        report_parts(reporter.full(statuses, applied), REPORT_PART)
+            .into_iter()
+            .map(proxy_message::Message::Status),
+    );
+    let (tx, rx) = mpsc::channel::<ProxyMessage>(first.len() + 64);
     for message in first {
-        // The channel is fresh and larger than three messages: this cannot block.
+        // The channel is fresh and larger than these messages: this cannot block.
         tx.send(ProxyMessage {
             message: Some(message),
         })
@@ -279,7 +285,9 @@ async fn session(
                     send(&tx, proxy_message::Message::Inventory(inventory)).await?;
                 }
                 if let Some(delta) = reporter.delta(statuses, applied) {
-                    send(&tx, proxy_message::Message::Status(delta)).await?;
+                    for part in report_parts(delta, REPORT_PART) {
+                        send(&tx, proxy_message::Message::Status(part)).await?;
+                    }
                 }
             }
             _ = poll.tick() => {

@@ -178,6 +178,7 @@ impl StatusReporter {
                 .collect(),
             removed: Vec::new(),
             intent_revision: revision,
+            continued: false,
         }
     }
 
@@ -217,6 +218,7 @@ impl StatusReporter {
             statuses,
             removed,
             intent_revision: revision,
+            continued: false,
         })
     }
 }

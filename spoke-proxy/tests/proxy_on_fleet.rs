@@ -65,6 +65,7 @@ fn snapshot(revision: u64, modules: Vec<ModuleIntent>) -> IntentSnapshot {
             id: "pull".into(),
             content: Some(Content::DockerConfigJson(CREDENTIAL.to_vec())),
         }],
+        ..IntentSnapshot::default()
     }
 }
 

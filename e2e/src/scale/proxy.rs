@@ -18,6 +18,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
+use kmm_proto::limits::REPORT_PART;
+use kmm_proto::report_parts;
 use kmm_proto::v1::{
     HubMessage, IntentSnapshot, Kernel, KernelInventory, ModuleIntent, ModuleKey, ModuleNodeKey,
     ModuleNodeStatus, ModuleState, NodeStatusReport, ProxyHello, ProxyMessage,
@@ -296,8 +298,15 @@ impl ClusterSim {
         }
     }
 
-    /// Applies a snapshot: loads and unloads as the intents say.
+    /// Applies a snapshot (a delta onto the one before, as a real proxy does): loads and
+    /// unloads as the intents say.
     fn apply(&mut self, snapshot: IntentSnapshot) {
+        let previous = IntentSnapshot {
+            revision: self.applied,
+            modules: std::mem::take(&mut self.intents),
+            ..IntentSnapshot::default()
+        };
+        let snapshot = kmm_proto::apply_snapshot(Some(&previous), snapshot);
         self.applied = snapshot.revision;
         self.intents = snapshot.modules;
         self.reconcile();
@@ -405,6 +414,7 @@ impl ClusterSim {
             statuses: self.sent.values().cloned().collect(),
             removed: Vec::new(),
             intent_revision: self.applied,
+            continued: false,
         }
     }
 
@@ -434,6 +444,7 @@ impl ClusterSim {
             statuses,
             removed,
             intent_revision: self.applied,
+            continued: false,
         }
     }
 
@@ -528,17 +539,21 @@ async fn session(
             Err(_) => return SessionEnd::Ended,
         },
     };
-    let (tx, rx) = mpsc::channel(16);
-    let first = [
+    let mut first = vec![
         proxy_message::Message::Hello(ProxyHello {
             proxy_version: "fleet-scale-sim".into(),
             applied_intent_revision: sim.applied,
         }),
         proxy_message::Message::Inventory(sim.inventory()),
-        proxy_message::Message::Status(sim.full_report()),
     ];
+    first.extend(
+        report_parts(sim.full_report(), REPORT_PART)
+            .into_iter()
+            .map(proxy_message::Message::Status),
+    );
+    let (tx, rx) = mpsc::channel(first.len() + 16);
     for m in first {
-        // A fresh channel larger than three messages: cannot block or fail.
+        // A fresh channel larger than these messages: cannot block or fail.
         let _ = tx.send(message(m)).await;
     }
     let mut client = HubClient::new(channel)
@@ -562,8 +577,8 @@ async fn session(
                 Ok(Some(HubMessage { message: Some(hub_message::Message::Intents(snapshot)) })) => {
                     shared.bytes_received.fetch_add(hub_message_len(&snapshot), Ordering::Relaxed);
                     shared.snapshots_received.fetch_add(1, Ordering::Relaxed);
-                    shared.modules_listed[sim.index].store(snapshot.modules.len(), Ordering::Relaxed);
                     sim.apply(snapshot);
+                    shared.modules_listed[sim.index].store(sim.intents.len(), Ordering::Relaxed);
                     (sim.delta_report(), None)
                 }
                 Ok(Some(_)) => continue,
@@ -580,7 +595,10 @@ async fn session(
                 None => break SessionEnd::Stopped,
             },
         };
-        let mut outgoing = vec![proxy_message::Message::Status(report)];
+        let mut outgoing: Vec<_> = report_parts(report, REPORT_PART)
+            .into_iter()
+            .map(proxy_message::Message::Status)
+            .collect();
         outgoing.extend(inventory.map(proxy_message::Message::Inventory));
         let mut sent = true;
         for m in outgoing {
@@ -659,6 +677,7 @@ mod tests {
                 vec![load(&kernel(0, 0), "1"), unresolved],
             )],
             credentials: vec![],
+            ..IntentSnapshot::default()
         });
         let report = sim.delta_report();
         assert_eq!(report.intent_revision, 7);
@@ -680,6 +699,7 @@ mod tests {
             revision: 8,
             modules: sim.intents.clone(),
             credentials: vec![],
+            ..IntentSnapshot::default()
         });
         let again = sim.delta_report();
         assert_eq!(again.intent_revision, 8);
@@ -694,6 +714,7 @@ mod tests {
             revision,
             modules: vec![intent("m", unload, all.clone())],
             credentials: vec![],
+            ..IntentSnapshot::default()
         };
         sim.apply(snapshot(1, false));
         sim.delta_report();
@@ -711,6 +732,7 @@ mod tests {
             revision: 4,
             modules: vec![],
             credentials: vec![],
+            ..IntentSnapshot::default()
         });
         let forgotten = sim.delta_report();
         assert_eq!(forgotten.removed.len(), 2);
@@ -726,6 +748,7 @@ mod tests {
             revision: 3,
             modules: vec![intent("m", false, vec![load(&kernel(0, 0), "1")])],
             credentials: vec![],
+            ..IntentSnapshot::default()
         };
         let wrapped = HubMessage {
             message: Some(hub_message::Message::Intents(snapshot.clone())),
@@ -743,6 +766,7 @@ mod tests {
             revision: 1,
             modules: vec![intent("m", false, targets)],
             credentials: vec![],
+            ..IntentSnapshot::default()
         });
         sim.delta_report();
         sim.reboot(1);

@@ -9,9 +9,10 @@ use kmm_proto::v1::{
     IntentSnapshot, KernelTarget, Modprobe, ModprobeArgs, ModuleIntent, ModuleKey, ModuleLoad,
     PullCredential, RegistryTls, Toleration, Unresolved, kernel_target::Target,
 };
-use kmm_resolver::{ModuleIdentity, Resolution, Resolver};
+use kmm_resolver::Resolution;
 use kube::ResourceExt;
 
+use super::resolutions::{ModuleResolutions, Resolutions};
 use crate::images::{ImageKey, ImageRecord, Verdict};
 
 /// A module as the hub sees it for one cluster.
@@ -49,6 +50,7 @@ pub fn cluster_intents(
     kernels: &BTreeSet<String>,
     credentials: &BTreeMap<String, PullCredential>,
     images: &BTreeMap<ImageKey, ImageRecord>,
+    resolutions: &mut Resolutions,
 ) -> ClusterIntents {
     let mut needed = BTreeSet::new();
     let mut unchecked = false;
@@ -60,6 +62,7 @@ pub fn cluster_intents(
                 kernels,
                 credentials,
                 images,
+                resolutions.resolve(input.module, kernels),
                 &mut needed,
                 &mut unchecked,
             )
@@ -73,6 +76,7 @@ pub fn cluster_intents(
                 .into_iter()
                 .filter_map(|id| credentials.get(&id).cloned())
                 .collect(),
+            ..IntentSnapshot::default()
         },
         unchecked,
     }
@@ -83,18 +87,13 @@ fn module_intent(
     kernels: &BTreeSet<String>,
     credentials: &BTreeMap<String, PullCredential>,
     images: &BTreeMap<ImageKey, ImageRecord>,
+    resolutions: &ModuleResolutions,
     needed: &mut BTreeSet<String>,
     unchecked: &mut bool,
 ) -> ModuleIntent {
     let mcm = input.module;
     let name = mcm.name_any();
     let spec = &mcm.spec.module_spec;
-    let identity = ModuleIdentity {
-        name: &name,
-        namespace: &mcm.spec.spoke_namespace,
-        spec_path: "spec.moduleSpec",
-    };
-    let resolver = Resolver::new(spec, identity);
     let secret = spec
         .image_repo_secret
         .as_ref()
@@ -103,11 +102,15 @@ fn module_intent(
     let targets = kernels
         .iter()
         .map(|kernel| {
-            let target = match &resolver {
-                Err(errors) => unresolved("InvalidSpec", errors.to_string()),
-                Ok(resolver) => match resolver.resolve(kernel) {
-                    Err(e) => unresolved(e.kind.reason(), e.to_string()),
-                    Ok(resolution) => match &secret {
+            let resolved = match (resolutions.invalid(), resolutions.kernel(kernel)) {
+                (Some(errors), _) => Err(unresolved("InvalidSpec", errors.to_owned())),
+                (None, Some(Ok(resolution))) => Ok(resolution),
+                (None, Some(Err(e))) => Err(unresolved(e.kind.reason(), e.to_string())),
+                (None, None) => unreachable!("resolve() resolved every kernel asked"),
+            };
+            let target = match resolved {
+                Err(target) => target,
+                Ok(resolution) => match &secret {
                         Some(secret) if !credentials.contains_key(secret) => unresolved(
                             "PullSecretNotFound",
                             format!("spec.moduleSpec.imageRepoSecret: Secret {secret:?} not found in the hub's namespace"),
@@ -120,7 +123,7 @@ fn module_intent(
                             match images.get(&key).map(ImageRecord::verdict) {
                                 Some(Verdict::Load { digest }) => {
                                     needed.extend(secret.clone());
-                                    Target::Load(module_load(&resolution, secret.as_deref(), digest))
+                                    Target::Load(module_load(resolution, secret.as_deref(), digest))
                                 }
                                 Some(Verdict::Wait { reason, message }) => unresolved(
                                     reason,
@@ -137,7 +140,6 @@ fn module_intent(
                             }
                         }
                     },
-                },
             };
             KernelTarget { kernel: kernel.clone(), target: Some(target) }
         })
@@ -305,6 +307,7 @@ mod tests {
             &kernels(&["6.1.0-13-amd64", "5.14.0-427.el9.x86_64"]),
             &creds(&["pull", "unrelated"]),
             &pinned(),
+            &mut Resolutions::default(),
         )
         .snapshot;
         let intent = &snapshot.modules[0];
@@ -364,6 +367,7 @@ mod tests {
             &kernels(&["6.1.0-13-amd64"]),
             &BTreeMap::new(),
             &pinned(),
+            &mut Resolutions::default(),
         )
         .snapshot;
         let Some(Target::Unresolved(why)) = &snapshot.modules[0].kernels[0].target else {
@@ -384,6 +388,7 @@ mod tests {
             &kernels(&["5.14.0-427.el9.x86_64"]),
             &creds(&["pull"]),
             &pinned(),
+            &mut Resolutions::default(),
         )
         .snapshot;
         assert!(snapshot.credentials.is_empty());
@@ -403,6 +408,7 @@ mod tests {
             &kernels(&["6.1.0"]),
             &BTreeMap::new(),
             &pinned(),
+            &mut Resolutions::default(),
         )
         .snapshot;
         let intent = &snapshot.modules[0];
@@ -431,7 +437,13 @@ mod tests {
         record.digest = None;
         record.reason = "ImageNotFound".into();
         record.message = "manifest unknown".into();
-        let intents = cluster_intents(&input, &kernels, &creds(&["pull"]), &images);
+        let intents = cluster_intents(
+            &input,
+            &kernels,
+            &creds(&["pull"]),
+            &images,
+            &mut Resolutions::default(),
+        );
         assert!(!intents.unchecked);
         let Some(Target::Unresolved(why)) = &intents.snapshot.modules[0].kernels[0].target else {
             panic!("no image, no load")
@@ -443,14 +455,27 @@ mod tests {
         );
         assert!(intents.snapshot.credentials.is_empty());
 
-        let held = cluster_intents(&input, &kernels, &creds(&["pull"]), &BTreeMap::new());
+        let held = cluster_intents(
+            &input,
+            &kernels,
+            &creds(&["pull"]),
+            &BTreeMap::new(),
+            &mut Resolutions::default(),
+        );
         assert!(held.unchecked);
         let unloading = [ModuleInput {
             module: &module,
             unload: true,
         }];
         assert!(
-            !cluster_intents(&unloading, &kernels, &creds(&["pull"]), &BTreeMap::new()).unchecked,
+            !cluster_intents(
+                &unloading,
+                &kernels,
+                &creds(&["pull"]),
+                &BTreeMap::new(),
+                &mut Resolutions::default(),
+            )
+            .unchecked,
             "an unload does not wait for image checks"
         );
     }

@@ -10,6 +10,7 @@ pub mod deletion;
 pub mod intents;
 pub mod node_statuses;
 pub mod outbox;
+pub mod pacer;
 pub mod readiness;
-pub mod sessions;
+pub mod resolutions;
 pub mod status;

@@ -3,13 +3,15 @@
 //! revisions only ever increase, also past what a proxy applied from an earlier hub. Pure.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use kmm_proto::v1::IntentSnapshot;
 
 /// The snapshots sent to one cluster, kept across its reconnects.
 #[derive(Clone, Debug, Default)]
 pub struct Outbox {
-    last: Option<IntentSnapshot>,
+    /// Shared with the stream that sends it: a cluster's snapshot is held once.
+    last: Option<Arc<IntentSnapshot>>,
     /// The highest revision the proxy said it applied (its hello).
     applied: u64,
     delivered_on_stream: bool,
@@ -27,10 +29,10 @@ impl Outbox {
 
     /// The snapshot to send for freshly computed `content` (its revision is ignored),
     /// stamped with its revision, or `None` when the stream already has it.
-    pub fn offer(&mut self, mut content: IntentSnapshot) -> Option<IntentSnapshot> {
+    pub fn offer(&mut self, mut content: IntentSnapshot) -> Option<Arc<IntentSnapshot>> {
         let last_revision = self.last.as_ref().map_or(0, |s| s.revision);
         content.revision = last_revision;
-        let unchanged = self.last.as_ref() == Some(&content);
+        let unchanged = self.last.as_deref() == Some(&content);
         if unchanged && self.delivered_on_stream {
             return None;
         }
@@ -48,6 +50,7 @@ impl Outbox {
             generations.insert(id, (intent.generation, first));
         }
         self.generations = generations;
+        let content = Arc::new(content);
         self.last = Some(content.clone());
         self.delivered_on_stream = true;
         Some(content)
@@ -70,7 +73,7 @@ impl Outbox {
 
     /// The last snapshot sent, if any.
     pub fn last(&self) -> Option<&IntentSnapshot> {
-        self.last.as_ref()
+        self.last.as_deref()
     }
 }
 
@@ -93,7 +96,7 @@ mod tests {
                     ..ModuleIntent::default()
                 })
                 .collect(),
-            credentials: vec![],
+            ..IntentSnapshot::default()
         }
     }
 
@@ -114,7 +117,7 @@ mod tests {
             .offer(snapshot(&["a", "b"]))
             .expect("a change goes out");
         assert_eq!(second.revision, 2);
-        assert_eq!(outbox.last(), Some(&second));
+        assert_eq!(outbox.last(), Some(&*second));
     }
 
     #[test]

@@ -7,7 +7,9 @@ use kmm_api::{
     ClusterCounts, FailureSample, KernelCounts, MAX_FAILURE_SAMPLES, ManagedClusterModuleStatus,
     NodeCounts,
 };
-use kmm_proto::v1::{KernelTarget, ModuleNodeStatus, ModuleState, kernel_target::Target};
+use kmm_proto::v1::{KernelTarget, ModuleState, kernel_target::Target};
+
+use super::node_statuses::NodeStatus;
 
 /// What one selected cluster says about one module.
 #[derive(Clone, Copy, Debug)]
@@ -21,7 +23,7 @@ pub struct ClusterReport<'a> {
     /// The module's per-kernel resolution for this cluster.
     pub kernels: &'a [KernelTarget],
     /// The module's per-node status in this cluster.
-    pub nodes: &'a [ModuleNodeStatus],
+    pub nodes: &'a [NodeStatus],
 }
 
 /// Aggregates the reports of every selected cluster.
@@ -29,69 +31,89 @@ pub fn module_status(
     generation: Option<i64>,
     reports: &[ClusterReport<'_>],
 ) -> ManagedClusterModuleStatus {
-    let mut clusters = ClusterCounts {
-        selected: count(reports.len()),
-        ..ClusterCounts::default()
-    };
-    let mut nodes = NodeCounts::default();
-    let mut resolved = BTreeSet::new();
-    let mut unresolved = BTreeSet::new();
-    let mut failures = Vec::new();
+    let mut tally = StatusTally::default();
     for report in reports {
-        let state = |s: &ModuleNodeStatus| ModuleState::try_from(s.state).unwrap_or_default();
-        let matching: Vec<&ModuleNodeStatus> = report
-            .nodes
-            .iter()
-            .filter(|s| {
-                matches!(
-                    state(s),
-                    ModuleState::Pending | ModuleState::Loaded | ModuleState::Failed
-                )
-            })
-            .collect();
-        let loaded = matching
-            .iter()
-            .filter(|s| state(s) == ModuleState::Loaded)
-            .count();
-        nodes.matching += count(matching.len());
-        nodes.loaded += count(loaded);
-        if report.connected {
-            clusters.connected += 1;
-            if report.reflects_generation && loaded == matching.len() {
-                clusters.converged += 1;
+        tally.add(report);
+    }
+    tally.finish(generation)
+}
+
+/// A module's status counted one cluster at a time, so that no more than one cluster's
+/// statuses need be at hand at once.
+#[derive(Debug, Default)]
+pub struct StatusTally {
+    clusters: ClusterCounts,
+    nodes: NodeCounts,
+    resolved: BTreeSet<String>,
+    unresolved: BTreeSet<String>,
+    /// The smallest failures by (cluster, node, kernel), at most [`MAX_FAILURE_SAMPLES`].
+    failures: Vec<FailureSample>,
+}
+
+impl StatusTally {
+    pub fn add(&mut self, report: &ClusterReport<'_>) {
+        self.clusters.selected += 1;
+        let mut matching = 0;
+        let mut loaded = 0;
+        for status in report.nodes {
+            match status.state {
+                ModuleState::Loaded => loaded += 1,
+                ModuleState::Failed => {
+                    self.nodes.failed += 1;
+                    self.failures.push(FailureSample {
+                        cluster: report.cluster.to_owned(),
+                        node: Some(status.node.to_string()),
+                        kernel: status.kernel.to_string(),
+                        reason: status.reason().to_owned(),
+                        message: status.message().to_owned(),
+                    });
+                }
+                ModuleState::Pending => {}
+                ModuleState::Unloaded | ModuleState::Unspecified => continue,
             }
+            matching += 1;
         }
-        for status in matching.iter().filter(|s| state(s) == ModuleState::Failed) {
-            nodes.failed += 1;
-            failures.push(FailureSample {
-                cluster: report.cluster.to_owned(),
-                node: status.key.as_ref().map(|k| k.node.clone()),
-                kernel: status.kernel.clone(),
-                reason: status.reason.clone(),
-                message: status.message.clone(),
-            });
+        self.nodes.matching += count(matching);
+        self.nodes.loaded += count(loaded);
+        if report.connected {
+            self.clusters.connected += 1;
+            if report.reflects_generation && loaded == matching {
+                self.clusters.converged += 1;
+            }
         }
         for target in report.kernels {
             match target.target {
-                Some(Target::Load(_)) => resolved.insert(target.kernel.clone()),
-                _ => unresolved.insert(target.kernel.clone()),
+                Some(Target::Load(_)) => self.resolved.insert(target.kernel.clone()),
+                _ => self.unresolved.insert(target.kernel.clone()),
             };
         }
+        // Keep the sample bounded however many clusters fail.
+        if self.failures.len() > 4 * MAX_FAILURE_SAMPLES {
+            self.trim_failures();
+        }
     }
-    failures
-        .sort_by(|a, b| (&a.cluster, &a.node, &a.kernel).cmp(&(&b.cluster, &b.node, &b.kernel)));
-    failures.truncate(MAX_FAILURE_SAMPLES);
-    ManagedClusterModuleStatus {
-        observed_generation: generation,
-        clusters,
-        nodes,
-        kernels: KernelCounts {
-            resolved: count(resolved.len()),
-            unresolved: count(unresolved.len()),
-        },
-        failures,
-        images: Vec::new(),
-        conditions: Vec::new(),
+
+    fn trim_failures(&mut self) {
+        self.failures.sort_by(|a, b| {
+            (&a.cluster, &a.node, &a.kernel).cmp(&(&b.cluster, &b.node, &b.kernel))
+        });
+        self.failures.truncate(MAX_FAILURE_SAMPLES);
+    }
+
+    pub fn finish(mut self, generation: Option<i64>) -> ManagedClusterModuleStatus {
+        self.trim_failures();
+        ManagedClusterModuleStatus {
+            observed_generation: generation,
+            clusters: self.clusters,
+            nodes: self.nodes,
+            kernels: KernelCounts {
+                resolved: count(self.resolved.len()),
+                unresolved: count(self.unresolved.len()),
+            },
+            failures: self.failures,
+            images: Vec::new(),
+            conditions: Vec::new(),
+        }
     }
 }
 
@@ -101,12 +123,12 @@ fn count(n: usize) -> i32 {
 
 #[cfg(test)]
 mod tests {
-    use kmm_proto::v1::{ModuleKey, ModuleLoad, ModuleNodeKey, Unresolved};
+    use kmm_proto::v1::{ModuleKey, ModuleLoad, ModuleNodeKey, ModuleNodeStatus, Unresolved};
 
     use super::*;
 
-    fn node(name: &str, state: ModuleState, reason: &str) -> ModuleNodeStatus {
-        ModuleNodeStatus {
+    fn node(name: &str, state: ModuleState, reason: &str) -> NodeStatus {
+        NodeStatus::from(&ModuleNodeStatus {
             key: Some(ModuleNodeKey {
                 module: Some(ModuleKey::default()),
                 node: name.into(),
@@ -116,7 +138,7 @@ mod tests {
             reason: reason.into(),
             message: format!("{reason} on {name}"),
             ..ModuleNodeStatus::default()
-        }
+        })
     }
 
     fn targets() -> Vec<KernelTarget> {
@@ -145,7 +167,7 @@ mod tests {
             node("b2", ModuleState::Failed, "LoadFailed"),
             node("b3", ModuleState::Pending, ""),
         ];
-        let c: [ModuleNodeStatus; 0] = [];
+        let c: [NodeStatus; 0] = [];
         let status = module_status(
             Some(5),
             &[
@@ -203,7 +225,7 @@ mod tests {
 
     #[test]
     fn failure_samples_stay_bounded_and_deterministic() {
-        let many: Vec<ModuleNodeStatus> = (0..500)
+        let many: Vec<NodeStatus> = (0..500)
             .rev()
             .map(|i| node(&format!("n{i:03}"), ModuleState::Failed, "NoKernelMapping"))
             .collect();
@@ -229,7 +251,7 @@ mod tests {
     #[test]
     fn a_cluster_converges_only_once_its_statuses_reflect_the_current_generation() {
         let loaded = [node("n1", ModuleState::Loaded, "")];
-        let none: [ModuleNodeStatus; 0] = [];
+        let none: [NodeStatus; 0] = [];
         for nodes in [&loaded[..], &none[..]] {
             let report = |reflects_generation| ClusterReport {
                 cluster: "a",

@@ -5,8 +5,9 @@
 //! unload timeout elapsed (and its Warning Event is recorded). A refused finalizer patch
 //! is never taken for done: it is logged, reported as an Event and retried.
 
+use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
@@ -32,6 +33,10 @@ pub const FIELD_MANAGER: &str = "kmm-hub";
 const RESYNC: Duration = Duration::from_secs(300);
 /// While unloading, check again at least this often (reports also trigger a check).
 const UNLOAD_RECHECK: Duration = Duration::from_secs(10);
+/// Least time between two status writes of one module that only change counts: a fleet
+/// converging writes a module's status about once a second, however many clusters
+/// report. A change of the `Ready` condition is written at once.
+pub const STATUS_WRITE_INTERVAL: Duration = Duration::from_secs(1);
 /// What the apiserver answers when a JSON patch's `test` op fails: our view was stale.
 const PATCH_TEST_FAILED: &str = "the server rejected our request due to an error in our request";
 /// Leftovers named in an Event or log line.
@@ -60,6 +65,8 @@ pub struct Context {
     pub recorder: Recorder,
     pub unload_timeout: Duration,
     pub metrics: Metrics,
+    /// When each module's status was last written.
+    pub status_written: std::sync::Mutex<HashMap<String, Instant>>,
 }
 
 impl std::fmt::Debug for Context {
@@ -167,6 +174,9 @@ pub async fn reconcile(
     let transition = is_transition(previous, &condition);
     status.conditions = vec![condition.clone()];
     if current != Some(&status) {
+        if let Some(wait) = status_write_wait(&ctx, &name, transition) {
+            return Ok(Action::requeue(wait));
+        }
         write_status(&ctx.api, &name, &status).await?;
         ctx.metrics.status_writes.inc();
     }
@@ -186,6 +196,24 @@ pub async fn reconcile(
         .await;
     }
     Ok(Action::requeue(requeue))
+}
+
+/// How long a status write that only changes counts must wait, if at all; otherwise the
+/// write is recorded as made now.
+fn status_write_wait(ctx: &Context, name: &str, transition: bool) -> Option<Duration> {
+    let mut written = ctx
+        .status_written
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let now = Instant::now();
+    written.retain(|_, at| now.duration_since(*at) < STATUS_WRITE_INTERVAL);
+    match written.get(name) {
+        Some(at) if !transition => Some(STATUS_WRITE_INTERVAL - now.duration_since(*at)),
+        _ => {
+            written.insert(name.to_owned(), now);
+            None
+        }
+    }
 }
 
 pub fn error_policy(

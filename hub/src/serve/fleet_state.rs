@@ -1,11 +1,16 @@
 //! The hub's in-memory view of the fleet, fed by watches (ManagedClusterModules,
 //! ManagedClusters, pull Secrets) and by the proxies' streams (inventory, node status).
-//! Every change recomputes the affected clusters' snapshots with the pure fleet core and
-//! hands a snapshot to a stream only when its content changed.
+//!
+//! It is built to cost what an event touches, not what the fleet holds: every cluster has
+//! a lock of its own (a report from one cluster never waits for another's), an event
+//! recomputes only the snapshots it can change (a ManagedCluster's own, a module's
+//! clusters', none for a status report unless an unload was confirmed), resolutions are
+//! computed once per module generation, and only the modules an event touches are queued
+//! for reconciliation. A snapshot goes to a stream only when its content changed.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -17,15 +22,15 @@ use kmm_proto::v1::{
 use kube::ResourceExt;
 use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::reflector::{ObjectRef, Store};
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 
 use crate::fleet::assignment::{cluster_modules, is_deleting, is_selected};
 use crate::fleet::deletion::{ClusterUnload, Leftover, leftovers};
 use crate::fleet::intents::cluster_intents;
-use crate::fleet::node_statuses::NodeStatuses;
+use crate::fleet::node_statuses::{NodeStatuses, ReportParts, TooManyStatuses};
 use crate::fleet::outbox::Outbox;
-use crate::fleet::sessions::{SessionId, Sessions};
-use crate::fleet::status::{ClusterReport, module_status};
+use crate::fleet::resolutions::Resolutions;
+use crate::fleet::status::{ClusterReport, StatusTally};
 use crate::images::status::image_statuses;
 use crate::images::{ImageKey, ImageNeed, ImageRecord, module_needs};
 
@@ -42,10 +47,14 @@ pub fn managed_cluster_resource() -> ApiResource {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Outbound {
     Idle,
-    Snapshot(IntentSnapshot),
+    /// The cluster's complete snapshot; the stream sends what changed since its last.
+    Snapshot(Arc<IntentSnapshot>),
     /// End the stream with this gRPC status.
     End(tonic::Code, String),
 }
+
+/// Identifies one stream among all the streams the hub has accepted.
+pub type SessionId = u64;
 
 /// Which clusters' proxies have a session with this hub, and when the others' last one
 /// closed (as far as this hub saw).
@@ -65,11 +74,15 @@ pub struct Stores {
 
 #[derive(Debug, Default)]
 struct ClusterEntry {
+    /// The current stream: the newest wins.
+    stream: Option<(SessionId, watch::Sender<Outbound>)>,
     outbox: Outbox,
     /// The kernels of the current stream's latest inventory; `None` until it sent one.
     kernels: Option<BTreeSet<String>>,
     inventory_revision: u64,
     statuses: NodeStatuses,
+    /// The parts of a report still arriving.
+    parts: ReportParts,
     /// A full status report arrived since the hub started.
     statuses_known: bool,
     /// The intent revision the current stream's statuses were made with (its hello, then
@@ -77,46 +90,137 @@ struct ClusterEntry {
     acked_revision: u64,
 }
 
+impl ClusterEntry {
+    fn current(&self, id: SessionId) -> bool {
+        self.stream
+            .as_ref()
+            .is_some_and(|(current, _)| *current == id)
+    }
+
+    /// Whether the last snapshot carries the module.
+    fn carries(&self, namespace: &str, name: &str) -> bool {
+        self.outbox.last().is_some_and(|s| {
+            s.modules.iter().any(|m| {
+                m.key
+                    .as_ref()
+                    .is_some_and(|k| k.name == name && k.namespace == namespace)
+            })
+        })
+    }
+
+    /// The modules of the last snapshot, by name.
+    fn carried(&self) -> impl Iterator<Item = &str> {
+        self.outbox
+            .last()
+            .into_iter()
+            .flat_map(|s| &s.modules)
+            .filter_map(|m| m.key.as_ref().map(|k| k.name.as_str()))
+    }
+}
+
+type Entry = Arc<Mutex<ClusterEntry>>;
+
+/// What the hub last saw of a ManagedCluster: what its snapshot and its modules'
+/// selection depend on.
+#[derive(Clone, Debug, PartialEq)]
+struct ClusterView {
+    labels: BTreeMap<String, String>,
+    accepted: bool,
+}
+
+/// Module-level bookkeeping.
 #[derive(Debug, Default)]
-struct Inner {
-    sessions: Sessions<watch::Sender<Outbound>>,
-    clusters: BTreeMap<String, ClusterEntry>,
+struct ModuleBook {
     /// Per module: the generation and deletion state the snapshots were last computed for.
-    seen_modules: BTreeMap<String, (Option<i64>, bool)>,
+    seen: BTreeMap<String, (Option<i64>, bool)>,
     /// UIDs of modules whose finalizer the hub removed: gone, even before the watch says so.
     gone: BTreeSet<String>,
+}
+
+#[derive(Debug, Default)]
+struct ImageBook {
     /// Where every image the fleet needs stands, as the image worker found it.
-    images: BTreeMap<ImageKey, ImageRecord>,
+    records: BTreeMap<ImageKey, ImageRecord>,
     /// The kernels needing each image now, as the image worker last computed them.
-    needed_images: BTreeMap<ImageKey, BTreeSet<String>>,
+    needed: BTreeMap<ImageKey, BTreeSet<String>>,
+}
+
+/// Modules whose status an event may have changed, waiting for their reconciliation.
+#[derive(Debug, Default)]
+pub struct Touched {
+    modules: Mutex<BTreeSet<String>>,
+    notify: Notify,
+}
+
+impl Touched {
+    fn add(&self, modules: impl IntoIterator<Item = String>) {
+        let mut touched = lock(&self.modules);
+        let before = touched.len();
+        touched.extend(modules);
+        if touched.len() != before {
+            self.notify.notify_one();
+        }
+    }
+
+    /// Waits for touched modules and takes them all.
+    pub async fn take(&self) -> BTreeSet<String> {
+        loop {
+            let taken = std::mem::take(&mut *lock(&self.modules));
+            if !taken.is_empty() {
+                return taken;
+            }
+            self.notify.notified().await;
+        }
+    }
 }
 
 /// The shared fleet view.
 #[derive(Debug)]
 pub struct FleetState {
-    inner: Mutex<Inner>,
     stores: Stores,
     cluster_resource: ApiResource,
-    synced: AtomicBool,
-    /// Bumped on every change a module's status may depend on.
-    changes: watch::Sender<u64>,
-    /// Changes only when a session opens or closes, unlike `changes`.
+    synced: watch::Sender<bool>,
+    next_session: AtomicU64,
+    clusters: RwLock<HashMap<String, Entry>>,
+    views: Mutex<HashMap<String, ClusterView>>,
+    modules: Mutex<ModuleBook>,
+    resolutions: Mutex<Resolutions>,
+    images: RwLock<ImageBook>,
+    touched: Touched,
+    /// Bumped when what the fleet's images are needed for may have changed (kernels,
+    /// modules, selection): wakes the image worker.
+    needs: watch::Sender<u64>,
+    /// Changes only when a session opens or closes.
     connections: watch::Sender<Connections>,
     /// A snapshot waits for an image check: wakes the image worker.
-    unchecked_images: tokio::sync::Notify,
+    unchecked_images: Notify,
     metrics: Metrics,
+}
+
+/// Takes a lock. A panic while holding it leaves plain data behind, still consistent
+/// enough to serve: every recompute starts from the watched objects again.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl FleetState {
     pub fn new(stores: Stores, metrics: Metrics) -> Self {
         Self {
-            inner: Mutex::default(),
             stores,
             cluster_resource: managed_cluster_resource(),
-            synced: AtomicBool::new(false),
-            changes: watch::Sender::new(0),
+            synced: watch::Sender::new(false),
+            next_session: AtomicU64::new(1),
+            clusters: RwLock::default(),
+            views: Mutex::default(),
+            modules: Mutex::default(),
+            resolutions: Mutex::default(),
+            images: RwLock::default(),
+            touched: Touched::default(),
+            needs: watch::Sender::new(0),
             connections: watch::Sender::new(Connections::default()),
-            unchecked_images: tokio::sync::Notify::new(),
+            unchecked_images: Notify::new(),
             metrics,
         }
     }
@@ -131,31 +235,62 @@ impl FleetState {
         self.unchecked_images.notified().await;
     }
 
-    /// Fires whenever module statuses may have changed.
-    pub fn changes(&self) -> watch::Receiver<u64> {
-        self.changes.subscribe()
+    /// Changes whenever the images the fleet needs may have changed.
+    pub fn needs_changed(&self) -> watch::Receiver<u64> {
+        self.needs.subscribe()
     }
 
-    fn changed(&self) {
-        self.changes.send_modify(|n| *n = n.wrapping_add(1));
+    /// True once every watch has listed.
+    pub fn synced(&self) -> watch::Receiver<bool> {
+        self.synced.subscribe()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        // A panic while holding the lock leaves plain data behind, still consistent enough
-        // to serve: every recompute starts from the watched objects again.
-        self.inner
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    /// The modules whose status may have changed, for the controller.
+    pub fn touched(&self) -> &Touched {
+        &self.touched
+    }
+
+    fn bump_needs(&self) {
+        self.needs.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    fn is_synced(&self) -> bool {
+        *self.synced.borrow()
+    }
+
+    fn entry(&self, cluster: &str) -> Option<Entry> {
+        self.clusters
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(cluster)
+            .cloned()
+    }
+
+    fn entry_or_new(&self, cluster: &str) -> Entry {
+        if let Some(entry) = self.entry(cluster) {
+            return entry;
+        }
+        self.clusters
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .entry(cluster.to_owned())
+            .or_default()
+            .clone()
+    }
+
+    fn entries(&self) -> Vec<(String, Entry)> {
+        self.clusters
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .map(|(name, entry)| (name.clone(), entry.clone()))
+            .collect()
     }
 
     /// Every watch has listed once: snapshots may now go out.
     pub fn set_synced(&self) {
-        self.synced.store(true, Ordering::SeqCst);
+        self.synced.send_replace(true);
         self.recompute_all();
-    }
-
-    fn is_synced(&self) -> bool {
-        self.synced.load(Ordering::SeqCst)
     }
 
     /// Whether `cluster` is a ManagedCluster the hub accepts (`spec.hubAcceptsClient`);
@@ -165,13 +300,33 @@ impl FleetState {
         if !self.is_synced() {
             return None;
         }
+        Some(self.cluster_view(cluster).is_some_and(|v| v.accepted))
+    }
+
+    fn cluster_view(&self, cluster: &str) -> Option<ClusterView> {
         let reference = ObjectRef::new_with(cluster, self.cluster_resource.clone());
-        Some(
-            self.stores
-                .clusters
-                .get(&reference)
-                .is_some_and(|mc| mc.data["spec"]["hubAcceptsClient"] == true),
-        )
+        self.stores.clusters.get(&reference).map(|mc| ClusterView {
+            labels: mc.labels().clone(),
+            accepted: mc.data["spec"]["hubAcceptsClient"] == true,
+        })
+    }
+
+    /// The modules whose status counts `cluster`: those selecting it, and those its last
+    /// snapshot carries.
+    fn modules_of(&self, cluster: &str, entry: Option<&ClusterEntry>) -> BTreeSet<String> {
+        let labels = self.cluster_view(cluster).map(|v| v.labels);
+        let mut names: BTreeSet<String> = self
+            .stores
+            .modules
+            .state()
+            .iter()
+            .filter(|m| is_selected(m, labels.as_ref()))
+            .map(|m| m.name_any())
+            .collect();
+        if let Some(entry) = entry {
+            names.extend(entry.carried().map(str::to_owned));
+        }
+        names
     }
 
     /// A proxy said hello on a new stream: it becomes the cluster's stream, replacing any
@@ -182,38 +337,46 @@ impl FleetState {
         applied_revision: u64,
         outbound: watch::Sender<Outbound>,
     ) -> SessionId {
-        let mut inner = self.lock();
-        let (id, replaced) = inner.sessions.open(cluster, outbound);
-        if let Some(old) = replaced {
+        let id = self.next_session.fetch_add(1, Ordering::Relaxed);
+        let entry = self.entry_or_new(cluster);
+        let mut entry = lock(&entry);
+        if let Some((_, old)) = entry.stream.replace((id, outbound)) {
             self.metrics.streams_replaced.inc();
             old.send_replace(Outbound::End(
                 tonic::Code::Aborted,
                 format!("replaced by a newer stream of cluster {cluster}"),
             ));
         }
-        let entry = inner.clusters.entry(cluster.to_owned()).or_default();
         entry.outbox.new_stream(applied_revision);
         entry.acked_revision = applied_revision;
         entry.kernels = None;
         entry.inventory_revision = 0;
-        self.metrics
-            .connected_clusters
-            .set(gauge(inner.sessions.len()));
-        // Under the lock: a close and an open of the same cluster must not swap places.
+        entry.parts = ReportParts::default();
+        // Under the cluster's lock: a close and an open of the same cluster must not swap
+        // places.
         self.connections.send_if_modified(|c| {
             c.closed_at.remove(cluster);
             c.open.insert(cluster.to_owned())
         });
-        drop(inner);
-        self.changed();
+        self.connection_changed(cluster, entry);
         id
+    }
+
+    /// A session opened or closed (under the cluster's lock, handed over): the gauge
+    /// follows, and the modules counting the cluster are touched.
+    fn connection_changed(&self, cluster: &str, entry: MutexGuard<'_, ClusterEntry>) {
+        self.metrics
+            .connected_clusters
+            .set(gauge(self.connections.borrow().open.len()));
+        let touched = self.modules_of(cluster, Some(&entry));
+        drop(entry);
+        self.touched.add(touched);
     }
 
     /// Ends every stream (shutdown): proxies reconnect, to this hub or another replica.
     pub fn end_streams(&self, why: &str) {
-        let inner = self.lock();
-        for cluster in inner.sessions.connected() {
-            if let Some(stream) = inner.sessions.get(cluster) {
+        for (_, entry) in self.entries() {
+            if let Some((_, stream)) = &lock(&entry).stream {
                 stream.send_replace(Outbound::End(tonic::Code::Unavailable, why.to_owned()));
             }
         }
@@ -221,45 +384,62 @@ impl FleetState {
 
     /// The stream ended. Only the current stream's end disconnects the cluster.
     pub fn close_session(&self, cluster: &str, id: SessionId) {
-        let mut inner = self.lock();
-        if inner.sessions.close(cluster, id) {
-            self.metrics
-                .connected_clusters
-                .set(gauge(inner.sessions.len()));
-            self.connections.send_modify(|c| {
-                c.open.remove(cluster);
-                c.closed_at
-                    .insert(cluster.to_owned(), Time(Timestamp::now()));
-            });
-            drop(inner);
-            self.changed();
+        let Some(entry) = self.entry(cluster) else {
+            return;
+        };
+        let mut entry = lock(&entry);
+        if !entry.current(id) {
+            return;
         }
+        entry.stream = None;
+        self.connections.send_modify(|c| {
+            c.open.remove(cluster);
+            c.closed_at
+                .insert(cluster.to_owned(), Time(Timestamp::now()));
+        });
+        self.connection_changed(cluster, entry);
     }
 
     /// A kernel inventory arrived on stream `id`; late duplicates are ignored.
     pub fn inventory(&self, cluster: &str, id: SessionId, inventory: KernelInventory) {
-        let mut inner = self.lock();
-        if !inner.sessions.is_current(cluster, id) {
+        let Some(entry) = self.entry(cluster) else {
             return;
-        }
-        let entry = inner.clusters.entry(cluster.to_owned()).or_default();
-        if entry.kernels.is_some() && inventory.revision <= entry.inventory_revision {
+        };
+        let mut entry = lock(&entry);
+        if !entry.current(id)
+            || (entry.kernels.is_some() && inventory.revision <= entry.inventory_revision)
+        {
             return;
         }
         entry.inventory_revision = inventory.revision;
-        entry.kernels = Some(inventory.kernels.into_iter().map(|k| k.release).collect());
-        self.recompute(&mut inner, cluster);
-        drop(inner);
-        self.changed();
+        let kernels: BTreeSet<String> = inventory.kernels.into_iter().map(|k| k.release).collect();
+        let new_kernels = entry.kernels.as_ref() != Some(&kernels);
+        entry.kernels = Some(kernels);
+        if new_kernels {
+            self.recompute(cluster, &mut entry);
+        }
+        let touched = self.modules_of(cluster, Some(&entry));
+        drop(entry);
+        if new_kernels {
+            self.bump_needs();
+            self.touched.add(touched);
+        }
     }
 
-    /// A node status report arrived on stream `id`.
-    pub fn status(&self, cluster: &str, id: SessionId, report: NodeStatusReport) {
-        let mut inner = self.lock();
-        if !inner.sessions.is_current(cluster, id) {
+    /// A node status report (or a part of one) arrived on stream `id`.
+    pub fn status(&self, cluster: &str, id: SessionId, part: NodeStatusReport) {
+        let Some(entry) = self.entry(cluster) else {
+            return;
+        };
+        let mut entry = lock(&entry);
+        if !entry.current(id) {
             return;
         }
-        let entry = inner.clusters.entry(cluster.to_owned()).or_default();
+        let report = match entry.parts.add(part) {
+            Ok(Some(report)) => report,
+            Ok(None) => return,
+            Err(refused) => return self.refuse_report(cluster, &entry, &refused),
+        };
         let acked = report.intent_revision;
         let full = report.full;
         // Statuses of modules the hub does not know (no ManagedClusterModule, nothing
@@ -282,134 +462,243 @@ impl FleetState {
         let known = |namespace: &str, name: &str| {
             known_modules.contains(&(namespace.to_owned(), name.to_owned()))
         };
-        if let Err(refused) = entry.statuses.apply(report, known) {
-            tracing::warn!(cluster, error = %refused, "refused a node status report; ending the stream");
-            if let Some(stream) = inner.sessions.get(cluster) {
-                stream.send_replace(Outbound::End(
-                    tonic::Code::ResourceExhausted,
-                    refused.to_string(),
-                ));
-            }
-            return;
-        }
+        let changed = match entry.statuses.apply(report, known) {
+            Ok(changed) => changed,
+            Err(refused) => return self.refuse_report(cluster, &entry, &refused),
+        };
         entry.statuses_known |= full;
+        let newly_acked = acked > entry.acked_revision;
         entry.acked_revision = entry.acked_revision.max(acked);
-        // Confirmed unloads of deselected modules take them out of the snapshot.
-        self.recompute(&mut inner, cluster);
-        drop(inner);
-        self.changed();
+        // Only a confirmed unload (the module leaves the snapshot) or a module the
+        // snapshot does not carry yet (still loaded somewhere: it must be unloaded) can
+        // change what the cluster must run.
+        let snapshot_may_change = changed.iter().any(|(namespace, name)| {
+            let carried = entry.outbox.last().and_then(|s| {
+                s.modules.iter().find(|m| {
+                    m.key
+                        .as_ref()
+                        .is_some_and(|k| &k.name == name && &k.namespace == namespace)
+                })
+            });
+            carried.is_none_or(|m| m.unload)
+        });
+        if snapshot_may_change {
+            self.recompute(cluster, &mut entry);
+        }
+        let mut touched: BTreeSet<String> = changed.into_iter().map(|(_, name)| name).collect();
+        if newly_acked {
+            // The statuses now reflect newer intents: a generation may have converged.
+            touched.extend(entry.carried().map(str::to_owned));
+        }
+        drop(entry);
+        self.touched.add(touched);
     }
 
-    /// A ManagedClusterModule was reconciled: recompute when what snapshots depend on
-    /// (generation, deletion) changed since last time.
+    fn refuse_report(&self, cluster: &str, entry: &ClusterEntry, refused: &TooManyStatuses) {
+        tracing::warn!(cluster, error = %refused, "refused a node status report; ending the stream");
+        if let Some((_, stream)) = &entry.stream {
+            stream.send_replace(Outbound::End(
+                tonic::Code::ResourceExhausted,
+                refused.to_string(),
+            ));
+        }
+    }
+
+    /// A ManagedClusterModule was reconciled: recompute the clusters it concerns when what
+    /// snapshots depend on (generation, deletion) changed since last time.
     pub fn note_module(&self, module: &ManagedClusterModule) {
         let key = (module.metadata.generation, is_deleting(module));
-        let mut inner = self.lock();
-        if inner.seen_modules.get(&module.name_any()) == Some(&key) {
-            return;
+        let name = module.name_any();
+        {
+            let mut book = lock(&self.modules);
+            if book.seen.get(&name) == Some(&key) {
+                return;
+            }
+            book.seen.insert(name, key);
         }
-        inner.seen_modules.insert(module.name_any(), key);
-        self.recompute_locked(&mut inner);
+        self.recompute_module(module);
+        self.bump_needs();
     }
 
     /// The hub released the module's finalizer: drop it from every snapshot now.
     pub fn forget_module(&self, module: &ManagedClusterModule) {
-        let mut inner = self.lock();
-        inner.seen_modules.remove(&module.name_any());
-        if let Some(uid) = module.uid() {
-            inner.gone.insert(uid);
-        }
-        self.recompute_locked(&mut inner);
-    }
-
-    /// ManagedClusters or Secrets changed. A connected cluster the hub no longer accepts
-    /// (`hubAcceptsClient` false, or deleted) loses its stream at once, before any other
-    /// snapshot could reach it.
-    pub fn recompute_all(&self) {
-        let mut inner = self.lock();
-        let denied: Vec<String> = inner
-            .sessions
-            .connected()
-            .filter(|cluster| self.accepts_cluster(cluster) == Some(false))
-            .map(str::to_owned)
-            .collect();
-        for cluster in &denied {
-            if let Some(stream) = inner.sessions.get(cluster) {
-                tracing::warn!(
-                    cluster,
-                    "the cluster is no longer accepted; ending its stream"
-                );
-                self.metrics.streams_refused.inc();
-                stream.send_replace(Outbound::End(
-                    tonic::Code::PermissionDenied,
-                    format!("cluster {cluster} is no longer a ManagedCluster this hub accepts"),
-                ));
+        let name = module.name_any();
+        {
+            let mut book = lock(&self.modules);
+            book.seen.remove(&name);
+            if let Some(uid) = module.uid() {
+                book.gone.insert(uid);
             }
         }
-        self.recompute_locked(&mut inner);
-        drop(inner);
-        self.changed();
+        lock(&self.resolutions).retain(|n| n != name);
+        self.recompute_module(module);
+        self.bump_needs();
     }
 
-    fn recompute_locked(&self, inner: &mut Inner) {
-        // Once the watch dropped a released module, its UID need not be remembered.
-        if !inner.gone.is_empty() {
-            let present: BTreeSet<String> = self
-                .stores
-                .modules
-                .state()
-                .iter()
-                .filter_map(|m| m.uid())
-                .collect();
-            inner.gone.retain(|uid| present.contains(uid));
+    /// Recomputes the connected clusters the module is selected by or sent to.
+    fn recompute_module(&self, module: &ManagedClusterModule) {
+        let name = module.name_any();
+        let namespace = module.spec.spoke_namespace.as_str();
+        for (cluster, entry) in self.entries() {
+            let labels = self.cluster_view(&cluster).map(|v| v.labels);
+            let mut entry = lock(&entry);
+            if entry.stream.is_some()
+                && (is_selected(module, labels.as_ref())
+                    || entry.carries(namespace, &name)
+                    || entry.statuses.lingers(namespace, &name))
+            {
+                self.recompute(&cluster, &mut entry);
+            }
         }
-        let clusters: Vec<String> = inner
-            .sessions
-            .connected()
-            .filter(|cluster| self.accepts_cluster(cluster) != Some(false))
-            .map(str::to_owned)
+    }
+
+    /// A ManagedCluster was created, changed or deleted. Only a change of its labels or
+    /// of its acceptance matters: a cluster no longer accepted (`hubAcceptsClient` false,
+    /// or deleted) loses its stream at once, before any other snapshot could reach it;
+    /// new labels recompute its snapshot and touch the modules whose selection changed.
+    pub fn cluster_changed(&self, cluster: &str) {
+        if !self.is_synced() {
+            return;
+        }
+        let now = self.cluster_view(cluster);
+        let before = {
+            let mut views = lock(&self.views);
+            let before = match &now {
+                Some(view) => views.insert(cluster.to_owned(), view.clone()),
+                None => views.remove(cluster),
+            };
+            if before == now {
+                return;
+            }
+            before
+        };
+        let selection_changed: Vec<String> = self
+            .stores
+            .modules
+            .state()
+            .iter()
+            .filter(|m| {
+                is_selected(m, before.as_ref().map(|v| &v.labels))
+                    != is_selected(m, now.as_ref().map(|v| &v.labels))
+            })
+            .map(|m| m.name_any())
             .collect();
-        for cluster in clusters {
-            self.recompute(inner, &cluster);
+        if let Some(entry) = self.entry(cluster) {
+            let mut entry = lock(&entry);
+            if now.as_ref().is_none_or(|v| !v.accepted) {
+                self.deny(cluster, &entry);
+            } else {
+                self.recompute(cluster, &mut entry);
+            }
+        }
+        if !selection_changed.is_empty() {
+            self.bump_needs();
+            self.touched.add(selection_changed);
         }
     }
 
-    fn labels(&self, cluster: &str) -> Option<BTreeMap<String, String>> {
-        let reference = ObjectRef::new_with(cluster, self.cluster_resource.clone());
-        self.stores
-            .clusters
-            .get(&reference)
-            .map(|c| c.labels().clone())
+    fn deny(&self, cluster: &str, entry: &ClusterEntry) {
+        if let Some((_, stream)) = &entry.stream {
+            tracing::warn!(
+                cluster,
+                "the cluster is no longer accepted; ending its stream"
+            );
+            self.metrics.streams_refused.inc();
+            stream.send_replace(Outbound::End(
+                tonic::Code::PermissionDenied,
+                format!("cluster {cluster} is no longer a ManagedCluster this hub accepts"),
+            ));
+        }
     }
 
-    fn modules(&self, inner: &Inner) -> Vec<std::sync::Arc<ManagedClusterModule>> {
-        let mut modules: Vec<_> = self
+    /// A pull Secret changed: recompute the clusters of the modules referencing it.
+    pub fn secret_changed(&self, secret: &str) {
+        let referencing: Vec<Arc<ManagedClusterModule>> = self
             .stores
             .modules
             .state()
             .into_iter()
-            .filter(|m| m.uid().is_none_or(|uid| !inner.gone.contains(&uid)))
+            .filter(|m| {
+                m.spec
+                    .module_spec
+                    .image_repo_secret
+                    .as_ref()
+                    .is_some_and(|s| s.name == secret)
+            })
             .collect();
+        for module in referencing {
+            self.recompute_module(&module);
+        }
+    }
+
+    /// Recomputes every connected cluster and touches every module: after the watches
+    /// listed (again), when any change may have been missed.
+    pub fn recompute_all(&self) {
+        {
+            let mut views = lock(&self.views);
+            views.clear();
+            for cluster in self.stores.clusters.state() {
+                if let Some(view) = self.cluster_view(&cluster.name_any()) {
+                    views.insert(cluster.name_any(), view);
+                }
+            }
+        }
+        for (cluster, entry) in self.entries() {
+            let mut entry = lock(&entry);
+            if self.accepts_cluster(&cluster) == Some(false) {
+                self.deny(&cluster, &entry);
+            } else if entry.stream.is_some() {
+                self.recompute(&cluster, &mut entry);
+            }
+        }
+        self.bump_needs();
+        self.touched
+            .add(self.stores.modules.state().iter().map(|m| m.name_any()));
+    }
+
+    fn modules(&self) -> Vec<Arc<ManagedClusterModule>> {
+        let mut book = lock(&self.modules);
+        // Once the watch dropped a released module, its UID need not be remembered.
+        let modules = self.stores.modules.state();
+        if !book.gone.is_empty() {
+            let present: BTreeSet<String> = modules.iter().filter_map(|m| m.uid()).collect();
+            book.gone.retain(|uid| present.contains(uid));
+        }
+        let mut modules: Vec<_> = modules
+            .into_iter()
+            .filter(|m| m.uid().is_none_or(|uid| !book.gone.contains(&uid)))
+            .collect();
+        drop(book);
         modules.sort_by_key(|m| m.name_any());
         modules
     }
 
-    fn recompute(&self, inner: &mut Inner, cluster: &str) {
-        if !self.is_synced() {
+    /// Recomputes one cluster's snapshot (its lock held) and sends it when it changed.
+    fn recompute(&self, cluster: &str, entry: &mut ClusterEntry) {
+        if !self.is_synced() || entry.stream.is_none() {
             return;
         }
-        let modules = self.modules(inner);
-        let labels = self.labels(cluster);
-        let Some(entry) = inner.clusters.get_mut(cluster) else {
-            return;
-        };
         let Some(kernels) = &entry.kernels else {
             return;
         };
+        let modules = self.modules();
+        let labels = self.cluster_view(cluster).map(|v| v.labels);
         let refs: Vec<&ManagedClusterModule> = modules.iter().map(AsRef::as_ref).collect();
         let inputs = cluster_modules(&refs, labels.as_ref(), &entry.statuses);
         let credentials = self.credentials(inputs.iter().map(|i| i.module));
-        let intents = cluster_intents(&inputs, kernels, &credentials, &inner.images);
+        let intents = {
+            let images = self
+                .images
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            cluster_intents(
+                &inputs,
+                kernels,
+                &credentials,
+                &images.records,
+                &mut lock(&self.resolutions),
+            )
+        };
         if intents.unchecked {
             // The image worker checks it within moments and recomputes.
             self.unchecked_images.notify_one();
@@ -418,7 +707,7 @@ impl FleetState {
         let Some(snapshot) = entry.outbox.offer(intents.snapshot) else {
             return;
         };
-        if let Some(stream) = inner.sessions.get(cluster) {
+        if let Some((_, stream)) = &entry.stream {
             tracing::info!(
                 cluster,
                 revision = snapshot.revision,
@@ -435,15 +724,15 @@ impl FleetState {
     /// Every image the fleet needs now: each module (not being unloaded) resolved for the
     /// kernels of the connected clusters that select it.
     pub fn image_needs(&self) -> BTreeMap<ImageKey, ImageNeed> {
-        let inner = self.lock();
-        let modules = self.modules(&inner);
+        let modules = self.modules();
         let refs: Vec<&ManagedClusterModule> = modules.iter().map(AsRef::as_ref).collect();
         let mut kernels: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-        for (cluster, entry) in &inner.clusters {
+        for (cluster, entry) in self.entries() {
+            let labels = self.cluster_view(&cluster).map(|v| v.labels);
+            let entry = lock(&entry);
             let Some(cluster_kernels) = &entry.kernels else {
                 continue;
             };
-            let labels = self.labels(cluster);
             for input in cluster_modules(&refs, labels.as_ref(), &entry.statuses) {
                 if !input.unload {
                     kernels
@@ -462,20 +751,31 @@ impl FleetState {
 
     /// Where `key` stands, as the image worker last recorded it.
     pub fn image(&self, key: &ImageKey) -> Option<ImageRecord> {
-        self.lock().images.get(key).cloned()
+        self.images
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .records
+            .get(key)
+            .cloned()
     }
 
     /// The image worker's new record for `key`. Snapshots are recomputed only when what
     /// nodes get changes; status follows every change.
     pub fn set_image(&self, key: ImageKey, record: ImageRecord) {
-        let mut inner = self.lock();
-        let previous = inner.images.insert(key, record.clone());
+        let previous = self
+            .images
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .records
+            .insert(key.clone(), record.clone());
         if previous.as_ref().map(ImageRecord::verdict) != Some(record.verdict()) {
-            self.recompute_locked(&mut inner);
+            let module = self.stores.modules.get(&ObjectRef::new(&key.module));
+            if let Some(module) = module {
+                self.recompute_module(&module);
+            }
         }
-        drop(inner);
         if previous.is_none_or(|p| !p.reported_alike(&record)) {
-            self.changed();
+            self.touched.add([key.module]);
         }
     }
 
@@ -485,20 +785,33 @@ impl FleetState {
     /// reconnecting has not sent its kernels yet): their pins must survive, so the same
     /// bytes load again.
     pub fn track_images(&self, needs: &BTreeMap<ImageKey, ImageNeed>) {
-        let mut inner = self.lock();
-        let modules: BTreeSet<String> = self.modules(&inner).iter().map(|m| m.name_any()).collect();
-        let before = inner.images.len();
-        inner.images.retain(|key, _| modules.contains(&key.module));
+        let modules: BTreeSet<String> = self.modules().iter().map(|m| m.name_any()).collect();
         let needed: BTreeMap<ImageKey, BTreeSet<String>> = needs
             .iter()
             .map(|(key, need)| (key.clone(), need.kernels.clone()))
             .collect();
-        let changed = inner.images.len() != before || inner.needed_images != needed;
-        inner.needed_images = needed;
-        drop(inner);
-        if changed {
-            self.changed();
-        }
+        let mut images = self
+            .images
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut touched: BTreeSet<String> = images
+            .records
+            .keys()
+            .filter(|key| !modules.contains(&key.module))
+            .map(|key| key.module.clone())
+            .collect();
+        images
+            .records
+            .retain(|key, _| modules.contains(&key.module));
+        let keys: BTreeSet<&ImageKey> = images.needed.keys().chain(needed.keys()).collect();
+        touched.extend(
+            keys.into_iter()
+                .filter(|key| images.needed.get(*key) != needed.get(*key))
+                .map(|key| key.module.clone()),
+        );
+        images.needed = needed;
+        drop(images);
+        self.touched.add(touched);
     }
 
     /// The pull credentials the modules reference, from Secrets in the hub's namespace.
@@ -511,6 +824,9 @@ impl FleetState {
             .map(|s| s.name.clone())
             .filter(|n| !n.is_empty())
             .collect();
+        if names.is_empty() {
+            return BTreeMap::new();
+        }
         self.stores
             .secrets
             .state()
@@ -521,14 +837,15 @@ impl FleetState {
     }
 
     /// The module's status over its selected clusters and, when it is being deleted, where
-    /// its unload is not yet confirmed.
+    /// its unload is not yet confirmed. Each cluster's lock is held only while that
+    /// cluster is counted.
     pub fn module_view(
         &self,
         module: &ManagedClusterModule,
     ) -> (ManagedClusterModuleStatus, Vec<Leftover>) {
-        let inner = self.lock();
         let name = module.name_any();
         let namespace = module.spec.spoke_namespace.as_str();
+        let deleting = is_deleting(module);
         let selected: BTreeSet<String> = self
             .stores
             .clusters
@@ -537,41 +854,38 @@ impl FleetState {
             .filter(|c| is_selected(module, Some(c.labels())))
             .map(|c| c.name_any())
             .collect();
-        let empty = ClusterEntry::default();
-        let per_cluster: Vec<(
-            &str,
-            &ClusterEntry,
-            Vec<kmm_proto::v1::KernelTarget>,
-            Vec<kmm_proto::v1::ModuleNodeStatus>,
-        )> = selected
-            .iter()
-            .map(|cluster| {
-                let entry = inner.clusters.get(cluster).unwrap_or(&empty);
-                let kernels = entry
-                    .outbox
-                    .last()
-                    .and_then(|s| {
-                        s.modules.iter().find(|m| {
-                            m.key
-                                .as_ref()
-                                .is_some_and(|k| k.name == name && k.namespace == namespace)
-                        })
+        let mut tally = StatusTally::default();
+        let mut unloads: Vec<(String, bool, bool, Vec<String>)> = Vec::new();
+        for cluster in &selected {
+            let Some(entry) = self.entry(cluster) else {
+                tally.add(&ClusterReport {
+                    cluster,
+                    connected: false,
+                    reflects_generation: false,
+                    kernels: &[],
+                    nodes: &[],
+                });
+                if deleting {
+                    unloads.push((cluster.clone(), true, false, Vec::new()));
+                }
+                continue;
+            };
+            let entry = lock(&entry);
+            let kernels = entry
+                .outbox
+                .last()
+                .and_then(|s| {
+                    s.modules.iter().find(|m| {
+                        m.key
+                            .as_ref()
+                            .is_some_and(|k| k.name == name && k.namespace == namespace)
                     })
-                    .map(|m| m.kernels.clone())
-                    .unwrap_or_default();
-                (
-                    cluster.as_str(),
-                    entry,
-                    kernels,
-                    entry.statuses.module(namespace, &name),
-                )
-            })
-            .collect();
-        let reports: Vec<ClusterReport<'_>> = per_cluster
-            .iter()
-            .map(|(cluster, entry, kernels, nodes)| ClusterReport {
+                })
+                .map(|m| m.kernels.as_slice())
+                .unwrap_or_default();
+            tally.add(&ClusterReport {
                 cluster,
-                connected: inner.sessions.is_connected(cluster),
+                connected: entry.stream.is_some(),
                 reflects_generation: entry.outbox.reflects(
                     namespace,
                     &name,
@@ -579,30 +893,52 @@ impl FleetState {
                     entry.acked_revision,
                 ),
                 kernels,
-                nodes,
-            })
-            .collect();
-        let mut status = module_status(module.metadata.generation, &reports);
-        status.images = image_statuses(
-            inner.images.iter().filter(|(key, _)| key.module == name),
-            &inner.needed_images,
-        );
-        let unloads: Vec<ClusterUnload<'_>> = inner
-            .clusters
+                nodes: entry.statuses.module(namespace, &name),
+            });
+            if deleting {
+                unloads.push((
+                    cluster.clone(),
+                    true,
+                    entry.statuses_known,
+                    entry.statuses.not_unloaded(namespace, &name),
+                ));
+            }
+        }
+        if deleting {
+            for (cluster, entry) in self.entries() {
+                if selected.contains(&cluster) {
+                    continue;
+                }
+                let entry = lock(&entry);
+                unloads.push((
+                    cluster,
+                    false,
+                    entry.statuses_known,
+                    entry.statuses.not_unloaded(namespace, &name),
+                ));
+            }
+        }
+        let mut status = tally.finish(module.metadata.generation);
+        {
+            let images = self
+                .images
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            status.images = image_statuses(
+                images.records.iter().filter(|(key, _)| key.module == name),
+                &images.needed,
+            );
+        }
+        let unloads: Vec<ClusterUnload<'_>> = unloads
             .iter()
-            .filter(|(cluster, _)| !selected.contains(*cluster))
-            .map(|(cluster, entry)| (cluster.as_str(), entry, false))
-            .chain(
-                per_cluster
-                    .iter()
-                    .map(|(cluster, entry, _, _)| (*cluster, *entry, true)),
+            .map(
+                |(cluster, selected, statuses_known, not_unloaded)| ClusterUnload {
+                    cluster,
+                    selected: *selected,
+                    statuses_known: *statuses_known,
+                    not_unloaded: not_unloaded.clone(),
+                },
             )
-            .map(|(cluster, entry, selected)| ClusterUnload {
-                cluster,
-                selected,
-                statuses_known: entry.statuses_known,
-                not_unloaded: entry.statuses.not_unloaded(namespace, &name),
-            })
             .collect();
         (status, leftovers(&unloads))
     }

@@ -31,6 +31,8 @@ const IN_FLIGHT: usize = 16;
 const REGISTRY_TIMEOUT: Duration = Duration::from_secs(30);
 /// Longest a signing (pull, sign, push) may take.
 const SIGN_TIMEOUT: Duration = Duration::from_secs(600);
+/// Least time between two passes woken by changes of what the fleet needs.
+const PASS_INTERVAL: Duration = Duration::from_millis(100);
 /// Steps one image may take in a row (check, check unsigned, build, sign, resolve).
 const MAX_STEPS: usize = 8;
 
@@ -56,10 +58,11 @@ impl std::fmt::Debug for ImageWorker {
 /// Runs until dropped.
 pub async fn run(worker: ImageWorker) {
     let worker = Arc::new(worker);
-    let mut changes = worker.state.changes();
+    let mut needs_changed = worker.state.needs_changed();
     let mut in_flight: BTreeSet<ImageKey> = BTreeSet::new();
     let mut tasks: JoinSet<ImageKey> = JoinSet::new();
     loop {
+        let pass = tokio::time::Instant::now();
         let needs = worker.state.image_needs();
         tracing::debug!(needed = needs.len(), in_flight = in_flight.len(), "images");
         worker.state.track_images(&needs);
@@ -95,12 +98,13 @@ pub async fn run(worker: ImageWorker) {
                     in_flight.remove(&key);
                 }
             }
-            changed = changes.changed() => {
+            changed = needs_changed.changed() => {
                 if changed.is_err() {
                     return;
                 }
-                // Changes come in bursts (a report per node): settle before looking.
-                tokio::time::sleep(Duration::from_millis(200)).await;
+                // Changes come in bursts (clusters connecting send their kernels one by
+                // one): a pass goes through them all, so look at most once per interval.
+                tokio::time::sleep_until(pass + PASS_INTERVAL).await;
             }
             () = worker.state.images_unchecked() => {}
             () = tokio::time::sleep(until) => {}

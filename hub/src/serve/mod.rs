@@ -14,8 +14,9 @@ pub mod sync_service;
 pub mod webhook;
 pub mod webhook_configuration;
 
+use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Secret;
@@ -24,14 +25,14 @@ use kmm_proto::limits;
 use kmm_proto::v1::hub_server::HubServer;
 use kmm_runtime::health::Health;
 use kmm_runtime::serving;
+use kube::ResourceExt;
 use kube::core::DynamicObject;
 use kube::runtime::events::{Recorder, Reporter};
-use kube::runtime::reflector;
+use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::{Controller, WatchStreamExt, watcher};
 use kube::{Api, Client};
 use thiserror::Error;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::WatchStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 use tonic::transport::Server;
@@ -44,6 +45,7 @@ use self::metrics::Metrics;
 use self::sync_service::SyncService;
 use self::webhook::WebhookError;
 use crate::build::BuildJobs;
+use crate::fleet::pacer::Pacer;
 
 /// Everything `serve` needs besides its clients and listeners.
 #[derive(Clone, Debug)]
@@ -97,6 +99,10 @@ pub enum ServeError {
     #[error("lost the leader Lease; exiting so that this replica rejoins as standby")]
     LeadershipLost,
 }
+
+/// Longest a touched module waits for its reconciliation while its clusters keep
+/// reporting: bounds both the status latency and the reconciliations of a busy fleet.
+const TOUCH_INTERVAL: Duration = Duration::from_millis(100);
 
 /// Runs the hub until `shutdown` is cancelled: the CA is loaded or created first, then the
 /// admission webhook serves; with leader election the replica stands by (ready) until it
@@ -211,6 +217,7 @@ pub async fn run(
         clusters_writer,
         watcher(clusters_api, watcher::Config::default()),
         "ManagedClusters",
+        |state, name| state.cluster_changed(name),
     );
     let secrets_api: Api<Secret> = Api::namespaced(client.clone(), &settings.namespace);
     let secrets = watch_into(
@@ -218,6 +225,7 @@ pub async fn run(
         secrets_writer,
         watcher(secrets_api, watcher::Config::default()),
         "Secrets",
+        |state, name| state.secret_changed(name),
     );
     tokio::spawn(wait_synced(stores.clone(), state.clone(), health.clone()));
     let addon = AbortOnDropHandle::new(tokio::spawn(addon::run(
@@ -250,10 +258,10 @@ pub async fn run(
         recorder,
         unload_timeout: settings.unload_timeout,
         metrics: metrics.clone(),
+        status_written: std::sync::Mutex::default(),
     });
     let reconciler = controller
-        .reconcile_all_on(WatchStream::from_changes(state.changes()).map(|_| ()))
-        .with_config(kube::runtime::Config::default().debounce(Duration::from_millis(300)))
+        .reconcile_on(touched_modules(state.clone()))
         .graceful_shutdown_on(stop.clone().cancelled_owned())
         .run(controller::reconcile, controller::error_policy, context)
         .for_each(|_| futures::future::ready(()));
@@ -316,12 +324,15 @@ pub async fn run(
     Ok(())
 }
 
-/// Keeps a reflector store current and recomputes the fleet on every change.
+/// Keeps a reflector store current and hands every created, changed or deleted object's
+/// name to `changed`; after a (re-)list, when changes may have been missed, everything is
+/// recomputed.
 async fn watch_into<K>(
     state: Arc<FleetState>,
     writer: reflector::store::Writer<K>,
     stream: impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send,
     what: &'static str,
+    changed: impl Fn(&FleetState, &str),
 ) where
     K: kube::Resource + Clone + std::fmt::Debug + Send + Sync + 'static,
     K::DynamicType: Clone + Eq + std::hash::Hash,
@@ -330,10 +341,49 @@ async fn watch_into<K>(
     loop {
         match events.try_next().await {
             Ok(Some(watcher::Event::InitApply(_) | watcher::Event::Init)) => {}
-            Ok(Some(_)) => state.recompute_all(),
+            Ok(Some(watcher::Event::InitDone)) => state.recompute_all(),
+            Ok(Some(watcher::Event::Apply(object) | watcher::Event::Delete(object))) => {
+                changed(&state, &object.name_any());
+            }
             Ok(None) => return,
             Err(error) => tracing::warn!(what, %error, "watch failed; retrying"),
         }
+    }
+}
+
+/// The modules an event touched, paced: a module is reconciled at once after a quiet
+/// period, and at most once per [`TOUCH_INTERVAL`] while its clusters keep reporting.
+fn touched_modules(
+    state: Arc<FleetState>,
+) -> impl futures::Stream<Item = ObjectRef<ManagedClusterModule>> + Send {
+    let pacer = Pacer::new(TOUCH_INTERVAL);
+    futures::stream::unfold(
+        (state, pacer, VecDeque::<String>::new()),
+        |(state, mut pacer, mut ready)| async move {
+            loop {
+                if let Some(name) = ready.pop_front() {
+                    return Some((ObjectRef::new(&name), (state, pacer, ready)));
+                }
+                let next = pacer.next_due();
+                let touched = tokio::select! {
+                    touched = state.touched().take() => touched,
+                    () = sleep_until(next), if next.is_some() => BTreeSet::new(),
+                };
+                let now = Instant::now();
+                ready.extend(pacer.due(now));
+                ready.extend(
+                    touched
+                        .into_iter()
+                        .filter(|name| pacer.request(name.clone(), now)),
+                );
+            }
+        },
+    )
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    if let Some(at) = at {
+        tokio::time::sleep_until(at.into()).await;
     }
 }
 

@@ -8,7 +8,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
-use kmm_proto::v1::{HubMessage, ProxyMessage, hub_message, hub_server::Hub, proxy_message};
+use kmm_proto::snapshot_delta;
+use kmm_proto::v1::{
+    HubMessage, IntentSnapshot, ProxyMessage, hub_message, hub_server::Hub, proxy_message,
+};
 use kmm_runtime::rate_limit::TokenBucket;
 use time::OffsetDateTime;
 use tokio::sync::watch;
@@ -132,14 +135,11 @@ async fn serve_stream(
             );
         }
     };
-    let mut changes = state.changes();
-    let accepted = loop {
-        if let Some(accepted) = state.accepts_cluster(cluster) {
-            break accepted;
-        }
-        if changes.changed().await.is_err() {
-            return;
-        }
+    if state.synced().wait_for(|synced| *synced).await.is_err() {
+        return;
+    }
+    let Some(accepted) = state.accepts_cluster(cluster) else {
+        return;
     };
     if !accepted {
         return refuse(
@@ -237,24 +237,34 @@ async fn serve_stream(
 
 /// The outbound half: the latest snapshot whenever it changes, then the end.
 fn outgoing(receiver: watch::Receiver<Outbound>) -> Outgoing {
-    futures::stream::unfold(Some(receiver), |receiver| async move {
-        let mut receiver = receiver?;
-        loop {
-            receiver.changed().await.ok()?;
-            let next = receiver.borrow_and_update().clone();
-            match next {
-                Outbound::Idle => {}
-                Outbound::Snapshot(snapshot) => {
-                    let message = HubMessage {
-                        message: Some(hub_message::Message::Intents(snapshot)),
-                    };
-                    return Some((Ok(message), Some(receiver)));
-                }
-                Outbound::End(code, message) => {
-                    return Some((Err(Status::new(code, message)), None));
+    futures::stream::unfold(
+        Some((receiver, None::<Arc<IntentSnapshot>>)),
+        |state| async move {
+            let (mut receiver, mut sent) = state?;
+            loop {
+                receiver.changed().await.ok()?;
+                let next = receiver.borrow_and_update().clone();
+                match next {
+                    Outbound::Idle => {}
+                    Outbound::Snapshot(snapshot) => {
+                        // The stream's first snapshot is complete, later ones only what
+                        // changed since the one before.
+                        let intents = match &sent {
+                            None => IntentSnapshot::clone(&snapshot),
+                            Some(previous) => snapshot_delta(previous, &snapshot),
+                        };
+                        sent = Some(snapshot);
+                        let message = HubMessage {
+                            message: Some(hub_message::Message::Intents(intents)),
+                        };
+                        return Some((Ok(message), Some((receiver, sent))));
+                    }
+                    Outbound::End(code, message) => {
+                        return Some((Err(Status::new(code, message)), None));
+                    }
                 }
             }
-        }
-    })
+        },
+    )
     .boxed()
 }

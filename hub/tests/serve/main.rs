@@ -674,6 +674,53 @@ async fn a_module_is_ready_only_once_the_statuses_reflect_its_current_generation
     hub.clean_up(namespace, &["hello-r"], &["spoke1"]).await;
 }
 
+/// A report sent in parts counts only once its last part arrived: its first parts alone
+/// never show as loaded nodes, whatever else the stream carries meanwhile.
+#[tokio::test]
+async fn a_report_in_parts_counts_only_once_whole() {
+    let fleet = fleet().await;
+    let (hub, namespace) = TestHub::start(&fleet, WAIT).await;
+    hub.label_cluster("spoke1", true).await;
+    hub.create_module("hello-p", module("1", None)).await;
+    let mut proxy = hub.proxy("spoke1", &[MAPPED_KERNEL]).await;
+    proxy.send_status(true, vec![]).await;
+    proxy
+        .snapshot_where("hello-p", |s| intent(s, "hello-p").is_some())
+        .await;
+    let loaded = |node: &str| node_status("hello-p", node, ModuleState::Loaded, "");
+    proxy
+        .send_status_part(false, vec![loaded("spoke1-node1")], true)
+        .await;
+    // The stream goes on while the report is incomplete: a second kernel arrives, and the
+    // status counting it is computed after the first part was received.
+    proxy
+        .send_inventory(2, &[MAPPED_KERNEL, UNMAPPED_KERNEL])
+        .await;
+    let meanwhile = hub
+        .wait_module("hello-p", "the second kernel counted", WAIT, |m| {
+            let status = m.and_then(|m| m.status).ok_or("no status")?;
+            (status.kernels.unresolved == 1)
+                .then_some(status.clone())
+                .ok_or_else(|| format!("{status:?}"))
+        })
+        .await;
+    assert_eq!(
+        meanwhile.nodes.loaded, 0,
+        "a first part counted before the report was whole: {meanwhile:?}"
+    );
+    proxy
+        .send_status_part(false, vec![loaded("spoke1-node2")], false)
+        .await;
+    hub.wait_module("hello-p", "both parts counted", WAIT, |m| {
+        let status = m.and_then(|m| m.status).ok_or("no status")?;
+        (status.nodes.loaded == 2 && status.nodes.matching == 2)
+            .then_some(())
+            .ok_or_else(|| format!("{status:?}"))
+    })
+    .await;
+    hub.clean_up(namespace, &["hello-p"], &["spoke1"]).await;
+}
+
 /// A cluster the hub stops accepting (`hubAcceptsClient: false`, or deleted) loses its
 /// stream at once: no more intents or credentials reach it.
 #[tokio::test]

@@ -357,6 +357,8 @@ pub struct Proxy {
     /// The revision of the last snapshot received: what its statuses are made with, as a
     /// real proxy's are.
     applied: AtomicU64,
+    /// The complete snapshot the ones received so far stand for (deltas applied).
+    current: Option<IntentSnapshot>,
 }
 
 impl Proxy {
@@ -379,6 +381,7 @@ impl Proxy {
             outbound,
             inbound,
             applied: AtomicU64::new(0),
+            current: None,
         })
     }
 
@@ -420,16 +423,28 @@ impl Proxy {
     }
 
     pub async fn send_status(&self, full: bool, statuses: Vec<ModuleNodeStatus>) {
+        self.send_status_part(full, statuses, false).await;
+    }
+
+    /// One part of a report; more follow while `continued`.
+    pub async fn send_status_part(
+        &self,
+        full: bool,
+        statuses: Vec<ModuleNodeStatus>,
+        continued: bool,
+    ) {
         self.send(proxy_message::Message::Status(NodeStatusReport {
             full,
             statuses,
             removed: vec![],
             intent_revision: self.applied.load(Ordering::Relaxed),
+            continued,
         }))
         .await;
     }
 
-    /// The next snapshot, failing after [`WAIT`].
+    /// The next snapshot, complete (a delta applied as a real proxy does), failing after
+    /// [`WAIT`].
     pub async fn next_snapshot(&mut self) -> IntentSnapshot {
         let message = tokio::time::timeout(WAIT, self.inbound.message())
             .await
@@ -437,8 +452,10 @@ impl Proxy {
             .expect("the stream stays healthy")
             .expect("the stream stays open");
         match message.message {
-            Some(hub_message::Message::Intents(snapshot)) => {
-                self.applied.store(snapshot.revision, Ordering::Relaxed);
+            Some(hub_message::Message::Intents(received)) => {
+                self.applied.store(received.revision, Ordering::Relaxed);
+                let snapshot = kmm_proto::apply_snapshot(self.current.as_ref(), received);
+                self.current = Some(snapshot.clone());
                 snapshot
             }
             None => panic!("an empty HubMessage"),

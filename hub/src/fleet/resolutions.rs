@@ -1,0 +1,183 @@
+//! Every module's resolution per kernel, computed once per module generation: resolving
+//! validates the spec and compiles its mappings' regexps, which recomputing a snapshot for
+//! each of thousands of clusters must not repeat. Pure.
+
+use std::collections::{BTreeSet, HashMap};
+
+use kmm_api::ManagedClusterModule;
+use kmm_resolver::{ModuleIdentity, Resolution, ResolveError, Resolver};
+use kube::ResourceExt;
+
+/// What resolving one module gave, for the kernels asked so far.
+#[derive(Debug, Default)]
+pub struct ModuleResolutions {
+    uid: Option<String>,
+    generation: Option<i64>,
+    /// The spec's validation errors: no kernel resolves.
+    invalid: Option<String>,
+    kernels: HashMap<String, Result<Resolution, ResolveError>>,
+}
+
+impl ModuleResolutions {
+    /// Why the spec resolves for no kernel, when it is invalid.
+    pub fn invalid(&self) -> Option<&str> {
+        self.invalid.as_deref()
+    }
+
+    /// The resolution for `kernel`; `None` when it was never asked for.
+    pub fn kernel(&self, kernel: &str) -> Option<&Result<Resolution, ResolveError>> {
+        self.kernels.get(kernel)
+    }
+
+    fn is_for(&self, module: &ManagedClusterModule) -> bool {
+        self.uid == module.metadata.uid && self.generation == module.metadata.generation
+    }
+
+    fn missing<'k>(&self, kernels: &'k BTreeSet<String>) -> Vec<&'k String> {
+        if self.invalid.is_some() {
+            return Vec::new();
+        }
+        kernels
+            .iter()
+            .filter(|k| !self.kernels.contains_key(k.as_str()))
+            .collect()
+    }
+}
+
+/// The resolutions of every module, by name; a new uid or generation starts afresh.
+#[derive(Debug, Default)]
+pub struct Resolutions {
+    modules: HashMap<String, ModuleResolutions>,
+}
+
+impl Resolutions {
+    /// The module's resolutions for at least `kernels`: a kernel is resolved once, and a
+    /// module's spec validated and its mappings compiled at most once per generation.
+    pub fn resolve(
+        &mut self,
+        module: &ManagedClusterModule,
+        kernels: &BTreeSet<String>,
+    ) -> &ModuleResolutions {
+        let name = module.name_any();
+        let entry = self.modules.entry(name.clone()).or_default();
+        if !entry.is_for(module) {
+            *entry = ModuleResolutions {
+                uid: module.metadata.uid.clone(),
+                generation: module.metadata.generation,
+                ..ModuleResolutions::default()
+            };
+        }
+        let missing = entry.missing(kernels);
+        if !missing.is_empty() {
+            let identity = ModuleIdentity {
+                name: &name,
+                namespace: &module.spec.spoke_namespace,
+                spec_path: "spec.moduleSpec",
+            };
+            match Resolver::new(&module.spec.module_spec, identity) {
+                Err(errors) => entry.invalid = Some(errors.to_string()),
+                Ok(resolver) => {
+                    for kernel in missing {
+                        entry
+                            .kernels
+                            .insert(kernel.clone(), resolver.resolve(kernel));
+                    }
+                }
+            }
+        }
+        entry
+    }
+
+    /// Forgets every module `keep` refuses (deleted modules).
+    pub fn retain(&mut self, keep: impl Fn(&str) -> bool) {
+        self.modules.retain(|name, _| keep(name));
+    }
+
+    /// What the cache holds for the module's current generation.
+    #[cfg(test)]
+    fn cached(&self, module: &ManagedClusterModule) -> Option<&ModuleResolutions> {
+        self.modules
+            .get(&module.name_any())
+            .filter(|r| r.is_for(module))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mcm(generation: i64, mapping: &str) -> ManagedClusterModule {
+        let doc = format!(
+            "apiVersion: hub.kmm.sigs.x-k8s.io/v1beta1\nkind: ManagedClusterModule\n\
+             metadata: {{name: hello, uid: u1, generation: {generation}}}\n\
+             spec:\n  spokeNamespace: drivers\n  selector: {{}}\n  moduleSpec:\n    selector: {{}}\n    moduleLoader:\n      container:\n        modprobe: {{moduleName: hello}}\n        kernelMappings: [{mapping}]\n"
+        );
+        serde_yaml_ng::from_str(&doc).expect("test MCM parses")
+    }
+
+    fn kernels(list: &[&str]) -> BTreeSet<String> {
+        list.iter().map(|k| (*k).to_owned()).collect()
+    }
+
+    fn image(r: &mut Resolutions, module: &ManagedClusterModule, kernel: &str) -> String {
+        let all = kernels(&[kernel]);
+        match r.resolve(module, &all).kernel(kernel).unwrap() {
+            Ok(resolution) => resolution.container_image.clone(),
+            Err(e) => e.kind.reason().to_owned(),
+        }
+    }
+
+    #[test]
+    fn resolves_each_kernel_once_per_generation() {
+        let one = mcm(
+            1,
+            "{regexp: 'amd64$', containerImage: 'r/x:${KERNEL_FULL_VERSION}'}",
+        );
+        let mut r = Resolutions::default();
+        let first = kernels(&["6.1.0-13-amd64", "5.14.0-1.el9.aarch64"]);
+        assert!(r.cached(&one).is_none());
+        r.resolve(&one, &first);
+        let cached = r.cached(&one).unwrap();
+        assert_eq!(cached.kernels.len(), 2);
+        assert!(
+            cached.kernel("6.6.0-1-amd64").is_none(),
+            "only what was asked"
+        );
+        assert_eq!(image(&mut r, &one, "6.1.0-13-amd64"), "r/x:6.1.0-13-amd64");
+        assert_eq!(
+            image(&mut r, &one, "5.14.0-1.el9.aarch64"),
+            "NoKernelMapping"
+        );
+        assert_eq!(image(&mut r, &one, "6.6.0-1-amd64"), "r/x:6.6.0-1-amd64");
+        assert_eq!(
+            r.cached(&one).unwrap().kernels.len(),
+            3,
+            "a new kernel is added"
+        );
+
+        let two = mcm(2, "{literal: '6.6.0-1-amd64', containerImage: 'r/y:1'}");
+        assert!(
+            r.cached(&two).is_none(),
+            "another generation is not this one's"
+        );
+        assert_eq!(image(&mut r, &two, "6.6.0-1-amd64"), "r/y:1");
+        assert_eq!(image(&mut r, &two, "6.1.0-13-amd64"), "NoKernelMapping");
+        assert!(
+            r.cached(&one).is_none(),
+            "the older generation is forgotten"
+        );
+        assert_eq!(r.cached(&two).unwrap().kernels.len(), 2);
+
+        r.retain(|_| false);
+        assert!(r.cached(&two).is_none());
+    }
+
+    #[test]
+    fn an_invalid_spec_is_validated_once_and_resolves_nothing() {
+        let invalid = mcm(1, "{regexp: '(', containerImage: 'r/x:1'}");
+        let mut r = Resolutions::default();
+        let resolutions = r.resolve(&invalid, &kernels(&["6.1.0-13-amd64"]));
+        assert!(resolutions.invalid().unwrap().contains("regexp"));
+        assert!(resolutions.kernel("6.1.0-13-amd64").is_none());
+    }
+}
