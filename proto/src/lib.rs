@@ -71,32 +71,39 @@ fn entry_len(body: usize) -> usize {
     1 + prost::length_delimiter_len(body) + body
 }
 
-/// The snapshot to send when the stream last carried `previous`: only the intents that
-/// are new or differ and the modules that left (see `IntentSnapshot.delta`), so that a
-/// change of one module costs each cluster one intent on the wire, not its whole snapshot.
-pub fn snapshot_delta(
-    previous: &v1::IntentSnapshot,
-    next: &v1::IntentSnapshot,
-) -> v1::IntentSnapshot {
+/// The snapshot of `revision` to send when the stream last carried the intents
+/// `previous` and must now carry `next`: only the intents that are new or differ and the
+/// modules that left (see `IntentSnapshot.delta`), so that a change of one module costs
+/// each cluster one intent on the wire, not its whole snapshot. Credentials are always
+/// complete.
+pub fn snapshot_delta<P, N>(
+    previous: &[P],
+    next: &[N],
+    revision: u64,
+    credentials: &[v1::PullCredential],
+) -> v1::IntentSnapshot
+where
+    P: std::borrow::Borrow<v1::ModuleIntent>,
+    N: std::borrow::Borrow<v1::ModuleIntent>,
+{
     let before: std::collections::HashMap<_, _> = previous
-        .modules
         .iter()
-        .map(|m| (module_key(m), m))
+        .map(|m| (module_key(m.borrow()), m.borrow()))
         .collect();
-    let after: std::collections::HashSet<_> = next.modules.iter().map(module_key).collect();
+    let after: std::collections::HashSet<_> = next.iter().map(|m| module_key(m.borrow())).collect();
     v1::IntentSnapshot {
-        revision: next.revision,
+        revision,
         modules: next
-            .modules
             .iter()
+            .map(std::borrow::Borrow::borrow)
             .filter(|m| before.get(&module_key(m)) != Some(m))
             .cloned()
             .collect(),
-        credentials: next.credentials.clone(),
+        credentials: credentials.to_vec(),
         delta: true,
         removed: previous
-            .modules
             .iter()
+            .map(std::borrow::Borrow::borrow)
             .filter(|m| !after.contains(&module_key(m)))
             .filter_map(|m| m.key.clone())
             .collect(),

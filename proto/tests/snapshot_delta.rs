@@ -31,7 +31,12 @@ fn snapshot(revision: u64, modules: &[(&str, i64)]) -> IntentSnapshot {
 fn a_delta_carries_only_changes_and_rebuilds_the_next_snapshot() {
     let before = snapshot(1, &[("a", 1), ("b", 1), ("c", 1)]);
     let next = snapshot(2, &[("a", 1), ("b", 2), ("d", 1)]);
-    let delta = snapshot_delta(&before, &next);
+    let delta = snapshot_delta(
+        &before.modules,
+        &next.modules,
+        next.revision,
+        &next.credentials,
+    );
     assert!(delta.delta);
     assert_eq!(delta.revision, 2);
     let names: Vec<_> = delta
@@ -69,7 +74,13 @@ fn every_sequence_of_changes_round_trips() {
         .collect();
     let mut applied = snapshots[0].clone();
     for next in &snapshots[1..] {
-        applied = apply_snapshot(Some(&applied), snapshot_delta(&applied, next));
+        let delta = snapshot_delta(
+            &applied.modules,
+            &next.modules,
+            next.revision,
+            &next.credentials,
+        );
+        applied = apply_snapshot(Some(&applied), delta);
         assert_eq!(&applied, next);
     }
 }

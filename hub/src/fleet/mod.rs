@@ -13,4 +13,5 @@ pub mod outbox;
 pub mod pacer;
 pub mod readiness;
 pub mod resolutions;
+pub mod shared_snapshot;
 pub mod status;

@@ -5,13 +5,13 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use kmm_proto::v1::IntentSnapshot;
+use super::shared_snapshot::SharedSnapshot;
 
 /// The snapshots sent to one cluster, kept across its reconnects.
 #[derive(Clone, Debug, Default)]
 pub struct Outbox {
     /// Shared with the stream that sends it: a cluster's snapshot is held once.
-    last: Option<Arc<IntentSnapshot>>,
+    last: Option<Arc<SharedSnapshot>>,
     /// The highest revision the proxy said it applied (its hello).
     applied: u64,
     delivered_on_stream: bool,
@@ -29,7 +29,7 @@ impl Outbox {
 
     /// The snapshot to send for freshly computed `content` (its revision is ignored),
     /// stamped with its revision, or `None` when the stream already has it.
-    pub fn offer(&mut self, mut content: IntentSnapshot) -> Option<Arc<IntentSnapshot>> {
+    pub fn offer(&mut self, mut content: SharedSnapshot) -> Option<Arc<SharedSnapshot>> {
         let last_revision = self.last.as_ref().map_or(0, |s| s.revision);
         content.revision = last_revision;
         let unchanged = self.last.as_deref() == Some(&content);
@@ -72,19 +72,19 @@ impl Outbox {
     }
 
     /// The last snapshot sent, if any.
-    pub fn last(&self) -> Option<&IntentSnapshot> {
+    pub fn last(&self) -> Option<&SharedSnapshot> {
         self.last.as_deref()
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use kmm_proto::v1::{ModuleIntent, ModuleKey};
+    use kmm_proto::v1::{IntentSnapshot, ModuleIntent, ModuleKey};
 
     use super::*;
 
-    fn snapshot(modules: &[&str]) -> IntentSnapshot {
-        IntentSnapshot {
+    fn snapshot(modules: &[&str]) -> SharedSnapshot {
+        SharedSnapshot::from(IntentSnapshot {
             revision: 99,
             modules: modules
                 .iter()
@@ -97,7 +97,7 @@ mod tests {
                 })
                 .collect(),
             ..IntentSnapshot::default()
-        }
+        })
     }
 
     #[test]
@@ -165,7 +165,7 @@ mod tests {
         let with_generation = |names: &[&str], generation: i64| {
             let mut s = snapshot(names);
             for m in &mut s.modules {
-                m.generation = generation;
+                Arc::make_mut(m).generation = generation;
             }
             s
         };

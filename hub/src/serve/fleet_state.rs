@@ -16,9 +16,7 @@ use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kmm_api::{ManagedClusterModule, ManagedClusterModuleStatus};
-use kmm_proto::v1::{
-    IntentSnapshot, KernelInventory, NodeStatusReport, PullCredential, pull_credential::Content,
-};
+use kmm_proto::v1::{KernelInventory, NodeStatusReport, PullCredential, pull_credential::Content};
 use kube::ResourceExt;
 use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::reflector::{ObjectRef, Store};
@@ -30,6 +28,7 @@ use crate::fleet::intents::cluster_intents;
 use crate::fleet::node_statuses::{NodeStatuses, ReportParts, TooManyStatuses};
 use crate::fleet::outbox::Outbox;
 use crate::fleet::resolutions::Resolutions;
+use crate::fleet::shared_snapshot::{IntentPool, SharedSnapshot};
 use crate::fleet::status::{ClusterReport, StatusTally};
 use crate::images::status::image_statuses;
 use crate::images::{ImageKey, ImageNeed, ImageRecord, module_needs};
@@ -48,7 +47,7 @@ pub fn managed_cluster_resource() -> ApiResource {
 pub enum Outbound {
     Idle,
     /// The cluster's complete snapshot; the stream sends what changed since its last.
-    Snapshot(Arc<IntentSnapshot>),
+    Snapshot(Arc<SharedSnapshot>),
     /// End the stream with this gRPC status.
     End(tonic::Code, String),
 }
@@ -185,6 +184,8 @@ pub struct FleetState {
     views: Mutex<HashMap<String, ClusterView>>,
     modules: Mutex<ModuleBook>,
     resolutions: Mutex<Resolutions>,
+    /// The intents of every cluster's snapshot, each distinct one held once.
+    intents: Mutex<IntentPool>,
     images: RwLock<ImageBook>,
     touched: Touched,
     /// Bumped when what the fleet's images are needed for may have changed (kernels,
@@ -216,6 +217,7 @@ impl FleetState {
             views: Mutex::default(),
             modules: Mutex::default(),
             resolutions: Mutex::default(),
+            intents: Mutex::default(),
             images: RwLock::default(),
             touched: Touched::default(),
             needs: watch::Sender::new(0),
@@ -704,7 +706,8 @@ impl FleetState {
             self.unchecked_images.notify_one();
             return;
         }
-        let Some(snapshot) = entry.outbox.offer(intents.snapshot) else {
+        let shared = lock(&self.intents).share(intents.snapshot);
+        let Some(snapshot) = entry.outbox.offer(shared) else {
             return;
         };
         if let Some((_, stream)) = &entry.stream {

@@ -8,10 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
-use kmm_proto::snapshot_delta;
-use kmm_proto::v1::{
-    HubMessage, IntentSnapshot, ProxyMessage, hub_message, hub_server::Hub, proxy_message,
-};
+use kmm_proto::v1::{HubMessage, ProxyMessage, hub_message, hub_server::Hub, proxy_message};
 use kmm_runtime::rate_limit::TokenBucket;
 use time::OffsetDateTime;
 use tokio::sync::watch;
@@ -19,6 +16,7 @@ use tonic::{Code, Request, Response, Status, Streaming};
 use x509_parser::prelude::{FromDer, X509Certificate};
 
 use crate::fleet::cluster_identity::ClusterIdentity;
+use crate::fleet::shared_snapshot::SharedSnapshot;
 
 use super::fleet_state::{FleetState, Outbound};
 use super::metrics::Metrics;
@@ -238,7 +236,7 @@ async fn serve_stream(
 /// The outbound half: the latest snapshot whenever it changes, then the end.
 fn outgoing(receiver: watch::Receiver<Outbound>) -> Outgoing {
     futures::stream::unfold(
-        Some((receiver, None::<Arc<IntentSnapshot>>)),
+        Some((receiver, None::<Arc<SharedSnapshot>>)),
         |state| async move {
             let (mut receiver, mut sent) = state?;
             loop {
@@ -250,8 +248,8 @@ fn outgoing(receiver: watch::Receiver<Outbound>) -> Outgoing {
                         // The stream's first snapshot is complete, later ones only what
                         // changed since the one before.
                         let intents = match &sent {
-                            None => IntentSnapshot::clone(&snapshot),
-                            Some(previous) => snapshot_delta(previous, &snapshot),
+                            None => snapshot.to_wire(),
+                            Some(previous) => snapshot.delta_from(previous),
                         };
                         sent = Some(snapshot);
                         let message = HubMessage {
