@@ -43,6 +43,21 @@ pub fn image_statuses<'a>(
         .collect()
 }
 
+/// `listed` (from the records this hub holds) completed with the pinned entries an
+/// earlier leader `persisted` for images this hub has no record of yet: a new leader
+/// writing status before its image worker has looked at them must not erase the pins it
+/// is about to start from.
+pub fn with_persisted(mut listed: Vec<ImageStatus>, persisted: &[ImageStatus]) -> Vec<ImageStatus> {
+    let unseen: Vec<ImageStatus> = persisted
+        .iter()
+        .filter(|p| p.digest.is_some() && !listed.iter().any(|l| l.image == p.image))
+        .cloned()
+        .collect();
+    listed.extend(unseen);
+    listed.truncate(MAX_IMAGE_STATUSES);
+    listed
+}
+
 /// The digest status persisted for `image`, for a new leader to start from.
 pub fn persisted_digest<'a>(statuses: &'a [ImageStatus], image: &str) -> Option<&'a str> {
     statuses
@@ -128,5 +143,33 @@ mod tests {
                 "beyond the bound"
             );
         }
+    }
+
+    #[test]
+    fn pins_persisted_by_an_earlier_leader_survive_until_seen() {
+        let entry = |image: &str, digest: Option<&str>| ImageStatus {
+            image: image.into(),
+            kernels: vec![],
+            state: "Exists".into(),
+            digest: digest.map(str::to_owned),
+            reason: String::new(),
+            message: String::new(),
+            last_transition_time: None,
+        };
+        let persisted = [
+            entry("r/a:1", Some("sha256:a")),
+            entry("r/b:1", Some("sha256:b")),
+            entry("r/c:1", None),
+        ];
+        let listed = with_persisted(vec![entry("r/a:1", Some("sha256:new"))], &persisted);
+        let images: Vec<_> = listed
+            .iter()
+            .map(|s| (s.image.as_str(), s.digest.as_deref()))
+            .collect();
+        assert_eq!(
+            images,
+            [("r/a:1", Some("sha256:new")), ("r/b:1", Some("sha256:b"))],
+            "what this hub holds wins; an unseen pin stays; an entry without a pin goes"
+        );
     }
 }

@@ -30,7 +30,7 @@ use crate::fleet::outbox::Outbox;
 use crate::fleet::resolutions::Resolutions;
 use crate::fleet::shared_snapshot::{IntentPool, SharedSnapshot};
 use crate::fleet::status::{ClusterReport, StatusTally};
-use crate::images::status::image_statuses;
+use crate::images::status::{image_statuses, with_persisted};
 use crate::images::{ImageKey, ImageNeed, ImageRecord, module_needs};
 
 use super::metrics::Metrics;
@@ -927,9 +927,12 @@ impl FleetState {
                 .images
                 .read()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            status.images = image_statuses(
-                images.records.iter().filter(|(key, _)| key.module == name),
-                &images.needed,
+            status.images = with_persisted(
+                image_statuses(
+                    images.records.iter().filter(|(key, _)| key.module == name),
+                    &images.needed,
+                ),
+                module.status.as_ref().map_or(&[], |s| s.images.as_slice()),
             );
         }
         let unloads: Vec<ClusterUnload<'_>> = unloads

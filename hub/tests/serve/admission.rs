@@ -321,12 +321,23 @@ async fn invalid_modules_are_refused_at_admission_naming_the_field() {
             .unwrap_or_else(|e| panic!("{example} is admitted: {e}"));
         valid.push(name);
     }
-    let mut stored = api.get(&valid[0]).await.unwrap();
-    let before = stored.spec.clone();
-    stored.spec.spoke_namespace = "Bad_NS".into();
-    let refused = api
-        .replace(&valid[0], &PostParams::default(), &stored)
-        .await;
+    // The hub adds its finalizer and writes status meanwhile: an update made on an older
+    // version is refused as a conflict before admission sees it, so update the latest.
+    let (before, refused) =
+        kmm_e2e::fixture::wait_until("an update that reaches admission", WAIT, || async {
+            let mut stored = api.get(&valid[0]).await.map_err(|e| e.to_string())?;
+            let before = stored.spec.clone();
+            stored.spec.spoke_namespace = "Bad_NS".into();
+            match api
+                .replace(&valid[0], &PostParams::default(), &stored)
+                .await
+            {
+                Err(kube::Error::Api(s)) if s.code == 409 => Err(s.message),
+                refused => Ok((before, refused)),
+            }
+        })
+        .await
+        .unwrap();
     assert!(
         matches!(refused, Err(kube::Error::Api(ref s)) if s.message.contains("spec.spokeNamespace")),
         "{refused:?}"
