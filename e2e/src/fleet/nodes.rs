@@ -4,7 +4,7 @@
 //! * in its network namespace (see [`network`](super::network)): the kubelet's, CNI's
 //!   and kube-proxy's iptables rules and the pods' interfaces stay there;
 //! * in its own persistent mount namespace (private propagation) with fresh tmpfs on
-//!   `/run`, `/var/lib` and `/var/log` and the node's state directory bound onto
+//!   `/run`, `/var/cache`, `/var/lib` and `/var/log` and the node's state directory bound onto
 //!   `/var/lib/kubelet`, `/var/log/pods` and `/var/log/containers`: the kubelet's
 //!   hard-coded socket paths, containerd's `/run/containerd` (shim sockets included),
 //!   CNI state, pod network namespaces and every volume mount stay inside it;
@@ -81,8 +81,9 @@ const CONTAINERD: &str = "/usr/bin/containerd";
 const NODE_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 /// The kernel release (what `uname -r` prints and the kubelet reports).
 const OSRELEASE: &str = "/proc/sys/kernel/osrelease";
-/// Host directories each node gets a private tmpfs over.
-const PRIVATE_DIRS: &[&str] = &["/run", "/var/lib", "/var/log"];
+/// Host directories each node gets a private tmpfs over (`/var/cache`: the node agent's
+/// image cache is a hostPath there, each node's own as on separate machines).
+const PRIVATE_DIRS: &[&str] = &["/run", "/var/cache", "/var/lib", "/var/log"];
 
 /// Fail naming every package of [`HOST_PACKAGES`] that is not installed.
 pub(super) fn check_host_packages() -> Result<()> {

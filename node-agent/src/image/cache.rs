@@ -89,13 +89,18 @@ impl Cache {
             .join(format!("{}.json", digest_hex(digest)?)))
     }
 
-    /// A fresh path for a download or extraction in progress.
+    /// A fresh path for a download or extraction in progress, unique also among
+    /// processes sharing the cache (two agents of a node during a DaemonSet update; agents
+    /// in containers, where every one may be pid 1).
     pub fn tmp_path(&self, what: &str) -> PathBuf {
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        static PROCESS: std::sync::LazyLock<u64> = std::sync::LazyLock::new(|| {
+            getrandom::u64().unwrap_or_else(|_| u64::from(std::process::id()))
+        });
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.dir
             .join("tmp")
-            .join(format!("{what}-{}-{n}", std::process::id()))
+            .join(format!("{what}-{:016x}-{n}", *PROCESS))
     }
 
     pub fn manifest(&self, digest: &str) -> Result<Option<OciImageManifest>, CacheError> {

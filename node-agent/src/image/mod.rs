@@ -129,7 +129,14 @@ impl ImageStore {
             }
             Err(other) => return Err(other),
         }
-        std::fs::rename(&tmp, &root).map_err(io("renaming", &tmp))?;
+        if let Err(error) = std::fs::rename(&tmp, &root) {
+            // Another process sharing the cache extracted the same image for the same
+            // selection meanwhile: its tree is this one.
+            if !root.is_dir() {
+                return Err(io("renaming", &tmp)(error).into());
+            }
+            std::fs::remove_dir_all(&tmp).map_err(io("removing", &tmp))?;
+        }
         Ok(Fetched {
             digest,
             root,

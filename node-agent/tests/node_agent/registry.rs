@@ -84,6 +84,50 @@ async fn pulls_extracts_and_caches_over_plain_http() {
     );
 }
 
+/// Two agents sharing a node's cache (a DaemonSet update runs the old and the new one)
+/// fetch the same image at once: both get the one extracted tree.
+#[tokio::test]
+async fn agents_sharing_a_cache_fetch_the_same_image_at_once() {
+    let k = kernel();
+    let registry = Registry::plain();
+    registry
+        .push_sample("samples/hello:shared", &Sample::good(k))
+        .await;
+    let image = registry.image("samples/hello:shared");
+    let cache_dir = tempfile::tempdir().unwrap();
+    for round in 0..5 {
+        let stores: Vec<ImageStore> = (0..3)
+            .map(|_| ImageStore::new(Cache::open(cache_dir.path()).unwrap(), Limits::default()))
+            .collect();
+        let wanted = request(&image, INSECURE, None);
+        let (a, b, c) = tokio::join!(
+            stores[0].fetch(&wanted),
+            stores[1].fetch(&wanted),
+            stores[2].fetch(&wanted)
+        );
+        let roots: Vec<_> = [a, b, c]
+            .into_iter()
+            .map(|f| f.unwrap_or_else(|e| panic!("round {round}: {e}")).root)
+            .collect();
+        assert!(roots.iter().all(|r| r == &roots[0]));
+        assert!(
+            roots[0]
+                .join("opt/lib/modules")
+                .join(k)
+                .join("extra/kmm_hello.ko")
+                .is_file()
+        );
+        assert!(
+            std::fs::read_dir(cache_dir.path().join("tmp"))
+                .unwrap()
+                .next()
+                .is_none(),
+            "round {round}: nothing left in tmp"
+        );
+        stores[0].gc(&Default::default()).unwrap();
+    }
+}
+
 #[tokio::test]
 async fn https_without_verification_is_refused_unless_asked_for() {
     let registry = Registry::tls_with_auth("vendor", "right");
