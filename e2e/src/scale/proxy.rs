@@ -319,11 +319,7 @@ impl ClusterSim {
         for intent in &self.intents {
             let Some(module) = &intent.key else { continue };
             for node in self.nodes.iter().filter(|n| selects(intent, n)) {
-                let key = (
-                    module.namespace.clone(),
-                    module.name.clone(),
-                    node.name.clone(),
-                );
+                let key = status_key(module, node);
                 if intent.unload {
                     if self.loaded.remove(&key).is_some() {
                         *self.unloads.entry(key).or_default() += 1;
@@ -360,11 +356,7 @@ impl ClusterSim {
         for intent in &self.intents {
             let Some(module) = &intent.key else { continue };
             for node in self.nodes.iter().filter(|n| selects(intent, n)) {
-                let key = (
-                    module.namespace.clone(),
-                    module.name.clone(),
-                    node.name.clone(),
-                );
+                let key = status_key(module, node);
                 let loaded = self.loaded.get(&key);
                 let (state, version, reason, message) = if intent.unload {
                     (ModuleState::Unloaded, None, "", String::new())
@@ -460,6 +452,14 @@ impl ClusterSim {
 
 /// Whether the intent's node selector selects the node (the simulated nodes have no
 /// taints, so tolerations do not matter).
+fn status_key(module: &ModuleKey, node: &SimNode) -> StatusKey {
+    (
+        module.namespace.clone(),
+        module.name.clone(),
+        node.name.clone(),
+    )
+}
+
 fn selects(intent: &ModuleIntent, node: &SimNode) -> bool {
     intent
         .node_selector
