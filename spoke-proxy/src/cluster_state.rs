@@ -11,9 +11,11 @@ use kmm_proto::v1::{
 };
 use serde_json::Value;
 
+use kmm_api::labels::ready_label;
+
 use crate::agent_view::AgentView;
 use crate::inventory::{Inventory, kernels};
-use crate::labels::{label_intent, merge_patch};
+use crate::labels::{LabelIntent, label_intent, merge_patch};
 use crate::module_id::ModuleId;
 use crate::node_facts::NodeFacts;
 use crate::node_status::{NodeStatuses, StatusKey, assess, to_status};
@@ -41,6 +43,11 @@ pub struct ClusterState {
     /// Deselecting such a node unloads explicitly; other nodes are left alone.
     may_have: BTreeSet<StatusKey>,
     work: BTreeMap<String, NodeWork>,
+    /// (module, node) pairs whose module left the snapshot while the node may still carry
+    /// its labels: they go once the node's agent says the module is not loaded (the hub
+    /// forgets a module as soon as every node reported it unloaded, which can come before
+    /// the labels were patched), and are forgotten once the labels are gone.
+    unlabel: BTreeSet<StatusKey>,
     /// Nodes whose status or labels may have changed since the hub link, respectively
     /// the label patcher, last looked.
     status_dirty: BTreeSet<String>,
@@ -91,6 +98,7 @@ impl ClusterState {
             agents: BTreeMap::new(),
             may_have: BTreeSet::new(),
             work: BTreeMap::new(),
+            unlabel: BTreeSet::new(),
             status_dirty: BTreeSet::new(),
             label_dirty: BTreeSet::new(),
             next_revision: revision_base,
@@ -252,7 +260,7 @@ impl ClusterState {
         let facts = self.nodes.get(node)?;
         let work = self.work.get(node)?;
         let view = self.agents.get(node);
-        let intents: Vec<_> = work
+        let mut intents: Vec<_> = work
             .placements
             .iter()
             .filter_map(|(id, placement)| {
@@ -261,6 +269,13 @@ impl ClusterState {
                 label_intent(placement, a.as_ref(), view, id).map(|i| (id.clone(), i))
             })
             .collect();
+        intents.extend(
+            self.unlabel
+                .iter()
+                .filter(|(id, n)| n == node && !work.placements.contains_key(id))
+                .filter(|(id, _)| view.is_some_and(|v| !v.loaded.contains_key(id)))
+                .map(|(id, _)| (id.clone(), LabelIntent::Remove)),
+        );
         merge_patch(&facts.labels, &intents)
     }
 
@@ -292,6 +307,20 @@ impl ClusterState {
             .iter()
             .map(|m| ModuleId::from_key(m.key.as_ref()))
             .collect();
+        for (node, work) in &self.work {
+            self.unlabel.extend(
+                work.placements
+                    .keys()
+                    .filter(|id| !known.contains(*id))
+                    .map(|id| (id.clone(), node.clone())),
+            );
+        }
+        let nodes = &self.nodes;
+        self.unlabel.retain(|(id, node)| {
+            nodes
+                .get(node)
+                .is_some_and(|f| f.labels.contains_key(&ready_label(&id.namespace, &id.name)))
+        });
         self.may_have
             .retain(|(id, node)| known.contains(id) && self.nodes.contains_key(node));
         self.work.retain(|node, _| self.nodes.contains_key(node));
@@ -584,6 +613,44 @@ mod tests {
         assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Unloaded));
         let patch = s.label_patch("a").unwrap();
         assert!(patch["metadata"]["labels"]["kmm.node.kubernetes.io/ns.m.ready"].is_null());
+    }
+
+    /// The hub forgets a module once every node reported it unloaded, which can come
+    /// before the label patcher removed a node's labels: they still go, on the agent's
+    /// word, and a forgotten module's labels stay where its agent still has it loaded.
+    #[test]
+    fn labels_of_a_module_forgotten_right_after_its_unload_still_go() {
+        let mut s = cluster();
+        s.set_intents(snapshot(1, vec![intent("m", "v1")]));
+        for node in ["a", "b"] {
+            s.agent_hello(node, &hello(node, &[]));
+            let rev = s.desired_modules(node).revision;
+            s.agent_event(node, &event("m", Action::Load, Outcome::Succeeded, rev));
+            let mut facts = s.nodes[node].clone();
+            facts
+                .labels
+                .insert("kmm.node.kubernetes.io/ns.m.ready".into(), String::new());
+            facts.labels.insert(
+                "kmm.node.kubernetes.io/ns.m.version.ready".into(),
+                "v1".into(),
+            );
+            s.upsert_node(facts);
+        }
+        let mut unloading = intent("m", "v1");
+        unloading.unload = true;
+        s.set_intents(snapshot(2, vec![unloading]));
+        let rev = s.desired_modules("a").revision;
+        s.agent_event("a", &event("m", Action::Unload, Outcome::Succeeded, rev));
+        // The module leaves the snapshot before the patcher looked at node a.
+        s.set_intents(snapshot(3, vec![]));
+        let patch = s.label_patch("a").expect("the labels of a go");
+        assert!(patch["metadata"]["labels"]["kmm.node.kubernetes.io/ns.m.ready"].is_null());
+        assert!(patch["metadata"]["labels"]["kmm.node.kubernetes.io/ns.m.version.ready"].is_null());
+        assert_eq!(
+            s.label_patch("b"),
+            None,
+            "b's agent still has it loaded: no unload on silence, labels stay"
+        );
     }
 
     #[test]
