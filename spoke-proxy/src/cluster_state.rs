@@ -590,15 +590,7 @@ mod tests {
         );
 
         // Deselect node a: explicit unload, labels stay until the agent confirms.
-        let mut facts = node("a", "6.1", "infra");
-        facts
-            .labels
-            .insert("kmm.node.kubernetes.io/ns.m.ready".into(), String::new());
-        facts.labels.insert(
-            "kmm.node.kubernetes.io/ns.m.version.ready".into(),
-            "v1".into(),
-        );
-        s.upsert_node(facts);
+        s.upsert_node(labelled_m_v1(node("a", "6.1", "infra")));
         let desired = s.desired_modules("a");
         assert_eq!(desired.modules.len(), 1);
         assert!(desired.modules[0].unload);
@@ -615,6 +607,18 @@ mod tests {
         assert!(patch["metadata"]["labels"]["kmm.node.kubernetes.io/ns.m.ready"].is_null());
     }
 
+    /// `facts` carrying module m's labels at version v1, as the patcher leaves them.
+    fn labelled_m_v1(mut facts: NodeFacts) -> NodeFacts {
+        facts
+            .labels
+            .insert("kmm.node.kubernetes.io/ns.m.ready".into(), String::new());
+        facts.labels.insert(
+            "kmm.node.kubernetes.io/ns.m.version.ready".into(),
+            "v1".into(),
+        );
+        facts
+    }
+
     /// The hub forgets a module once every node reported it unloaded, which can come
     /// before the label patcher removed a node's labels: they still go, on the agent's
     /// word, and a forgotten module's labels stay where its agent still has it loaded.
@@ -626,15 +630,7 @@ mod tests {
             s.agent_hello(node, &hello(node, &[]));
             let rev = s.desired_modules(node).revision;
             s.agent_event(node, &event("m", Action::Load, Outcome::Succeeded, rev));
-            let mut facts = s.nodes[node].clone();
-            facts
-                .labels
-                .insert("kmm.node.kubernetes.io/ns.m.ready".into(), String::new());
-            facts.labels.insert(
-                "kmm.node.kubernetes.io/ns.m.version.ready".into(),
-                "v1".into(),
-            );
-            s.upsert_node(facts);
+            s.upsert_node(labelled_m_v1(s.nodes[node].clone()));
         }
         let mut unloading = intent("m", "v1");
         unloading.unload = true;
