@@ -16,7 +16,9 @@ use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kmm_api::{ManagedClusterModule, ManagedClusterModuleStatus};
-use kmm_proto::v1::{KernelInventory, NodeStatusReport, PullCredential, pull_credential::Content};
+use kmm_proto::v1::{
+    KernelInventory, ModuleIntent, NodeStatusReport, PullCredential, pull_credential::Content,
+};
 use kube::ResourceExt;
 use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::reflector::{ObjectRef, Store};
@@ -98,13 +100,21 @@ impl ClusterEntry {
 
     /// Whether the last snapshot carries the module.
     fn carries(&self, namespace: &str, name: &str) -> bool {
-        self.outbox.last().is_some_and(|s| {
-            s.modules.iter().any(|m| {
+        self.carried_intent(namespace, name).is_some()
+    }
+
+    /// The module's intent in the last snapshot.
+    fn carried_intent(&self, namespace: &str, name: &str) -> Option<&ModuleIntent> {
+        self.outbox
+            .last()?
+            .modules
+            .iter()
+            .map(AsRef::as_ref)
+            .find(|m| {
                 m.key
                     .as_ref()
                     .is_some_and(|k| k.name == name && k.namespace == namespace)
             })
-        })
     }
 
     /// The modules of the last snapshot, by name.
@@ -475,14 +485,9 @@ impl FleetState {
         // snapshot does not carry yet (still loaded somewhere: it must be unloaded) can
         // change what the cluster must run.
         let snapshot_may_change = changed.iter().any(|(namespace, name)| {
-            let carried = entry.outbox.last().and_then(|s| {
-                s.modules.iter().find(|m| {
-                    m.key
-                        .as_ref()
-                        .is_some_and(|k| &k.name == name && &k.namespace == namespace)
-                })
-            });
-            carried.is_none_or(|m| m.unload)
+            entry
+                .carried_intent(namespace, name)
+                .is_none_or(|m| m.unload)
         });
         if snapshot_may_change {
             self.recompute(cluster, &mut entry);
@@ -875,15 +880,7 @@ impl FleetState {
             };
             let entry = lock(&entry);
             let kernels = entry
-                .outbox
-                .last()
-                .and_then(|s| {
-                    s.modules.iter().find(|m| {
-                        m.key
-                            .as_ref()
-                            .is_some_and(|k| k.name == name && k.namespace == namespace)
-                    })
-                })
+                .carried_intent(namespace, &name)
                 .map(|m| m.kernels.as_slice())
                 .unwrap_or_default();
             tally.add(&ClusterReport {
