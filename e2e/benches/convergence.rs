@@ -5,15 +5,72 @@
 //!
 //! `cargo bench -p kmm-e2e --bench convergence` (attaches to `cargo xtask env up`, or
 //! starts the fleet). `KMM_BENCH_ROUNDS` sets the number of rounds (default 3).
+//!
+//! The moments are taken from watches of the spokes' Nodes and the hub's modules, so
+//! the figures are the fleet's own and not rounded up to a polling interval.
 
 #[path = "../tests/support/mod.rs"]
 mod support;
 
+use std::collections::BTreeSet;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
+use k8s_openapi::api::core::v1::Node;
+use kmm_api::ManagedClusterModule;
+use kmm_api::labels::{ready_label, version_ready_label};
 use kmm_e2e::fixture::Fleet;
+use kmm_e2e::watched::Watched;
+use kube::{Api, ResourceExt};
 use support::*;
+
+/// Every spoke's Nodes, each kept current by a watch.
+struct SpokeNodes(Vec<(String, Watched<Node>)>);
+
+impl SpokeNodes {
+    fn start(fleet: &Fleet) -> Result<Self> {
+        let mut spokes = vec![];
+        for spoke in fleet.spoke_names() {
+            let api = Api::<Node>::all(fleet.spoke(&spoke)?.clone());
+            spokes.push((spoke, Watched::start(api, Default::default())));
+        }
+        Ok(Self(spokes))
+    }
+
+    /// Until exactly `targets` carry module `name`'s ready label at [`VERSION`].
+    async fn wait_labelled(&mut self, name: &str, targets: &[(String, String)]) -> Result<()> {
+        let (ready, version) = (
+            ready_label(NAMESPACE, name),
+            version_ready_label(NAMESPACE, name),
+        );
+        for (spoke, nodes) in &mut self.0 {
+            let expected: BTreeSet<&str> = targets
+                .iter()
+                .filter(|(s, _)| s == spoke)
+                .map(|(_, node)| node.as_str())
+                .collect();
+            let what = format!("{spoke}: exactly {expected:?} labelled for {name}");
+            nodes
+                .wait_for(&what, WAIT, |nodes| {
+                    let labelled: BTreeSet<&str> = nodes
+                        .values()
+                        .filter(|n| {
+                            n.labels().contains_key(&ready)
+                                && n.labels().get(&version).map(String::as_str) == Some(VERSION)
+                        })
+                        .map(|n| n.metadata.name.as_deref().unwrap_or_default())
+                        .collect();
+                    if labelled == expected {
+                        Ok(())
+                    } else {
+                        Err(format!("labelled: {labelled:?}"))
+                    }
+                })
+                .await?;
+        }
+        Ok(())
+    }
+}
 
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
@@ -43,16 +100,28 @@ async fn main() -> Result<()> {
         targets.len()
     );
 
+    let mut nodes = SpokeNodes::start(&fleet)?;
+    let modules_api = Api::<ManagedClusterModule>::all(fleet.hub.clone());
+    let mut modules = Watched::start(modules_api.clone(), Default::default());
     let (mut converge, mut cleanup) = (vec![], vec![]);
     for round in 1..=rounds {
         let name = unique("bench");
         let started = Instant::now();
         create(&fleet.hub, &module(&name, &id, sample_mapping(&fleet))?).await?;
-        wait_labelled(&fleet, &name, &targets).await?;
+        nodes.wait_labelled(&name, &targets).await?;
         let up = started.elapsed().as_secs_f64();
         let started = Instant::now();
-        delete(&fleet.hub, &name).await?;
-        wait_labelled(&fleet, &name, &[]).await?;
+        modules_api.delete(&name, &Default::default()).await?;
+        modules
+            .wait_for(&format!("{name} released"), WAIT, |all| {
+                if all.contains_key(&name) {
+                    Err("still there".to_owned())
+                } else {
+                    Ok(())
+                }
+            })
+            .await?;
+        nodes.wait_labelled(&name, &[]).await?;
         let down = started.elapsed().as_secs_f64();
         println!(
             "round {round}: create -> all ready {up:.2}s; delete -> all unlabelled and released {down:.2}s"

@@ -10,6 +10,7 @@
 //! * [`images`] builds kmm-fleet's container images and their bases (`cargo xtask images`).
 //! * [`kwok_pod_runner`] runs the pods KWOK only pretends to run (`kwok-pod-runner`).
 //! * [`scale`] puts a real kmm-hub in front of thousands of simulated clusters.
+//! * [`watched`] keeps a kind's objects current by a watch and waits on them.
 
 mod cgroup;
 pub mod fixture;
@@ -24,6 +25,7 @@ pub mod registry_server;
 pub mod scale;
 pub mod toolchain;
 pub mod versions;
+pub mod watched;
 
 use std::path::PathBuf;
 

@@ -47,6 +47,8 @@ pub enum Error {
         seconds: u64,
         observed: String,
     },
+    #[error(transparent)]
+    Wait(#[from] crate::watched::WaitError),
     #[error("{0}")]
     Invalid(String),
 }

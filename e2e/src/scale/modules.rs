@@ -2,20 +2,17 @@
 //! hub reports it: a watch of the modules' status, never the simulated proxies' view.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::Duration;
 
 use kmm_api::ManagedClusterModule;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
-use kube::runtime::WatchStreamExt;
-use kube::runtime::watcher::{self, Event};
+use kube::runtime::watcher;
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
-use tokio::sync::watch;
-use tokio::task::JoinHandle;
 
 use super::{Error, Result, io};
 use crate::fleet::kmm::TEST_HUB_LABEL;
 use crate::kmod;
+use crate::watched::Watched;
 
 /// The modules' `spokeNamespace`.
 pub const SPOKE_NAMESPACE: &str = "kmm-scale";
@@ -258,81 +255,7 @@ fn module_converged(
 }
 
 /// The run's modules as the apiserver has them, kept current by a watch.
-#[derive(Debug)]
-pub struct ModuleWatch {
-    modules: watch::Receiver<BTreeMap<String, ManagedClusterModule>>,
-    task: JoinHandle<()>,
-}
-
-impl ModuleWatch {
-    pub fn start(hub: &Client, run: &str) -> Self {
-        let api = Api::<ManagedClusterModule>::all(hub.clone());
-        let config = watcher::Config::default().labels(&module_selector(run));
-        let (tx, modules) = watch::channel(BTreeMap::new());
-        let task = tokio::spawn(async move {
-            let mut events = std::pin::pin!(watcher::watcher(api, config).default_backoff());
-            let mut listing = BTreeMap::new();
-            while let Some(event) = tokio_stream::StreamExt::next(&mut events).await {
-                // A failed watch is retried with backoff; the waits' deadlines bound it.
-                let Ok(event) = event else { continue };
-                match event {
-                    Event::Apply(m) => {
-                        tx.send_modify(|all| {
-                            all.insert(m.name_any(), m);
-                        });
-                    }
-                    Event::Delete(m) => {
-                        tx.send_modify(|all| {
-                            all.remove(&m.name_any());
-                        });
-                    }
-                    Event::Init => listing.clear(),
-                    Event::InitApply(m) => {
-                        listing.insert(m.name_any(), m);
-                    }
-                    Event::InitDone => {
-                        tx.send_replace(std::mem::take(&mut listing));
-                    }
-                }
-            }
-        });
-        Self { modules, task }
-    }
-
-    /// Waits until `check` holds on the modules, failing after `timeout` with what
-    /// `check` last said.
-    pub async fn wait_for(
-        &mut self,
-        what: &str,
-        timeout: Duration,
-        check: impl Fn(&BTreeMap<String, ManagedClusterModule>) -> Result<(), String>,
-    ) -> Result<()> {
-        let mut last = String::from("nothing yet");
-        let waited = tokio::time::timeout(
-            timeout,
-            self.modules.wait_for(|modules| match check(modules) {
-                Ok(()) => true,
-                Err(why) => {
-                    last = why;
-                    false
-                }
-            }),
-        )
-        .await;
-        match waited {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(_)) => Err(Error::Invalid("the module watch ended".into())),
-            Err(_) => Err(Error::Timeout {
-                what: what.to_owned(),
-                seconds: timeout.as_secs(),
-                observed: last,
-            }),
-        }
-    }
-}
-
-impl Drop for ModuleWatch {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+pub fn watch(hub: &Client, run: &str) -> Watched<ManagedClusterModule> {
+    let config = watcher::Config::default().labels(&module_selector(run));
+    Watched::start(Api::all(hub.clone()), config)
 }

@@ -11,17 +11,19 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Namespace, Secret};
+use kmm_api::ManagedClusterModule;
 use kmm_runtime::pki::{CertificateAuthority, Leaf};
 use kube::Api;
 use kube::api::{DeleteParams, ObjectMeta, PostParams};
 
 use super::clusters::{self, RUN_LABEL};
 use super::hub_process::{HubConfig, HubFigures, HubProcess, Profile, binary};
-use super::modules::{self, Expected, ModuleWatch};
+use super::modules::{self, Expected};
 use super::proxy::{self, LoadKey, Proxies, ProxyIdentity};
 use super::report::{FleetCpu, IdleFigures, ScenarioFigures, SetupFigures, UnloadAudit};
 use super::{Error, Result, Shape, io, poll_until};
 use crate::fixture::Fleet;
+use crate::watched::Watched;
 
 /// How long a deleted module may wait for its unloads before the hub releases it
 /// anyway: far beyond any wait of the run, so a release always means every unload was
@@ -29,6 +31,9 @@ use crate::fixture::Fleet;
 const UNLOAD_TIMEOUT: Duration = Duration::from_secs(3600);
 const CERTIFICATE_VALIDITY: Duration = Duration::from_secs(24 * 3600);
 const METRICS_POLL: Duration = Duration::from_millis(100);
+/// How long the hub must do nothing before its idle CPU is measured: longer than
+/// the status write interval, so a pending coalesced write is not mistaken for quiet.
+const QUIET: Duration = Duration::from_secs(3);
 
 /// What a run does.
 #[derive(Clone, Debug)]
@@ -50,7 +55,7 @@ pub struct Harness {
     workdir: PathBuf,
     hub: Option<HubProcess>,
     proxies: Option<Proxies>,
-    watch: ModuleWatch,
+    watch: Watched<ManagedClusterModule>,
     clusters: Vec<String>,
     /// The run's modules and their latest generation.
     modules: BTreeMap<String, i64>,
@@ -73,7 +78,7 @@ impl Harness {
         Self {
             fleet: fleet.clone(),
             workdir: std::env::temp_dir().join(format!("kmm-fleet-scale-{run}")),
-            watch: ModuleWatch::start(&fleet.hub, &run),
+            watch: modules::watch(&fleet.hub, &run),
             run,
             options,
             hub: None,
@@ -279,6 +284,47 @@ impl Harness {
         .await
     }
 
+    /// Until the hub has written no status and sent no snapshot for [`QUIET`]. A hub
+    /// that never goes quiet fails the run: with nothing changing it must not work.
+    async fn wait_quiet(&self) -> Result<()> {
+        let hub = self.hub()?;
+        let last: std::sync::Mutex<Option<(u64, u64, Instant)>> = Default::default();
+        poll_until(
+            "the hub quiet (no status write, no snapshot)",
+            self.options.converge_timeout,
+            METRICS_POLL,
+            || {
+                let last = &last;
+                async move {
+                    let m = hub.metrics().await?;
+                    let now = Instant::now();
+                    let counts = (m.status_writes, m.snapshots_sent);
+                    let mut last = last
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    Ok(match &mut *last {
+                        Some((w, s, since)) if (*w, *s) == counts => {
+                            if now.duration_since(*since) >= QUIET {
+                                Ok(())
+                            } else {
+                                Err(format!("quiet for {:?}", now.duration_since(*since)))
+                            }
+                        }
+                        _ => {
+                            let observed = format!(
+                                "still working: {} status writes, {} snapshots sent",
+                                counts.0, counts.1
+                            );
+                            *last = Some((counts.0, counts.1, now));
+                            Err(observed)
+                        }
+                    })
+                }
+            },
+        )
+        .await
+    }
+
     async fn mark(&self) -> Result<Mark> {
         Ok(Mark {
             hub: self.hub()?.figures().await?,
@@ -320,7 +366,8 @@ impl Harness {
             .wait_for(what, timeout, |modules| {
                 modules::converged(modules, &expected)
             })
-            .await
+            .await?;
+        Ok(())
     }
 
     async fn create_modules(&mut self, indices: std::ops::Range<usize>) -> Result<()> {
@@ -416,10 +463,13 @@ impl Harness {
     }
 
     /// The hub's CPU with every stream open and nothing changing, over
-    /// [`Options::idle`].
+    /// [`Options::idle`]. Measured only once the hub has gone quiet: a scenario
+    /// converges before its last counts are written, and those writes are the
+    /// scenario's cost, not the idle hub's.
     pub async fn idle(&mut self) -> Result<IdleFigures> {
         self.wait_connected("every cluster connected before idling", 0)
             .await?;
+        self.wait_quiet().await?;
         let hub = self.hub()?;
         let (cpu, writes) = (hub.cpu_seconds()?, hub.metrics().await?.status_writes);
         let started = Instant::now();
