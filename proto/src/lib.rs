@@ -16,9 +16,10 @@ pub mod limits {
     /// [`PROXY_MESSAGE`], so that a part stays valid whatever its last entry weighs
     /// (an agent's error text is bounded far below the difference). Small, because a
     /// gRPC decoder keeps a buffer as large as the largest message its stream carried
-    /// for the stream's life: on a hub holding 3,500 streams, 1 MiB parts let full
-    /// reports of 20 x 20 statuses pin ~85 KiB per stream, 16 KiB parts pin ~16 KiB.
-    pub const REPORT_PART: usize = 16 << 10;
+    /// for the stream's life: on a hub of 1,000 clusters sending full reports of 20 x
+    /// 20 statuses, 1 MiB parts pinned ~85 KiB per stream and 16 KiB parts ~35 KiB
+    /// (heaptrack); 8 KiB parts stay within the decoder's first doubling.
+    pub const REPORT_PART: usize = 8 << 10;
     /// Hub to proxy (`HubMessage`): a cluster's complete intents with credentials.
     pub const HUB_MESSAGE: usize = 64 << 20;
     /// Agent to proxy (`AgentMessage`): a hello or one event.
