@@ -6,6 +6,7 @@
 //! loaded, Ready) and, where a scenario changes no module, the hub's own metrics first
 //! (every cluster connected again and sent its snapshot).
 
+use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -288,35 +289,32 @@ impl Harness {
     /// that never goes quiet fails the run: with nothing changing it must not work.
     async fn wait_quiet(&self) -> Result<()> {
         let hub = self.hub()?;
-        let last: std::sync::Mutex<Option<(u64, u64, Instant)>> = Default::default();
+        // The counts last seen and since when they have not moved.
+        let since: Cell<Option<((u64, u64), Instant)>> = Cell::new(None);
         poll_until(
             "the hub quiet (no status write, no snapshot)",
             self.options.converge_timeout,
             METRICS_POLL,
             || {
-                let last = &last;
+                let since = &since;
                 async move {
                     let m = hub.metrics().await?;
-                    let now = Instant::now();
-                    let counts = (m.status_writes, m.snapshots_sent);
-                    let mut last = last
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner);
-                    Ok(match &mut *last {
-                        Some((w, s, since)) if (*w, *s) == counts => {
-                            if now.duration_since(*since) >= QUIET {
+                    let (counts, now) = ((m.status_writes, m.snapshots_sent), Instant::now());
+                    Ok(match since.get() {
+                        Some((seen, at)) if seen == counts => {
+                            let quiet = now.duration_since(at);
+                            if quiet >= QUIET {
                                 Ok(())
                             } else {
-                                Err(format!("quiet for {:?}", now.duration_since(*since)))
+                                Err(format!("quiet for {quiet:?}"))
                             }
                         }
                         _ => {
-                            let observed = format!(
+                            since.set(Some((counts, now)));
+                            Err(format!(
                                 "still working: {} status writes, {} snapshots sent",
                                 counts.0, counts.1
-                            );
-                            *last = Some((counts.0, counts.1, now));
-                            Err(observed)
+                            ))
                         }
                     })
                 }
