@@ -18,6 +18,13 @@ pub fn version_ready_label(namespace: &str, name: &str) -> String {
     format!("{NODE_LABEL_DOMAIN}/{namespace}.{name}.version.ready")
 }
 
+/// `kmm.node.kubernetes.io/version-module.<namespace>.<name>`: set by users who move nodes
+/// to a new version one by one themselves (upstream's ordered upgrade). A node carrying it
+/// runs only the version it names.
+pub fn version_module_label(namespace: &str, name: &str) -> String {
+    format!("{NODE_LABEL_DOMAIN}/version-module.{namespace}.{name}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -32,6 +39,10 @@ mod tests {
             version_ready_label("ns", "mod"),
             "kmm.node.kubernetes.io/ns.mod.version.ready"
         );
+        assert_eq!(
+            version_module_label("ns", "mod"),
+            "kmm.node.kubernetes.io/version-module.ns.mod"
+        );
     }
 
     #[test]
@@ -41,6 +52,7 @@ mod tests {
         for label in [
             ready_label(&namespace, &name),
             version_ready_label(&namespace, &name),
+            version_module_label(&namespace, &name),
         ] {
             let (_, key_name) = label.split_once('/').expect("label has a prefix");
             assert!(

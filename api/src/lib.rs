@@ -7,6 +7,7 @@ mod crd;
 pub mod labels;
 mod managed_cluster_module;
 mod module_spec;
+mod node_upgrade;
 mod schema;
 mod status;
 
@@ -17,6 +18,7 @@ pub use module_spec::{
     KernelMapping, ModprobeArgs, ModprobeSpec, ModuleLoaderContainerSpec, ModuleLoaderSpec,
     ModuleSpec, Sign, TlsOptions,
 };
+pub use node_upgrade::{MaxUnavailable, NodeUpgrade};
 pub use status::{
     ClusterCounts, FailureSample, ImageStatus, KernelCounts, MAX_FAILURE_SAMPLES,
     MAX_IMAGE_KERNELS, MAX_IMAGE_STATUSES, ManagedClusterModuleStatus, NodeCounts,

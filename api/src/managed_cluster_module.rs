@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
 
-use crate::{ManagedClusterModuleStatus, ModuleSpec};
+use crate::{ManagedClusterModuleStatus, ModuleSpec, NodeUpgrade};
 
 /// The desired state of a ManagedClusterModule.
 // Each printcolumn(...) repeats the same keys, which clippy mistakes for duplicates.
@@ -78,4 +78,9 @@ pub struct ManagedClusterModuleSpec {
 
     /// Labels of the ManagedClusters the module is deployed to.
     pub selector: BTreeMap<String, String>,
+
+    /// How a change of the module's version moves through each cluster's nodes (an
+    /// addition to upstream). Absent: every node at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_upgrade: Option<NodeUpgrade>,
 }

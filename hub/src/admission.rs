@@ -2,7 +2,8 @@
 //! validating webhook. A create or update is refused with every problem the resolver's
 //! validation finds, each named by field path and value, so nothing invalid is stored.
 
-use kmm_api::ManagedClusterModule;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kmm_api::{ManagedClusterModule, MaxUnavailable};
 use kmm_resolver::{FieldError, ModuleIdentity, validate};
 use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, Operation};
@@ -31,17 +32,42 @@ pub fn review(request: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
         return response;
     }
     let name = module.metadata.name.as_deref().unwrap_or(&request.name);
-    match validate(
+    let mut problems = validate(
         &module.spec.module_spec,
         ModuleIdentity {
             name,
             namespace: &module.spec.spoke_namespace,
             spec_path: "spec.moduleSpec",
         },
-    ) {
-        Ok(()) => response,
-        Err(errors) => deny(response, errors.0),
+    )
+    .err()
+    .map(|errors| errors.0)
+    .unwrap_or_default();
+    problems.extend(node_upgrade_problem(&module));
+    if problems.is_empty() {
+        response
+    } else {
+        deny(response, problems)
     }
+}
+
+fn node_upgrade_problem(module: &ManagedClusterModule) -> Option<FieldError> {
+    let value = module
+        .spec
+        .node_upgrade
+        .as_ref()?
+        .max_unavailable
+        .as_ref()?;
+    let message = MaxUnavailable::parse(value).err()?;
+    let shown = match value {
+        IntOrString::Int(n) => n.to_string(),
+        IntOrString::String(s) => s.clone(),
+    };
+    Some(problem(
+        "spec.nodeUpgrade.maxUnavailable",
+        Some(&shown),
+        &message,
+    ))
 }
 
 /// An update that leaves the spec as it was (finalizers, labels, annotations) or that

@@ -6,12 +6,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kmm_proto::v1::{
-    AgentHello, DesiredModules, IntentSnapshot, KernelInventory, ModuleEvent, ModuleLoad,
-    NodeModule,
+    AgentHello, DesiredModules, IntentSnapshot, KernelInventory, ModuleEvent, ModuleIntent,
+    ModuleLoad, ModuleState, NodeModule,
 };
 use serde_json::Value;
 
-use kmm_api::labels::ready_label;
+use kmm_api::labels::{ready_label, version_module_label};
 
 use crate::agent_view::AgentView;
 use crate::inventory::{Inventory, kernels};
@@ -19,7 +19,8 @@ use crate::labels::{LabelIntent, label_intent, merge_patch};
 use crate::module_id::ModuleId;
 use crate::node_facts::NodeFacts;
 use crate::node_status::{NodeStatuses, StatusKey, assess, to_status};
-use crate::placement::{Placement, place};
+use crate::node_upgrade::{self, Hold};
+use crate::placement::{Held, Placement, place};
 
 /// One node's current work.
 #[derive(Clone, Default)]
@@ -134,6 +135,7 @@ impl ClusterState {
             self.inventory.update(kernels(self.nodes.values()));
         }
         self.place_node(&name);
+        self.place_waiting();
         true
     }
 
@@ -147,6 +149,7 @@ impl ClusterState {
         self.touch(name);
         self.may_have.retain(|(_, node)| node != name);
         self.inventory.update(kernels(self.nodes.values()));
+        self.place_waiting();
         true
     }
 
@@ -179,6 +182,7 @@ impl ClusterState {
         }
         self.agents.insert(node.to_owned(), view);
         self.place_node(node);
+        self.place_waiting();
     }
 
     pub fn agent_event(&mut self, node: &str, event: &ModuleEvent) {
@@ -188,6 +192,7 @@ impl ClusterState {
             self.may_have.insert((id.clone(), node.to_owned()));
         }
         self.place_node(node);
+        self.place_waiting();
     }
 
     /// Revision of the node's DesiredModules, cheap to compare before cloning them.
@@ -331,6 +336,92 @@ impl ClusterState {
         }
     }
 
+    /// Whether the node must keep the version it runs instead of `load`'s (see
+    /// [`node_upgrade`](crate::node_upgrade)).
+    fn held(
+        &self,
+        node: &str,
+        id: &ModuleId,
+        intent: &ModuleIntent,
+        load: &ModuleLoad,
+        facts: &NodeFacts,
+    ) -> Option<Held> {
+        let running = self
+            .agents
+            .get(node)
+            .and_then(|v| v.loaded.get(id))
+            .map(|p| p.version.as_str());
+        let pinned = facts
+            .labels
+            .get(&version_module_label(&id.namespace, &id.name))
+            .map(String::as_str);
+        let given = self
+            .work
+            .get(node)
+            .and_then(|w| {
+                w.modules
+                    .iter()
+                    .find(|m| ModuleId::from_key(m.key.as_ref()) == *id)
+            })
+            .and_then(|m| m.load.as_ref());
+        let hold = node_upgrade::hold(
+            &node_upgrade::Node {
+                target: &load.version,
+                running,
+                pinned,
+            },
+            node_upgrade::limit(intent),
+            || self.upgrade_cluster(node, id),
+        )?;
+        Some(Held {
+            hold,
+            running: running.map(str::to_owned),
+            target: load.version.clone(),
+            keep: given
+                .filter(|g| Some(g.version.as_str()) == running)
+                .cloned(),
+        })
+    }
+
+    /// The module's matching nodes, and how many besides `node` lack it at their target.
+    fn upgrade_cluster(&self, node: &str, id: &ModuleId) -> node_upgrade::Cluster {
+        let mut cluster = node_upgrade::Cluster {
+            matching: 1,
+            unavailable: 0,
+        };
+        for (name, work) in self.work.iter().filter(|(name, _)| *name != node) {
+            let Some(placement) = work.placements.get(id).filter(|p| p.is_selected()) else {
+                continue;
+            };
+            cluster.matching += 1;
+            let kernel = self.nodes.get(name).map_or("", |n| n.kernel.as_str());
+            let since = work.since.get(id).copied().unwrap_or(work.revision);
+            let loaded = matches!(placement, Placement::Held(_))
+                || assess(placement, self.agents.get(name), id, kernel, since)
+                    .is_some_and(|a| a.state == ModuleState::Loaded);
+            cluster.unavailable += usize::from(!loaded);
+        }
+        cluster
+    }
+
+    /// Places again the nodes waiting for their upgrade turn: a node that finished, left
+    /// or lost the module may have made room.
+    fn place_waiting(&mut self) {
+        let waiting: Vec<String> = self
+            .work
+            .iter()
+            .filter(|(_, w)| {
+                w.placements.values().any(
+                    |p| matches!(p, Placement::Held(h) if matches!(h.hold, Hold::Waiting { .. })),
+                )
+            })
+            .map(|(node, _)| node.clone())
+            .collect();
+        for node in waiting {
+            self.place_node(&node);
+        }
+    }
+
     /// Recomputes one node's work: what changes with one Node or one agent touches no
     /// other node, which keeps a change O(modules) rather than O(nodes x modules).
     fn place_node(&mut self, name: &str) {
@@ -343,14 +434,26 @@ impl ClusterState {
         for intent in &snapshot.modules {
             let id = ModuleId::from_key(intent.key.as_ref());
             let key = (id.clone(), name.to_owned());
-            let placement = place(intent, facts, self.may_have.contains(&key));
+            let placement = match place(intent, facts, self.may_have.contains(&key)) {
+                Placement::Load(load) => self
+                    .held(name, &id, intent, &load, facts)
+                    .map_or(Placement::Load(load), |held| {
+                        Placement::Held(Box::new(held))
+                    }),
+                other => other,
+            };
             if placement.is_selected() {
                 self.may_have.insert(key);
             }
-            match &placement {
-                Placement::Load(load) => modules.push(NodeModule {
+            let load = match &placement {
+                Placement::Load(load) => Some(load.as_ref()),
+                Placement::Held(held) => held.keep.as_ref(),
+                _ => None,
+            };
+            match (&placement, load) {
+                (_, Some(load)) => modules.push(NodeModule {
                     key: Some(id.key()),
-                    load: Some(load.as_ref().clone()),
+                    load: Some(load.clone()),
                     credential: snapshot
                         .credentials
                         .iter()
@@ -360,7 +463,7 @@ impl ClusterState {
                         .cloned(),
                     unload: false,
                 }),
-                Placement::Unload => modules.push(NodeModule {
+                (Placement::Unload, None) => modules.push(NodeModule {
                     key: Some(id.key()),
                     load: None,
                     credential: None,
@@ -396,8 +499,8 @@ impl ClusterState {
 mod tests {
     use super::*;
     use kmm_proto::v1::{
-        Action, KernelTarget, LoadedModule, ModuleIntent, ModuleKey, ModuleNodeStatus, ModuleState,
-        Outcome, PullCredential, Unresolved, kernel_target::Target, pull_credential::Content,
+        Action, KernelTarget, LoadedModule, ModuleKey, ModuleNodeStatus, Outcome, PullCredential,
+        Unresolved, kernel_target::Target, module_intent, pull_credential::Content,
     };
 
     const NODES: [&str; 2] = ["a", "b"];
@@ -458,6 +561,7 @@ mod tests {
                 },
             ],
             unload: false,
+            max_unavailable: None,
         }
     }
 
@@ -699,6 +803,151 @@ mod tests {
         // The rebooted node's agent has nothing loaded: labels go.
         s.agent_hello("a", &hello("a", &[]));
         assert!(s.label_patch("a").is_none(), "node a carries no labels yet");
+    }
+
+    /// Three workers running `m` v1, proven by their agents' hellos.
+    fn upgrading_cluster(max_unavailable: Option<module_intent::MaxUnavailable>) -> ClusterState {
+        let mut s = ClusterState::new(1000);
+        s.replace_nodes(["x", "y", "z"].map(|n| node(n, "6.1", "worker")).to_vec());
+        s.set_intents(snapshot(1, vec![intent("m", "v1")]));
+        for n in ["x", "y", "z"] {
+            s.agent_hello(n, &hello(n, &[("m", "v1")]));
+        }
+        let mut v2 = intent("m", "v2");
+        v2.max_unavailable = max_unavailable;
+        s.set_intents(snapshot(2, vec![v2]));
+        s
+    }
+
+    fn desired_version(s: &ClusterState, node: &str) -> Option<String> {
+        s.desired_modules(node)
+            .modules
+            .first()
+            .and_then(|m| m.load.as_ref())
+            .map(|l| l.version.clone())
+    }
+
+    /// The agent of `node` unloads v1 and loads `version`, as a version change does.
+    fn upgrade(s: &mut ClusterState, node: &str, version: &str) {
+        let revision = s.desired_modules(node).revision;
+        s.agent_event(
+            node,
+            &event("m", Action::Unload, Outcome::Succeeded, revision),
+        );
+        let mut loaded = event("m", Action::Load, Outcome::Succeeded, revision);
+        loaded.version = version.into();
+        s.agent_event(node, &loaded);
+    }
+
+    #[test]
+    fn a_version_change_moves_one_node_at_a_time_with_max_unavailable_one() {
+        let one = Some(module_intent::MaxUnavailable::MaxUnavailableNodes(1));
+        let mut s = upgrading_cluster(one);
+        let versions = |s: &ClusterState| ["x", "y", "z"].map(|n| desired_version(s, n));
+        let v = |v: &str| Some(v.to_owned());
+        assert_eq!(versions(&s), [v("v2"), v("v1"), v("v1")]);
+        let held = statuses(&s)[&(id("m"), "y".to_string())].clone();
+        assert_eq!(held.reason, node_upgrade::REASON_AWAITING_TURN);
+        assert_eq!(held.loaded_version, "v1");
+        assert_eq!(ModuleState::try_from(held.state), Ok(ModuleState::Pending));
+        // A held node keeps its labels, naming the version it runs.
+        let patch = s.label_patch("y").expect("labels to set");
+        assert_eq!(
+            patch["metadata"]["labels"]["kmm.node.kubernetes.io/ns.m.version.ready"],
+            "v1"
+        );
+
+        let revision = s.desired_modules("x").revision;
+        s.agent_event(
+            "x",
+            &event("m", Action::Unload, Outcome::Succeeded, revision),
+        );
+        assert_eq!(versions(&s), [v("v2"), v("v1"), v("v1")], "x is still down");
+        let mut loaded = event("m", Action::Load, Outcome::Succeeded, revision);
+        loaded.version = "v2".into();
+        s.agent_event("x", &loaded);
+        assert_eq!(versions(&s), [v("v2"), v("v2"), v("v1")]);
+        upgrade(&mut s, "y", "v2");
+        assert_eq!(versions(&s), [v("v2"), v("v2"), v("v2")]);
+        upgrade(&mut s, "z", "v2");
+        for n in ["x", "y", "z"] {
+            assert_eq!(state_of(&s, "m", n), Some(ModuleState::Loaded), "{n}");
+        }
+    }
+
+    #[test]
+    fn a_failed_node_counts_against_max_unavailable() {
+        let one = Some(module_intent::MaxUnavailable::MaxUnavailableNodes(1));
+        let mut s = upgrading_cluster(one);
+        let revision = s.desired_modules("x").revision;
+        s.agent_event("x", &event("m", Action::Load, Outcome::Failed, revision));
+        assert_eq!(desired_version(&s, "y").as_deref(), Some("v1"));
+        assert_eq!(desired_version(&s, "z").as_deref(), Some("v1"));
+    }
+
+    #[test]
+    fn a_percentage_rounds_up_and_no_limit_moves_every_node() {
+        let half = Some(module_intent::MaxUnavailable::MaxUnavailablePercent(50));
+        let s = upgrading_cluster(half);
+        let moving = ["x", "y", "z"]
+            .iter()
+            .filter(|n| desired_version(&s, n).as_deref() == Some("v2"))
+            .count();
+        assert_eq!(moving, 2);
+        let s = upgrading_cluster(None);
+        for n in ["x", "y", "z"] {
+            assert_eq!(desired_version(&s, n).as_deref(), Some("v2"), "{n}");
+        }
+    }
+
+    #[test]
+    fn the_version_module_label_pins_and_releases_a_node() {
+        let pinned = |version: &str| {
+            let mut y = node("y", "6.1", "worker");
+            y.labels
+                .insert(version_module_label("ns", "m"), version.to_owned());
+            y
+        };
+        let mut s = ClusterState::new(1000);
+        s.replace_nodes(vec![node("x", "6.1", "worker"), pinned("v1")]);
+        s.set_intents(snapshot(1, vec![intent("m", "v1")]));
+        for n in ["x", "y"] {
+            s.agent_hello(n, &hello(n, &[("m", "v1")]));
+        }
+        s.set_intents(snapshot(2, vec![intent("m", "v2")]));
+        assert_eq!(desired_version(&s, "x").as_deref(), Some("v2"));
+        assert_eq!(desired_version(&s, "y").as_deref(), Some("v1"));
+        assert_eq!(
+            statuses(&s)[&(id("m"), "y".to_string())].reason,
+            node_upgrade::REASON_VERSION_PINNED
+        );
+        s.upsert_node(pinned("v2"));
+        assert_eq!(desired_version(&s, "y").as_deref(), Some("v2"));
+    }
+
+    #[test]
+    fn a_restarted_proxy_moves_no_more_nodes_than_allowed() {
+        let mut s = ClusterState::new(2000);
+        s.replace_nodes(["x", "y", "z"].map(|n| node(n, "6.1", "worker")).to_vec());
+        let mut v2 = intent("m", "v2");
+        v2.max_unavailable = Some(module_intent::MaxUnavailable::MaxUnavailableNodes(1));
+        s.set_intents(snapshot(2, vec![v2]));
+        for n in ["x", "y", "z"] {
+            s.agent_hello(n, &hello(n, &[("m", "v1")]));
+        }
+        let moving: Vec<&str> = ["x", "y", "z"]
+            .into_iter()
+            .filter(|n| desired_version(&s, n).as_deref() == Some("v2"))
+            .collect();
+        assert_eq!(moving.len(), 1, "{moving:?}");
+        // The held nodes were never given v1 by this proxy: nothing is sent for them, and
+        // their agents leave v1 loaded.
+        let held = ["x", "y", "z"]
+            .into_iter()
+            .find(|n| !moving.contains(n))
+            .unwrap();
+        assert!(s.desired_modules(held).modules.is_empty());
+        assert_eq!(state_of(&s, "m", held), Some(ModuleState::Pending));
     }
 
     #[test]

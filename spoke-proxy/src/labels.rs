@@ -38,8 +38,13 @@ pub fn label_intent(
             version: a.loaded_version.clone(),
         });
     }
-    match view {
-        Some(v) if !v.loaded.contains_key(id) => Some(LabelIntent::Remove),
+    let proof = view.and_then(|v| v.loaded.get(id));
+    match (placement, view, proof) {
+        // A held node still runs its version: its labels say which.
+        (Placement::Held(_), _, Some(p)) => Some(LabelIntent::Set {
+            version: p.version.clone(),
+        }),
+        (_, Some(_), None) => Some(LabelIntent::Remove),
         _ => None,
     }
 }

@@ -20,6 +20,7 @@ pub mod module_id;
 pub mod node_facts;
 pub mod node_labels;
 pub mod node_status;
+pub mod node_upgrade;
 pub mod nodes;
 pub mod placement;
 pub mod review_cache;

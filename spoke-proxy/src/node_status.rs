@@ -7,6 +7,7 @@ use kmm_proto::v1::{Action, ModuleNodeKey, ModuleNodeStatus, ModuleState, NodeSt
 
 use crate::agent_view::AgentView;
 use crate::module_id::ModuleId;
+use crate::node_upgrade::describe;
 use crate::placement::Placement;
 
 /// Reason for a load the agent reported failed.
@@ -103,6 +104,15 @@ pub fn assess(
                     "",
                     format!("waiting for the node agent to load {}", load.image),
                 ),
+            }
+        }
+        Placement::Held(held) => {
+            let (reason, message) = describe(&held.hold, held.running.as_deref(), &held.target);
+            Assessment {
+                state: ModuleState::Pending,
+                loaded_version: held.running.clone().unwrap_or_default(),
+                reason: reason.to_owned(),
+                message,
             }
         }
         Placement::Unload => match (view, proof, failure) {

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use kmm_proto::v1::{ModuleIntent, ModuleLoad, Unresolved, kernel_target::Target};
 
 use crate::node_facts::NodeFacts;
+use crate::node_upgrade::Hold;
 use crate::tolerations::{TaintVerdict, verdict};
 
 /// What one module means for one node.
@@ -22,6 +23,22 @@ pub enum Placement {
     Unload,
     /// The module is not for this node and never was: nothing to do or report.
     NotApplicable,
+    /// The node runs another version and keeps it until its turn (ordered upgrade).
+    Held(Box<Held>),
+}
+
+/// A node kept at the version it runs while the module moves to another.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Held {
+    pub hold: Hold,
+    /// The version the agent proved loaded, if any.
+    pub running: Option<String>,
+    /// The version the intent loads.
+    pub target: String,
+    /// The load this proxy last gave the node for the running version, sent again so the
+    /// agent keeps it; `None` (e.g. after a proxy restart) sends nothing, and an agent
+    /// leaves a module it is not told about as it is.
+    pub keep: Option<ModuleLoad>,
 }
 
 impl Placement {
@@ -29,7 +46,7 @@ impl Placement {
     pub fn is_selected(&self) -> bool {
         matches!(
             self,
-            Self::Load(_) | Self::Unresolved(_) | Self::AwaitingKernel
+            Self::Load(_) | Self::Unresolved(_) | Self::AwaitingKernel | Self::Held(_)
         )
     }
 }
@@ -122,6 +139,7 @@ mod tests {
                 },
             ],
             unload: false,
+            max_unavailable: None,
         }
     }
 

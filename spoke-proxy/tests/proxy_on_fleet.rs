@@ -54,6 +54,7 @@ fn intent_for_node(spoke: &Spoke, name: &str, i: usize) -> ModuleIntent {
         tolerations: vec![],
         kernels,
         unload: false,
+        max_unavailable: None,
     }
 }
 

@@ -629,6 +629,7 @@ mod tests {
             tolerations: vec![],
             kernels,
             unload,
+            max_unavailable: None,
         }
     }
 

@@ -135,3 +135,33 @@ fn deletes_are_never_refused() {
         .allowed
     );
 }
+
+#[test]
+fn a_max_unavailable_below_one_node_or_out_of_percent_range_is_refused_by_field() {
+    for (value, shown) in [
+        (json!(-1), "-1"),
+        (json!(0), "0"),
+        (json!("0%"), "0%"),
+        (json!("150%"), "150%"),
+        (json!("two"), "two"),
+    ] {
+        let mut object = module(GOOD);
+        object["spec"]["nodeUpgrade"] = json!({"maxUnavailable": value});
+        let response = review(&request("CREATE", Some(object), None));
+        assert!(!response.allowed, "{shown} was allowed");
+        let causes = response.result.details.expect("details").causes;
+        assert_eq!(causes.len(), 1, "{causes:?}");
+        assert_eq!(causes[0].field, "spec.nodeUpgrade.maxUnavailable");
+        assert!(
+            causes[0].message.starts_with(&format!("{shown:?}: ")),
+            "{}",
+            causes[0].message
+        );
+    }
+    for good in [json!(1), json!(3), json!("1%"), json!("100%")] {
+        let mut object = module(GOOD);
+        object["spec"]["nodeUpgrade"] = json!({"maxUnavailable": good});
+        let response = review(&request("CREATE", Some(object), None));
+        assert!(response.allowed, "{good} refused: {:?}", response.result);
+    }
+}

@@ -4,10 +4,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use kmm_api::ManagedClusterModule;
+use kmm_api::{ManagedClusterModule, MaxUnavailable};
 use kmm_proto::v1::{
     IntentSnapshot, KernelTarget, Modprobe, ModprobeArgs, ModuleIntent, ModuleKey, ModuleLoad,
-    PullCredential, RegistryTls, Toleration, Unresolved, kernel_target::Target,
+    PullCredential, RegistryTls, Toleration, Unresolved, kernel_target::Target, module_intent,
 };
 use kmm_resolver::Resolution;
 use kube::ResourceExt;
@@ -154,6 +154,17 @@ fn module_intent(
         tolerations: spec.tolerations.iter().flatten().map(toleration).collect(),
         kernels: targets,
         unload: input.unload,
+        max_unavailable: max_unavailable(mcm),
+    }
+}
+
+/// `nodeUpgrade.maxUnavailable` for the proxy; a value admission would refuse (stored
+/// before the rule existed) limits nothing rather than stopping the module.
+fn max_unavailable(mcm: &ManagedClusterModule) -> Option<module_intent::MaxUnavailable> {
+    let value = mcm.spec.node_upgrade.as_ref()?.max_unavailable.as_ref()?;
+    match MaxUnavailable::parse(value).ok()? {
+        MaxUnavailable::Nodes(n) => Some(module_intent::MaxUnavailable::MaxUnavailableNodes(n)),
+        MaxUnavailable::Percent(p) => Some(module_intent::MaxUnavailable::MaxUnavailablePercent(p)),
     }
 }
 
@@ -205,6 +216,7 @@ fn toleration(t: &k8s_openapi::api::core::v1::Toleration) -> Toleration {
 
 #[cfg(test)]
 mod tests {
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
     use kmm_proto::v1::pull_credential::Content;
 
     use super::*;
@@ -354,6 +366,40 @@ mod tests {
                 .collect::<Vec<_>>(),
             ["pull"]
         );
+    }
+
+    #[test]
+    fn max_unavailable_reaches_the_intent_as_nodes_or_percent() {
+        let intent = |node_upgrade: Option<IntOrString>| {
+            let mut module = mcm("hello", HELLO);
+            module.spec.node_upgrade = node_upgrade.map(|m| kmm_api::NodeUpgrade {
+                max_unavailable: Some(m),
+            });
+            module_intent(
+                &ModuleInput {
+                    module: &module,
+                    unload: false,
+                },
+                &kernels(&[]),
+                &creds(&[]),
+                &pinned(),
+                &ModuleResolutions::default(),
+                &mut BTreeSet::new(),
+                &mut false,
+            )
+            .max_unavailable
+        };
+        use module_intent::MaxUnavailable::{MaxUnavailableNodes, MaxUnavailablePercent};
+        assert_eq!(intent(None), None);
+        assert_eq!(
+            intent(Some(IntOrString::Int(2))),
+            Some(MaxUnavailableNodes(2))
+        );
+        assert_eq!(
+            intent(Some(IntOrString::String("30%".into()))),
+            Some(MaxUnavailablePercent(30))
+        );
+        assert_eq!(intent(Some(IntOrString::Int(0))), None);
     }
 
     #[test]
