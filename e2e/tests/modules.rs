@@ -8,10 +8,13 @@
 
 mod support;
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kmm_api::ManagedClusterModule;
 use kmm_e2e::fixture::{Fleet, wait_until};
 use kmm_e2e::fleet::hub_install;
 use kmm_e2e::fleet::kmm::{self as fleet_kmm, Agent};
@@ -787,6 +790,123 @@ async fn a_node_whose_image_is_missing_is_reported_with_the_registrys_answer() -
     );
 
     delete(&fleet.hub, &name).await?;
+    label_cluster(&fleet.hub, &spoke, &id, false).await?;
+    Ok(())
+}
+
+/// A node's kernel log from byte `from` on: (nanoseconds, node, inserted?, kmod).
+fn kernel_events(agent: &Agent, from: usize) -> Result<Vec<(u128, String, bool, String)>> {
+    let path = agent.kernel_log();
+    let log = std::fs::read_to_string(&path).with_context(|| format!("{}", path.display()))?;
+    log.get(from..)
+        .unwrap_or_default()
+        .lines()
+        .map(|line| {
+            let mut words = line.split(' ');
+            match (words.next(), words.next(), words.next()) {
+                (Some(at), Some(event @ ("insert" | "remove")), Some(kmod)) => Ok((
+                    at.parse()?,
+                    agent.node.clone(),
+                    event == "insert",
+                    kmod.to_owned(),
+                )),
+                _ => bail!("{}: unexpected line {line:?}", path.display()),
+            }
+        })
+        .collect()
+}
+
+fn log_len(agent: &Agent) -> usize {
+    std::fs::metadata(agent.kernel_log()).map_or(0, |m| m.len() as usize)
+}
+
+#[tokio::test]
+async fn a_version_change_with_max_unavailable_one_takes_one_node_down_at_a_time() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let fleet = Fleet::get().await?;
+    let kmm = kmm(&fleet)?;
+    let (id, name) = (unique("kmm-e2e.dev/ordered"), unique("ordered"));
+    let spoke = fleet.spoke_names()[0].clone();
+    let with_images: Vec<String> = nodes_with_images(&fleet, &spoke)?
+        .into_iter()
+        .map(|(node, _)| node)
+        .collect();
+    let agents: Vec<Agent> = kmm
+        .agents
+        .iter()
+        .filter(|a| a.cluster == spoke && a.simulated && with_images.contains(&a.node))
+        .take(3)
+        .cloned()
+        .collect();
+    ensure!(
+        agents.len() == 3,
+        "{spoke} has {} KWOK nodes with a sample image; the test needs 3",
+        agents.len()
+    );
+    label_cluster(&fleet.hub, &spoke, &id, true).await?;
+    for agent in &agents {
+        label_node(fleet.spoke(&spoke)?, &agent.node, &id, true).await?;
+    }
+    let mut mcm = module(&name, &id, sample_mapping(&fleet))?;
+    mcm.spec.node_upgrade = Some(kmm_api::NodeUpgrade {
+        max_unavailable: Some(IntOrString::Int(1)),
+    });
+    create(&fleet.hub, &mcm).await?;
+    let target: Vec<(String, String)> = agents
+        .iter()
+        .map(|a| (spoke.clone(), a.node.clone()))
+        .collect();
+    wait_labelled(&fleet, &name, &target).await?;
+
+    let offsets: Vec<usize> = agents.iter().map(log_len).collect();
+    Api::<ManagedClusterModule>::all(fleet.hub.clone())
+        .patch(
+            &name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": { "moduleSpec": { "moduleLoader": {
+                "container": { "version": "2.0" } } } } })),
+        )
+        .await?;
+    wait_until("every node labelled with version 2.0", WAIT, || async {
+        match labelled(&fleet, &name).await {
+            Ok(now) if now.len() == 3 && now.values().all(|v| v.as_deref() == Some("2.0")) => {
+                Ok(())
+            }
+            other => Err(format!("labelled: {other:?}")),
+        }
+    })
+    .await?;
+
+    let mut events = Vec::new();
+    for (agent, from) in agents.iter().zip(&offsets) {
+        events.extend(kernel_events(agent, *from)?);
+    }
+    events.sort();
+    // Replays the merged logs: a node lacks the module from its first removal until
+    // every kmod it removed is back.
+    let mut removed: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    let mut most_down = 0;
+    for (_, node, inserted, kmod) in &events {
+        let kmods = removed.entry(node.clone()).or_default();
+        if *inserted {
+            kmods.remove(kmod);
+        } else {
+            kmods.insert(kmod.clone());
+        }
+        let down = removed.values().filter(|k| !k.is_empty()).count();
+        most_down = most_down.max(down);
+    }
+    ensure!(
+        removed.len() == 3 && removed.values().all(BTreeSet::is_empty),
+        "every node must have reloaded the module: {events:?}"
+    );
+    ensure!(
+        most_down == 1,
+        "{most_down} nodes were without the module at once: {events:?}"
+    );
+
+    delete(&fleet.hub, &name).await?;
+    wait_labelled(&fleet, &name, &[]).await?;
     label_cluster(&fleet.hub, &spoke, &id, false).await?;
     Ok(())
 }

@@ -105,6 +105,12 @@ impl Agent {
             .join(hub_install::SIMULATED_KERNEL_DIR.trim_start_matches('/'))
     }
 
+    /// The simulated kernel's log of module inserts and removals (the node agent's
+    /// `kernel::simulated::KERNEL_LOG`): `<ns since the epoch> insert|remove <module>`.
+    pub fn kernel_log(&self) -> PathBuf {
+        self.kernel_dir().join("kmsg")
+    }
+
     /// The runner's power switch of a KWOK node: while the file exists the node is off.
     fn power_switch(&self) -> Result<PathBuf> {
         if !self.simulated {

@@ -29,6 +29,25 @@ pub struct SimulatedModule {
     pub in_tree: bool,
 }
 
+/// File in a simulated kernel's directory where every module insert and removal is
+/// logged, one line each: `<nanoseconds since the Unix epoch> insert|remove <module>`.
+pub const KERNEL_LOG: &str = "kmsg";
+
+#[derive(Clone, Copy, Debug)]
+enum KernelLogEvent {
+    Insert,
+    Remove,
+}
+
+impl KernelLogEvent {
+    fn word(self) -> &'static str {
+        match self {
+            Self::Insert => "insert",
+            Self::Remove => "remove",
+        }
+    }
+}
+
 /// The kernel of a simulated node, kept in `dir`.
 #[derive(Debug, Clone)]
 pub struct SimulatedKernel {
@@ -123,7 +142,27 @@ impl SimulatedKernel {
     fn write(&self, module: &SimulatedModule) -> Result<(), KernelError> {
         let path = self.module_path(&module.name);
         let bytes = serde_json::to_vec(module).expect("serialises");
-        std::fs::write(&path, bytes).map_err(io_err("writing", &path))
+        std::fs::write(&path, bytes).map_err(io_err("writing", &path))?;
+        self.log(KernelLogEvent::Insert, &module.name)
+    }
+
+    /// Appends to the kernel log: what a real kernel's log says about module loads,
+    /// stamped with the machine's clock so that the logs of a fleet's simulated nodes
+    /// merge into one order of events.
+    fn log(&self, event: KernelLogEvent, module: &str) -> Result<(), KernelError> {
+        use std::io::Write;
+        let path = self.dir.join(KERNEL_LOG);
+        let at = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos();
+        let line = format!("{at} {} {module}\n", event.word());
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut file| file.write_all(line.as_bytes()))
+            .map_err(io_err("appending to", &path))
     }
 
     fn all(&self) -> Result<Vec<SimulatedModule>, KernelError> {
@@ -207,6 +246,7 @@ impl SimulatedKernel {
         }
         let path = self.module_path(&name);
         std::fs::remove_file(&path).map_err(io_err("removing", &path))?;
+        self.log(KernelLogEvent::Remove, &name)?;
         if with_dependencies {
             // Like modprobe -r: dependencies go too when nothing else uses them.
             for dep in record.depends.iter().rev() {
@@ -284,6 +324,27 @@ impl Kernel for SimulatedKernel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_kernel_log_records_inserts_and_removals_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let kernel = SimulatedKernel::open(dir.path().join("node"), "6.1.0-56-amd64").unwrap();
+        kernel.add_in_tree("in-tree").unwrap();
+        kernel.unload("in-tree", false).unwrap();
+        let log = std::fs::read_to_string(dir.path().join("node").join(KERNEL_LOG)).unwrap();
+        let lines: Vec<(u128, &str)> = log
+            .lines()
+            .map(|line| {
+                let (at, rest) = line.split_once(' ').unwrap();
+                (at.parse().unwrap(), rest)
+            })
+            .collect();
+        assert_eq!(
+            lines.iter().map(|(_, e)| *e).collect::<Vec<_>>(),
+            ["insert in_tree", "remove in_tree"]
+        );
+        assert!(lines[0].0 <= lines[1].0, "{log}");
+    }
 
     #[test]
     fn boot_ids_and_in_tree_modules() {
