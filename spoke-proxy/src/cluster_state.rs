@@ -405,20 +405,37 @@ impl ClusterState {
     }
 
     /// Places again the nodes waiting for their upgrade turn: a node that finished, left
-    /// or lost the module may have made room.
+    /// or lost the module may have made room. Once one node of a module still waits, so
+    /// do the others (held nodes count as having the module), which keeps an event's cost
+    /// to the nodes that move plus one per module.
     fn place_waiting(&mut self) {
+        let waiting_for = |work: &NodeWork| -> BTreeSet<ModuleId> {
+            work.placements
+                .iter()
+                .filter(|(_, p)| {
+                    matches!(p, Placement::Held(h) if matches!(h.hold, Hold::Waiting { .. }))
+                })
+                .map(|(id, _)| id.clone())
+                .collect()
+        };
         let waiting: Vec<String> = self
             .work
             .iter()
-            .filter(|(_, w)| {
-                w.placements.values().any(
-                    |p| matches!(p, Placement::Held(h) if matches!(h.hold, Hold::Waiting { .. })),
-                )
-            })
+            .filter(|(_, w)| !waiting_for(w).is_empty())
             .map(|(node, _)| node.clone())
             .collect();
+        let mut full: BTreeSet<ModuleId> = BTreeSet::new();
         for node in waiting {
+            let Some(before) = self.work.get(&node).map(waiting_for) else {
+                continue;
+            };
+            if before.is_subset(&full) {
+                continue;
+            }
             self.place_node(&node);
+            if let Some(work) = self.work.get(&node) {
+                full.extend(waiting_for(work));
+            }
         }
     }
 
