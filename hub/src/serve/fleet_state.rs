@@ -43,6 +43,17 @@ pub fn managed_cluster_resource() -> ApiResource {
     ApiResource::from_gvk_with_plural(&gvk, "managedclusters")
 }
 
+/// Strips a ManagedCluster down to what [`FleetState`] reads of it (name, labels,
+/// `spec.hubAcceptsClient`) before the store keeps it: a real cluster's status (claims,
+/// capacity, conditions) and managed fields are kilobytes each, times the fleet.
+pub fn trim_managed_cluster(cluster: &mut DynamicObject) {
+    cluster.metadata.managed_fields = None;
+    cluster.metadata.annotations = None;
+    cluster.metadata.owner_references = None;
+    let accepts = cluster.data["spec"]["hubAcceptsClient"].take();
+    cluster.data = serde_json::json!({ "spec": { "hubAcceptsClient": accepts } });
+}
+
 /// What a stream's outbound half must do next; only the latest value matters, so a slow
 /// proxy gets the newest snapshot rather than a backlog.
 #[derive(Clone, Debug, PartialEq)]
@@ -977,6 +988,33 @@ mod tests {
             secrets: store().0,
         };
         FleetState::new(stores, Metrics::default())
+    }
+
+    #[test]
+    fn a_trimmed_managed_cluster_keeps_what_the_hub_reads() {
+        let mut cluster: DynamicObject = serde_json::from_value(serde_json::json!({
+            "apiVersion": "cluster.open-cluster-management.io/v1",
+            "kind": "ManagedCluster",
+            "metadata": {
+                "name": "spoke1",
+                "labels": {"env": "prod"},
+                "annotations": {"note": "x".repeat(1000)},
+                "managedFields": [{"manager": "registration", "operation": "Update"}],
+            },
+            "spec": {"hubAcceptsClient": true, "leaseDurationSeconds": 60},
+            "status": {"clusterClaims": [{"name": "id.k8s.io", "value": "x".repeat(1000)}]},
+        }))
+        .unwrap();
+        let before = serde_json::to_vec(&cluster).unwrap().len();
+        trim_managed_cluster(&mut cluster);
+        assert!(serde_json::to_vec(&cluster).unwrap().len() < before / 4);
+        assert_eq!(cluster.name_any(), "spoke1");
+        assert_eq!(
+            cluster.labels().get("env").map(String::as_str),
+            Some("prod")
+        );
+        assert_eq!(cluster.data["spec"]["hubAcceptsClient"], true);
+        assert!(cluster.data.get("status").is_none());
     }
 
     #[test]

@@ -39,7 +39,7 @@ use tonic::transport::Server;
 
 use self::ca::{CaError, RenewingCertificate};
 use self::controller::Context;
-use self::fleet_state::{FleetState, Stores, managed_cluster_resource};
+use self::fleet_state::{FleetState, Stores, managed_cluster_resource, trim_managed_cluster};
 use self::leadership::{Election, LeaderElection, LeadershipError};
 use self::metrics::Metrics;
 use self::sync_service::SyncService;
@@ -215,7 +215,7 @@ pub async fn run(
     let clusters = watch_into(
         state.clone(),
         clusters_writer,
-        watcher(clusters_api, watcher::Config::default()),
+        watcher(clusters_api, watcher::Config::default()).modify(trim_managed_cluster),
         "ManagedClusters",
         |state, name| state.cluster_changed(name),
     );
