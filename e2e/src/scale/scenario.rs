@@ -35,6 +35,17 @@ const METRICS_POLL: Duration = Duration::from_millis(100);
 /// How long the hub must do nothing before its idle CPU is measured: longer than
 /// the status write interval, so a pending coalesced write is not mistaken for quiet.
 const QUIET: Duration = Duration::from_secs(3);
+/// Most of a core the hub may use over [`QUIET`] and still count as quiet.
+const QUIET_CPU: f64 = 0.10;
+
+/// What [`Harness::wait_quiet`] last saw change: the hub's (status writes, snapshots
+/// sent), when, and the CPU seconds it had used by then.
+#[derive(Clone, Copy)]
+struct QuietSince {
+    counts: (u64, u64),
+    at: Instant,
+    cpu: f64,
+}
 
 /// What a run does.
 #[derive(Clone, Debug)]
@@ -285,14 +296,16 @@ impl Harness {
         .await
     }
 
-    /// Until the hub has written no status and sent no snapshot for [`QUIET`]. A hub
-    /// that never goes quiet fails the run: with nothing changing it must not work.
+    /// Until the hub has written no status, sent no snapshot and used less than
+    /// [`QUIET_CPU`] of a core for [`QUIET`]. A hub that never goes quiet fails the run:
+    /// with nothing changing it must not work. CPU counts too because a scenario's tail
+    /// (say, image needs recomputed as 3,500 reconnected inventories arrive) can run for
+    /// seconds without writing anything.
     async fn wait_quiet(&self) -> Result<()> {
         let hub = self.hub()?;
-        // The counts last seen and since when they have not moved.
-        let since: Cell<Option<((u64, u64), Instant)>> = Cell::new(None);
+        let since: Cell<Option<QuietSince>> = Cell::new(None);
         poll_until(
-            "the hub quiet (no status write, no snapshot)",
+            "the hub quiet (no status write, no snapshot, idle CPU)",
             self.options.converge_timeout,
             METRICS_POLL,
             || {
@@ -300,17 +313,37 @@ impl Harness {
                 async move {
                     let m = hub.metrics().await?;
                     let (counts, now) = ((m.status_writes, m.snapshots_sent), Instant::now());
+                    let cpu = hub.cpu_seconds()?;
                     Ok(match since.get() {
-                        Some((seen, at)) if seen == counts => {
+                        Some(QuietSince {
+                            counts: seen,
+                            at,
+                            cpu: cpu_at,
+                        }) if seen == counts => {
                             let quiet = now.duration_since(at);
-                            if quiet >= QUIET {
-                                Ok(())
-                            } else {
+                            let busy = (cpu - cpu_at) / quiet.as_secs_f64().max(f64::EPSILON);
+                            if quiet < QUIET {
                                 Err(format!("quiet for {quiet:?}"))
+                            } else if busy >= QUIET_CPU {
+                                since.set(Some(QuietSince {
+                                    counts,
+                                    at: now,
+                                    cpu,
+                                }));
+                                Err(format!(
+                                    "writing nothing but busy: {:.0} % of a core",
+                                    busy * 100.0
+                                ))
+                            } else {
+                                Ok(())
                             }
                         }
                         _ => {
-                            since.set(Some((counts, now)));
+                            since.set(Some(QuietSince {
+                                counts,
+                                at: now,
+                                cpu,
+                            }));
                             Err(format!(
                                 "still working: {} status writes, {} snapshots sent",
                                 counts.0, counts.1
