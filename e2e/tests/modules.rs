@@ -867,15 +867,7 @@ async fn a_version_change_with_max_unavailable_one_takes_one_node_down_at_a_time
                 "container": { "version": "2.0" } } } } })),
         )
         .await?;
-    wait_until("every node labelled with version 2.0", WAIT, || async {
-        match labelled(&fleet, &name).await {
-            Ok(now) if now.len() == 3 && now.values().all(|v| v.as_deref() == Some("2.0")) => {
-                Ok(())
-            }
-            other => Err(format!("labelled: {other:?}")),
-        }
-    })
-    .await?;
+    wait_labelled_at(&fleet, NAMESPACE, &name, &target, "2.0").await?;
 
     let mut events = Vec::new();
     for (agent, from) in agents.iter().zip(&offsets) {

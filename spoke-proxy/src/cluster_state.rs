@@ -77,6 +77,13 @@ fn same_task(a: Option<&NodeModule>, b: &NodeModule) -> bool {
     a.is_some_and(|a| task(a) == task(b))
 }
 
+impl NodeWork {
+    /// The revision from which the agent's reports speak for `id`'s current task.
+    fn since_of(&self, id: &ModuleId) -> u64 {
+        self.since.get(id).copied().unwrap_or(self.revision)
+    }
+}
+
 impl std::fmt::Debug for ClusterState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ClusterState")
@@ -235,7 +242,7 @@ impl ClusterState {
         work.placements
             .iter()
             .filter_map(|(id, placement)| {
-                let since = work.since.get(id).copied().unwrap_or(work.revision);
+                let since = work.since_of(id);
                 let a = assess(placement, self.agents.get(node), id, kernel, since)?;
                 Some((
                     id.clone(),
@@ -269,7 +276,7 @@ impl ClusterState {
             .placements
             .iter()
             .filter_map(|(id, placement)| {
-                let since = work.since.get(id).copied().unwrap_or(work.revision);
+                let since = work.since_of(id);
                 let a = assess(placement, view, id, &facts.kernel, since);
                 label_intent(placement, a.as_ref(), view, id).map(|i| (id.clone(), i))
             })
@@ -395,7 +402,7 @@ impl ClusterState {
             };
             cluster.matching += 1;
             let kernel = self.nodes.get(name).map_or("", |n| n.kernel.as_str());
-            let since = work.since.get(id).copied().unwrap_or(work.revision);
+            let since = work.since_of(id);
             let loaded = matches!(placement, Placement::Held(_))
                 || assess(placement, self.agents.get(name), id, kernel, since)
                     .is_some_and(|a| a.state == ModuleState::Loaded);

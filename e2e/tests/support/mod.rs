@@ -186,9 +186,20 @@ pub async fn wait_labelled_in(
     name: &str,
     expected: &[(String, String)],
 ) -> Result<()> {
+    wait_labelled_at(fleet, namespace, name, expected, VERSION).await
+}
+
+/// Waits until exactly `expected` nodes carry the module's labels, with `version`.
+pub async fn wait_labelled_at(
+    fleet: &Fleet,
+    namespace: &str,
+    name: &str,
+    expected: &[(String, String)],
+    version: &str,
+) -> Result<()> {
     let expected: BTreeMap<(String, String), Option<String>> = expected
         .iter()
-        .map(|key| (key.clone(), Some(VERSION.to_owned())))
+        .map(|key| (key.clone(), Some(version.to_owned())))
         .collect();
     wait_until(
         &format!("exactly {expected:?} labelled for {name}"),
