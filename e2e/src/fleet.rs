@@ -12,6 +12,7 @@
 //! `simulated_nodes` (real and KWOK nodes), `registry`, [`kmm`] and [`hub_install`]
 //! (kmm-fleet itself). This file starts, inspects and stops them in order.
 
+use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -111,6 +112,7 @@ pub async fn up(settings: &Settings, opts: &Options) -> Result<State> {
                 .into(),
         ));
     }
+    outside_ephemeral_ports(settings.base_port, opts.spokes)?;
     // Another fleet with this base port (from another state directory) owns the bridge
     // and everything named after it; a fleet that was not brought down left them.
     let network = Network::of(settings.base_port);
@@ -196,6 +198,42 @@ pub fn down(settings: &Settings) -> Result<()> {
 /// derived from the base port and by the state directory, so that it works without
 /// (or with a stale) `state.json`: the nodes' cgroups (killing what is left in them),
 /// the mount namespace files, the network namespaces and the bridge.
+/// The fleet's loopback ports must not be ones the kernel hands out to outgoing
+/// connections: a listener cannot bind a port a connection (of this fleet or anything
+/// else on the host) already holds, so a fleet inside that range fails at random.
+fn outside_ephemeral_ports(base_port: u16, spokes: usize) -> Result<()> {
+    const RANGE: &str = "/proc/sys/net/ipv4/ip_local_port_range";
+    let text = std::fs::read_to_string(RANGE).context(|| format!("reading {RANGE}"))?;
+    let ephemeral = parse_port_range(&text)
+        .ok_or_else(|| Error::Invalid(format!("{RANGE}: unexpected content {text:?}")))?;
+    if let Some(last) = overlap(base_port, spokes, &ephemeral) {
+        return Err(Error::Invalid(format!(
+            "KMM_FLEET_BASE_PORT={base_port}: the fleet's ports {base_port}..={last} overlap \
+             the host's ephemeral ports {}..={} ({RANGE}); choose a base port outside them",
+            ephemeral.start(),
+            ephemeral.end()
+        )));
+    }
+    Ok(())
+}
+
+/// The fleet's last port when its block (cluster `i` at base + 100 * i .. + 99, the hub
+/// at 0) meets `range`.
+fn overlap(base_port: u16, spokes: usize, range: &RangeInclusive<u16>) -> Option<u32> {
+    let clusters = u32::try_from(spokes + 1).unwrap_or(u32::MAX / 200);
+    let last = u32::from(base_port) + 100 * clusters - 1;
+    (u32::from(base_port) <= u32::from(*range.end()) && last >= u32::from(*range.start()))
+        .then_some(last)
+}
+
+fn parse_port_range(text: &str) -> Option<RangeInclusive<u16>> {
+    let mut bounds = text.split_whitespace().map(str::parse::<u16>);
+    match (bounds.next(), bounds.next(), bounds.next()) {
+        (Some(Ok(low)), Some(Ok(high)), None) if low <= high => Some(low..=high),
+        _ => None,
+    }
+}
+
 fn release_host(settings: &Settings) -> Result<()> {
     let network = Network::of(settings.base_port);
     nodes::remove_cgroups(&network.prefix)?;
@@ -461,5 +499,31 @@ where
             });
         }
         tokio::time::sleep(POLL).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{overlap, parse_port_range};
+
+    #[test]
+    fn a_fleet_overlaps_the_ephemeral_ports_when_any_clusters_block_does() {
+        let ephemeral = 32768..=60999;
+        assert_eq!(overlap(16000, 2, &ephemeral), None);
+        assert_eq!(overlap(28000, 1, &ephemeral), None);
+        assert_eq!(overlap(36000, 1, &ephemeral), Some(36199));
+        assert_eq!(overlap(32568, 1, &ephemeral), None, "ends at 32767");
+        assert_eq!(overlap(32569, 1, &ephemeral), Some(32768));
+        assert_eq!(overlap(61000, 2, &ephemeral), None);
+        assert_eq!(overlap(60999, 0, &ephemeral), Some(61098));
+    }
+
+    #[test]
+    fn the_ephemeral_port_range_is_read_from_the_sysctl_text() {
+        assert_eq!(parse_port_range("32768\t60999\n"), Some(32768..=60999));
+        assert_eq!(parse_port_range("1024 1024"), Some(1024..=1024));
+        for bad in ["", "32768", "60999 32768", "1 2 3", "a b", "70000 80000"] {
+            assert_eq!(parse_port_range(bad), None, "{bad:?}");
+        }
     }
 }

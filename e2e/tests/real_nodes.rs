@@ -5,7 +5,8 @@
 //!   cluster's real node pulls from the fleet registry under both of its names, reaches
 //!   its cluster's apiserver in-cluster through the `kubernetes` Service, its log is
 //!   read through the apiserver from the kubelet, and the apiserver reaches it by pod IP.
-//! * On a fleet of its own (base port 36000, no OCM, so it fits beside the default one):
+//! * On a fleet of its own (base port 28000, below the host's ephemeral ports; no OCM,
+//!   so it fits beside the default one):
 //!   `down` leaves no process, network namespace, link, route, cgroup or mount behind.
 //!
 //! Both fail, never skip, when a fleet cannot start.
@@ -205,7 +206,7 @@ async fn down_leaves_no_process_namespace_link_route_cgroup_or_mount_behind() ->
     let root = std::env::temp_dir().join(format!("kmm-e2e-real-nodes-{}", std::process::id()));
     let settings = Settings {
         state_dir: root.join("state"),
-        base_port: 36000,
+        base_port: 28000,
         bin_dir: Settings::from_env()?.bin_dir,
     };
     let network = Network::of(settings.base_port);

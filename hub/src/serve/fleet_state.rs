@@ -30,12 +30,13 @@ use crate::fleet::intents::cluster_intents;
 use crate::fleet::node_statuses::{NodeStatuses, ReportParts, TooManyStatuses};
 use crate::fleet::outbox::Outbox;
 use crate::fleet::resolutions::Resolutions;
-use crate::fleet::shared_snapshot::{IntentPool, SharedSnapshot};
+use crate::fleet::shared_snapshot::IntentPool;
 use crate::fleet::status::{ClusterReport, StatusTally};
 use crate::images::status::{image_statuses, with_persisted};
 use crate::images::{ImageKey, ImageNeed, ImageRecord, module_needs};
 
 use super::metrics::Metrics;
+use super::outbound::OutboundSender;
 
 /// `cluster.open-cluster-management.io/v1` `ManagedCluster`.
 pub fn managed_cluster_resource() -> ApiResource {
@@ -52,17 +53,6 @@ pub fn trim_managed_cluster(cluster: &mut DynamicObject) {
     cluster.metadata.owner_references = None;
     let accepts = cluster.data["spec"]["hubAcceptsClient"].take();
     cluster.data = serde_json::json!({ "spec": { "hubAcceptsClient": accepts } });
-}
-
-/// What a stream's outbound half must do next; only the latest value matters, so a slow
-/// proxy gets the newest snapshot rather than a backlog.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Outbound {
-    Idle,
-    /// The cluster's complete snapshot; the stream sends what changed since its last.
-    Snapshot(Arc<SharedSnapshot>),
-    /// End the stream with this gRPC status.
-    End(tonic::Code, String),
 }
 
 /// Identifies one stream among all the streams the hub has accepted.
@@ -87,7 +77,7 @@ pub struct Stores {
 #[derive(Debug, Default)]
 struct ClusterEntry {
     /// The current stream: the newest wins.
-    stream: Option<(SessionId, watch::Sender<Outbound>)>,
+    stream: Option<(SessionId, OutboundSender)>,
     outbox: Outbox,
     /// The kernels of the current stream's latest inventory; `None` until it sent one.
     kernels: Option<BTreeSet<String>>,
@@ -214,6 +204,8 @@ pub struct FleetState {
     needs: watch::Sender<u64>,
     /// Changes only when a session opens or closes.
     connections: watch::Sender<Connections>,
+    /// Why every stream ends, once the hub stops: no stream may open after it.
+    ending: watch::Sender<Option<String>>,
     /// A snapshot waits for an image check: wakes the image worker.
     unchecked_images: Notify,
     metrics: Metrics,
@@ -243,9 +235,15 @@ impl FleetState {
             touched: Touched::default(),
             needs: watch::Sender::new(0),
             connections: watch::Sender::new(Connections::default()),
+            ending: watch::Sender::new(None),
             unchecked_images: Notify::new(),
             metrics,
         }
+    }
+
+    /// Set once, with the reason, when the hub ends every stream.
+    pub fn ending(&self) -> watch::Receiver<Option<String>> {
+        self.ending.subscribe()
     }
 
     /// Follows the clusters' sessions as they open and close.
@@ -358,17 +356,22 @@ impl FleetState {
         &self,
         cluster: &str,
         applied_revision: u64,
-        outbound: watch::Sender<Outbound>,
+        outbound: OutboundSender,
     ) -> SessionId {
         let id = self.next_session.fetch_add(1, Ordering::Relaxed);
         let entry = self.entry_or_new(cluster);
         let mut entry = lock(&entry);
         if let Some((_, old)) = entry.stream.replace((id, outbound)) {
             self.metrics.streams_replaced.inc();
-            old.send_replace(Outbound::End(
+            old.end(
                 tonic::Code::Aborted,
                 format!("replaced by a newer stream of cluster {cluster}"),
-            ));
+            );
+        }
+        // After registering, so that `end_streams` either sees this stream or was called
+        // before this check.
+        if let (Some(why), Some((_, stream))) = (&*self.ending.borrow(), &entry.stream) {
+            stream.end(tonic::Code::Unavailable, why.clone());
         }
         entry.outbox.new_stream(applied_revision);
         entry.acked_revision = applied_revision;
@@ -398,9 +401,10 @@ impl FleetState {
 
     /// Ends every stream (shutdown): proxies reconnect, to this hub or another replica.
     pub fn end_streams(&self, why: &str) {
+        self.ending.send_replace(Some(why.to_owned()));
         for (_, entry) in self.entries() {
             if let Some((_, stream)) = &lock(&entry).stream {
-                stream.send_replace(Outbound::End(tonic::Code::Unavailable, why.to_owned()));
+                stream.end(tonic::Code::Unavailable, why);
             }
         }
     }
@@ -515,10 +519,7 @@ impl FleetState {
     fn refuse_report(&self, cluster: &str, entry: &ClusterEntry, refused: &TooManyStatuses) {
         tracing::warn!(cluster, error = %refused, "refused a node status report; ending the stream");
         if let Some((_, stream)) = &entry.stream {
-            stream.send_replace(Outbound::End(
-                tonic::Code::ResourceExhausted,
-                refused.to_string(),
-            ));
+            stream.end(tonic::Code::ResourceExhausted, refused.to_string());
         }
     }
 
@@ -622,10 +623,10 @@ impl FleetState {
                 "the cluster is no longer accepted; ending its stream"
             );
             self.metrics.streams_refused.inc();
-            stream.send_replace(Outbound::End(
+            stream.end(
                 tonic::Code::PermissionDenied,
                 format!("cluster {cluster} is no longer a ManagedCluster this hub accepts"),
-            ));
+            );
         }
     }
 
@@ -736,7 +737,7 @@ impl FleetState {
                 "sending intents"
             );
             self.metrics.snapshots_sent.inc();
-            stream.send_replace(Outbound::Snapshot(snapshot));
+            stream.snapshot(snapshot);
         }
     }
 
@@ -980,6 +981,7 @@ mod tests {
     use kube::runtime::reflector::store::{Writer, store};
 
     use super::*;
+    use crate::serve::outbound::Outbound;
 
     fn state() -> FleetState {
         let stores = Stores {
@@ -1021,10 +1023,10 @@ mod tests {
     fn connections_follow_the_current_stream_of_each_cluster() {
         let state = state();
         let mut connections = state.connections();
-        let first = state.open_session("spoke1", 0, watch::Sender::new(Outbound::Idle));
+        let first = state.open_session("spoke1", 0, OutboundSender::default());
         assert!(connections.has_changed().unwrap());
         assert!(connections.borrow_and_update().open.contains("spoke1"));
-        let second = state.open_session("spoke1", 0, watch::Sender::new(Outbound::Idle));
+        let second = state.open_session("spoke1", 0, OutboundSender::default());
         // The replaced stream's end leaves the cluster connected.
         state.close_session("spoke1", first);
         assert!(!connections.has_changed().unwrap());
@@ -1032,9 +1034,28 @@ mod tests {
         let now = connections.borrow_and_update().clone();
         assert!(now.open.is_empty());
         assert!(now.closed_at.contains_key("spoke1"));
-        state.open_session("spoke1", 0, watch::Sender::new(Outbound::Idle));
+        state.open_session("spoke1", 0, OutboundSender::default());
         let again = connections.borrow_and_update().clone();
         assert!(again.open.contains("spoke1"));
         assert!(again.closed_at.is_empty(), "open again: no longer closed");
+    }
+
+    #[test]
+    fn streams_end_when_the_hub_stops_even_those_opened_after() {
+        let state = state();
+        let before = OutboundSender::default();
+        let ended_before = before.subscribe();
+        state.open_session("spoke1", 0, before);
+        state.end_streams("the hub is shutting down");
+        let after = OutboundSender::default();
+        let ended_after = after.subscribe();
+        state.open_session("spoke2", 0, after);
+        let shutdown = Outbound::End(tonic::Code::Unavailable, "the hub is shutting down".into());
+        assert_eq!(*ended_before.borrow(), shutdown);
+        assert_eq!(*ended_after.borrow(), shutdown);
+        assert_eq!(
+            *state.ending().borrow(),
+            Some("the hub is shutting down".to_owned())
+        );
     }
 }

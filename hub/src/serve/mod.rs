@@ -9,6 +9,7 @@ pub mod fleet_state;
 pub mod images;
 pub mod leadership;
 pub mod metrics;
+pub mod outbound;
 pub mod signing;
 pub mod sync_service;
 pub mod webhook;

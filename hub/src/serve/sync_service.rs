@@ -18,8 +18,9 @@ use x509_parser::prelude::{FromDer, X509Certificate};
 use crate::fleet::cluster_identity::ClusterIdentity;
 use crate::fleet::shared_snapshot::SharedSnapshot;
 
-use super::fleet_state::{FleetState, Outbound};
+use super::fleet_state::FleetState;
 use super::metrics::Metrics;
+use super::outbound::{Outbound, OutboundSender};
 
 /// How long a new stream may take to say hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
@@ -55,7 +56,8 @@ impl Hub for SyncService {
                 self.metrics.streams_refused.inc();
                 tracing::warn!(error = status.message(), "refused a proxy stream");
             })?;
-        let (outbound, receiver) = watch::channel(Outbound::Idle);
+        let outbound = OutboundSender::default();
+        let receiver = outbound.subscribe();
         tokio::spawn(serve_stream(
             self.state.clone(),
             self.metrics.clone(),
@@ -103,15 +105,21 @@ async fn serve_stream(
     identity: ClusterIdentity,
     expires: OffsetDateTime,
     mut inbound: Streaming<ProxyMessage>,
-    outbound: watch::Sender<Outbound>,
+    outbound: OutboundSender,
 ) {
     let cluster = identity.cluster.as_str();
     let refuse = |code, message: String| {
         metrics.streams_refused.inc();
         tracing::warn!(cluster, %message, "refused a proxy stream");
-        outbound.send_replace(Outbound::End(code, message));
+        outbound.end(code, message);
     };
-    let hello = match tokio::time::timeout(HELLO_TIMEOUT, inbound.message()).await {
+    // A hub that is stopping opens no more streams; returning ends both halves.
+    let mut ending = state.ending();
+    let first = tokio::select! {
+        first = tokio::time::timeout(HELLO_TIMEOUT, inbound.message()) => first,
+        _ = ending.wait_for(Option::is_some) => return,
+    };
+    let hello = match first {
         Ok(Ok(Some(ProxyMessage {
             message: Some(proxy_message::Message::Hello(hello)),
         }))) => hello,
@@ -133,8 +141,12 @@ async fn serve_stream(
             );
         }
     };
-    if state.synced().wait_for(|synced| *synced).await.is_err() {
-        return;
+    let mut synced = state.synced();
+    tokio::select! {
+        synced = synced.wait_for(|synced| *synced) => if synced.is_err() {
+            return;
+        },
+        _ = ending.wait_for(Option::is_some) => return,
     }
     let Some(accepted) = state.accepts_cluster(cluster) else {
         return;
@@ -169,10 +181,10 @@ async fn serve_stream(
     let until_expiry = Duration::try_from(expires - OffsetDateTime::now_utc()).unwrap_or_default();
     let expire = tokio::spawn(async move {
         tokio::time::sleep(until_expiry).await;
-        expiry.send_replace(Outbound::End(
+        expiry.end(
             Code::Unauthenticated,
             format!("the client certificate expired at {expires}; reconnect with a renewed one"),
-        ));
+        );
     });
     let expire = tokio_util::task::AbortOnDropHandle::new(expire);
     let id = state.open_session(cluster, hello.applied_intent_revision, outbound);
@@ -220,10 +232,10 @@ async fn serve_stream(
             Err(status) => {
                 tracing::info!(cluster, %status, "proxy stream failed");
                 // Tell the proxy why (an oversized message, say), not just end.
-                failure.send_replace(Outbound::End(
+                failure.end(
                     status.code(),
                     format!("the stream from the proxy failed: {}", status.message()),
-                ));
+                );
                 break;
             }
         }
