@@ -8,6 +8,7 @@ pub mod labels;
 mod managed_cluster_module;
 mod module_spec;
 mod node_upgrade;
+mod rollout;
 mod schema;
 mod status;
 
@@ -19,6 +20,10 @@ pub use module_spec::{
     ModuleSpec, Sign, TlsOptions,
 };
 pub use node_upgrade::{MaxUnavailable, NodeUpgrade};
+pub use rollout::{
+    Rollout, RolloutCluster, RolloutConfig, RolloutCounts, RolloutProblem, RolloutProgressive,
+    RolloutStatus, RolloutStrategy, RolloutType, Share, parse_duration,
+};
 pub use status::{
     ClusterCounts, FailureSample, ImageStatus, KernelCounts, MAX_FAILURE_SAMPLES,
     MAX_IMAGE_KERNELS, MAX_IMAGE_STATUSES, ManagedClusterModuleStatus, NodeCounts,

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
 
-use crate::{ManagedClusterModuleStatus, ModuleSpec, NodeUpgrade};
+use crate::{ManagedClusterModuleStatus, ModuleSpec, NodeUpgrade, RolloutStrategy};
 
 /// The desired state of a ManagedClusterModule.
 // Each printcolumn(...) repeats the same keys, which clippy mistakes for duplicates.
@@ -59,6 +59,12 @@ use crate::{ManagedClusterModuleStatus, ModuleSpec, NodeUpgrade};
         json_path = ".status.nodes.failed"
     ),
     printcolumn(
+        name = "Rollout",
+        type_ = "string",
+        description = "Where the rollout of the latest spec stands",
+        json_path = ".status.rollout.summary"
+    ),
+    printcolumn(
         name = "Age",
         type_ = "date",
         json_path = ".metadata.creationTimestamp"
@@ -83,4 +89,9 @@ pub struct ManagedClusterModuleSpec {
     /// addition to upstream). Absent: every node at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_upgrade: Option<NodeUpgrade>,
+
+    /// How a change of `moduleSpec` moves across the selected clusters (an addition to
+    /// upstream, in Open Cluster Management's RolloutStrategy shape). Absent: `All`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout_strategy: Option<RolloutStrategy>,
 }

@@ -42,6 +42,9 @@ pub struct ManagedClusterModuleStatus {
     #[schemars(length(max = 100))]
     pub images: Vec<ImageStatus>,
 
+    /// Where the rollout of the latest `spec.moduleSpec` across the clusters stands.
+    pub rollout: Option<crate::RolloutStatus>,
+
     /// Standard conditions summarising the counts (`Ready`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,

@@ -44,6 +44,7 @@ pub fn review(request: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
     .map(|errors| errors.0)
     .unwrap_or_default();
     problems.extend(node_upgrade_problem(&module));
+    problems.extend(rollout_problems(&module));
     if problems.is_empty() {
         response
     } else {
@@ -68,6 +69,25 @@ fn node_upgrade_problem(module: &ManagedClusterModule) -> Option<FieldError> {
         Some(&shown),
         &message,
     ))
+}
+
+fn rollout_problems(module: &ManagedClusterModule) -> Vec<FieldError> {
+    let Some(strategy) = &module.spec.rollout_strategy else {
+        return Vec::new();
+    };
+    strategy
+        .check()
+        .err()
+        .unwrap_or_default()
+        .iter()
+        .map(|p| {
+            problem(
+                &format!("spec.rolloutStrategy.{}", p.field),
+                Some(&p.value),
+                &p.message,
+            )
+        })
+        .collect()
 }
 
 /// An update that leaves the spec as it was (finalizers, labels, annotations) or that

@@ -165,3 +165,50 @@ fn a_max_unavailable_below_one_node_or_out_of_percent_range_is_refused_by_field(
         assert!(response.allowed, "{good} refused: {:?}", response.result);
     }
 }
+
+#[test]
+fn a_bad_rollout_strategy_is_refused_by_field() {
+    for (strategy, field, shown) in [
+        (
+            json!({"type": "Progressive", "progressive": {"maxFailures": "150%"}}),
+            "spec.rolloutStrategy.progressive.maxFailures",
+            "150%",
+        ),
+        (
+            json!({"type": "Progressive", "progressive": {"maxConcurrency": 0}}),
+            "spec.rolloutStrategy.progressive.maxConcurrency",
+            "0",
+        ),
+        (
+            json!({"type": "Progressive", "progressive": {"progressDeadline": "ten minutes"}}),
+            "spec.rolloutStrategy.progressive.progressDeadline",
+            "ten minutes",
+        ),
+    ] {
+        let mut object = module(GOOD);
+        object["spec"]["rolloutStrategy"] = strategy;
+        let response = review(&request("CREATE", Some(object), None));
+        assert!(!response.allowed, "{shown} was allowed");
+        let causes = response.result.details.expect("details").causes;
+        assert_eq!(causes.len(), 1, "{causes:?}");
+        assert_eq!(causes[0].field, field);
+        assert!(
+            causes[0].message.starts_with(&format!("{shown:?}: ")),
+            "{}",
+            causes[0].message
+        );
+    }
+    let mut unknown = module(GOOD);
+    unknown["spec"]["rolloutStrategy"] = json!({"type": "Sometimes"});
+    let response = review(&request("CREATE", Some(unknown), None));
+    assert!(!response.allowed);
+    let causes = response.result.details.expect("details").causes;
+    assert_eq!(causes[0].field, "spec.rolloutStrategy.type", "{causes:?}");
+    assert!(causes[0].message.contains("Sometimes"), "{causes:?}");
+    let mut good = module(GOOD);
+    good["spec"]["rolloutStrategy"] = json!({"type": "Progressive", "progressive": {
+        "maxConcurrency": "25%", "maxFailures": 1, "minSuccessTime": "1m30s",
+        "progressDeadline": "None"}});
+    let response = review(&request("CREATE", Some(good), None));
+    assert!(response.allowed, "{:?}", response.result);
+}

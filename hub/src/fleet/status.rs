@@ -112,6 +112,7 @@ impl StatusTally {
             },
             failures: self.failures,
             images: Vec::new(),
+            rollout: None,
             conditions: Vec::new(),
         }
     }

@@ -1,0 +1,378 @@
+//! How a change of a module's spec moves across the selected clusters, in the shape of
+//! Open Cluster Management's `RolloutStrategy` (`cluster.open-cluster-management.io/
+//! v1alpha1`): `All` at once, or `Progressive`, a few clusters at a time. The checking
+//! and the arithmetic live here so that admission and the hub agree on them.
+
+use std::time::Duration;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::KubeSchema;
+use serde::{Deserialize, Serialize};
+use serde_with::skip_serializing_none;
+
+/// How a spec change reaches the selected clusters.
+#[skip_serializing_none]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RolloutStrategy {
+    /// `All` (the default): every selected cluster at once, as soon as the spec changes.
+    /// `Progressive`: at most `progressive.maxConcurrency` clusters at a time, in name
+    /// order.
+    #[serde(rename = "type", default)]
+    pub type_: RolloutType,
+    /// Settings of `Progressive`.
+    pub progressive: Option<RolloutProgressive>,
+}
+
+/// How many clusters move at once.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
+pub enum RolloutType {
+    #[default]
+    All,
+    Progressive,
+}
+
+/// How clusters are judged while they move.
+#[skip_serializing_none]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RolloutConfig {
+    /// How long a cluster must stay succeeded before the next clusters start, e.g. `5m`
+    /// (hours, minutes, seconds: `1h30m`). Default `0`.
+    #[schemars(regex(pattern = r"^(0|[0-9]+h([0-9]+m)?([0-9]+s)?|[0-9]+m([0-9]+s)?|[0-9]+s)$"))]
+    pub min_success_time: Option<String>,
+    /// How long a cluster may take to succeed before it counts as failed (`TimeOut`),
+    /// e.g. `10m`; `None` (the default) waits forever.
+    #[schemars(regex(
+        pattern = r"^(None|0|[0-9]+h([0-9]+m)?([0-9]+s)?|[0-9]+m([0-9]+s)?|[0-9]+s)$"
+    ))]
+    pub progress_deadline: Option<String>,
+    /// How many failed or timed-out clusters the rollout tolerates before it halts: a
+    /// number of clusters or a percentage of the selected ones (rounded down). Default 0:
+    /// the first failure halts it.
+    pub max_failures: Option<IntOrString>,
+}
+
+/// Settings of `Progressive`.
+#[skip_serializing_none]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RolloutProgressive {
+    #[serde(flatten)]
+    pub config: RolloutConfig,
+    /// Most clusters moving at once: a number (at least 1) or a percentage of the
+    /// selected clusters (rounded up). Default 1.
+    pub max_concurrency: Option<IntOrString>,
+}
+
+/// A strategy, checked: what the hub acts on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rollout {
+    /// Most clusters moving at once; `None` for `All`.
+    pub max_concurrency: Option<Share>,
+    pub max_failures: Share,
+    pub min_success_time: Duration,
+    /// `None`: no deadline.
+    pub progress_deadline: Option<Duration>,
+}
+
+/// A number of clusters, or a percentage of the selected ones.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Share {
+    Clusters(u32),
+    Percent(u32),
+}
+
+impl Share {
+    /// How many of `total` clusters, percentages rounded up when `up`.
+    pub fn of(self, total: usize, up: bool) -> usize {
+        match self {
+            Self::Clusters(n) => n as usize,
+            Self::Percent(p) if up => (total * p as usize).div_ceil(100),
+            Self::Percent(p) => total * p as usize / 100,
+        }
+    }
+
+    /// Reads a count or a percentage; `least` is the smallest count allowed.
+    fn parse(value: &IntOrString, least: u32) -> Result<Self, String> {
+        let unit = if least == 0 { "0" } else { "1" };
+        match value {
+            IntOrString::Int(n) if i64::from(*n) >= i64::from(least) => {
+                Ok(Self::Clusters(n.unsigned_abs()))
+            }
+            IntOrString::Int(_) => Err(format!("must be at least {unit}")),
+            IntOrString::String(s) => {
+                let percent = s
+                    .strip_suffix('%')
+                    .filter(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+                    .and_then(|n| n.parse::<u32>().ok())
+                    .ok_or_else(|| {
+                        "must be a number of clusters or a percentage such as \"25%\"".to_owned()
+                    })?;
+                if percent >= least && percent <= 100 {
+                    Ok(Self::Percent(percent))
+                } else {
+                    Err(format!("a percentage must be between {unit}% and 100%"))
+                }
+            }
+        }
+    }
+}
+
+/// A field of the strategy that does not check out.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RolloutProblem {
+    /// Path below `spec.rolloutStrategy`, e.g. `progressive.maxConcurrency`.
+    pub field: String,
+    pub value: String,
+    pub message: String,
+}
+
+impl RolloutStrategy {
+    /// The strategy, checked; every problem names its field and value.
+    pub fn check(&self) -> Result<Rollout, Vec<RolloutProblem>> {
+        if self.type_ == RolloutType::All {
+            return Ok(Rollout {
+                max_concurrency: None,
+                max_failures: Share::Clusters(0),
+                min_success_time: Duration::ZERO,
+                progress_deadline: None,
+            });
+        }
+        let progressive = self.progressive.clone().unwrap_or_default();
+        let config = &progressive.config;
+        let mut problems = Vec::new();
+        let mut share = |field: &str, value: Option<&IntOrString>, least: u32, default: u32| {
+            value.map_or(Share::Clusters(default), |value| {
+                Share::parse(value, least).unwrap_or_else(|message| {
+                    problems.push(problem(field, value, message));
+                    Share::Clusters(default)
+                })
+            })
+        };
+        let max_concurrency = share(
+            "progressive.maxConcurrency",
+            progressive.max_concurrency.as_ref(),
+            1,
+            1,
+        );
+        let max_failures = share(
+            "progressive.maxFailures",
+            config.max_failures.as_ref(),
+            0,
+            0,
+        );
+        let mut duration = |field: &str, value: Option<&str>, none: bool| match value {
+            None => None,
+            Some("None") if none => None,
+            Some(text) => parse_duration(text).map(Some).unwrap_or_else(|message| {
+                problems.push(RolloutProblem {
+                    field: format!("progressive.{field}"),
+                    value: text.to_owned(),
+                    message,
+                });
+                None
+            }),
+        };
+        let min_success_time =
+            duration("minSuccessTime", config.min_success_time.as_deref(), false)
+                .unwrap_or_default();
+        let progress_deadline = duration(
+            "progressDeadline",
+            config.progress_deadline.as_deref(),
+            true,
+        );
+        if problems.is_empty() {
+            Ok(Rollout {
+                max_concurrency: Some(max_concurrency),
+                max_failures,
+                min_success_time,
+                progress_deadline,
+            })
+        } else {
+            Err(problems)
+        }
+    }
+}
+
+fn problem(field: &str, value: &IntOrString, message: String) -> RolloutProblem {
+    RolloutProblem {
+        field: field.to_owned(),
+        value: match value {
+            IntOrString::Int(n) => n.to_string(),
+            IntOrString::String(s) => s.clone(),
+        },
+        message,
+    }
+}
+
+/// `0`, or hours, minutes and seconds in that order: `90s`, `5m`, `1h30m`.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    const SHAPE: &str = "must be a duration such as \"90s\", \"5m\" or \"1h30m\"";
+    const UNITS: [(char, u64); 3] = [('h', 3600), ('m', 60), ('s', 1)];
+    if text == "0" {
+        return Ok(Duration::ZERO);
+    }
+    if text.is_empty() {
+        return Err(SHAPE.to_owned());
+    }
+    let (mut seconds, mut next, mut rest) = (0_u64, 0, text);
+    while !rest.is_empty() {
+        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+        let unit = rest[digits..].chars().next().ok_or(SHAPE)?;
+        let value: u64 = rest[..digits].parse().map_err(|_| SHAPE)?;
+        let position = next
+            + UNITS[next..]
+                .iter()
+                .position(|(u, _)| *u == unit)
+                .ok_or(SHAPE)?;
+        next = position + 1;
+        seconds = value
+            .checked_mul(UNITS[position].1)
+            .and_then(|s| s.checked_add(seconds))
+            .ok_or("is too long")?;
+        rest = &rest[digits + unit.len_utf8()..];
+    }
+    Ok(Duration::from_secs(seconds))
+}
+
+/// Where a module's rollout stands: the durable record of which clusters run which
+/// revision of `spec.moduleSpec`, and counts a person can read.
+#[skip_serializing_none]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RolloutStatus {
+    /// The revision of `spec.moduleSpec` the rollout moves clusters to.
+    pub revision: String,
+    /// The revision every selected cluster not listed in `clusters` runs; absent: those
+    /// clusters get nothing yet.
+    pub base_revision: Option<String>,
+    /// `Progressing`, `Succeeded` or `Halted`.
+    pub state: String,
+    /// E.g. `Progressing 2/5 clusters`, or why the rollout halted.
+    pub summary: String,
+    /// Selected clusters, by their state in this rollout.
+    #[serde(default)]
+    pub counts: RolloutCounts,
+    /// The clusters that run another revision than `baseRevision`, sorted by name.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub clusters: Vec<RolloutCluster>,
+}
+
+/// Selected clusters by rollout state.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RolloutCounts {
+    pub total: i32,
+    pub succeeded: i32,
+    pub progressing: i32,
+    /// Failed or timed out.
+    pub failed: i32,
+    /// Not reached yet.
+    pub to_apply: i32,
+}
+
+/// One cluster released to a revision other than the base.
+#[skip_serializing_none]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RolloutCluster {
+    pub cluster: String,
+    /// The revision the cluster was given.
+    pub revision: String,
+    /// `Progressing`, `Succeeded`, `Failed` or `TimeOut`.
+    pub state: String,
+    /// When the cluster was given `revision`.
+    pub since: Time,
+    /// When every matching node first ran `revision`.
+    pub succeeded_at: Option<Time>,
+    /// Why it failed: the first failing node and its reason.
+    pub reason: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn int(n: i32) -> IntOrString {
+        IntOrString::Int(n)
+    }
+
+    fn text(s: &str) -> IntOrString {
+        IntOrString::String(s.to_owned())
+    }
+
+    #[test]
+    fn durations_are_hours_minutes_seconds_in_order() {
+        assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
+        assert_eq!(parse_duration("90s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_duration("1h30m"), Ok(Duration::from_secs(5400)));
+        assert_eq!(parse_duration("2h0m5s"), Ok(Duration::from_secs(7205)));
+        for bad in ["", "5", "m", "5x", "30s5m", "1h1h", "-5s", "5 m", "1.5h"] {
+            assert!(parse_duration(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn all_is_the_default_and_moves_everything() {
+        let checked = RolloutStrategy::default().check().unwrap();
+        assert_eq!(checked.max_concurrency, None);
+        assert_eq!(checked.max_failures, Share::Clusters(0));
+        assert_eq!(checked.progress_deadline, None);
+    }
+
+    #[test]
+    fn progressive_defaults_to_one_cluster_at_a_time() {
+        let strategy = RolloutStrategy {
+            type_: RolloutType::Progressive,
+            ..RolloutStrategy::default()
+        };
+        let checked = strategy.check().unwrap();
+        assert_eq!(checked.max_concurrency, Some(Share::Clusters(1)));
+    }
+
+    #[test]
+    fn every_bad_field_is_named_with_its_value() {
+        let strategy = RolloutStrategy {
+            type_: RolloutType::Progressive,
+            progressive: Some(RolloutProgressive {
+                config: RolloutConfig {
+                    min_success_time: Some("soon".into()),
+                    progress_deadline: Some("None".into()),
+                    max_failures: Some(text("150%")),
+                },
+                max_concurrency: Some(int(0)),
+            }),
+        };
+        let problems = strategy.check().unwrap_err();
+        let fields: Vec<(&str, &str)> = problems
+            .iter()
+            .map(|p| (p.field.as_str(), p.value.as_str()))
+            .collect();
+        assert_eq!(
+            fields,
+            [
+                ("progressive.maxConcurrency", "0"),
+                ("progressive.maxFailures", "150%"),
+                ("progressive.minSuccessTime", "soon"),
+            ]
+        );
+    }
+
+    #[test]
+    fn shares_round_concurrency_up_and_failures_down() {
+        assert_eq!(Share::parse(&text("34%"), 1), Ok(Share::Percent(34)));
+        assert_eq!(Share::Percent(34).of(5, true), 2);
+        assert_eq!(Share::Percent(34).of(5, false), 1);
+        assert_eq!(Share::Clusters(3).of(2, true), 3);
+        assert_eq!(Share::parse(&int(0), 0), Ok(Share::Clusters(0)));
+        assert!(Share::parse(&int(-1), 0).is_err());
+        assert!(Share::parse(&text("0%"), 1).is_err());
+        assert!(Share::parse(&text("%"), 0).is_err());
+        assert!(Share::parse(&text("ten"), 0).is_err());
+    }
+}
