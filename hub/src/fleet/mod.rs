@@ -13,5 +13,7 @@ pub mod outbox;
 pub mod pacer;
 pub mod readiness;
 pub mod resolutions;
+pub mod revisions;
+pub mod rollout;
 pub mod shared_snapshot;
 pub mod status;

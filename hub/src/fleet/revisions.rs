@@ -1,0 +1,213 @@
+//! Revisions of a module's `spec.moduleSpec`, the unit a rollout moves across clusters.
+//! Pure.
+//!
+//! A revision is named by a digest of the spec's content, so that a change made and
+//! undone is the same revision, and a change of anything else (the selector, the strategy)
+//! is none. Each one the hub serves is kept in a `ControllerRevision` in the hub's
+//! namespace, as DaemonSets keep theirs: the spec a cluster still runs after the module
+//! moved on must survive hub restarts.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use k8s_openapi::api::apps::v1::ControllerRevision;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
+use kmm_api::{ManagedClusterModule, ModuleSpec};
+use kube::{Resource, ResourceExt};
+use sha2::{Digest, Sha256};
+
+/// Label on every `ControllerRevision` of a module: the module's name.
+pub const MODULE_LABEL: &str = "hub.kmm.sigs.x-k8s.io/module";
+/// Label naming the revision itself.
+pub const REVISION_LABEL: &str = "hub.kmm.sigs.x-k8s.io/revision";
+
+/// The revision name of a spec: 10 hex digits of the digest of its JSON.
+pub fn revision_of(spec: &ModuleSpec) -> String {
+    let json = serde_json::to_vec(spec).expect("a ModuleSpec serialises");
+    let digest = Sha256::digest(&json);
+    digest[..5].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The `ControllerRevision` name of `revision` of `module` (names of at most 253
+/// characters).
+pub fn object_name(module: &str, revision: &str) -> String {
+    let prefix: String = module.chars().take(253 - 1 - revision.len()).collect();
+    format!("{prefix}-{revision}")
+}
+
+/// The `ControllerRevision` keeping the module's current spec, owned by the module so
+/// that it goes with it.
+pub fn controller_revision(
+    module: &ManagedClusterModule,
+    revision: &str,
+    namespace: &str,
+) -> ControllerRevision {
+    let name = module.name_any();
+    ControllerRevision {
+        metadata: ObjectMeta {
+            name: Some(object_name(&name, revision)),
+            namespace: Some(namespace.to_owned()),
+            labels: Some(BTreeMap::from([
+                (MODULE_LABEL.to_owned(), name),
+                (REVISION_LABEL.to_owned(), revision.to_owned()),
+            ])),
+            owner_references: owner(module).map(|o| vec![o]),
+            ..ObjectMeta::default()
+        },
+        data: Some(RawExtension(serde_json::json!({
+            "moduleSpec": module.spec.module_spec,
+        }))),
+        revision: module.metadata.generation.unwrap_or_default(),
+    }
+}
+
+fn owner(module: &ManagedClusterModule) -> Option<OwnerReference> {
+    Some(OwnerReference {
+        api_version: ManagedClusterModule::api_version(&()).into_owned(),
+        kind: ManagedClusterModule::kind(&()).into_owned(),
+        name: module.name_any(),
+        uid: module.metadata.uid.clone()?,
+        ..OwnerReference::default()
+    })
+}
+
+/// The module as it was at a stored revision: its current object (selection, finalizers,
+/// deletion, node upgrade) with that revision's `moduleSpec` and generation.
+pub fn module_at(
+    current: &ManagedClusterModule,
+    stored: &ControllerRevision,
+) -> Result<ManagedClusterModule, serde_json::Error> {
+    let data = stored
+        .data
+        .as_ref()
+        .map_or(&serde_json::Value::Null, |d| &d.0);
+    let spec: ModuleSpec = serde_json::from_value(data["moduleSpec"].clone())?;
+    let mut module = current.clone();
+    module.spec.module_spec = spec;
+    module.metadata.generation = Some(stored.revision);
+    module.status = None;
+    Ok(module)
+}
+
+/// The current revision of each module, computed once per generation, and each earlier
+/// revision's module, rebuilt only when the current object changes.
+#[derive(Debug, Default)]
+pub struct Revisions {
+    current: HashMap<String, (Option<i64>, String)>,
+    earlier: HashMap<(String, String), (Option<String>, Arc<ManagedClusterModule>)>,
+}
+
+impl Revisions {
+    /// The module's current revision.
+    pub fn current(&mut self, module: &ManagedClusterModule) -> String {
+        let generation = module.metadata.generation;
+        let entry = self
+            .current
+            .entry(module.name_any())
+            .or_insert_with(|| (generation, revision_of(&module.spec.module_spec)));
+        if entry.0 != generation {
+            *entry = (generation, revision_of(&module.spec.module_spec));
+        }
+        entry.1.clone()
+    }
+
+    /// The module at an earlier `revision`; `None` when `stored` (the kept
+    /// `ControllerRevision`) is missing or unreadable.
+    pub fn earlier(
+        &mut self,
+        current: &ManagedClusterModule,
+        revision: &str,
+        stored: impl FnOnce() -> Option<Arc<ControllerRevision>>,
+    ) -> Option<Arc<ManagedClusterModule>> {
+        let key = (current.name_any(), revision.to_owned());
+        let version = current.metadata.resource_version.clone();
+        if let Some((seen, module)) = self.earlier.get(&key)
+            && *seen == version
+        {
+            return Some(module.clone());
+        }
+        let stored = stored()?;
+        let module = Arc::new(module_at(current, &stored).ok()?);
+        self.earlier.insert(key, (version, module.clone()));
+        Some(module)
+    }
+
+    /// Forgets every module `keep` refuses (deleted modules).
+    pub fn retain(&mut self, keep: impl Fn(&str) -> bool) {
+        self.current.retain(|name, _| keep(name));
+        self.earlier.retain(|(name, _), _| keep(name));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mcm(generation: i64, image: &str) -> ManagedClusterModule {
+        let doc = format!(
+            "apiVersion: hub.kmm.sigs.x-k8s.io/v1beta1\nkind: ManagedClusterModule\n\
+             metadata: {{name: hello, uid: u1, generation: {generation}, resourceVersion: '{generation}'}}\n\
+             spec:\n  spokeNamespace: drivers\n  selector: {{env: prod}}\n  moduleSpec:\n    selector: {{}}\n    moduleLoader:\n      container:\n        modprobe: {{moduleName: hello}}\n        kernelMappings: [{{literal: '6.1', containerImage: '{image}'}}]\n"
+        );
+        serde_yaml_ng::from_str(&doc).expect("test MCM parses")
+    }
+
+    #[test]
+    fn a_revision_names_the_module_spec_alone() {
+        let v1 = mcm(1, "r/hello:1");
+        let mut reselected = mcm(2, "r/hello:1");
+        reselected.spec.selector.insert("zone".into(), "a".into());
+        assert_eq!(
+            revision_of(&v1.spec.module_spec),
+            revision_of(&reselected.spec.module_spec)
+        );
+        let v2 = mcm(3, "r/hello:2");
+        assert_ne!(
+            revision_of(&v1.spec.module_spec),
+            revision_of(&v2.spec.module_spec)
+        );
+        assert_eq!(revision_of(&v1.spec.module_spec).len(), 10);
+    }
+
+    #[test]
+    fn a_stored_revision_gives_back_its_spec_on_the_current_object() {
+        let v1 = mcm(1, "r/hello:1");
+        let stored = controller_revision(&v1, &revision_of(&v1.spec.module_spec), "kmm-hub");
+        assert_eq!(
+            stored.metadata.owner_references.as_ref().unwrap()[0].uid,
+            "u1"
+        );
+        assert_eq!(stored.revision, 1);
+        let mut v2 = mcm(4, "r/hello:2");
+        v2.metadata.finalizers = Some(vec!["f".into()]);
+        let back = module_at(&v2, &stored).unwrap();
+        assert_eq!(back.spec.module_spec, v1.spec.module_spec);
+        assert_eq!(back.metadata.generation, Some(1));
+        assert_eq!(back.metadata.finalizers, v2.metadata.finalizers);
+    }
+
+    #[test]
+    fn earlier_modules_are_rebuilt_only_when_the_current_object_changes() {
+        let v1 = mcm(1, "r/hello:1");
+        let r1 = revision_of(&v1.spec.module_spec);
+        let stored = Arc::new(controller_revision(&v1, &r1, "kmm-hub"));
+        let mut revisions = Revisions::default();
+        let v2 = mcm(2, "r/hello:2");
+        let first = revisions
+            .earlier(&v2, &r1, || Some(stored.clone()))
+            .unwrap();
+        let again = revisions.earlier(&v2, &r1, || None).unwrap();
+        assert!(Arc::ptr_eq(&first, &again));
+        let v3 = mcm(3, "r/hello:3");
+        assert!(revisions.earlier(&v3, &r1, || None).is_none());
+        assert_ne!(revisions.current(&v2), revisions.current(&v3));
+    }
+
+    #[test]
+    fn long_module_names_still_give_valid_object_names() {
+        let name = "m".repeat(253);
+        assert_eq!(object_name(&name, "0123456789").len(), 253);
+        assert_eq!(object_name("hello", "0123456789"), "hello-0123456789");
+    }
+}

@@ -1,0 +1,612 @@
+//! A module's rollout across its selected clusters: which revision of `spec.moduleSpec`
+//! each cluster runs, and which clusters move next. Pure.
+//!
+//! The record lives in the module's status (`status.rollout`), written before any cluster
+//! is given a new revision, so that a hub restart or a new leader serves every cluster
+//! exactly what it served before: a cluster not listed runs `baseRevision`, a listed one
+//! the revision it was released to. `All` needs no record: every cluster runs the
+//! current spec at once. `Progressive` releases at most `maxConcurrency` clusters at a
+//! time, in name order; a released cluster succeeds when every matching node runs the
+//! new revision, fails when a node fails, and times out after `progressDeadline`; past
+//! `maxFailures` failed clusters the rollout halts, and the clusters not reached keep
+//! their revision. A later spec change starts a new rollout from where each cluster is.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kmm_api::{Rollout, RolloutCluster, RolloutCounts, RolloutStatus};
+
+pub const PROGRESSING: &str = "Progressing";
+pub const SUCCEEDED: &str = "Succeeded";
+pub const HALTED: &str = "Halted";
+pub const FAILED: &str = "Failed";
+pub const TIME_OUT: &str = "TimeOut";
+
+/// What a selected cluster shows for the module now.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Observation {
+    /// Every matching node runs the revision the cluster was given (and the proxy has
+    /// applied it).
+    pub converged: bool,
+    /// The first failing node and why, when one fails.
+    pub failure: Option<String>,
+}
+
+/// Which revision of the module a cluster is to run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Assigned<'a> {
+    /// The current spec.
+    Current,
+    /// An earlier revision, by its name.
+    Earlier(&'a str),
+    /// Nothing yet: the cluster was never reached.
+    Nothing,
+}
+
+/// The revision `cluster` runs under a `Progressive` strategy, by the record. Without a
+/// record the module is new: no cluster was reached yet. (`All` needs no record: every
+/// cluster runs the current spec.)
+pub fn assigned<'a>(
+    current: &str,
+    record: Option<&'a RolloutStatus>,
+    cluster: &str,
+) -> Assigned<'a> {
+    let revision = record.and_then(|record| {
+        record
+            .clusters
+            .binary_search_by(|c| c.cluster.as_str().cmp(cluster))
+            .ok()
+            .map(|i| record.clusters[i].revision.as_str())
+            .or(record.base_revision.as_deref())
+    });
+    match revision {
+        Some(r) if r == current => Assigned::Current,
+        Some(r) => Assigned::Earlier(r),
+        None => Assigned::Nothing,
+    }
+}
+
+/// The rollout's next record, and when to look again at the latest (a cluster's
+/// `minSuccessTime` ending or `progressDeadline` passing).
+pub fn advance(
+    strategy: &Rollout,
+    current: &str,
+    record: Option<&RolloutStatus>,
+    selected: &BTreeMap<String, Observation>,
+    now: Timestamp,
+) -> (RolloutStatus, Option<Duration>) {
+    let Some(concurrency) = strategy.max_concurrency else {
+        return (everywhere(current, selected), None);
+    };
+    let base = match record {
+        Some(record) => record.base_revision.clone(),
+        // A module that never ran anywhere: clusters get it as they are reached.
+        None => None,
+    };
+    let listed: BTreeMap<&str, &RolloutCluster> = record
+        .map(|r| r.clusters.iter().map(|c| (c.cluster.as_str(), c)).collect())
+        .unwrap_or_default();
+    let total = selected.len();
+    let mut clusters: Vec<RolloutCluster> = Vec::new();
+    let mut to_apply: Vec<&str> = Vec::new();
+    let mut next_check: Option<Duration> = None;
+    let mut check_in = |at: Timestamp| {
+        let wait = Duration::try_from(now.duration_until(at)).unwrap_or_default();
+        next_check = Some(next_check.map_or(wait, |w| w.min(wait)));
+    };
+    let (mut succeeded, mut progressing, mut failed, mut active) = (0, 0, 0, 0);
+    for (name, observed) in selected {
+        let entry = listed.get(name.as_str()).copied();
+        let revision = entry.map(|c| c.revision.as_str()).or(base.as_deref());
+        if revision != Some(current) {
+            to_apply.push(name);
+            if let Some(entry) = entry {
+                clusters.push(entry.clone());
+            }
+            continue;
+        }
+        // On the current revision: listed since its release, or by the base.
+        let since = entry.map_or(Time(now), |c| c.since.clone());
+        let mut next = RolloutCluster {
+            cluster: name.clone(),
+            revision: current.to_owned(),
+            state: PROGRESSING.to_owned(),
+            since,
+            succeeded_at: entry.and_then(|c| c.succeeded_at.clone()),
+            reason: None,
+        };
+        if observed.converged || next.succeeded_at.is_some() {
+            let at = next.succeeded_at.get_or_insert(Time(now)).0;
+            next.state = SUCCEEDED.to_owned();
+            succeeded += 1;
+            let settled = at + strategy.min_success_time;
+            if settled > now {
+                active += 1;
+                check_in(settled);
+            }
+        } else if let Some(failure) = &observed.failure {
+            next.state = FAILED.to_owned();
+            next.reason = Some(failure.clone());
+            failed += 1;
+        } else if let Some(deadline) = strategy.progress_deadline
+            && next.since.0 + deadline <= now
+        {
+            next.state = TIME_OUT.to_owned();
+            next.reason = Some(format!(
+                "not every matching node ran the revision within {}s",
+                deadline.as_secs()
+            ));
+            failed += 1;
+        } else {
+            progressing += 1;
+            active += 1;
+            if let Some(deadline) = strategy.progress_deadline {
+                check_in(next.since.0 + deadline);
+            }
+        }
+        if entry.is_some() || base.as_deref() != Some(current) {
+            clusters.push(next);
+        }
+    }
+    let halted = failed > strategy.max_failures.of(total, false);
+    if !halted {
+        let slots = concurrency.of(total, true).saturating_sub(active);
+        for name in to_apply.drain(..slots.min(to_apply.len())) {
+            clusters.retain(|c| c.cluster != name);
+            clusters.push(RolloutCluster {
+                cluster: name.to_owned(),
+                revision: current.to_owned(),
+                state: PROGRESSING.to_owned(),
+                since: Time(now),
+                succeeded_at: None,
+                reason: None,
+            });
+            progressing += 1;
+            if let Some(deadline) = strategy.progress_deadline {
+                check_in(now + deadline);
+            }
+        }
+    }
+    clusters.sort_by(|a, b| a.cluster.cmp(&b.cluster));
+    let counts = RolloutCounts {
+        total: count(total),
+        succeeded: count(succeeded),
+        progressing: count(progressing),
+        failed: count(failed),
+        to_apply: count(to_apply.len()),
+    };
+    if succeeded == total {
+        // Every cluster runs the current revision: it becomes the base.
+        return (
+            RolloutStatus {
+                revision: current.to_owned(),
+                base_revision: Some(current.to_owned()),
+                state: SUCCEEDED.to_owned(),
+                summary: format!("{SUCCEEDED} {succeeded}/{total} clusters"),
+                counts,
+                clusters: Vec::new(),
+            },
+            next_check,
+        );
+    }
+    let (state, summary) = if halted {
+        let first = clusters
+            .iter()
+            .find(|c| c.revision == current && (c.state == FAILED || c.state == TIME_OUT));
+        let why = first.map_or_else(String::new, |c| {
+            format!(
+                ": {} {} ({})",
+                c.cluster,
+                c.state,
+                c.reason.as_deref().unwrap_or_default()
+            )
+        });
+        (
+            HALTED,
+            format!("{HALTED} {succeeded}/{total} clusters, {failed} failed{why}"),
+        )
+    } else {
+        (
+            PROGRESSING,
+            format!("{PROGRESSING} {succeeded}/{total} clusters"),
+        )
+    };
+    (
+        RolloutStatus {
+            revision: current.to_owned(),
+            base_revision: base,
+            state: state.to_owned(),
+            summary,
+            counts,
+            clusters,
+        },
+        next_check,
+    )
+}
+
+/// `All`: every selected cluster runs the current revision; only the counts move.
+fn everywhere(current: &str, selected: &BTreeMap<String, Observation>) -> RolloutStatus {
+    let succeeded = selected.values().filter(|o| o.converged).count();
+    let failed = selected
+        .values()
+        .filter(|o| !o.converged && o.failure.is_some())
+        .count();
+    let total = selected.len();
+    let state = if succeeded == total {
+        SUCCEEDED
+    } else {
+        PROGRESSING
+    };
+    RolloutStatus {
+        revision: current.to_owned(),
+        base_revision: Some(current.to_owned()),
+        state: state.to_owned(),
+        summary: format!("{state} {succeeded}/{total} clusters"),
+        counts: RolloutCounts {
+            total: count(total),
+            succeeded: count(succeeded),
+            progressing: count(total - succeeded - failed),
+            failed: count(failed),
+            to_apply: 0,
+        },
+        clusters: Vec::new(),
+    }
+}
+
+fn count(n: usize) -> i32 {
+    i32::try_from(n).unwrap_or(i32::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use kmm_api::Share;
+
+    use super::*;
+
+    fn progressive(concurrency: u32, failures: u32) -> Rollout {
+        Rollout {
+            max_concurrency: Some(Share::Clusters(concurrency)),
+            max_failures: Share::Clusters(failures),
+            min_success_time: Duration::ZERO,
+            progress_deadline: None,
+        }
+    }
+
+    fn at(seconds: i64) -> Timestamp {
+        Timestamp::from_second(1_800_000_000 + seconds).unwrap()
+    }
+
+    fn fleet(clusters: &[(&str, Observation)]) -> BTreeMap<String, Observation> {
+        clusters
+            .iter()
+            .map(|(name, o)| ((*name).to_owned(), o.clone()))
+            .collect()
+    }
+
+    fn waiting() -> Observation {
+        Observation::default()
+    }
+
+    fn converged() -> Observation {
+        Observation {
+            converged: true,
+            failure: None,
+        }
+    }
+
+    fn failing(why: &str) -> Observation {
+        Observation {
+            converged: false,
+            failure: Some(why.to_owned()),
+        }
+    }
+
+    /// The revision each cluster runs by the record.
+    fn revisions<'a>(
+        record: &'a RolloutStatus,
+        current: &str,
+        names: &[&str],
+    ) -> Vec<Assigned<'a>> {
+        names
+            .iter()
+            .map(|n| assigned(current, Some(record), n))
+            .collect()
+    }
+
+    /// A record where every cluster runs `revision`.
+    fn settled(revision: &str) -> RolloutStatus {
+        RolloutStatus {
+            revision: revision.to_owned(),
+            base_revision: Some(revision.to_owned()),
+            state: SUCCEEDED.to_owned(),
+            ..RolloutStatus::default()
+        }
+    }
+
+    #[test]
+    fn all_makes_the_current_revision_the_base_at_once() {
+        let record = settled("r1");
+        let all = Rollout {
+            max_concurrency: None,
+            ..progressive(1, 0)
+        };
+        let (status, next) = advance(
+            &all,
+            "r2",
+            Some(&record),
+            &fleet(&[("a", converged()), ("b", failing("n1: LoadFailed"))]),
+            at(0),
+        );
+        assert_eq!(status.base_revision.as_deref(), Some("r2"));
+        assert_eq!(status.summary, "Progressing 1/2 clusters");
+        assert_eq!((status.counts.failed, status.counts.to_apply), (1, 0));
+        assert_eq!(next, None);
+    }
+
+    #[test]
+    fn one_cluster_at_a_time_then_the_new_revision_becomes_the_base() {
+        let strategy = progressive(1, 0);
+        let names = ["a", "b", "c"];
+        let before = settled("r1");
+        let (first, _) = advance(
+            &strategy,
+            "r2",
+            Some(&before),
+            &fleet(&[("a", waiting()), ("b", waiting()), ("c", waiting())]),
+            at(0),
+        );
+        assert_eq!(
+            revisions(&first, "r2", &names),
+            [
+                Assigned::Current,
+                Assigned::Earlier("r1"),
+                Assigned::Earlier("r1")
+            ]
+        );
+        assert_eq!(first.summary, "Progressing 0/3 clusters");
+        // Until a converges, nothing else moves.
+        let (again, _) = advance(
+            &strategy,
+            "r2",
+            Some(&first),
+            &fleet(&[("a", waiting()), ("b", converged()), ("c", waiting())]),
+            at(5),
+        );
+        assert_eq!(again.clusters, first.clusters);
+        let (second, _) = advance(
+            &strategy,
+            "r2",
+            Some(&again),
+            &fleet(&[("a", converged()), ("b", converged()), ("c", waiting())]),
+            at(10),
+        );
+        assert_eq!(
+            revisions(&second, "r2", &names),
+            [
+                Assigned::Current,
+                Assigned::Current,
+                Assigned::Earlier("r1")
+            ]
+        );
+        assert_eq!(second.counts.succeeded, 1);
+        let (third, _) = advance(
+            &strategy,
+            "r2",
+            Some(&second),
+            &fleet(&[("a", converged()), ("b", converged()), ("c", waiting())]),
+            at(11),
+        );
+        let (done, _) = advance(
+            &strategy,
+            "r2",
+            Some(&third),
+            &fleet(&[("a", converged()), ("b", converged()), ("c", converged())]),
+            at(20),
+        );
+        assert_eq!(done.state, SUCCEEDED);
+        assert_eq!(done.base_revision.as_deref(), Some("r2"));
+        assert!(done.clusters.is_empty(), "{:?}", done.clusters);
+        assert_eq!(done.summary, "Succeeded 3/3 clusters");
+    }
+
+    #[test]
+    fn a_new_module_reaches_clusters_only_as_they_are_released() {
+        assert_eq!(assigned("r1", None, "a"), Assigned::Nothing);
+        let (first, _) = advance(
+            &progressive(2, 0),
+            "r1",
+            None,
+            &fleet(&[("a", waiting()), ("b", waiting()), ("c", waiting())]),
+            at(0),
+        );
+        assert_eq!(
+            revisions(&first, "r1", &["a", "b", "c"]),
+            [Assigned::Current, Assigned::Current, Assigned::Nothing]
+        );
+    }
+
+    #[test]
+    fn a_failure_past_max_failures_halts_and_the_rest_keep_their_revision() {
+        let strategy = progressive(1, 0);
+        let (first, _) = advance(
+            &strategy,
+            "r2",
+            Some(&settled("r1")),
+            &fleet(&[("a", waiting()), ("b", waiting())]),
+            at(0),
+        );
+        let (halted, _) = advance(
+            &strategy,
+            "r2",
+            Some(&first),
+            &fleet(&[("a", failing("a-node1: ImageNotFound")), ("b", waiting())]),
+            at(10),
+        );
+        assert_eq!(halted.state, HALTED);
+        assert_eq!(
+            halted.summary,
+            "Halted 0/2 clusters, 1 failed: a Failed (a-node1: ImageNotFound)"
+        );
+        assert_eq!(
+            revisions(&halted, "r2", &["a", "b"]),
+            [Assigned::Current, Assigned::Earlier("r1")]
+        );
+        // The image appears: a converges, the rollout resumes with b.
+        let (resumed, _) = advance(
+            &strategy,
+            "r2",
+            Some(&halted),
+            &fleet(&[("a", converged()), ("b", waiting())]),
+            at(20),
+        );
+        assert_eq!(resumed.state, PROGRESSING);
+        assert_eq!(
+            revisions(&resumed, "r2", &["a", "b"]),
+            [Assigned::Current, Assigned::Current]
+        );
+    }
+
+    #[test]
+    fn tolerated_failures_do_not_block_the_rollout() {
+        let strategy = progressive(1, 1);
+        let (first, _) = advance(
+            &strategy,
+            "r2",
+            Some(&settled("r1")),
+            &fleet(&[("a", waiting()), ("b", waiting())]),
+            at(0),
+        );
+        let (next, _) = advance(
+            &strategy,
+            "r2",
+            Some(&first),
+            &fleet(&[("a", failing("a-node1: LoadFailed")), ("b", waiting())]),
+            at(10),
+        );
+        assert_eq!(next.state, PROGRESSING);
+        assert_eq!(next.counts.failed, 1);
+        assert_eq!(
+            assigned("r2", Some(&next), "b"),
+            Assigned::Current,
+            "one failure is tolerated: b moves"
+        );
+    }
+
+    #[test]
+    fn min_success_time_holds_the_next_cluster_and_says_when_to_look_again() {
+        let strategy = Rollout {
+            min_success_time: Duration::from_secs(60),
+            ..progressive(1, 0)
+        };
+        let (first, _) = advance(
+            &strategy,
+            "r2",
+            Some(&settled("r1")),
+            &fleet(&[("a", waiting()), ("b", waiting())]),
+            at(0),
+        );
+        let (held, next) = advance(
+            &strategy,
+            "r2",
+            Some(&first),
+            &fleet(&[("a", converged()), ("b", waiting())]),
+            at(10),
+        );
+        assert_eq!(assigned("r2", Some(&held), "b"), Assigned::Earlier("r1"));
+        assert_eq!(next, Some(Duration::from_secs(60)));
+        let (moved, _) = advance(
+            &strategy,
+            "r2",
+            Some(&held),
+            &fleet(&[("a", converged()), ("b", waiting())]),
+            at(70),
+        );
+        assert_eq!(assigned("r2", Some(&moved), "b"), Assigned::Current);
+    }
+
+    #[test]
+    fn a_cluster_past_its_progress_deadline_times_out() {
+        let strategy = Rollout {
+            progress_deadline: Some(Duration::from_secs(30)),
+            ..progressive(1, 0)
+        };
+        let (first, next) = advance(
+            &strategy,
+            "r2",
+            Some(&settled("r1")),
+            &fleet(&[("a", waiting()), ("b", waiting())]),
+            at(0),
+        );
+        assert_eq!(next, Some(Duration::from_secs(30)));
+        let (timed_out, _) = advance(
+            &strategy,
+            "r2",
+            Some(&first),
+            &fleet(&[("a", waiting()), ("b", waiting())]),
+            at(30),
+        );
+        assert_eq!(timed_out.state, HALTED);
+        assert_eq!(timed_out.clusters[0].state, TIME_OUT);
+        assert_eq!(
+            assigned("r2", Some(&timed_out), "b"),
+            Assigned::Earlier("r1")
+        );
+    }
+
+    #[test]
+    fn a_new_spec_mid_rollout_starts_from_where_each_cluster_is() {
+        let strategy = progressive(1, 0);
+        let (first, _) = advance(
+            &strategy,
+            "r2",
+            Some(&settled("r1")),
+            &fleet(&[("a", failing("a-node1: ImageNotFound")), ("b", waiting())]),
+            at(0),
+        );
+        let (halted, _) = advance(
+            &strategy,
+            "r2",
+            Some(&first),
+            &fleet(&[("a", failing("a-node1: ImageNotFound")), ("b", waiting())]),
+            at(1),
+        );
+        assert_eq!(halted.state, HALTED);
+        // r3 fixes the image: a (on r2) and b (on r1) are both to apply; a goes first.
+        let (replaced, _) = advance(
+            &strategy,
+            "r3",
+            Some(&halted),
+            &fleet(&[("a", waiting()), ("b", waiting())]),
+            at(2),
+        );
+        assert_eq!(replaced.state, PROGRESSING);
+        assert_eq!(
+            revisions(&replaced, "r3", &["a", "b"]),
+            [Assigned::Current, Assigned::Earlier("r1")]
+        );
+    }
+
+    #[test]
+    fn clusters_no_longer_selected_leave_the_record() {
+        let strategy = progressive(2, 0);
+        let (first, _) = advance(
+            &strategy,
+            "r2",
+            Some(&settled("r1")),
+            &fleet(&[("a", waiting()), ("b", waiting()), ("c", waiting())]),
+            at(0),
+        );
+        assert_eq!(first.clusters.len(), 2);
+        let (next, _) = advance(
+            &strategy,
+            "r2",
+            Some(&first),
+            &fleet(&[("b", waiting()), ("c", waiting())]),
+            at(1),
+        );
+        let listed: Vec<&str> = next.clusters.iter().map(|c| c.cluster.as_str()).collect();
+        assert_eq!(listed, ["b", "c"]);
+    }
+}
