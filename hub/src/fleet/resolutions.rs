@@ -44,10 +44,15 @@ impl ModuleResolutions {
     }
 }
 
-/// The resolutions of every module, by name; a new uid or generation starts afresh.
+/// Generations of one module resolved side by side: a rollout serves the current spec to
+/// some clusters and earlier ones to others, and alternating between them must not
+/// resolve each afresh.
+const GENERATIONS_KEPT: usize = 4;
+
+/// The resolutions of every module, by name: the generations used last, most recent last.
 #[derive(Debug, Default)]
 pub struct Resolutions {
-    modules: HashMap<String, ModuleResolutions>,
+    modules: HashMap<String, Vec<ModuleResolutions>>,
 }
 
 impl Resolutions {
@@ -59,14 +64,20 @@ impl Resolutions {
         kernels: &BTreeSet<String>,
     ) -> &ModuleResolutions {
         let name = module.name_any();
-        let entry = self.modules.entry(name.clone()).or_default();
-        if !entry.is_for(module) {
-            *entry = ModuleResolutions {
+        let generations = self.modules.entry(name.clone()).or_default();
+        let used = match generations.iter().position(|r| r.is_for(module)) {
+            Some(i) => generations.remove(i),
+            None => ModuleResolutions {
                 uid: module.metadata.uid.clone(),
                 generation: module.metadata.generation,
                 ..ModuleResolutions::default()
-            };
+            },
+        };
+        if generations.len() >= GENERATIONS_KEPT {
+            generations.remove(0);
         }
+        generations.push(used);
+        let entry = generations.last_mut().expect("just pushed");
         let missing = entry.missing(kernels);
         if !missing.is_empty() {
             let identity = ModuleIdentity {
@@ -97,8 +108,9 @@ impl Resolutions {
     #[cfg(test)]
     fn cached(&self, module: &ManagedClusterModule) -> Option<&ModuleResolutions> {
         self.modules
-            .get(&module.name_any())
-            .filter(|r| r.is_for(module))
+            .get(&module.name_any())?
+            .iter()
+            .find(|r| r.is_for(module))
     }
 }
 
@@ -162,11 +174,23 @@ mod tests {
         );
         assert_eq!(image(&mut r, &two, "6.6.0-1-amd64"), "r/y:1");
         assert_eq!(image(&mut r, &two, "6.1.0-13-amd64"), "NoKernelMapping");
-        assert!(
-            r.cached(&one).is_none(),
-            "the older generation is forgotten"
+        assert_eq!(
+            r.cached(&one).unwrap().kernels.len(),
+            3,
+            "the earlier generation is kept: a rollout may serve both"
         );
         assert_eq!(r.cached(&two).unwrap().kernels.len(), 2);
+        for generation in 3..=5 {
+            r.resolve(
+                &mcm(generation, "{literal: '6.1', containerImage: 'r/z:1'}"),
+                &first,
+            );
+        }
+        assert!(
+            r.cached(&one).is_none(),
+            "at most {GENERATIONS_KEPT} generations: the least recently used goes"
+        );
+        assert!(r.cached(&two).is_some());
 
         r.retain(|_| false);
         assert!(r.cached(&two).is_none());

@@ -259,6 +259,80 @@ fn count(n: usize) -> i32 {
     i32::try_from(n).unwrap_or(i32::MAX)
 }
 
+/// Something a person should see in the module's Events.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Milestone {
+    pub warning: bool,
+    pub reason: &'static str,
+    pub note: String,
+}
+
+/// What changed between two records worth an Event: clusters released (a wave starts),
+/// the rollout halting, the rollout completing.
+pub fn milestones(previous: Option<&RolloutStatus>, next: &RolloutStatus) -> Vec<Milestone> {
+    let mut found = Vec::new();
+    let released: Vec<&str> = next
+        .clusters
+        .iter()
+        .filter(|c| c.revision == next.revision)
+        .filter(|c| {
+            previous.is_none_or(|p| {
+                p.clusters
+                    .iter()
+                    .all(|old| old.cluster != c.cluster || old.revision != c.revision)
+            })
+        })
+        .map(|c| c.cluster.as_str())
+        .collect();
+    if !released.is_empty() {
+        found.push(Milestone {
+            warning: false,
+            reason: "RolloutReleased",
+            note: format!(
+                "{} now get{} revision {}; {}",
+                released.join(", "),
+                if released.len() == 1 { "s" } else { "" },
+                next.revision,
+                next.summary
+            ),
+        });
+    }
+    let before = previous.map(|p| (p.state.as_str(), p.revision.as_str()));
+    if before != Some((next.state.as_str(), next.revision.as_str())) {
+        match next.state.as_str() {
+            HALTED => found.push(Milestone {
+                warning: true,
+                reason: "RolloutHalted",
+                note: next.summary.clone(),
+            }),
+            SUCCEEDED => found.push(Milestone {
+                warning: false,
+                reason: "RolloutSucceeded",
+                note: format!(
+                    "every selected cluster runs revision {}; {}",
+                    next.revision, next.summary
+                ),
+            }),
+            _ => {}
+        }
+    }
+    found
+}
+
+/// Whether two records assign any cluster a different revision.
+pub fn assignment_changed(previous: Option<&RolloutStatus>, next: &RolloutStatus) -> bool {
+    let assignment = |r: &RolloutStatus| {
+        (
+            r.base_revision.clone(),
+            r.clusters
+                .iter()
+                .map(|c| (c.cluster.clone(), c.revision.clone()))
+                .collect::<Vec<_>>(),
+        )
+    };
+    previous.is_none_or(|p| assignment(p) != assignment(next))
+}
+
 #[cfg(test)]
 mod tests {
     use kmm_api::Share;
@@ -608,5 +682,59 @@ mod tests {
         );
         let listed: Vec<&str> = next.clusters.iter().map(|c| c.cluster.as_str()).collect();
         assert_eq!(listed, ["b", "c"]);
+    }
+
+    #[test]
+    fn waves_halts_and_completion_are_milestones() {
+        let strategy = progressive(1, 0);
+        let before = settled("r1");
+        let (first, _) = advance(
+            &strategy,
+            "r2",
+            Some(&before),
+            &fleet(&[("a", waiting()), ("b", waiting())]),
+            at(0),
+        );
+        assert!(assignment_changed(Some(&before), &first));
+        let started = milestones(Some(&before), &first);
+        assert_eq!(started.len(), 1, "{started:?}");
+        assert_eq!(started[0].reason, "RolloutReleased");
+        assert_eq!(
+            started[0].note,
+            "a now gets revision r2; Progressing 0/2 clusters"
+        );
+        let (halted, _) = advance(
+            &strategy,
+            "r2",
+            Some(&first),
+            &fleet(&[
+                ("a", failing("a-n1: LoadFailed: no such file")),
+                ("b", waiting()),
+            ]),
+            at(1),
+        );
+        assert!(!assignment_changed(Some(&first), &halted));
+        let events = milestones(Some(&first), &halted);
+        assert_eq!(events.len(), 1);
+        assert!(events[0].warning);
+        assert_eq!(events[0].reason, "RolloutHalted");
+        assert!(milestones(Some(&halted), &halted).is_empty());
+        let (resumed, _) = advance(
+            &strategy,
+            "r2",
+            Some(&halted),
+            &fleet(&[("a", converged()), ("b", waiting())]),
+            at(2),
+        );
+        let (done, _) = advance(
+            &strategy,
+            "r2",
+            Some(&resumed),
+            &fleet(&[("a", converged()), ("b", converged())]),
+            at(3),
+        );
+        let events = milestones(Some(&resumed), &done);
+        assert_eq!(events.len(), 1, "{events:?}");
+        assert_eq!(events[0].reason, "RolloutSucceeded");
     }
 }

@@ -10,6 +10,7 @@ use kmm_api::{
 use kmm_proto::v1::{KernelTarget, ModuleState, kernel_target::Target};
 
 use super::node_statuses::NodeStatus;
+use super::rollout::Observation;
 
 /// What one selected cluster says about one module.
 #[derive(Clone, Copy, Debug)]
@@ -51,14 +52,19 @@ pub struct StatusTally {
 }
 
 impl StatusTally {
-    pub fn add(&mut self, report: &ClusterReport<'_>) {
+    /// Counts one cluster, and says what it shows for a rollout.
+    pub fn add(&mut self, report: &ClusterReport<'_>) -> Observation {
         self.clusters.selected += 1;
         let mut matching = 0;
         let mut loaded = 0;
+        let mut failure = None;
         for status in report.nodes {
             match status.state {
                 ModuleState::Loaded => loaded += 1,
                 ModuleState::Failed => {
+                    failure.get_or_insert_with(|| {
+                        format!("{}: {}: {}", status.node, status.reason(), status.message())
+                    });
                     self.nodes.failed += 1;
                     self.failures.push(FailureSample {
                         cluster: report.cluster.to_owned(),
@@ -75,11 +81,12 @@ impl StatusTally {
         }
         self.nodes.matching += count(matching);
         self.nodes.loaded += count(loaded);
+        let converged = report.connected && report.reflects_generation && loaded == matching;
         if report.connected {
             self.clusters.connected += 1;
-            if report.reflects_generation && loaded == matching {
-                self.clusters.converged += 1;
-            }
+        }
+        if converged {
+            self.clusters.converged += 1;
         }
         for target in report.kernels {
             match target.target {
@@ -91,6 +98,7 @@ impl StatusTally {
         if self.failures.len() > 4 * MAX_FAILURE_SAMPLES {
             self.trim_failures();
         }
+        Observation { converged, failure }
     }
 
     fn trim_failures(&mut self) {

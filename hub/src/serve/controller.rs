@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use k8s_openapi::api::apps::v1::ControllerRevision;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kmm_api::{ManagedClusterModule, ManagedClusterModuleStatus};
@@ -22,9 +23,11 @@ use thiserror::Error;
 
 use crate::fleet::deletion::{Deletion, decide, describe};
 use crate::fleet::readiness::{READY, is_transition, phase, ready_condition, summary};
+use crate::fleet::rollout::{assignment_changed, milestones};
 
-use super::fleet_state::FleetState;
+use super::fleet_state::{FleetState, ModuleView};
 use super::metrics::Metrics;
+use super::rollout;
 
 pub use crate::fleet::assignment::FINALIZER;
 /// Field manager of the hub's status writes.
@@ -61,6 +64,10 @@ pub enum ReconcileError {
 /// What every reconciliation shares.
 pub struct Context {
     pub api: Api<ManagedClusterModule>,
+    /// The kept revisions of the modules' specs, in the hub's namespace.
+    pub revisions: Api<ControllerRevision>,
+    /// The hub's namespace.
+    pub namespace: String,
     pub state: Arc<FleetState>,
     pub recorder: Recorder,
     pub unload_timeout: Duration,
@@ -103,9 +110,47 @@ pub async fn reconcile(
     )
     .err()
     .map(|errors| errors.to_string());
-    let (mut status, leftovers) = ctx.state.module_view(&module);
+    let ModuleView {
+        mut status,
+        leftovers,
+        observed,
+    } = ctx.state.module_view(&module);
     let mut detail = invalid.clone().unwrap_or_default();
     let mut requeue = RESYNC;
+    let previous_rollout = module.status.as_ref().and_then(|s| s.rollout.as_ref());
+    status.rollout = previous_rollout.cloned();
+    if !deleting {
+        match rollout::step(
+            &ctx.revisions,
+            &ctx.state,
+            &ctx.namespace,
+            &module,
+            &observed,
+        )
+        .await?
+        {
+            Ok(step) => {
+                if let Some(next) = step.next_check {
+                    // A moment past the instant, so that the check finds it passed.
+                    requeue = requeue.min(next + Duration::from_millis(100));
+                }
+                status.rollout = Some(step.record);
+            }
+            Err(why) => detail = why,
+        }
+    }
+    let rollout_moved = status
+        .rollout
+        .as_ref()
+        .is_some_and(|next| assignment_changed(previous_rollout, next));
+    let milestones = status
+        .rollout
+        .as_ref()
+        .map(|next| milestones(previous_rollout, next))
+        .unwrap_or_default();
+    if let Some(rollout) = &status.rollout {
+        ctx.metrics.observe_rollout(&name, &rollout.counts);
+    }
     if deleting {
         let since = module
             .metadata
@@ -171,7 +216,8 @@ pub async fn reconcile(
         previous,
         Time(Timestamp::now()),
     );
-    let transition = is_transition(previous, &condition);
+    // A released cluster gets its new revision only once the record is written.
+    let transition = is_transition(previous, &condition) || rollout_moved || !milestones.is_empty();
     status.conditions = vec![condition.clone()];
     if current != Some(&status) {
         if let Some(wait) = status_write_wait(&ctx, &name, transition) {
@@ -194,6 +240,14 @@ pub async fn reconcile(
             condition.message.clone(),
         )
         .await;
+    }
+    for milestone in milestones {
+        let type_ = if milestone.warning {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        };
+        publish(&ctx, &module, type_, milestone.reason, milestone.note).await;
     }
     Ok(Action::requeue(requeue))
 }
@@ -247,6 +301,7 @@ async fn release(ctx: &Context, module: &ManagedClusterModule) -> Result<Action,
     ]);
     patch_json(ctx, module, patch, "removing the finalizer").await?;
     ctx.state.forget_module(module);
+    ctx.metrics.forget_rollout(&module.name_any());
     Ok(Action::await_change())
 }
 

@@ -12,10 +12,11 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
+use k8s_openapi::api::apps::v1::ControllerRevision;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kmm_api::{ManagedClusterModule, ManagedClusterModuleStatus};
+use kmm_api::{ManagedClusterModule, ManagedClusterModuleStatus, RolloutType};
 use kmm_proto::v1::{
     KernelInventory, ModuleIntent, NodeStatusReport, PullCredential, pull_credential::Content,
 };
@@ -30,6 +31,8 @@ use crate::fleet::intents::cluster_intents;
 use crate::fleet::node_statuses::{NodeStatuses, ReportParts, TooManyStatuses};
 use crate::fleet::outbox::Outbox;
 use crate::fleet::resolutions::Resolutions;
+use crate::fleet::revisions::{MODULE_LABEL, Revisions, object_name};
+use crate::fleet::rollout::{Assigned, Observation, assigned};
 use crate::fleet::shared_snapshot::IntentPool;
 use crate::fleet::status::{ClusterReport, StatusTally};
 use crate::images::status::{image_statuses, with_persisted};
@@ -72,6 +75,8 @@ pub struct Stores {
     pub modules: Store<ManagedClusterModule>,
     pub clusters: Store<DynamicObject>,
     pub secrets: Store<Secret>,
+    /// The kept revisions of every module's spec (the hub's namespace).
+    pub revisions: Store<ControllerRevision>,
 }
 
 #[derive(Debug, Default)]
@@ -141,8 +146,9 @@ struct ClusterView {
 /// Module-level bookkeeping.
 #[derive(Debug, Default)]
 struct ModuleBook {
-    /// Per module: the generation and deletion state the snapshots were last computed for.
-    seen: BTreeMap<String, (Option<i64>, bool)>,
+    /// Per module: the generation, deletion state and rollout assignment the snapshots
+    /// were last computed for.
+    seen: BTreeMap<String, (Option<i64>, bool, u64)>,
     /// UIDs of modules whose finalizer the hub removed: gone, even before the watch says so.
     gone: BTreeSet<String>,
 }
@@ -184,6 +190,17 @@ impl Touched {
     }
 }
 
+/// A module as its clusters show it.
+#[derive(Debug)]
+pub struct ModuleView {
+    /// Its status, but for the rollout and conditions.
+    pub status: ManagedClusterModuleStatus,
+    /// Where its unload is not yet confirmed, when it is being deleted.
+    pub leftovers: Vec<Leftover>,
+    /// What each selected cluster shows, for its rollout.
+    pub observed: BTreeMap<String, Observation>,
+}
+
 /// The shared fleet view.
 #[derive(Debug)]
 pub struct FleetState {
@@ -195,6 +212,7 @@ pub struct FleetState {
     views: Mutex<HashMap<String, ClusterView>>,
     modules: Mutex<ModuleBook>,
     resolutions: Mutex<Resolutions>,
+    revisions: Mutex<Revisions>,
     /// The intents of every cluster's snapshot, each distinct one held once.
     intents: Mutex<IntentPool>,
     images: RwLock<ImageBook>,
@@ -230,6 +248,7 @@ impl FleetState {
             views: Mutex::default(),
             modules: Mutex::default(),
             resolutions: Mutex::default(),
+            revisions: Mutex::default(),
             intents: Mutex::default(),
             images: RwLock::default(),
             touched: Touched::default(),
@@ -526,7 +545,11 @@ impl FleetState {
     /// A ManagedClusterModule was reconciled: recompute the clusters it concerns when what
     /// snapshots depend on (generation, deletion) changed since last time.
     pub fn note_module(&self, module: &ManagedClusterModule) {
-        let key = (module.metadata.generation, is_deleting(module));
+        let key = (
+            module.metadata.generation,
+            is_deleting(module),
+            assignment_key(module),
+        );
         let name = module.name_any();
         {
             let mut book = lock(&self.modules);
@@ -550,6 +573,7 @@ impl FleetState {
             }
         }
         lock(&self.resolutions).retain(|n| n != name);
+        lock(&self.revisions).retain(|n| n != name);
         self.recompute_module(module);
         self.bump_needs();
     }
@@ -650,6 +674,28 @@ impl FleetState {
         }
     }
 
+    /// The module's kept revisions.
+    pub fn kept_revisions(&self, module: &str) -> Vec<Arc<ControllerRevision>> {
+        self.stores
+            .revisions
+            .state()
+            .into_iter()
+            .filter(|r| r.labels().get(MODULE_LABEL).is_some_and(|m| m == module))
+            .collect()
+    }
+
+    /// A kept revision appeared, changed or went: the module's clusters that run it are
+    /// recomputed (after a restart, a cluster on an earlier revision waits for it).
+    pub fn revision_changed(&self, revision: &ControllerRevision) {
+        let Some(name) = revision.labels().get(MODULE_LABEL) else {
+            return;
+        };
+        if let Some(module) = self.stores.modules.get(&ObjectRef::new(name)) {
+            self.recompute_module(&module);
+            self.bump_needs();
+        }
+    }
+
     /// Recomputes every connected cluster and touches every module: after the watches
     /// listed (again), when any change may have been missed.
     pub fn recompute_all(&self) {
@@ -692,6 +738,50 @@ impl FleetState {
         modules
     }
 
+    /// The modules as `cluster` is to run them: a progressive module's selected cluster
+    /// gets the revision its rollout record assigns (an earlier one from its kept
+    /// `ControllerRevision`), or nothing before the rollout reaches it. Unloads always
+    /// use the current object.
+    fn at_revisions(
+        &self,
+        modules: &[Arc<ManagedClusterModule>],
+        cluster: &str,
+        labels: Option<&BTreeMap<String, String>>,
+    ) -> Vec<Arc<ManagedClusterModule>> {
+        let mut revisions = lock(&self.revisions);
+        modules
+            .iter()
+            .filter_map(|module| {
+                if !is_progressive(module) || is_deleting(module) || !is_selected(module, labels) {
+                    return Some(module.clone());
+                }
+                let current = revisions.current(module);
+                let record = module.status.as_ref().and_then(|s| s.rollout.as_ref());
+                match assigned(&current, record, cluster) {
+                    Assigned::Current => Some(module.clone()),
+                    Assigned::Nothing => None,
+                    Assigned::Earlier(revision) => {
+                        let name = module.name_any();
+                        let object = object_name(&name, revision);
+                        let kept = revisions.earlier(module, revision, || {
+                            self.stores.revisions.find(|r| r.name_any() == object)
+                        });
+                        if kept.is_none() {
+                            tracing::warn!(
+                                module = name,
+                                cluster,
+                                revision,
+                                "the revision the cluster runs is not kept (or unreadable); \
+                                 its snapshot leaves the module out until the rollout moves it"
+                            );
+                        }
+                        kept
+                    }
+                }
+            })
+            .collect()
+    }
+
     /// Recomputes one cluster's snapshot (its lock held) and sends it when it changed.
     fn recompute(&self, cluster: &str, entry: &mut ClusterEntry) {
         if !self.is_synced() || entry.stream.is_none() {
@@ -700,8 +790,8 @@ impl FleetState {
         let Some(kernels) = &entry.kernels else {
             return;
         };
-        let modules = self.modules();
         let labels = self.cluster_view(cluster).map(|v| v.labels);
+        let modules = self.at_revisions(&self.modules(), cluster, labels.as_ref());
         let refs: Vec<&ManagedClusterModule> = modules.iter().map(AsRef::as_ref).collect();
         let inputs = cluster_modules(&refs, labels.as_ref(), &entry.statuses);
         let credentials = self.credentials(inputs.iter().map(|i| i.module));
@@ -745,27 +835,37 @@ impl FleetState {
     /// kernels of the connected clusters that select it.
     pub fn image_needs(&self) -> BTreeMap<ImageKey, ImageNeed> {
         let modules = self.modules();
-        let refs: Vec<&ManagedClusterModule> = modules.iter().map(AsRef::as_ref).collect();
-        let mut kernels: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        // Per module and generation (a rollout serves several at once): the module as
+        // served, and the kernels it is served for.
+        type Served = (Arc<ManagedClusterModule>, BTreeSet<String>);
+        let mut served: BTreeMap<(String, Option<i64>), Served> = BTreeMap::new();
         for (cluster, entry) in self.entries() {
             let labels = self.cluster_view(&cluster).map(|v| v.labels);
             let entry = lock(&entry);
             let Some(cluster_kernels) = &entry.kernels else {
                 continue;
             };
+            let at_revisions = self.at_revisions(&modules, &cluster, labels.as_ref());
+            let refs: Vec<&ManagedClusterModule> = at_revisions.iter().map(AsRef::as_ref).collect();
             for input in cluster_modules(&refs, labels.as_ref(), &entry.statuses) {
-                if !input.unload {
-                    kernels
-                        .entry(input.module.name_any())
-                        .or_default()
-                        .extend(cluster_kernels.iter().cloned());
+                if input.unload {
+                    continue;
                 }
+                let key = (input.module.name_any(), input.module.metadata.generation);
+                let module = at_revisions
+                    .iter()
+                    .find(|m| std::ptr::eq(m.as_ref(), input.module))
+                    .expect("an input is one of the modules given");
+                served
+                    .entry(key)
+                    .or_insert_with(|| (module.clone(), BTreeSet::new()))
+                    .1
+                    .extend(cluster_kernels.iter().cloned());
             }
         }
-        modules
-            .iter()
-            .filter_map(|m| Some(module_needs(m, kernels.get(&m.name_any())?)))
-            .flatten()
+        served
+            .values()
+            .flat_map(|(module, kernels)| module_needs(module, kernels))
             .collect()
     }
 
@@ -859,10 +959,7 @@ impl FleetState {
     /// The module's status over its selected clusters and, when it is being deleted, where
     /// its unload is not yet confirmed. Each cluster's lock is held only while that
     /// cluster is counted.
-    pub fn module_view(
-        &self,
-        module: &ManagedClusterModule,
-    ) -> (ManagedClusterModuleStatus, Vec<Leftover>) {
+    pub fn module_view(&self, module: &ManagedClusterModule) -> ModuleView {
         let name = module.name_any();
         let namespace = module.spec.spoke_namespace.as_str();
         let deleting = is_deleting(module);
@@ -875,16 +972,18 @@ impl FleetState {
             .map(|c| c.name_any())
             .collect();
         let mut tally = StatusTally::default();
+        let mut observed = BTreeMap::new();
         let mut unloads: Vec<(String, bool, bool, Vec<String>)> = Vec::new();
         for cluster in &selected {
             let Some(entry) = self.entry(cluster) else {
-                tally.add(&ClusterReport {
+                let observation = tally.add(&ClusterReport {
                     cluster,
                     connected: false,
                     reflects_generation: false,
                     kernels: &[],
                     nodes: &[],
                 });
+                observed.insert(cluster.clone(), observation);
                 if deleting {
                     unloads.push((cluster.clone(), true, false, Vec::new()));
                 }
@@ -895,7 +994,7 @@ impl FleetState {
                 .carried_intent(namespace, &name)
                 .map(|m| m.kernels.as_slice())
                 .unwrap_or_default();
-            tally.add(&ClusterReport {
+            let observation = tally.add(&ClusterReport {
                 cluster,
                 connected: entry.stream.is_some(),
                 reflects_generation: entry.outbox.reflects(
@@ -907,6 +1006,7 @@ impl FleetState {
                 kernels,
                 nodes: entry.statuses.module(namespace, &name),
             });
+            observed.insert(cluster.clone(), observation);
             if deleting {
                 unloads.push((
                     cluster.clone(),
@@ -955,8 +1055,37 @@ impl FleetState {
                 },
             )
             .collect();
-        (status, leftovers(&unloads))
+        ModuleView {
+            status,
+            leftovers: leftovers(&unloads),
+            observed,
+        }
     }
+}
+
+/// Whether the module rolls out progressively: then each cluster runs the revision the
+/// rollout record in its status assigns it.
+fn is_progressive(module: &ManagedClusterModule) -> bool {
+    module
+        .spec
+        .rollout_strategy
+        .as_ref()
+        .is_some_and(|s| s.type_ == RolloutType::Progressive)
+}
+
+/// A digest of which revision each cluster is assigned: a change (a cluster released)
+/// must recompute the module's clusters even though its generation stayed.
+fn assignment_key(module: &ManagedClusterModule) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    if is_progressive(module) {
+        let record = module.status.as_ref().and_then(|s| s.rollout.as_ref());
+        record.map(|r| &r.base_revision).hash(&mut hasher);
+        for cluster in record.iter().flat_map(|r| &r.clusters) {
+            (&cluster.cluster, &cluster.revision).hash(&mut hasher);
+        }
+    }
+    hasher.finish()
 }
 
 fn pull_credential(secret: &Secret) -> Option<PullCredential> {
@@ -988,6 +1117,7 @@ mod tests {
             modules: store().0,
             clusters: Writer::<DynamicObject>::new(managed_cluster_resource()).as_reader(),
             secrets: store().0,
+            revisions: store().0,
         };
         FleetState::new(stores, Metrics::default())
     }

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use kmm_api::RolloutCounts;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -14,6 +15,14 @@ use prometheus_client::registry::Registry;
 pub struct AdmissionLabels {
     /// `allowed` or `refused`.
     pub decision: &'static str,
+}
+
+/// A module's clusters in one rollout state.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RolloutLabels {
+    pub module: String,
+    /// `succeeded`, `progressing`, `failed` or `to_apply`.
+    pub state: &'static str,
 }
 
 /// Handles to every metric; clones share the values.
@@ -31,6 +40,7 @@ pub struct Metrics {
     pub reconcile_errors: Counter,
     /// ManagedClusterModule status writes (server-side apply of `status`).
     pub status_writes: Counter,
+    pub rollout_clusters: Family<RolloutLabels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -46,6 +56,7 @@ impl Default for Metrics {
             streams_replaced: Counter::default(),
             reconcile_errors: Counter::default(),
             status_writes: Counter::default(),
+            rollout_clusters: Family::default(),
         }
     }
 }
@@ -57,6 +68,33 @@ impl Metrics {
             .get_or_create(&AdmissionLabels { decision })
             .inc();
         self.admission_seconds.observe(took.as_secs_f64());
+    }
+
+    /// A module's clusters by rollout state, as its status says.
+    pub fn observe_rollout(&self, module: &str, counts: &RolloutCounts) {
+        for (state, value) in [
+            ("succeeded", counts.succeeded),
+            ("progressing", counts.progressing),
+            ("failed", counts.failed),
+            ("to_apply", counts.to_apply),
+        ] {
+            self.rollout_clusters
+                .get_or_create(&RolloutLabels {
+                    module: module.to_owned(),
+                    state,
+                })
+                .set(i64::from(value));
+        }
+    }
+
+    /// A module that is gone has no rollout.
+    pub fn forget_rollout(&self, module: &str) {
+        for state in ["succeeded", "progressing", "failed", "to_apply"] {
+            self.rollout_clusters.remove(&RolloutLabels {
+                module: module.to_owned(),
+                state,
+            });
+        }
     }
 
     pub fn register(&self, registry: &mut Registry) {
@@ -104,6 +142,11 @@ impl Metrics {
             "kmm_hub_status_writes",
             "ManagedClusterModule status writes",
             self.status_writes.clone(),
+        );
+        registry.register(
+            "kmm_hub_rollout_clusters",
+            "Selected clusters of each ManagedClusterModule, by rollout state (succeeded, progressing, failed, to_apply)",
+            self.rollout_clusters.clone(),
         );
     }
 }

@@ -10,6 +10,7 @@ pub mod images;
 pub mod leadership;
 pub mod metrics;
 pub mod outbound;
+pub mod rollout;
 pub mod signing;
 pub mod sync_service;
 pub mod webhook;
@@ -20,6 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::apps::v1::ControllerRevision;
 use k8s_openapi::api::core::v1::Secret;
 use kmm_api::ManagedClusterModule;
 use kmm_proto::limits;
@@ -47,6 +49,7 @@ use self::sync_service::SyncService;
 use self::webhook::WebhookError;
 use crate::build::BuildJobs;
 use crate::fleet::pacer::Pacer;
+use crate::fleet::revisions;
 
 /// Everything `serve` needs besides its clients and listeners.
 #[derive(Clone, Debug)]
@@ -205,10 +208,12 @@ pub async fn run(
     let cluster_resource = managed_cluster_resource();
     let clusters_writer = reflector::store::Writer::<DynamicObject>::new(cluster_resource.clone());
     let secrets_writer = reflector::store::Writer::<Secret>::default();
+    let revisions_writer = reflector::store::Writer::<ControllerRevision>::default();
     let stores = Stores {
         modules: controller.store(),
         clusters: clusters_writer.as_reader(),
         secrets: secrets_writer.as_reader(),
+        revisions: revisions_writer.as_reader(),
     };
     let state = Arc::new(FleetState::new(stores.clone(), metrics.clone()));
 
@@ -218,7 +223,7 @@ pub async fn run(
         clusters_writer,
         watcher(clusters_api, watcher::Config::default()).modify(trim_managed_cluster),
         "ManagedClusters",
-        |state, name| state.cluster_changed(name),
+        |state, cluster| state.cluster_changed(&cluster.name_any()),
     );
     let secrets_api: Api<Secret> = Api::namespaced(client.clone(), &settings.namespace);
     let secrets = watch_into(
@@ -226,7 +231,19 @@ pub async fn run(
         secrets_writer,
         watcher(secrets_api, watcher::Config::default()),
         "Secrets",
-        |state, name| state.secret_changed(name),
+        |state, secret| state.secret_changed(&secret.name_any()),
+    );
+    let revisions_api: Api<ControllerRevision> =
+        Api::namespaced(client.clone(), &settings.namespace);
+    let revisions = watch_into(
+        state.clone(),
+        revisions_writer,
+        watcher(
+            revisions_api,
+            watcher::Config::default().labels(revisions::MODULE_LABEL),
+        ),
+        "ControllerRevisions",
+        |state, revision| state.revision_changed(revision),
     );
     tokio::spawn(wait_synced(stores.clone(), state.clone(), health.clone()));
     let addon = AbortOnDropHandle::new(tokio::spawn(addon::run(
@@ -255,6 +272,8 @@ pub async fn run(
 
     let context = Arc::new(Context {
         api: modules,
+        revisions: Api::namespaced(client.clone(), &settings.namespace),
+        namespace: settings.namespace.clone(),
         state: state.clone(),
         recorder,
         unload_timeout: settings.unload_timeout,
@@ -311,8 +330,16 @@ pub async fn run(
     };
     let clusters = AbortOnDropHandle::new(tokio::spawn(clusters));
     let secrets = AbortOnDropHandle::new(tokio::spawn(secrets));
+    let revisions = AbortOnDropHandle::new(tokio::spawn(revisions));
     let (grpc_result, (), lost_leadership) = tokio::join!(grpc_server, reconciler, stopper);
-    drop((clusters, secrets, addon, image_worker, background));
+    drop((
+        clusters,
+        secrets,
+        revisions,
+        addon,
+        image_worker,
+        background,
+    ));
     health.set_ready(false);
     metrics.leader.set(0);
     if let Some(election) = election {
@@ -325,15 +352,15 @@ pub async fn run(
     Ok(())
 }
 
-/// Keeps a reflector store current and hands every created, changed or deleted object's
-/// name to `changed`; after a (re-)list, when changes may have been missed, everything is
+/// Keeps a reflector store current and hands every created, changed or deleted object
+/// to `changed`; after a (re-)list, when changes may have been missed, everything is
 /// recomputed.
 async fn watch_into<K>(
     state: Arc<FleetState>,
     writer: reflector::store::Writer<K>,
     stream: impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send,
     what: &'static str,
-    changed: impl Fn(&FleetState, &str),
+    changed: impl Fn(&FleetState, &K),
 ) where
     K: kube::Resource + Clone + std::fmt::Debug + Send + Sync + 'static,
     K::DynamicType: Clone + Eq + std::hash::Hash,
@@ -344,7 +371,7 @@ async fn watch_into<K>(
             Ok(Some(watcher::Event::InitApply(_) | watcher::Event::Init)) => {}
             Ok(Some(watcher::Event::InitDone)) => state.recompute_all(),
             Ok(Some(watcher::Event::Apply(object) | watcher::Event::Delete(object))) => {
-                changed(&state, &object.name_any());
+                changed(&state, &object);
             }
             Ok(None) => return,
             Err(error) => tracing::warn!(what, %error, "watch failed; retrying"),
@@ -392,7 +419,8 @@ async fn wait_synced(stores: Stores, state: Arc<FleetState>, health: Health) {
     let ready = async {
         ready(&stores.modules).await?;
         ready(&stores.clusters).await?;
-        ready(&stores.secrets).await
+        ready(&stores.secrets).await?;
+        ready(&stores.revisions).await
     };
     if ready.await.is_ok() {
         tracing::info!("caches synced; intents may go out");
