@@ -23,8 +23,6 @@ use kube::api::{
     PostParams,
 };
 use kube::{Api, Client, ResourceExt};
-use oci_client::client::{ClientConfig, ClientProtocol};
-use oci_client::secrets::RegistryAuth;
 use serde_json::{Value, json};
 use support::*;
 use tokio::sync::Mutex;
@@ -401,35 +399,6 @@ async fn enabling_a_cluster_loads_the_modules_waiting_for_it() -> Result<()> {
     );
     fleet_kmm::wait_agents_ready(fleet.spoke(&spoke)?, WAIT).await?;
     unload_module(&fleet, &spoke, &id, &name).await
-}
-
-/// Copies `image:from` to `image:to` in `registry` (the same manifest under a new tag):
-/// a new version of the image without rebuilding it.
-async fn retag(registry: &str, image: &str, from: &str, to: &str) -> Result<()> {
-    let client = oci_client::Client::new(ClientConfig {
-        protocol: ClientProtocol::Http,
-        ..Default::default()
-    });
-    let source: oci_client::Reference = format!("{registry}/{image}:{from}").parse()?;
-    let target: oci_client::Reference = format!("{registry}/{image}:{to}").parse()?;
-    let (manifest, _) = client
-        .pull_manifest_raw(
-            &source,
-            &RegistryAuth::Anonymous,
-            &[
-                "application/vnd.oci.image.manifest.v1+json",
-                "application/vnd.docker.distribution.manifest.v2+json",
-            ],
-        )
-        .await?;
-    let media_type = serde_json::from_slice::<Value>(&manifest)?["mediaType"]
-        .as_str()
-        .unwrap_or("application/vnd.oci.image.manifest.v1+json")
-        .to_owned();
-    client
-        .push_manifest_raw(&target, manifest.to_vec(), media_type.parse()?)
-        .await?;
-    Ok(())
 }
 
 /// Points the ClusterManagementAddOn at the AddOnTemplate `template`.

@@ -902,3 +902,166 @@ async fn a_version_change_with_max_unavailable_one_takes_one_node_down_at_a_time
     label_cluster(&fleet.hub, &spoke, &id, false).await?;
     Ok(())
 }
+
+/// Nanoseconds since the epoch, the clock of the simulated kernels' logs.
+fn now_ns() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos())
+}
+
+/// When `agent`'s kernel first removed (`inserted` false) or inserted a kmod after byte
+/// `from` of its log.
+fn first_event(agent: &Agent, from: usize, inserted: bool) -> Result<Option<u128>> {
+    Ok(kernel_events(agent, from)?
+        .into_iter()
+        .find(|(_, _, i, _)| *i == inserted)
+        .map(|(at, ..)| at))
+}
+
+#[tokio::test]
+async fn a_progressive_rollout_halts_on_a_missing_image_survives_a_hub_crash_and_resumes()
+-> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let fleet = Fleet::get().await?;
+    let kmm = kmm(&fleet)?;
+    let (id, name) = (unique("kmm-e2e.dev/waves"), unique("waves"));
+    // One simulated node with a sample image per spoke: its kernel log is the record of
+    // what the cluster loaded and when.
+    let (mut agents, mut kernels): (Vec<Agent>, BTreeSet<String>) = Default::default();
+    for spoke in fleet.spoke_names() {
+        let with_images: BTreeMap<String, String> =
+            nodes_with_images(&fleet, &spoke)?.into_iter().collect();
+        let agent = kmm
+            .agents
+            .iter()
+            .find(|a| a.cluster == spoke && a.simulated && with_images.contains_key(&a.node))
+            .with_context(|| format!("{spoke} has no KWOK node with a sample image"))?;
+        label_cluster(&fleet.hub, &spoke, &id, true).await?;
+        label_node(fleet.spoke(&spoke)?, &agent.node, &id, true).await?;
+        kernels.insert(with_images[&agent.node].clone());
+        agents.push(agent.clone());
+    }
+    ensure!(agents.len() >= 2, "the test needs two spokes");
+    let (first, second) = (&agents[0], &agents[1]);
+    let targets: Vec<(String, String)> = agents
+        .iter()
+        .map(|a| (a.cluster.clone(), a.node.clone()))
+        .collect();
+    create(&fleet.hub, &module(&name, &id, sample_mapping(&fleet))?).await?;
+    wait_labelled(&fleet, &name, &targets).await?;
+
+    // Version 2.0 names an image that is not there yet (a tag of this run's own), one
+    // cluster at a time.
+    let offsets: Vec<usize> = agents.iter().map(log_len).collect();
+    let image = format!("{}/samples/kmm-hello", fleet.state.node_registry);
+    Api::<ManagedClusterModule>::all(fleet.hub.clone())
+        .patch(
+            &name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": {
+                "rolloutStrategy": { "type": "Progressive",
+                    "progressive": { "maxConcurrency": 1 } },
+                "moduleSpec": { "moduleLoader": { "container": {
+                    "version": "2.0",
+                    "kernelMappings": [{ "regexp": "^.+$",
+                        "containerImage": format!("{image}:${{KERNEL_FULL_VERSION}}-{name}") }],
+                } } },
+            } })),
+        )
+        .await?;
+    let halted = wait_until("the rollout to halt on the first cluster", WAIT, || async {
+        let status = status(&fleet.hub, &name).await.map_err(|e| e.to_string())?;
+        let rollout = &status["rollout"];
+        (rollout["state"] == "Halted")
+            .then(|| rollout.clone())
+            .ok_or_else(|| status.to_string())
+    })
+    .await?;
+    let summary = halted["summary"].as_str().unwrap_or_default();
+    ensure!(
+        summary.contains(&format!("{} Failed", first.cluster)) && summary.contains("ImageNotFound"),
+        "the halt names the failing cluster and why: {halted}"
+    );
+    ensure!(
+        halted["counts"]["toApply"] == 1,
+        "the second cluster was not reached: {halted}"
+    );
+    let second_label = |labels: &BTreeMap<(String, String), Option<String>>| {
+        labels
+            .get(&(second.cluster.clone(), second.node.clone()))
+            .cloned()
+            .flatten()
+    };
+    ensure!(
+        second_label(&labelled(&fleet, &name).await?).as_deref() == Some(VERSION),
+        "the cluster not reached keeps the previous version labelled"
+    );
+
+    // The leader dies mid-rollout; its successor serves every cluster what it served.
+    let former = hub_install::lease_holder(&fleet.hub).await?;
+    hub_install::crash_leader(&fleet.hub).await?;
+    hub_install::wait_lease_moved(&fleet.hub, LEASE_TAKEOVER, &former).await?;
+    let after = status(&fleet.hub, &name).await?;
+    ensure!(
+        after["rollout"]["state"] == "Halted" && after["rollout"]["clusters"] == halted["clusters"],
+        "the record survives the crash: {after}"
+    );
+    ensure!(
+        second_label(&labelled(&fleet, &name).await?).as_deref() == Some(VERSION),
+        "after the crash the second cluster still runs the previous version"
+    );
+
+    // The image appears: the first cluster loads 2.0, then the rollout reaches the second.
+    let fixed_at = now_ns();
+    for kernel in &kernels {
+        retag(
+            &fleet.state.registry,
+            "samples/kmm-hello",
+            kernel,
+            &format!("{kernel}-{name}"),
+        )
+        .await?;
+    }
+    wait_labelled_at(&fleet, NAMESPACE, &name, &targets, "2.0").await?;
+    wait_until("the rollout to succeed", WAIT, || async {
+        let status = status(&fleet.hub, &name).await.map_err(|e| e.to_string())?;
+        (status["rollout"]["state"] == "Succeeded")
+            .then_some(())
+            .ok_or_else(|| status.to_string())
+    })
+    .await?;
+
+    // The kernels' own record: the second node kept the old module until the image was
+    // fixed and the first node had loaded the new one.
+    let first_loaded = first_event(first, offsets[0], true)?
+        .context("the first node never inserted the new version")?;
+    let second_moved = first_event(second, offsets[1], false)?
+        .context("the second node never moved to the new version")?;
+    ensure!(
+        second_moved > fixed_at,
+        "the second cluster unloaded the previous version before the image was fixed"
+    );
+    ensure!(
+        second_moved > first_loaded,
+        "the second cluster moved before the first had loaded the new version"
+    );
+    let reasons: BTreeSet<String> =
+        Api::<k8s_openapi::api::events::v1::Event>::namespaced(fleet.hub.clone(), "default")
+            .list(&Default::default())
+            .await?
+            .into_iter()
+            .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name.as_str()))
+            .filter_map(|e| e.reason)
+            .collect();
+    for reason in ["RolloutReleased", "RolloutHalted", "RolloutSucceeded"] {
+        ensure!(reasons.contains(reason), "no {reason} Event: {reasons:?}");
+    }
+
+    delete(&fleet.hub, &name).await?;
+    wait_labelled(&fleet, &name, &[]).await?;
+    for spoke in fleet.spoke_names() {
+        label_cluster(&fleet.hub, &spoke, &id, false).await?;
+    }
+    Ok(())
+}

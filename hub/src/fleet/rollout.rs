@@ -130,6 +130,14 @@ pub fn advance(
             next.state = FAILED.to_owned();
             next.reason = Some(failure.clone());
             failed += 1;
+        } else if let Some(failed_before) =
+            entry.filter(|c| c.state == FAILED || c.state == TIME_OUT)
+        {
+            // A failure ends with success only: a cluster whose nodes say nothing yet (its
+            // proxy reconnecting to a new leader, say) has not recovered.
+            next.state.clone_from(&failed_before.state);
+            next.reason.clone_from(&failed_before.reason);
+            failed += 1;
         } else if let Some(deadline) = strategy.progress_deadline
             && next.since.0 + deadline <= now
         {
@@ -736,5 +744,33 @@ mod tests {
         let events = milestones(Some(&resumed), &done);
         assert_eq!(events.len(), 1, "{events:?}");
         assert_eq!(events[0].reason, "RolloutSucceeded");
+    }
+
+    #[test]
+    fn a_failed_cluster_stays_failed_until_it_succeeds() {
+        let strategy = progressive(1, 0);
+        let (first, _) = advance(
+            &strategy,
+            "r2",
+            Some(&settled("r1")),
+            &fleet(&[("a", waiting()), ("b", waiting())]),
+            at(0),
+        );
+        let (halted, _) = advance(
+            &strategy,
+            "r2",
+            Some(&first),
+            &fleet(&[("a", failing("a-n1: ImageNotFound")), ("b", waiting())]),
+            at(1),
+        );
+        // A new leader, before the cluster's proxy reported again.
+        let (restarted, _) = advance(
+            &strategy,
+            "r2",
+            Some(&halted),
+            &fleet(&[("a", waiting()), ("b", waiting())]),
+            at(2),
+        );
+        assert_eq!(restarted, halted);
     }
 }
