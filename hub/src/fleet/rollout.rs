@@ -88,6 +88,13 @@ pub fn advance(
     let listed: BTreeMap<&str, &RolloutCluster> = record
         .map(|r| r.clusters.iter().map(|c| (c.cluster.as_str(), c)).collect())
         .unwrap_or_default();
+    if base.as_deref() == Some(current) && listed.values().all(|c| c.revision == current) {
+        // Rolled out: every cluster runs the current revision, whatever its nodes do now.
+        let mut status = everywhere(current, selected);
+        status.state = SUCCEEDED.to_owned();
+        status.summary = format!("{SUCCEEDED}, revision {current}");
+        return (status, None);
+    }
     let total = selected.len();
     let mut clusters: Vec<RolloutCluster> = Vec::new();
     let mut to_apply: Vec<&str> = Vec::new();
@@ -192,7 +199,7 @@ pub fn advance(
                 revision: current.to_owned(),
                 base_revision: Some(current.to_owned()),
                 state: SUCCEEDED.to_owned(),
-                summary: format!("{SUCCEEDED} {succeeded}/{total} clusters"),
+                summary: format!("{SUCCEEDED}, revision {current}"),
                 counts,
                 clusters: Vec::new(),
             },
@@ -275,8 +282,9 @@ pub struct Milestone {
     pub note: String,
 }
 
-/// What changed between two records worth an Event: clusters released (a wave starts),
-/// the rollout halting, the rollout completing.
+/// What changed between two records of a `Progressive` rollout worth an Event: clusters
+/// released (a wave starts), the rollout halting, the rollout completing (the current
+/// revision becoming the base).
 pub fn milestones(previous: Option<&RolloutStatus>, next: &RolloutStatus) -> Vec<Milestone> {
     let mut found = Vec::new();
     let released: Vec<&str> = next
@@ -306,23 +314,20 @@ pub fn milestones(previous: Option<&RolloutStatus>, next: &RolloutStatus) -> Vec
         });
     }
     let before = previous.map(|p| (p.state.as_str(), p.revision.as_str()));
-    if before != Some((next.state.as_str(), next.revision.as_str())) {
-        match next.state.as_str() {
-            HALTED => found.push(Milestone {
-                warning: true,
-                reason: "RolloutHalted",
-                note: next.summary.clone(),
-            }),
-            SUCCEEDED => found.push(Milestone {
-                warning: false,
-                reason: "RolloutSucceeded",
-                note: format!(
-                    "every selected cluster runs revision {}; {}",
-                    next.revision, next.summary
-                ),
-            }),
-            _ => {}
-        }
+    if next.state == HALTED && before != Some((HALTED, next.revision.as_str())) {
+        found.push(Milestone {
+            warning: true,
+            reason: "RolloutHalted",
+            note: next.summary.clone(),
+        });
+    }
+    let folded = |r: &RolloutStatus| r.base_revision.as_deref() == Some(next.revision.as_str());
+    if folded(next) && !previous.is_some_and(folded) {
+        found.push(Milestone {
+            warning: false,
+            reason: "RolloutSucceeded",
+            note: format!("every selected cluster runs revision {}", next.revision),
+        });
     }
     found
 }
@@ -490,7 +495,22 @@ mod tests {
         assert_eq!(done.state, SUCCEEDED);
         assert_eq!(done.base_revision.as_deref(), Some("r2"));
         assert!(done.clusters.is_empty(), "{:?}", done.clusters);
-        assert_eq!(done.summary, "Succeeded 3/3 clusters");
+        assert_eq!(done.summary, "Succeeded, revision r2");
+        // Rolled out: a node failing later halts nothing, and nothing is recorded.
+        let (later, next) = advance(
+            &strategy,
+            "r2",
+            Some(&done),
+            &fleet(&[
+                ("a", failing("a-n1: LoadFailed")),
+                ("b", converged()),
+                ("c", converged()),
+            ]),
+            at(30),
+        );
+        assert_eq!((later.state.as_str(), next), (SUCCEEDED, None));
+        assert_eq!(later.counts.failed, 1);
+        assert!(later.clusters.is_empty());
     }
 
     #[test]
@@ -772,5 +792,30 @@ mod tests {
             at(2),
         );
         assert_eq!(restarted, halted);
+    }
+
+    #[test]
+    fn reverting_to_the_base_mid_rollout_moves_the_released_clusters_back() {
+        let strategy = progressive(1, 0);
+        let (first, _) = advance(
+            &strategy,
+            "r2",
+            Some(&settled("r1")),
+            &fleet(&[("a", waiting()), ("b", waiting())]),
+            at(0),
+        );
+        assert_eq!(assigned("r1", Some(&first), "a"), Assigned::Earlier("r2"));
+        let (reverted, _) = advance(
+            &strategy,
+            "r1",
+            Some(&first),
+            &fleet(&[("a", waiting()), ("b", converged())]),
+            at(1),
+        );
+        assert_eq!(reverted.state, PROGRESSING);
+        assert_eq!(
+            revisions(&reverted, "r1", &["a", "b"]),
+            [Assigned::Current, Assigned::Current]
+        );
     }
 }

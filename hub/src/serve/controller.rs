@@ -25,7 +25,7 @@ use crate::fleet::deletion::{Deletion, decide, describe};
 use crate::fleet::readiness::{READY, is_transition, phase, ready_condition, summary};
 use crate::fleet::rollout::{assignment_changed, milestones};
 
-use super::fleet_state::{FleetState, ModuleView};
+use super::fleet_state::{FleetState, ModuleView, is_progressive};
 use super::metrics::Metrics;
 use super::rollout;
 
@@ -146,6 +146,7 @@ pub async fn reconcile(
     let milestones = status
         .rollout
         .as_ref()
+        .filter(|_| is_progressive(&module))
         .map(|next| milestones(previous_rollout, next))
         .unwrap_or_default();
     if let Some(rollout) = &status.rollout {

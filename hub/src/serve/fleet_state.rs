@@ -1065,7 +1065,7 @@ impl FleetState {
 
 /// Whether the module rolls out progressively: then each cluster runs the revision the
 /// rollout record in its status assigns it.
-fn is_progressive(module: &ManagedClusterModule) -> bool {
+pub fn is_progressive(module: &ManagedClusterModule) -> bool {
     module
         .spec
         .rollout_strategy
