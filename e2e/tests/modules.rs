@@ -951,6 +951,14 @@ async fn a_progressive_rollout_halts_on_a_missing_image_survives_a_hub_crash_and
     create(&fleet.hub, &module(&name, &id, sample_mapping(&fleet))?).await?;
     wait_labelled(&fleet, &name, &targets).await?;
 
+    wait_until("the module's rollout record", WAIT, || async {
+        let status = status(&fleet.hub, &name).await.map_err(|e| e.to_string())?;
+        status["rollout"]["baseRevision"]
+            .is_string()
+            .then_some(())
+            .ok_or_else(|| status.to_string())
+    })
+    .await?;
     // Version 2.0 names an image that is not there yet (a tag of this run's own), one
     // cluster at a time.
     let offsets: Vec<usize> = agents.iter().map(log_len).collect();
