@@ -1,4 +1,5 @@
-//! The kmm-fleet hub API: `ManagedClusterModule` (`hub.kmm.sigs.x-k8s.io/v1beta1`).
+//! The kmm-fleet hub API (`hub.kmm.sigs.x-k8s.io/v1beta1`): `ManagedClusterModule`, and
+//! `PreflightValidation`.
 //!
 //! Wire-compatible with upstream Kernel Module Management: `spec.moduleSpec` is upstream's
 //! `Module` spec, field for field; kmm-fleet only adds fields, never renames them.
@@ -8,11 +9,14 @@ pub mod labels;
 mod managed_cluster_module;
 mod module_spec;
 mod node_upgrade;
+mod preflight_validation;
 mod rollout;
 mod schema;
 mod status;
 
-pub use crd::{CRD_PATH, managed_cluster_module_crd_yaml};
+pub use crd::{
+    CRD_PATH, PREFLIGHT_CRD_PATH, managed_cluster_module_crd_yaml, preflight_validation_crd_yaml,
+};
 pub use managed_cluster_module::{ManagedClusterModule, ManagedClusterModuleSpec};
 pub use module_spec::{
     Build, BuildArg, DEFAULT_DIR_NAME, DevicePluginContainerSpec, DevicePluginSpec, KanikoParams,
@@ -20,6 +24,9 @@ pub use module_spec::{
     ModuleSpec, Sign, TlsOptions,
 };
 pub use node_upgrade::{MaxUnavailable, NodeUpgrade};
+pub use preflight_validation::{
+    PreflightModuleStatus, PreflightValidation, PreflightValidationSpec, PreflightValidationStatus,
+};
 pub use rollout::{
     Rollout, RolloutCluster, RolloutConfig, RolloutCounts, RolloutProblem, RolloutProgressive,
     RolloutStatus, RolloutStrategy, RolloutType, Share, parse_duration,

@@ -3,22 +3,26 @@
 use std::path::Path;
 
 use kmm_api::{
-    CRD_PATH, MAX_FAILURE_SAMPLES, ManagedClusterModule, managed_cluster_module_crd_yaml,
+    CRD_PATH, MAX_FAILURE_SAMPLES, ManagedClusterModule, PREFLIGHT_CRD_PATH,
+    managed_cluster_module_crd_yaml, preflight_validation_crd_yaml,
 };
 use kube::core::cel::validate_cel;
 use serde_json::{Value, json};
 
 #[test]
-fn committed_crd_matches_the_types() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("..")
-        .join(CRD_PATH);
-    let committed = std::fs::read_to_string(&path).expect("the CRD is committed");
-    assert!(
-        committed == managed_cluster_module_crd_yaml(),
-        "{} drifted from api/; run `cargo xtask crdgen` and commit the result",
-        path.display()
-    );
+fn committed_crds_match_the_types() {
+    for (path, generated) in [
+        (CRD_PATH, managed_cluster_module_crd_yaml()),
+        (PREFLIGHT_CRD_PATH, preflight_validation_crd_yaml()),
+    ] {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path);
+        let committed = std::fs::read_to_string(&path).expect("the CRD is committed");
+        assert!(
+            committed == generated,
+            "{} drifted from api/; run `cargo xtask crdgen` and commit the result",
+            path.display()
+        );
+    }
 }
 
 fn schema() -> Value {

@@ -66,12 +66,17 @@ pub fn module_selector(run: &str) -> String {
     format!("{TEST_HUB_LABEL}={run}")
 }
 
-/// Applies the ManagedClusterModule CRD (a fleet started with `--no-kmm` lacks it).
-pub async fn apply_crd(hub: &Client) -> Result<()> {
-    let crd: serde_json::Value =
-        serde_yaml_ng::from_str(&kmm_api::managed_cluster_module_crd_yaml())
-            .map_err(|e| Error::Invalid(format!("the ManagedClusterModule CRD: {e}")))?;
-    Ok(crate::fleet::apply_crd(hub, &crd).await?)
+/// Applies the hub's CRDs (a fleet started with `--no-kmm` lacks them).
+pub async fn apply_crds(hub: &Client) -> Result<()> {
+    for yaml in [
+        kmm_api::managed_cluster_module_crd_yaml(),
+        kmm_api::preflight_validation_crd_yaml(),
+    ] {
+        let crd: serde_json::Value = serde_yaml_ng::from_str(&yaml)
+            .map_err(|e| Error::Invalid(format!("a hub CRD: {e}")))?;
+        crate::fleet::apply_crd(hub, &crd).await?;
+    }
+    Ok(())
 }
 
 /// Pushes a small image for each kernel (the hub checks every image exists before it

@@ -149,7 +149,7 @@ impl Harness {
         let binary = tokio::task::spawn_blocking(move || binary(profile))
             .await
             .map_err(|e| Error::Invalid(format!("locating kmm-hub: {e}")))??;
-        modules::apply_crd(&self.fleet.hub).await?;
+        modules::apply_crds(&self.fleet.hub).await?;
         let kernels = proxy::fleet_kernels(self.shape(), 0)
             .into_iter()
             .chain(proxy::fleet_kernels(self.shape(), 1))

@@ -16,7 +16,10 @@ use k8s_openapi::api::apps::v1::ControllerRevision;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kmm_api::{ManagedClusterModule, ManagedClusterModuleStatus, RolloutType};
+use kmm_api::{
+    ManagedClusterModule, ManagedClusterModuleStatus, PreflightModuleStatus, PreflightValidation,
+    RolloutType,
+};
 use kmm_proto::v1::{
     KernelInventory, ModuleIntent, NodeStatusReport, PullCredential, pull_credential::Content,
 };
@@ -30,6 +33,7 @@ use crate::fleet::deletion::{ClusterUnload, Leftover, leftovers};
 use crate::fleet::intents::cluster_intents;
 use crate::fleet::node_statuses::{NodeStatuses, ReportParts, TooManyStatuses};
 use crate::fleet::outbox::Outbox;
+use crate::fleet::preflight::{Finding, module_status, preflight_needs};
 use crate::fleet::resolutions::Resolutions;
 use crate::fleet::revisions::{MODULE_LABEL, Revisions, object_name};
 use crate::fleet::rollout::{Assigned, Observation, assigned};
@@ -77,6 +81,7 @@ pub struct Stores {
     pub secrets: Store<Secret>,
     /// The kept revisions of every module's spec (the hub's namespace).
     pub revisions: Store<ControllerRevision>,
+    pub preflights: Store<PreflightValidation>,
 }
 
 #[derive(Debug, Default)]
@@ -226,6 +231,8 @@ pub struct FleetState {
     ending: watch::Sender<Option<String>>,
     /// A snapshot waits for an image check: wakes the image worker.
     unchecked_images: Notify,
+    /// An image record or a PreflightValidation changed: wakes the preflight writer.
+    preflight_changed: Notify,
     metrics: Metrics,
 }
 
@@ -256,6 +263,7 @@ impl FleetState {
             connections: watch::Sender::new(Connections::default()),
             ending: watch::Sender::new(None),
             unchecked_images: Notify::new(),
+            preflight_changed: Notify::new(),
             metrics,
         }
     }
@@ -560,6 +568,7 @@ impl FleetState {
         }
         self.recompute_module(module);
         self.bump_needs();
+        self.preflight_changed.notify_one();
     }
 
     /// The hub released the module's finalizer: drop it from every snapshot now.
@@ -863,9 +872,82 @@ impl FleetState {
                     .extend(cluster_kernels.iter().cloned());
             }
         }
-        served
+        let mut needs: BTreeMap<ImageKey, ImageNeed> = served
             .values()
             .flat_map(|(module, kernels)| module_needs(module, kernels))
+            .collect();
+        // Preflights add what no cluster needs yet; a kernel clusters run keeps its needs.
+        for preflight in self.stores.preflights.state() {
+            let spec = &preflight.spec;
+            for module in modules.iter().filter(|m| !is_deleting(m)) {
+                for (key, need) in
+                    preflight_needs(module, &spec.kernel_version, spec.push_built_image)
+                {
+                    needs.entry(key).or_insert(need);
+                }
+            }
+        }
+        needs
+    }
+
+    /// A PreflightValidation changed or went: its image needs follow.
+    pub fn preflight_changed(&self) {
+        self.bump_needs();
+        self.preflight_changed.notify_one();
+    }
+
+    /// Wakes when an image record or a PreflightValidation changed.
+    pub fn preflight_events(&self) -> &Notify {
+        &self.preflight_changed
+    }
+
+    /// Every module's preflight answer for `preflight`, sorted by module name.
+    pub fn preflight_statuses(
+        &self,
+        preflight: &PreflightValidation,
+        now: Timestamp,
+    ) -> Vec<PreflightModuleStatus> {
+        let kernel = preflight.spec.kernel_version.as_str();
+        let push = preflight.spec.push_built_image;
+        let kernels = BTreeSet::from([kernel.to_owned()]);
+        let previous = preflight
+            .status
+            .as_ref()
+            .map_or(&[][..], |s| &s.modules[..]);
+        let images = self
+            .images
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        self.modules()
+            .iter()
+            .filter(|m| !is_deleting(m))
+            .map(|module| {
+                let name = module.name_any();
+                let unresolved = {
+                    let mut resolutions = lock(&self.resolutions);
+                    let resolved = resolutions.resolve(module, &kernels);
+                    match (resolved.invalid(), resolved.kernel(kernel)) {
+                        (Some(errors), _) => Some(format!("InvalidSpec: {errors}")),
+                        (None, Some(Err(e))) => Some(format!("{}: {e}", e.kind.reason())),
+                        _ => None,
+                    }
+                };
+                let recipes = preflight_needs(module, kernel, true);
+                let finding = match unresolved {
+                    Some(why) => Finding::Unresolved(why),
+                    None => Finding::Images(
+                        recipes
+                            .iter()
+                            .map(|(key, need)| {
+                                let recipe = need.build.is_some() || need.sign.is_some();
+                                (key, recipe, images.records.get(key))
+                            })
+                            .collect(),
+                    ),
+                };
+                let before = previous.iter().find(|p| p.name == name);
+                module_status(module, &finding, push, before, now)
+            })
             .collect()
     }
 
@@ -896,6 +978,7 @@ impl FleetState {
         }
         if previous.is_none_or(|p| !p.reported_alike(&record)) {
             self.touched.add([key.module]);
+            self.preflight_changed.notify_one();
         }
     }
 
@@ -1118,6 +1201,7 @@ mod tests {
             clusters: Writer::<DynamicObject>::new(managed_cluster_resource()).as_reader(),
             secrets: store().0,
             revisions: store().0,
+            preflights: store().0,
         };
         FleetState::new(stores, Metrics::default())
     }

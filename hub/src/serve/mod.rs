@@ -10,6 +10,7 @@ pub mod images;
 pub mod leadership;
 pub mod metrics;
 pub mod outbound;
+pub mod preflight;
 pub mod rollout;
 pub mod signing;
 pub mod sync_service;
@@ -23,7 +24,7 @@ use std::time::{Duration, Instant};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::apps::v1::ControllerRevision;
 use k8s_openapi::api::core::v1::Secret;
-use kmm_api::ManagedClusterModule;
+use kmm_api::{ManagedClusterModule, PreflightValidation};
 use kmm_proto::limits;
 use kmm_proto::v1::hub_server::HubServer;
 use kmm_runtime::health::Health;
@@ -209,11 +210,13 @@ pub async fn run(
     let clusters_writer = reflector::store::Writer::<DynamicObject>::new(cluster_resource.clone());
     let secrets_writer = reflector::store::Writer::<Secret>::default();
     let revisions_writer = reflector::store::Writer::<ControllerRevision>::default();
+    let preflights_writer = reflector::store::Writer::<PreflightValidation>::default();
     let stores = Stores {
         modules: controller.store(),
         clusters: clusters_writer.as_reader(),
         secrets: secrets_writer.as_reader(),
         revisions: revisions_writer.as_reader(),
+        preflights: preflights_writer.as_reader(),
     };
     let state = Arc::new(FleetState::new(stores.clone(), metrics.clone()));
 
@@ -245,6 +248,19 @@ pub async fn run(
         "ControllerRevisions",
         |state, revision| state.revision_changed(revision),
     );
+    let preflights_api: Api<PreflightValidation> = Api::all(client.clone());
+    let preflights = watch_into(
+        state.clone(),
+        preflights_writer,
+        watcher(preflights_api.clone(), watcher::Config::default()),
+        "PreflightValidations",
+        |state, _| state.preflight_changed(),
+    );
+    let preflight_writer = AbortOnDropHandle::new(tokio::spawn(preflight::run(
+        state.clone(),
+        preflights_api,
+        stores.preflights.clone(),
+    )));
     tokio::spawn(wait_synced(stores.clone(), state.clone(), health.clone()));
     let addon = AbortOnDropHandle::new(tokio::spawn(addon::run(
         client.clone(),
@@ -331,11 +347,14 @@ pub async fn run(
     let clusters = AbortOnDropHandle::new(tokio::spawn(clusters));
     let secrets = AbortOnDropHandle::new(tokio::spawn(secrets));
     let revisions = AbortOnDropHandle::new(tokio::spawn(revisions));
+    let preflights = AbortOnDropHandle::new(tokio::spawn(preflights));
     let (grpc_result, (), lost_leadership) = tokio::join!(grpc_server, reconciler, stopper);
     drop((
         clusters,
         secrets,
         revisions,
+        preflights,
+        preflight_writer,
         addon,
         image_worker,
         background,

@@ -53,11 +53,15 @@ pub async fn fleet() -> Fleet {
         .await
         .expect("these tests need the local fleet (cargo xtask env up)");
     let _ = REGISTRY.set(fleet.state.registry.clone());
-    let crd: serde_json::Value =
-        serde_yaml_ng::from_str(&kmm_api::managed_cluster_module_crd_yaml()).expect("CRD YAML");
-    kmm_e2e::fleet::apply_crd(&fleet.hub, &crd)
-        .await
-        .expect("the ManagedClusterModule CRD applies");
+    for yaml in [
+        kmm_api::managed_cluster_module_crd_yaml(),
+        kmm_api::preflight_validation_crd_yaml(),
+    ] {
+        let crd: serde_json::Value = serde_yaml_ng::from_str(&yaml).expect("CRD YAML");
+        kmm_e2e::fleet::apply_crd(&fleet.hub, &crd)
+            .await
+            .expect("the hub's CRDs apply");
+    }
     fleet
 }
 

@@ -1,0 +1,235 @@
+//! A PreflightValidation's answer for one module: would nodes on kernel K load it? Pure.
+//!
+//! The kernel is resolved with the module's current spec; each image it needs is what the
+//! hub's image worker makes of it, as for a kernel a cluster reported: found (and pinned),
+//! missing, or, with `pushBuiltImage`, built and signed now. Without `pushBuiltImage` the
+//! worker only looks: the need it gets carries no build or sign recipe, so nothing is
+//! pushed. The preflight's needs never reach a cluster's snapshot.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kmm_api::{ManagedClusterModule, PreflightModuleStatus};
+
+use crate::images::record::{ImageRecord, ImageState};
+use crate::images::{ImageKey, ImageNeed, module_needs};
+
+/// The image needs a preflight for `kernel` adds for `module`; with `push` false, without
+/// their recipes, so that the worker checks and never builds or signs.
+pub fn preflight_needs(
+    module: &ManagedClusterModule,
+    kernel: &str,
+    push: bool,
+) -> BTreeMap<ImageKey, ImageNeed> {
+    let mut needs = module_needs(module, &BTreeSet::from([kernel.to_owned()]));
+    if !push {
+        for need in needs.values_mut() {
+            need.build = None;
+            need.sign = None;
+        }
+    }
+    needs
+}
+
+/// What the hub knows of one module for the kernel.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Finding<'a> {
+    /// The spec gives the kernel no image: the resolver's reason and message.
+    Unresolved(String),
+    /// The images the kernel needs, each with whether the module could make it (a build
+    /// or sign recipe) and the worker's record so far.
+    Images(Vec<(&'a ImageKey, bool, Option<&'a ImageRecord>)>),
+}
+
+/// The verdict: (verified, reason, stage).
+pub fn verdict(finding: &Finding<'_>, push: bool) -> (bool, String, &'static str) {
+    let images = match finding {
+        Finding::Unresolved(why) => return (false, why.clone(), "Done"),
+        Finding::Images(images) => images,
+    };
+    let verdicts = images
+        .iter()
+        .map(|(key, recipe, record)| {
+            let image = &key.image;
+            let Some(record) = record else {
+                return (false, format!("checking {image}"), "Image");
+            };
+            let detail = |record: &ImageRecord| {
+                if record.message.is_empty() {
+                    record.reason.clone()
+                } else {
+                    format!("{}: {}", record.reason, record.message)
+                }
+            };
+            match record.state {
+                ImageState::Exists => (true, format!("{image} exists"), "Done"),
+                ImageState::NeedsBuild | ImageState::Building => {
+                    (false, format!("building {image}"), "Build")
+                }
+                ImageState::NeedsSign | ImageState::Signing => {
+                    (false, format!("signing {image}"), "Sign")
+                }
+                ImageState::NotFound if *recipe && !push => (
+                    false,
+                    format!(
+                        "{image} is missing; the module would build or sign it once a node runs \
+                     the kernel (pushBuiltImage makes it now)"
+                    ),
+                    "Done",
+                ),
+                ImageState::NotFound => (false, detail(record), "Done"),
+                // The worker retries after its backoff.
+                ImageState::Failed => (false, detail(record), "Requeued"),
+            }
+        })
+        .collect::<Vec<_>>();
+    if verdicts.is_empty() {
+        return (true, "the kernel needs no image".to_owned(), "Done");
+    }
+    let verified = verdicts.iter().all(|(ok, ..)| *ok);
+    let stage = verdicts
+        .iter()
+        .filter(|(ok, ..)| !ok)
+        .map(|(.., stage)| *stage)
+        .find(|stage| *stage != "Done")
+        .unwrap_or("Done");
+    let reasons: Vec<String> = verdicts.into_iter().map(|(_, reason, _)| reason).collect();
+    (verified, reasons.join("; "), stage)
+}
+
+/// One module's status entry; its transition time moves only when the verdict does.
+pub fn module_status(
+    module: &ManagedClusterModule,
+    finding: &Finding<'_>,
+    push: bool,
+    previous: Option<&PreflightModuleStatus>,
+    now: Timestamp,
+) -> PreflightModuleStatus {
+    let (ok, reason, stage) = verdict(finding, push);
+    let verification_status = if ok { "True" } else { "False" }.to_owned();
+    let unchanged = previous.filter(|p| {
+        p.verification_status == verification_status
+            && p.status_reason == reason
+            && p.verification_stage == stage
+    });
+    PreflightModuleStatus {
+        name: module.metadata.name.clone().unwrap_or_default(),
+        namespace: module.spec.spoke_namespace.clone(),
+        verification_status,
+        status_reason: reason,
+        verification_stage: stage.to_owned(),
+        last_transition_time: unchanged.map_or(Time(now), |p| p.last_transition_time.clone()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::images::Next;
+
+    const KERNEL: &str = "6.1.0-9-amd64";
+
+    fn mcm() -> ManagedClusterModule {
+        let doc = r#"
+apiVersion: hub.kmm.sigs.x-k8s.io/v1beta1
+kind: ManagedClusterModule
+metadata: {name: hello, uid: u-1}
+spec:
+  spokeNamespace: drivers
+  selector: {}
+  moduleSpec:
+    selector: {}
+    moduleLoader:
+      container:
+        modprobe: {moduleName: hello}
+        kernelMappings:
+          - regexp: '^6\.1\.'
+            containerImage: 'r.example/hello:${KERNEL_FULL_VERSION}'
+            build: {dockerfileConfigMap: {name: dockerfile}}
+"#;
+        serde_yaml_ng::from_str(doc).expect("test MCM parses")
+    }
+
+    fn record(need: &ImageNeed, state: ImageState, reason: &str) -> ImageRecord {
+        ImageRecord {
+            state,
+            digest: None,
+            reason: reason.into(),
+            message: String::new(),
+            need: need.clone(),
+            failures: 0,
+            then: Next::Check,
+            next_at: Timestamp::UNIX_EPOCH,
+            since: Timestamp::UNIX_EPOCH,
+        }
+    }
+
+    #[test]
+    fn without_push_the_worker_gets_no_recipe_and_builds_nothing() {
+        let checked = preflight_needs(&mcm(), KERNEL, false);
+        let need = checked.values().next().expect("one image");
+        assert!(need.build.is_none() && need.sign.is_none());
+        assert_eq!(need.kernels, BTreeSet::from([KERNEL.to_owned()]));
+        let pushed = preflight_needs(&mcm(), KERNEL, true);
+        assert!(pushed.values().next().unwrap().build.is_some());
+        assert!(preflight_needs(&mcm(), "5.14.0", true).is_empty());
+    }
+
+    #[test]
+    fn each_image_state_gives_a_verdict_and_a_stage() {
+        let needs = preflight_needs(&mcm(), KERNEL, true);
+        let (key, need) = needs.iter().next().unwrap();
+        let with = |record: Option<&ImageRecord>, push: bool| {
+            verdict(&Finding::Images(vec![(key, true, record)]), push)
+        };
+        assert_eq!(
+            with(None, true),
+            (false, format!("checking {}", key.image), "Image")
+        );
+        let exists = ImageRecord::seeded(need, "sha256:1".into(), Timestamp::UNIX_EPOCH);
+        assert_eq!(
+            with(Some(&exists), true),
+            (true, format!("{} exists", key.image), "Done")
+        );
+        let building = record(need, ImageState::Building, "Building");
+        assert_eq!(with(Some(&building), true).2, "Build");
+        let signing = record(need, ImageState::NeedsSign, "NeedsSign");
+        assert_eq!(with(Some(&signing), true).2, "Sign");
+        let failed = record(need, ImageState::Failed, "BuildFailed");
+        assert_eq!(
+            with(Some(&failed), true),
+            (false, "BuildFailed".into(), "Requeued")
+        );
+        let missing = record(need, ImageState::NotFound, "ImageNotFound");
+        let (ok, reason, stage) = with(Some(&missing), false);
+        assert!(!ok && stage == "Done");
+        assert!(reason.contains("pushBuiltImage makes it now"), "{reason}");
+        assert_eq!(
+            verdict(
+                &Finding::Unresolved("NoKernelMapping: no mapping".into()),
+                true
+            ),
+            (false, "NoKernelMapping: no mapping".into(), "Done")
+        );
+    }
+
+    #[test]
+    fn the_transition_time_moves_only_with_the_verdict() {
+        let module = mcm();
+        let unresolved = Finding::Unresolved("NoKernelMapping".into());
+        let then = Timestamp::from_second(1_800_000_000).unwrap();
+        let first = module_status(&module, &unresolved, false, None, then);
+        assert_eq!(
+            (first.name.as_str(), first.namespace.as_str()),
+            ("hello", "drivers")
+        );
+        assert_eq!(first.verification_status, "False");
+        let later = then + std::time::Duration::from_secs(60);
+        let same = module_status(&module, &unresolved, false, Some(&first), later);
+        assert_eq!(same, first);
+        let other = Finding::Unresolved("InvalidSpec".into());
+        let moved = module_status(&module, &other, false, Some(&first), later);
+        assert_eq!(moved.last_transition_time, Time(later));
+    }
+}
