@@ -243,7 +243,11 @@ async fn the_build_and_sign_example_converges_with_modules_the_hub_built_and_sig
     }
 
     // The signed image's modules end with a signature (what the agent extracted).
-    let signed = signed_modules(&fleet, &kernel).await?;
+    let signed = signed_modules(&format!(
+        "{}/kmm-demo/kmm-hello-signed:{kernel}",
+        fleet.state.registry
+    ))
+    .await?;
     ensure!(
         signed == 2,
         "both modules signed in the pushed image, found {signed}"
@@ -256,6 +260,162 @@ async fn the_build_and_sign_example_converges_with_modules_the_hub_built_and_sig
         .await;
     for secret in ["kmm-hello-signing-key", "kmm-hello-signing-cert"] {
         let _ = secrets.delete(secret, &DeleteParams::default()).await;
+    }
+    std::fs::remove_dir_all(&work)?;
+    Ok(())
+}
+
+/// A kernel no node of the fleet runs.
+const FUTURE_KERNEL: &str = "6.1.0-99-amd64";
+
+#[tokio::test]
+async fn a_preflight_builds_and_signs_ahead_for_a_kernel_no_node_runs_and_sends_nothing()
+-> Result<()> {
+    let fleet = Fleet::get().await?;
+    kmm(&fleet)?;
+    let versions = Versions::pinned();
+    ensure!(
+        !versions.kernels.all().iter().any(|k| k == FUTURE_KERNEL),
+        "{FUTURE_KERNEL} is a fleet kernel"
+    );
+    let (id, built) = (unique("kmm-e2e.dev/preflight"), unique("preflight-built"));
+    let sample = unique("preflight-sample");
+    // The fleet's builder base has headers for one kernel: the build compiles against
+    // those and installs the result for the future kernel, which nothing ever loads.
+    let headers = &versions.kernels.without_image;
+    let dockerfile = format!(
+        "FROM {registry}/kmm-fleet/kmod-builder-base:{headers} AS build\n\
+         ARG KERNEL_FULL_VERSION\n\
+         RUN make -C /usr/src/linux-headers-{headers} M=/usr/src/kmm-hello modules\n\
+         RUN mkdir -p /opt/lib/modules/${{KERNEL_FULL_VERSION}}/extra \\\n\
+           && cp /usr/src/kmm-hello/kmm_hello.ko /usr/src/kmm-hello/kmm_hello_dep.ko \
+         /opt/lib/modules/${{KERNEL_FULL_VERSION}}/extra/ \\\n\
+           && depmod -b /opt ${{KERNEL_FULL_VERSION}}\n\
+         FROM scratch\n\
+         COPY --from=build /opt /opt\n",
+        registry = fleet.state.node_registry
+    );
+    let work = std::env::temp_dir().join(format!("kmm-preflight-{}", std::process::id()));
+    let key = TestKey::generate(&work, "preflight", "kmm preflight")?;
+    let secrets: Api<Secret> = Api::namespaced(fleet.hub.clone(), HUB_NAMESPACE);
+    for (field, path) in [("key", &key.key), ("cert", &key.cert)] {
+        let object = Secret {
+            metadata: ObjectMeta {
+                name: Some(format!("{built}-{field}")),
+                ..ObjectMeta::default()
+            },
+            data: Some([(field.to_owned(), ByteString(std::fs::read(path)?))].into()),
+            ..Secret::default()
+        };
+        apply(&secrets, &format!("{built}-{field}"), &object).await?;
+    }
+    let config_maps: Api<ConfigMap> = Api::namespaced(fleet.hub.clone(), HUB_NAMESPACE);
+    let config_map: ConfigMap = serde_json::from_value(serde_json::json!({
+        "metadata": { "name": built },
+        "data": { "dockerfile": dockerfile },
+    }))?;
+    apply(&config_maps, &built, &config_map).await?;
+    let image = format!("{}/kmm-preflight/{built}", fleet.state.node_registry);
+    let with_recipe = module(
+        &built,
+        &id,
+        serde_json::json!([{
+            "literal": FUTURE_KERNEL,
+            "containerImage": format!("{image}:${{KERNEL_FULL_VERSION}}"),
+            "build": {
+                "dockerfileConfigMap": { "name": built },
+                "baseImageRegistryTLS": { "insecure": true },
+            },
+            "sign": {
+                "keySecret": { "name": format!("{built}-key") },
+                "certSecret": { "name": format!("{built}-cert") },
+                "unsignedImageRegistryTLS": { "insecure": true },
+                "filesToSign": [
+                    "/opt/lib/modules/${KERNEL_FULL_VERSION}/extra/kmm_hello.ko",
+                    "/opt/lib/modules/${KERNEL_FULL_VERSION}/extra/kmm_hello_dep.ko",
+                ],
+            },
+        }]),
+    )?;
+    create(&fleet.hub, &with_recipe).await?;
+    create(&fleet.hub, &module(&sample, &id, sample_mapping(&fleet))?).await?;
+    // A cluster runs both modules on its own kernels meanwhile.
+    let spoke = fleet.spoke_names()[0].clone();
+    label_cluster(&fleet.hub, &spoke, &id, true).await?;
+
+    let preflights = Api::<kmm_api::PreflightValidation>::all(fleet.hub.clone());
+    let preflight: kmm_api::PreflightValidation = serde_json::from_value(serde_json::json!({
+        "apiVersion": "hub.kmm.sigs.x-k8s.io/v1beta1",
+        "kind": "PreflightValidation",
+        "metadata": { "name": built },
+        "spec": { "kernelVersion": FUTURE_KERNEL, "pushBuiltImage": true },
+    }))?;
+    preflights
+        .create(&PostParams::default(), &preflight)
+        .await?;
+    let started = std::time::Instant::now();
+    let verdicts = wait_until(
+        "the preflight's verdict on both modules",
+        BUILD_WAIT,
+        || async {
+            let status = preflights
+                .get(&built)
+                .await
+                .map_err(|e| e.to_string())?
+                .status
+                .ok_or("no status")?;
+            let find = |name: &str| status.modules.iter().find(|m| m.name == name).cloned();
+            match (find(&built), find(&sample)) {
+                (Some(b), Some(s))
+                    if b.verification_stage == "Done" && s.verification_stage == "Done" =>
+                {
+                    Ok((b, s))
+                }
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await?;
+    println!(
+        "preflight: built and signed ahead for {FUTURE_KERNEL} in {:.1}s",
+        started.elapsed().as_secs_f64()
+    );
+    let (built_verdict, sample_verdict) = verdicts;
+    ensure!(
+        built_verdict.verification_status == "True",
+        "the built module verifies: {built_verdict:?}"
+    );
+    ensure!(
+        sample_verdict.verification_status == "False"
+            && sample_verdict.status_reason.contains("ImageNotFound"),
+        "the sample module has no image for the kernel: {sample_verdict:?}"
+    );
+    let signed = signed_modules(&format!(
+        "{}/kmm-preflight/{built}:{FUTURE_KERNEL}",
+        fleet.state.registry
+    ))
+    .await?;
+    ensure!(
+        signed == 2,
+        "both modules signed in the pushed image, found {signed}"
+    );
+    // No cluster got the kernel: the spoke's nodes resolve nothing for the built module.
+    let status = status(&fleet.hub, &built).await?;
+    ensure!(
+        status["kernels"]["resolved"] == 0 && status["nodes"]["loaded"] == 0,
+        "the preflight reached a cluster: {status}"
+    );
+
+    label_cluster(&fleet.hub, &spoke, &id, false).await?;
+    preflights.delete(&built, &DeleteParams::default()).await?;
+    for name in [&built, &sample] {
+        delete(&fleet.hub, name).await?;
+    }
+    let _ = config_maps.delete(&built, &DeleteParams::default()).await;
+    for field in ["key", "cert"] {
+        let _ = secrets
+            .delete(&format!("{built}-{field}"), &DeleteParams::default())
+            .await;
     }
     std::fs::remove_dir_all(&work)?;
     Ok(())
@@ -281,18 +441,13 @@ async fn loaded_digest(agent: &Agent, key: &str) -> Result<String> {
     .await?)
 }
 
-/// How many `.ko` files of the signed image's last layer end with Linux's signature
-/// marker.
-async fn signed_modules(fleet: &Fleet, kernel: &str) -> Result<usize> {
-    let image = format!(
-        "{}/kmm-demo/kmm-hello-signed:{kernel}",
-        fleet.state.registry
-    );
+/// How many `.ko` files of `image`'s last layer end with Linux's signature marker.
+async fn signed_modules(image: &str) -> Result<usize> {
     let client = kmm_registry::client(kmm_registry::RegistryTls {
         insecure: true,
         insecure_skip_tls_verify: false,
     });
-    let reference = kmm_registry::parse_reference(&image)?;
+    let reference = kmm_registry::parse_reference(image)?;
     let data = client
         .pull(
             &reference,
