@@ -914,11 +914,12 @@ impl FleetState {
             .status
             .as_ref()
             .map_or(&[][..], |s| &s.modules[..]);
+        let modules = self.modules();
         let images = self
             .images
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        self.modules()
+        modules
             .iter()
             .filter(|m| !is_deleting(m))
             .map(|module| {
