@@ -372,6 +372,24 @@ mod tests {
             .collect()
     }
 
+    /// The record after one step from `record`.
+    fn step(
+        strategy: &Rollout,
+        current: &str,
+        record: &RolloutStatus,
+        clusters: &[(&str, Observation)],
+        seconds: i64,
+    ) -> RolloutStatus {
+        advance(
+            strategy,
+            current,
+            Some(record),
+            &fleet(clusters),
+            at(seconds),
+        )
+        .0
+    }
+
     fn waiting() -> Observation {
         Observation::default()
     }
@@ -437,12 +455,12 @@ mod tests {
         let strategy = progressive(1, 0);
         let names = ["a", "b", "c"];
         let before = settled("r1");
-        let (first, _) = advance(
+        let first = step(
             &strategy,
             "r2",
-            Some(&before),
-            &fleet(&[("a", waiting()), ("b", waiting()), ("c", waiting())]),
-            at(0),
+            &before,
+            &[("a", waiting()), ("b", waiting()), ("c", waiting())],
+            0,
         );
         assert_eq!(
             revisions(&first, "r2", &names),
@@ -454,20 +472,20 @@ mod tests {
         );
         assert_eq!(first.summary, "Progressing 0/3 clusters");
         // Until a converges, nothing else moves.
-        let (again, _) = advance(
+        let again = step(
             &strategy,
             "r2",
-            Some(&first),
-            &fleet(&[("a", waiting()), ("b", converged()), ("c", waiting())]),
-            at(5),
+            &first,
+            &[("a", waiting()), ("b", converged()), ("c", waiting())],
+            5,
         );
         assert_eq!(again.clusters, first.clusters);
-        let (second, _) = advance(
+        let second = step(
             &strategy,
             "r2",
-            Some(&again),
-            &fleet(&[("a", converged()), ("b", converged()), ("c", waiting())]),
-            at(10),
+            &again,
+            &[("a", converged()), ("b", converged()), ("c", waiting())],
+            10,
         );
         assert_eq!(
             revisions(&second, "r2", &names),
@@ -478,19 +496,19 @@ mod tests {
             ]
         );
         assert_eq!(second.counts.succeeded, 1);
-        let (third, _) = advance(
+        let third = step(
             &strategy,
             "r2",
-            Some(&second),
-            &fleet(&[("a", converged()), ("b", converged()), ("c", waiting())]),
-            at(11),
+            &second,
+            &[("a", converged()), ("b", converged()), ("c", waiting())],
+            11,
         );
-        let (done, _) = advance(
+        let done = step(
             &strategy,
             "r2",
-            Some(&third),
-            &fleet(&[("a", converged()), ("b", converged()), ("c", converged())]),
-            at(20),
+            &third,
+            &[("a", converged()), ("b", converged()), ("c", converged())],
+            20,
         );
         assert_eq!(done.state, SUCCEEDED);
         assert_eq!(done.base_revision.as_deref(), Some("r2"));
@@ -532,19 +550,19 @@ mod tests {
     #[test]
     fn a_failure_past_max_failures_halts_and_the_rest_keep_their_revision() {
         let strategy = progressive(1, 0);
-        let (first, _) = advance(
+        let first = step(
             &strategy,
             "r2",
-            Some(&settled("r1")),
-            &fleet(&[("a", waiting()), ("b", waiting())]),
-            at(0),
+            &settled("r1"),
+            &[("a", waiting()), ("b", waiting())],
+            0,
         );
-        let (halted, _) = advance(
+        let halted = step(
             &strategy,
             "r2",
-            Some(&first),
-            &fleet(&[("a", failing("a-node1: ImageNotFound")), ("b", waiting())]),
-            at(10),
+            &first,
+            &[("a", failing("a-node1: ImageNotFound")), ("b", waiting())],
+            10,
         );
         assert_eq!(halted.state, HALTED);
         assert_eq!(
@@ -556,12 +574,12 @@ mod tests {
             [Assigned::Current, Assigned::Earlier("r1")]
         );
         // The image appears: a converges, the rollout resumes with b.
-        let (resumed, _) = advance(
+        let resumed = step(
             &strategy,
             "r2",
-            Some(&halted),
-            &fleet(&[("a", converged()), ("b", waiting())]),
-            at(20),
+            &halted,
+            &[("a", converged()), ("b", waiting())],
+            20,
         );
         assert_eq!(resumed.state, PROGRESSING);
         assert_eq!(
@@ -573,19 +591,19 @@ mod tests {
     #[test]
     fn tolerated_failures_do_not_block_the_rollout() {
         let strategy = progressive(1, 1);
-        let (first, _) = advance(
+        let first = step(
             &strategy,
             "r2",
-            Some(&settled("r1")),
-            &fleet(&[("a", waiting()), ("b", waiting())]),
-            at(0),
+            &settled("r1"),
+            &[("a", waiting()), ("b", waiting())],
+            0,
         );
-        let (next, _) = advance(
+        let next = step(
             &strategy,
             "r2",
-            Some(&first),
-            &fleet(&[("a", failing("a-node1: LoadFailed")), ("b", waiting())]),
-            at(10),
+            &first,
+            &[("a", failing("a-node1: LoadFailed")), ("b", waiting())],
+            10,
         );
         assert_eq!(next.state, PROGRESSING);
         assert_eq!(next.counts.failed, 1);
@@ -602,12 +620,12 @@ mod tests {
             min_success_time: Duration::from_secs(60),
             ..progressive(1, 0)
         };
-        let (first, _) = advance(
+        let first = step(
             &strategy,
             "r2",
-            Some(&settled("r1")),
-            &fleet(&[("a", waiting()), ("b", waiting())]),
-            at(0),
+            &settled("r1"),
+            &[("a", waiting()), ("b", waiting())],
+            0,
         );
         let (held, next) = advance(
             &strategy,
@@ -618,12 +636,12 @@ mod tests {
         );
         assert_eq!(assigned("r2", Some(&held), "b"), Assigned::Earlier("r1"));
         assert_eq!(next, Some(Duration::from_secs(60)));
-        let (moved, _) = advance(
+        let moved = step(
             &strategy,
             "r2",
-            Some(&held),
-            &fleet(&[("a", converged()), ("b", waiting())]),
-            at(70),
+            &held,
+            &[("a", converged()), ("b", waiting())],
+            70,
         );
         assert_eq!(assigned("r2", Some(&moved), "b"), Assigned::Current);
     }
@@ -642,12 +660,12 @@ mod tests {
             at(0),
         );
         assert_eq!(next, Some(Duration::from_secs(30)));
-        let (timed_out, _) = advance(
+        let timed_out = step(
             &strategy,
             "r2",
-            Some(&first),
-            &fleet(&[("a", waiting()), ("b", waiting())]),
-            at(30),
+            &first,
+            &[("a", waiting()), ("b", waiting())],
+            30,
         );
         assert_eq!(timed_out.state, HALTED);
         assert_eq!(timed_out.clusters[0].state, TIME_OUT);
@@ -660,28 +678,28 @@ mod tests {
     #[test]
     fn a_new_spec_mid_rollout_starts_from_where_each_cluster_is() {
         let strategy = progressive(1, 0);
-        let (first, _) = advance(
+        let first = step(
             &strategy,
             "r2",
-            Some(&settled("r1")),
-            &fleet(&[("a", failing("a-node1: ImageNotFound")), ("b", waiting())]),
-            at(0),
+            &settled("r1"),
+            &[("a", failing("a-node1: ImageNotFound")), ("b", waiting())],
+            0,
         );
-        let (halted, _) = advance(
+        let halted = step(
             &strategy,
             "r2",
-            Some(&first),
-            &fleet(&[("a", failing("a-node1: ImageNotFound")), ("b", waiting())]),
-            at(1),
+            &first,
+            &[("a", failing("a-node1: ImageNotFound")), ("b", waiting())],
+            1,
         );
         assert_eq!(halted.state, HALTED);
         // r3 fixes the image: a (on r2) and b (on r1) are both to apply; a goes first.
-        let (replaced, _) = advance(
+        let replaced = step(
             &strategy,
             "r3",
-            Some(&halted),
-            &fleet(&[("a", waiting()), ("b", waiting())]),
-            at(2),
+            &halted,
+            &[("a", waiting()), ("b", waiting())],
+            2,
         );
         assert_eq!(replaced.state, PROGRESSING);
         assert_eq!(
@@ -693,20 +711,20 @@ mod tests {
     #[test]
     fn clusters_no_longer_selected_leave_the_record() {
         let strategy = progressive(2, 0);
-        let (first, _) = advance(
+        let first = step(
             &strategy,
             "r2",
-            Some(&settled("r1")),
-            &fleet(&[("a", waiting()), ("b", waiting()), ("c", waiting())]),
-            at(0),
+            &settled("r1"),
+            &[("a", waiting()), ("b", waiting()), ("c", waiting())],
+            0,
         );
         assert_eq!(first.clusters.len(), 2);
-        let (next, _) = advance(
+        let next = step(
             &strategy,
             "r2",
-            Some(&first),
-            &fleet(&[("b", waiting()), ("c", waiting())]),
-            at(1),
+            &first,
+            &[("b", waiting()), ("c", waiting())],
+            1,
         );
         let listed: Vec<&str> = next.clusters.iter().map(|c| c.cluster.as_str()).collect();
         assert_eq!(listed, ["b", "c"]);
@@ -716,12 +734,12 @@ mod tests {
     fn waves_halts_and_completion_are_milestones() {
         let strategy = progressive(1, 0);
         let before = settled("r1");
-        let (first, _) = advance(
+        let first = step(
             &strategy,
             "r2",
-            Some(&before),
-            &fleet(&[("a", waiting()), ("b", waiting())]),
-            at(0),
+            &before,
+            &[("a", waiting()), ("b", waiting())],
+            0,
         );
         assert!(assignment_changed(Some(&before), &first));
         let started = milestones(Some(&before), &first);
@@ -731,15 +749,15 @@ mod tests {
             started[0].note,
             "a now gets revision r2; Progressing 0/2 clusters"
         );
-        let (halted, _) = advance(
+        let halted = step(
             &strategy,
             "r2",
-            Some(&first),
-            &fleet(&[
+            &first,
+            &[
                 ("a", failing("a-n1: LoadFailed: no such file")),
                 ("b", waiting()),
-            ]),
-            at(1),
+            ],
+            1,
         );
         assert!(!assignment_changed(Some(&first), &halted));
         let events = milestones(Some(&first), &halted);
@@ -747,19 +765,19 @@ mod tests {
         assert!(events[0].warning);
         assert_eq!(events[0].reason, "RolloutHalted");
         assert!(milestones(Some(&halted), &halted).is_empty());
-        let (resumed, _) = advance(
+        let resumed = step(
             &strategy,
             "r2",
-            Some(&halted),
-            &fleet(&[("a", converged()), ("b", waiting())]),
-            at(2),
+            &halted,
+            &[("a", converged()), ("b", waiting())],
+            2,
         );
-        let (done, _) = advance(
+        let done = step(
             &strategy,
             "r2",
-            Some(&resumed),
-            &fleet(&[("a", converged()), ("b", converged())]),
-            at(3),
+            &resumed,
+            &[("a", converged()), ("b", converged())],
+            3,
         );
         let events = milestones(Some(&resumed), &done);
         assert_eq!(events.len(), 1, "{events:?}");
@@ -769,27 +787,27 @@ mod tests {
     #[test]
     fn a_failed_cluster_stays_failed_until_it_succeeds() {
         let strategy = progressive(1, 0);
-        let (first, _) = advance(
+        let first = step(
             &strategy,
             "r2",
-            Some(&settled("r1")),
-            &fleet(&[("a", waiting()), ("b", waiting())]),
-            at(0),
+            &settled("r1"),
+            &[("a", waiting()), ("b", waiting())],
+            0,
         );
-        let (halted, _) = advance(
+        let halted = step(
             &strategy,
             "r2",
-            Some(&first),
-            &fleet(&[("a", failing("a-n1: ImageNotFound")), ("b", waiting())]),
-            at(1),
+            &first,
+            &[("a", failing("a-n1: ImageNotFound")), ("b", waiting())],
+            1,
         );
         // A new leader, before the cluster's proxy reported again.
-        let (restarted, _) = advance(
+        let restarted = step(
             &strategy,
             "r2",
-            Some(&halted),
-            &fleet(&[("a", waiting()), ("b", waiting())]),
-            at(2),
+            &halted,
+            &[("a", waiting()), ("b", waiting())],
+            2,
         );
         assert_eq!(restarted, halted);
     }
@@ -797,20 +815,20 @@ mod tests {
     #[test]
     fn reverting_to_the_base_mid_rollout_moves_the_released_clusters_back() {
         let strategy = progressive(1, 0);
-        let (first, _) = advance(
+        let first = step(
             &strategy,
             "r2",
-            Some(&settled("r1")),
-            &fleet(&[("a", waiting()), ("b", waiting())]),
-            at(0),
+            &settled("r1"),
+            &[("a", waiting()), ("b", waiting())],
+            0,
         );
         assert_eq!(assigned("r1", Some(&first), "a"), Assigned::Earlier("r2"));
-        let (reverted, _) = advance(
+        let reverted = step(
             &strategy,
             "r1",
-            Some(&first),
-            &fleet(&[("a", waiting()), ("b", converged())]),
-            at(1),
+            &first,
+            &[("a", waiting()), ("b", converged())],
+            1,
         );
         assert_eq!(reverted.state, PROGRESSING);
         assert_eq!(
