@@ -34,6 +34,8 @@ pub use crate::fleet::assignment::FINALIZER;
 pub const FIELD_MANAGER: &str = "kmm-hub";
 /// Level-based safety net: every module is reconciled at least this often.
 const RESYNC: Duration = Duration::from_secs(300);
+/// How soon a module reconciled before the fleet view synced is looked at again.
+const SYNC_RECHECK: Duration = Duration::from_millis(200);
 /// While unloading, check again at least this often (reports also trigger a check).
 const UNLOAD_RECHECK: Duration = Duration::from_secs(10);
 /// Least time between two status writes of one module that only change counts: a fleet
@@ -98,6 +100,12 @@ pub async fn reconcile(
     }
     if deleting && !has_finalizer {
         return Ok(Action::await_change());
+    }
+    if !ctx.state.is_synced() {
+        // Until every watch listed, the fleet view lacks clusters: counting none would
+        // release a deleted module's finalizer unconfirmed, or fold a rollout that has
+        // clusters still to reach. Only a hub's first moments take this path.
+        return Ok(Action::requeue(SYNC_RECHECK));
     }
     ctx.state.note_module(&module);
     let invalid = validate(

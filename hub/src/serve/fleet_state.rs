@@ -302,7 +302,7 @@ impl FleetState {
         self.needs.send_modify(|n| *n = n.wrapping_add(1));
     }
 
-    fn is_synced(&self) -> bool {
+    pub fn is_synced(&self) -> bool {
         *self.synced.borrow()
     }
 
