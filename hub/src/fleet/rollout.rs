@@ -836,4 +836,19 @@ mod tests {
             [Assigned::Current, Assigned::Current]
         );
     }
+
+    #[test]
+    fn a_module_selecting_no_cluster_has_nothing_to_roll_out() {
+        // Why the hub reconciles only once it knows every cluster: an empty selection
+        // makes the current revision the base at once.
+        let (status, _) = advance(
+            &progressive(1, 0),
+            "r2",
+            Some(&settled("r1")),
+            &BTreeMap::new(),
+            at(0),
+        );
+        assert_eq!(status.base_revision.as_deref(), Some("r2"));
+        assert_eq!(status.state, SUCCEEDED);
+    }
 }
