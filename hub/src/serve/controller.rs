@@ -144,7 +144,8 @@ pub async fn reconcile(
                 }
                 status.rollout = Some(step.record);
             }
-            Err(why) => detail = why,
+            Err(why) if detail.is_empty() => detail = why,
+            Err(why) => detail = format!("{detail}; {why}"),
         }
     }
     let rollout_moved = status
