@@ -861,13 +861,15 @@ impl FleetState {
                     continue;
                 }
                 let key = (input.module.name_any(), input.module.metadata.generation);
-                let module = at_revisions
-                    .iter()
-                    .find(|m| std::ptr::eq(m.as_ref(), input.module))
-                    .expect("an input is one of the modules given");
                 served
                     .entry(key)
-                    .or_insert_with(|| (module.clone(), BTreeSet::new()))
+                    .or_insert_with(|| {
+                        let module = at_revisions
+                            .iter()
+                            .find(|m| std::ptr::eq(m.as_ref(), input.module))
+                            .expect("an input is one of the modules given");
+                        (module.clone(), BTreeSet::new())
+                    })
                     .1
                     .extend(cluster_kernels.iter().cloned());
             }
