@@ -9,6 +9,7 @@ pub mod labels;
 mod managed_cluster_module;
 mod module_spec;
 mod node_upgrade;
+mod percent;
 mod preflight_validation;
 mod rollout;
 mod schema;

@@ -35,13 +35,9 @@ impl MaxUnavailable {
             IntOrString::Int(n) if *n >= 1 => Ok(Self::Nodes(n.unsigned_abs())),
             IntOrString::Int(_) => Err("must be at least 1 node".to_owned()),
             IntOrString::String(s) => {
-                let percent = s
-                    .strip_suffix('%')
-                    .filter(|n| n.bytes().all(|b| b.is_ascii_digit()) && !n.starts_with('0'))
-                    .and_then(|n| n.parse::<u32>().ok())
-                    .ok_or_else(|| {
-                        "must be a number of nodes or a percentage such as \"25%\"".to_owned()
-                    })?;
+                let percent = crate::percent::percent(s).ok_or_else(|| {
+                    "must be a number of nodes or a percentage such as \"25%\"".to_owned()
+                })?;
                 if (1..=100).contains(&percent) {
                     Ok(Self::Percent(percent))
                 } else {

@@ -105,13 +105,9 @@ impl Share {
             }
             IntOrString::Int(_) => Err(format!("must be at least {unit}")),
             IntOrString::String(s) => {
-                let percent = s
-                    .strip_suffix('%')
-                    .filter(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
-                    .and_then(|n| n.parse::<u32>().ok())
-                    .ok_or_else(|| {
-                        "must be a number of clusters or a percentage such as \"25%\"".to_owned()
-                    })?;
+                let percent = crate::percent::percent(s).ok_or_else(|| {
+                    "must be a number of clusters or a percentage such as \"25%\"".to_owned()
+                })?;
                 if percent >= least && percent <= 100 {
                     Ok(Self::Percent(percent))
                 } else {
@@ -374,5 +370,6 @@ mod tests {
         assert!(Share::parse(&text("0%"), 1).is_err());
         assert!(Share::parse(&text("%"), 0).is_err());
         assert!(Share::parse(&text("ten"), 0).is_err());
+        assert!(Share::parse(&text("05%"), 0).is_err());
     }
 }
