@@ -11,7 +11,7 @@
 //! `maxFailures` failed clusters the rollout halts, and the clusters not reached keep
 //! their revision. A later spec change starts a new rollout from where each cluster is.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -272,6 +272,28 @@ fn everywhere(current: &str, selected: &BTreeMap<String, Observation>) -> Rollou
 
 fn count(n: usize) -> i32 {
     i32::try_from(n).unwrap_or(i32::MAX)
+}
+
+/// The revisions a cluster may run while `previous` or `next` is the record (the old one
+/// is served until the new one is written), and the current one: a kept revision outside
+/// them may go.
+pub fn revisions_in_use<'a>(
+    current: &'a str,
+    previous: Option<&'a RolloutStatus>,
+    next: &'a RolloutStatus,
+) -> BTreeSet<&'a str> {
+    [previous, Some(next)]
+        .into_iter()
+        .flatten()
+        .flat_map(|r| {
+            r.clusters
+                .iter()
+                .map(|c| c.revision.as_str())
+                .chain(r.base_revision.as_deref())
+                .chain([r.revision.as_str()])
+        })
+        .chain([current])
+        .collect()
 }
 
 /// Something a person should see in the module's Events.
@@ -850,5 +872,34 @@ mod tests {
         );
         assert_eq!(status.base_revision.as_deref(), Some("r2"));
         assert_eq!(status.state, SUCCEEDED);
+    }
+
+    #[test]
+    fn a_revision_stays_kept_while_either_record_assigns_it() {
+        let strategy = progressive(1, 0);
+        let (first, _) = advance(
+            &strategy,
+            "r2",
+            Some(&settled("r1")),
+            &fleet(&[("a", waiting()), ("b", waiting())]),
+            at(0),
+        );
+        // r3 arrives: a ran r2 by the old record and is released to r3 by the new one;
+        // b runs the base r1 by both.
+        let replaced = step(
+            &strategy,
+            "r3",
+            &first,
+            &[("a", waiting()), ("b", waiting())],
+            1,
+        );
+        let kept = revisions_in_use("r3", Some(&first), &replaced);
+        assert_eq!(kept, BTreeSet::from(["r1", "r2", "r3"]));
+        // Once every cluster runs r3 and the old record is gone, only r3 stays.
+        let done = settled("r3");
+        assert_eq!(
+            revisions_in_use("r3", Some(&done), &done),
+            BTreeSet::from(["r3"])
+        );
     }
 }

@@ -683,6 +683,11 @@ impl FleetState {
         }
     }
 
+    /// The module's current revision (computed once per generation).
+    pub fn current_revision(&self, module: &ManagedClusterModule) -> String {
+        lock(&self.revisions).current(module)
+    }
+
     /// The module's kept revisions.
     pub fn kept_revisions(&self, module: &str) -> Vec<Arc<ControllerRevision>> {
         self.stores

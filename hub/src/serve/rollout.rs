@@ -3,7 +3,7 @@
 //! and delete the kept revisions no cluster runs any more. The record is written (by the
 //! controller) before the fleet view serves a released cluster its new revision.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::ControllerRevision;
@@ -12,8 +12,8 @@ use kmm_api::{ManagedClusterModule, RolloutStatus};
 use kube::api::{DeleteParams, PostParams};
 use kube::{Api, ResourceExt};
 
-use crate::fleet::revisions::{REVISION_LABEL, controller_revision, revision_of};
-use crate::fleet::rollout::{Observation, advance};
+use crate::fleet::revisions::{REVISION_LABEL, controller_revision};
+use crate::fleet::rollout::{Observation, advance, revisions_in_use};
 
 use super::controller::ReconcileError;
 use super::fleet_state::FleetState;
@@ -35,7 +35,7 @@ pub async fn step(
     observed: &BTreeMap<String, Observation>,
 ) -> Result<Result<Step, String>, ReconcileError> {
     let name = module.name_any();
-    let current = revision_of(&module.spec.module_spec);
+    let current = state.current_revision(module);
     let kept = state.kept_revisions(&name);
     if !kept
         .iter()
@@ -78,19 +78,7 @@ pub async fn step(
         }
     };
     let (record, next_check) = advance(&strategy, &current, previous, observed, Timestamp::now());
-    // Revisions that neither record assigns are served to no cluster.
-    let in_use: BTreeSet<&str> = [previous, Some(&record)]
-        .into_iter()
-        .flatten()
-        .flat_map(|r| {
-            r.clusters
-                .iter()
-                .map(|c| c.revision.as_str())
-                .chain(r.base_revision.as_deref())
-                .chain([r.revision.as_str()])
-        })
-        .chain([current.as_str()])
-        .collect();
+    let in_use = revisions_in_use(&current, previous, &record);
     for unused in kept.iter().filter(|r| {
         r.labels()
             .get(REVISION_LABEL)
