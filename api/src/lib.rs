@@ -10,6 +10,7 @@ mod managed_cluster_module;
 mod module_spec;
 mod node_upgrade;
 mod percent;
+mod placement_ref;
 mod preflight_validation;
 mod rollout;
 mod schema;
@@ -25,12 +26,14 @@ pub use module_spec::{
     ModuleSpec, Sign, TlsOptions,
 };
 pub use node_upgrade::{MaxUnavailable, NodeUpgrade};
+pub use placement_ref::PlacementRef;
 pub use preflight_validation::{
     PreflightModuleStatus, PreflightValidation, PreflightValidationSpec, PreflightValidationStatus,
 };
 pub use rollout::{
-    Rollout, RolloutCluster, RolloutConfig, RolloutCounts, RolloutProblem, RolloutProgressive,
-    RolloutStatus, RolloutStrategy, RolloutType, Share, parse_duration,
+    GroupRef, MandatoryDecisionGroup, Pace, Rollout, RolloutCluster, RolloutConfig,
+    RolloutCounts, RolloutProblem, RolloutProgressive, RolloutProgressivePerGroup, RolloutStatus,
+    RolloutStrategy, RolloutType, Share, parse_duration,
 };
 pub use status::{
     ClusterCounts, FailureSample, ImageStatus, KernelCounts, MAX_FAILURE_SAMPLES,

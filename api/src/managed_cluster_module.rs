@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
 
-use crate::{ManagedClusterModuleStatus, ModuleSpec, NodeUpgrade, RolloutStrategy};
+use crate::{ManagedClusterModuleStatus, ModuleSpec, NodeUpgrade, PlacementRef, RolloutStrategy};
 
 /// The desired state of a ManagedClusterModule.
 // Each printcolumn(...) repeats the same keys, which clippy mistakes for duplicates.
@@ -84,6 +84,14 @@ pub struct ManagedClusterModuleSpec {
 
     /// Labels of the ManagedClusters the module is deployed to.
     pub selector: BTreeMap<String, String>,
+
+    /// Open Cluster Management Placements that choose the clusters too (an addition to
+    /// upstream): a cluster is selected when its labels match `selector` and a Placement
+    /// here decided it. Their decision groups are the rollout's waves, in the order of
+    /// this list, then of each Placement's group index. Absent: `selector` alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1))]
+    pub placement_refs: Option<Vec<PlacementRef>>,
 
     /// How a change of the module's version moves through each cluster's nodes (an
     /// addition to upstream). Absent: every node at once.

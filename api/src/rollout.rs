@@ -1,7 +1,9 @@
 //! How a change of a module's spec moves across the selected clusters, in the shape of
 //! Open Cluster Management's `RolloutStrategy` (`cluster.open-cluster-management.io/
-//! v1alpha1`): `All` at once, or `Progressive`, a few clusters at a time. The checking
-//! and the arithmetic live here so that admission and the hub agree on them.
+//! v1alpha1`): `All` at once, `Progressive` (a few clusters at a time) or
+//! `ProgressivePerGroup` (one Placement decision group at a time), mandatory decision
+//! groups first. The checking and the arithmetic live here so that admission and the hub
+//! agree on them.
 
 use std::time::Duration;
 
@@ -17,12 +19,15 @@ use serde_with::skip_serializing_none;
 #[serde(rename_all = "camelCase")]
 pub struct RolloutStrategy {
     /// `All` (the default): every selected cluster at once, as soon as the spec changes.
-    /// `Progressive`: at most `progressive.maxConcurrency` clusters at a time, in name
-    /// order.
+    /// `Progressive`: at most `progressive.maxConcurrency` clusters at a time, in the
+    /// order of their decision groups (`spec.placementRefs`), then of their names.
+    /// `ProgressivePerGroup`: one decision group of `spec.placementRefs` at a time.
     #[serde(rename = "type", default)]
     pub type_: RolloutType,
     /// Settings of `Progressive`.
     pub progressive: Option<RolloutProgressive>,
+    /// Settings of `ProgressivePerGroup`.
+    pub progressive_per_group: Option<RolloutProgressivePerGroup>,
 }
 
 /// How many clusters move at once.
@@ -33,6 +38,7 @@ pub enum RolloutType {
     #[default]
     All,
     Progressive,
+    ProgressivePerGroup,
 }
 
 /// How clusters are judged while they move.
@@ -63,20 +69,75 @@ pub struct RolloutConfig {
 pub struct RolloutProgressive {
     #[serde(flatten)]
     pub config: RolloutConfig,
+    /// Decision groups of `spec.placementRefs` that move first, one group at a time,
+    /// whatever `maxConcurrency` says; a failure in one halts the rollout.
+    pub mandatory_decision_groups: Option<Vec<MandatoryDecisionGroup>>,
     /// Most clusters moving at once: a number (at least 1) or a percentage of the
     /// selected clusters (rounded up). Default 1.
     pub max_concurrency: Option<IntOrString>,
 }
 
+/// Settings of `ProgressivePerGroup`.
+#[skip_serializing_none]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RolloutProgressivePerGroup {
+    #[serde(flatten)]
+    pub config: RolloutConfig,
+    /// Decision groups that move first, in this order; a failure in one halts the
+    /// rollout.
+    pub mandatory_decision_groups: Option<Vec<MandatoryDecisionGroup>>,
+}
+
+/// A decision group of a Placement, by the `cluster.open-cluster-management.io/
+/// decision-group-name` or `-index` label of its PlacementDecisions. The name wins when
+/// both are set.
+#[skip_serializing_none]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MandatoryDecisionGroup {
+    pub group_name: Option<String>,
+    pub group_index: Option<i32>,
+}
+
 /// A strategy, checked: what the hub acts on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Rollout {
-    /// Most clusters moving at once; `None` for `All`.
-    pub max_concurrency: Option<Share>,
+    pub pace: Pace,
+    /// Decision groups that move first, in order, tolerating no failure.
+    pub mandatory: Vec<GroupRef>,
     pub max_failures: Share,
     pub min_success_time: Duration,
     /// `None`: no deadline.
     pub progress_deadline: Option<Duration>,
+}
+
+/// How many clusters move at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pace {
+    /// Every selected cluster.
+    All,
+    /// At most this many.
+    Clusters(Share),
+    /// One decision group.
+    Groups,
+}
+
+/// A decision group named by a strategy.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GroupRef {
+    Name(String),
+    Index(i32),
+}
+
+impl GroupRef {
+    /// Whether it names the decision group with this index and name.
+    pub fn names(&self, index: i32, name: &str) -> bool {
+        match self {
+            Self::Name(wanted) => wanted == name,
+            Self::Index(wanted) => *wanted == index,
+        }
+    }
 }
 
 /// A number of clusters, or a percentage of the selected ones.
@@ -130,43 +191,55 @@ pub struct RolloutProblem {
 impl RolloutStrategy {
     /// The strategy, checked; every problem names its field and value.
     pub fn check(&self) -> Result<Rollout, Vec<RolloutProblem>> {
-        if self.type_ == RolloutType::All {
-            return Ok(Rollout {
-                max_concurrency: None,
-                max_failures: Share::Clusters(0),
-                min_success_time: Duration::ZERO,
-                progress_deadline: None,
-            });
-        }
-        let progressive = self.progressive.clone().unwrap_or_default();
-        let config = &progressive.config;
+        let (prefix, config, mandatory, pace) = match self.type_ {
+            RolloutType::All => {
+                return Ok(Rollout {
+                    pace: Pace::All,
+                    mandatory: Vec::new(),
+                    max_failures: Share::Clusters(0),
+                    min_success_time: Duration::ZERO,
+                    progress_deadline: None,
+                });
+            }
+            RolloutType::Progressive => {
+                let settings = self.progressive.clone().unwrap_or_default();
+                (
+                    "progressive",
+                    settings.config,
+                    settings.mandatory_decision_groups,
+                    Some(settings.max_concurrency),
+                )
+            }
+            RolloutType::ProgressivePerGroup => {
+                let settings = self.progressive_per_group.clone().unwrap_or_default();
+                (
+                    "progressivePerGroup",
+                    settings.config,
+                    settings.mandatory_decision_groups,
+                    None,
+                )
+            }
+        };
         let mut problems = Vec::new();
         let mut share = |field: &str, value: Option<&IntOrString>, least: u32, default: u32| {
             value.map_or(Share::Clusters(default), |value| {
                 Share::parse(value, least).unwrap_or_else(|message| {
-                    problems.push(problem(field, value, message));
+                    problems.push(problem(&format!("{prefix}.{field}"), value, message));
                     Share::Clusters(default)
                 })
             })
         };
-        let max_concurrency = share(
-            "progressive.maxConcurrency",
-            progressive.max_concurrency.as_ref(),
-            1,
-            1,
-        );
-        let max_failures = share(
-            "progressive.maxFailures",
-            config.max_failures.as_ref(),
-            0,
-            0,
-        );
+        let pace = match pace {
+            Some(concurrency) => Pace::Clusters(share("maxConcurrency", concurrency.as_ref(), 1, 1)),
+            None => Pace::Groups,
+        };
+        let max_failures = share("maxFailures", config.max_failures.as_ref(), 0, 0);
         let mut duration = |field: &str, value: Option<&str>, none: bool| match value {
             None => None,
             Some("None") if none => None,
             Some(text) => parse_duration(text).map(Some).unwrap_or_else(|message| {
                 problems.push(RolloutProblem {
-                    field: format!("progressive.{field}"),
+                    field: format!("{prefix}.{field}"),
                     value: text.to_owned(),
                     message,
                 });
@@ -181,15 +254,48 @@ impl RolloutStrategy {
             config.progress_deadline.as_deref(),
             true,
         );
+        let mut groups = Vec::new();
+        for (i, group) in mandatory.iter().flatten().enumerate() {
+            let field = format!("{prefix}.mandatoryDecisionGroups[{i}]");
+            match (&group.group_name, group.group_index) {
+                (Some(name), _) if !name.is_empty() => groups.push(GroupRef::Name(name.clone())),
+                (_, Some(index)) if index >= 0 => groups.push(GroupRef::Index(index)),
+                (_, Some(index)) => problems.push(RolloutProblem {
+                    field: format!("{field}.groupIndex"),
+                    value: index.to_string(),
+                    message: "must be at least 0".to_owned(),
+                }),
+                (_, None) => problems.push(RolloutProblem {
+                    field,
+                    value: String::new(),
+                    message: "must name a group by groupName or groupIndex".to_owned(),
+                }),
+            }
+        }
         if problems.is_empty() {
             Ok(Rollout {
-                max_concurrency: Some(max_concurrency),
+                pace,
+                mandatory: groups,
                 max_failures,
                 min_success_time,
                 progress_deadline,
             })
         } else {
             Err(problems)
+        }
+    }
+
+    /// Whether the strategy needs decision groups, which only `spec.placementRefs` give.
+    pub fn needs_decision_groups(&self) -> Option<&'static str> {
+        match self.type_ {
+            RolloutType::All => None,
+            RolloutType::ProgressivePerGroup => Some("type"),
+            RolloutType::Progressive => self
+                .progressive
+                .as_ref()
+                .and_then(|p| p.mandatory_decision_groups.as_ref())
+                .is_some_and(|groups| !groups.is_empty())
+                .then_some("progressive.mandatoryDecisionGroups"),
         }
     }
 }
@@ -287,6 +393,9 @@ pub struct RolloutCluster {
     pub succeeded_at: Option<Time>,
     /// Why it failed: the first failing node and its reason.
     pub reason: Option<String>,
+    /// The decision group it moves with, `<placement namespace>/<name>/<group>` (the
+    /// group's name, or its index when it has none); absent without `spec.placementRefs`.
+    pub group: Option<String>,
 }
 
 #[cfg(test)]
@@ -316,7 +425,7 @@ mod tests {
     #[test]
     fn all_is_the_default_and_moves_everything() {
         let checked = RolloutStrategy::default().check().unwrap();
-        assert_eq!(checked.max_concurrency, None);
+        assert_eq!(checked.pace, Pace::All);
         assert_eq!(checked.max_failures, Share::Clusters(0));
         assert_eq!(checked.progress_deadline, None);
     }
@@ -328,7 +437,73 @@ mod tests {
             ..RolloutStrategy::default()
         };
         let checked = strategy.check().unwrap();
-        assert_eq!(checked.max_concurrency, Some(Share::Clusters(1)));
+        assert_eq!(checked.pace, Pace::Clusters(Share::Clusters(1)));
+        assert_eq!(strategy.needs_decision_groups(), None);
+    }
+
+    #[test]
+    fn per_group_moves_groups_and_mandatory_ones_go_first_by_name_or_index() {
+        let strategy = RolloutStrategy {
+            type_: RolloutType::ProgressivePerGroup,
+            progressive_per_group: Some(RolloutProgressivePerGroup {
+                config: RolloutConfig::default(),
+                mandatory_decision_groups: Some(vec![
+                    MandatoryDecisionGroup {
+                        group_name: Some("canary".into()),
+                        group_index: Some(3),
+                    },
+                    MandatoryDecisionGroup {
+                        group_name: None,
+                        group_index: Some(1),
+                    },
+                ]),
+            }),
+            ..RolloutStrategy::default()
+        };
+        let checked = strategy.check().unwrap();
+        assert_eq!(checked.pace, Pace::Groups);
+        assert_eq!(
+            checked.mandatory,
+            [GroupRef::Name("canary".into()), GroupRef::Index(1)]
+        );
+        assert!(checked.mandatory[0].names(0, "canary"));
+        assert!(!checked.mandatory[0].names(3, ""));
+        assert!(checked.mandatory[1].names(1, ""));
+        assert_eq!(strategy.needs_decision_groups(), Some("type"));
+    }
+
+    #[test]
+    fn a_mandatory_group_must_be_named_and_makes_progressive_need_groups() {
+        let strategy = RolloutStrategy {
+            type_: RolloutType::Progressive,
+            progressive: Some(RolloutProgressive {
+                mandatory_decision_groups: Some(vec![
+                    MandatoryDecisionGroup::default(),
+                    MandatoryDecisionGroup {
+                        group_name: None,
+                        group_index: Some(-2),
+                    },
+                ]),
+                ..RolloutProgressive::default()
+            }),
+            ..RolloutStrategy::default()
+        };
+        let problems = strategy.check().unwrap_err();
+        let fields: Vec<(&str, &str)> = problems
+            .iter()
+            .map(|p| (p.field.as_str(), p.value.as_str()))
+            .collect();
+        assert_eq!(
+            fields,
+            [
+                ("progressive.mandatoryDecisionGroups[0]", ""),
+                ("progressive.mandatoryDecisionGroups[1].groupIndex", "-2"),
+            ]
+        );
+        assert_eq!(
+            strategy.needs_decision_groups(),
+            Some("progressive.mandatoryDecisionGroups")
+        );
     }
 
     #[test]
@@ -342,7 +517,9 @@ mod tests {
                     max_failures: Some(text("150%")),
                 },
                 max_concurrency: Some(int(0)),
+                ..RolloutProgressive::default()
             }),
+            ..RolloutStrategy::default()
         };
         let problems = strategy.check().unwrap_err();
         let fields: Vec<(&str, &str)> = problems

@@ -1,9 +1,13 @@
 //! Admission review of ManagedClusterModules: the pure decision behind the hub's
 //! validating webhook. A create or update is refused with every problem the resolver's
 //! validation finds, each named by field path and value, so nothing invalid is stored.
+//! The one fact it cannot see, whether a named Placement exists, the webhook looks up
+//! first ([`placements_to_check`]) and hands in.
+
+use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use kmm_api::{ManagedClusterModule, MaxUnavailable};
+use kmm_api::{ManagedClusterModule, MaxUnavailable, PlacementRef};
 use kmm_resolver::{FieldError, ModuleIdentity, validate};
 use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, Operation};
@@ -12,8 +16,44 @@ use kube::core::response::{StatusCause, StatusDetails, StatusSummary};
 /// Path the webhook serves; the ValidatingWebhookConfiguration points here.
 pub const VALIDATE_PATH: &str = "/validate-managedclustermodule";
 
-/// Decides one admission request.
-pub fn review(request: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
+/// What the webhook found of a Placement a module names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Lookup {
+    Exists,
+    Missing,
+    /// The lookup failed; the error says why.
+    Failed(String),
+}
+
+/// The Placements a create or a spec update newly names: those the webhook must look up.
+/// Placements named before are not checked again, so that editing a module whose
+/// Placement went is refused only for what the edit adds.
+pub fn placements_to_check(request: &AdmissionRequest<DynamicObject>) -> Vec<PlacementRef> {
+    let refs = |object: Option<&DynamicObject>| {
+        object
+            .and_then(|o| parse(o).ok())
+            .and_then(|m| m.spec.placement_refs)
+            .unwrap_or_default()
+    };
+    if !matches!(request.operation, Operation::Create | Operation::Update) {
+        return Vec::new();
+    }
+    let before: BTreeSet<PlacementRef> = refs(request.old_object.as_ref()).into_iter().collect();
+    let mut wanted: Vec<PlacementRef> = refs(request.object.as_ref())
+        .into_iter()
+        .filter(|r| !before.contains(r))
+        .collect();
+    wanted.sort();
+    wanted.dedup();
+    wanted
+}
+
+/// Decides one admission request, given what the lookups of [`placements_to_check`]
+/// found.
+pub fn review(
+    request: &AdmissionRequest<DynamicObject>,
+    placements: &BTreeMap<PlacementRef, Lookup>,
+) -> AdmissionResponse {
     let response = AdmissionResponse::from(request);
     if !matches!(request.operation, Operation::Create | Operation::Update) {
         return response;
@@ -45,6 +85,7 @@ pub fn review(request: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
     .unwrap_or_default();
     problems.extend(node_upgrade_problem(&module));
     problems.extend(rollout_problems(&module));
+    problems.extend(placement_problems(&module, placements));
     if problems.is_empty() {
         response
     } else {
@@ -88,6 +129,43 @@ fn rollout_problems(module: &ManagedClusterModule) -> Vec<FieldError> {
             )
         })
         .collect()
+}
+
+/// Placements named twice, named but not found, and decision groups wanted without any
+/// Placement to give them.
+fn placement_problems(
+    module: &ManagedClusterModule,
+    placements: &BTreeMap<PlacementRef, Lookup>,
+) -> Vec<FieldError> {
+    let refs = module.spec.placement_refs.as_deref().unwrap_or_default();
+    let mut problems = Vec::new();
+    for (i, placement) in refs.iter().enumerate() {
+        let field = format!("spec.placementRefs[{i}]");
+        let shown = placement.to_string();
+        let message = if refs[..i].contains(placement) {
+            "is named twice".to_owned()
+        } else {
+            match placements.get(placement) {
+                Some(Lookup::Missing) => {
+                    "no such Placement (cluster.open-cluster-management.io/v1beta1)".to_owned()
+                }
+                Some(Lookup::Failed(why)) => format!("the Placement cannot be looked up: {why}"),
+                Some(Lookup::Exists) | None => continue,
+            }
+        };
+        problems.push(problem(&field, Some(&shown), &message));
+    }
+    let strategy = module.spec.rollout_strategy.as_ref();
+    if refs.is_empty()
+        && let Some(field) = strategy.and_then(|s| s.needs_decision_groups())
+    {
+        problems.push(problem(
+            &format!("spec.rolloutStrategy.{field}"),
+            (field == "type").then_some("ProgressivePerGroup"),
+            "needs spec.placementRefs: decision groups come from Placements",
+        ));
+    }
+    problems
 }
 
 /// An update that leaves the spec as it was (finalizers, labels, annotations) or that

@@ -48,9 +48,21 @@ fn request(
     review.try_into().expect("the review has a request")
 }
 
+/// The review with no Placement looked up.
+fn decide(request: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
+    review(request, &BTreeMap::new())
+}
+
+fn placement(name: &str) -> PlacementRef {
+    PlacementRef {
+        namespace: "fleet".into(),
+        name: name.into(),
+    }
+}
+
 #[test]
 fn a_valid_module_is_allowed() {
-    let response = review(&request("CREATE", Some(module(GOOD)), None));
+    let response = decide(&request("CREATE", Some(module(GOOD)), None));
     assert!(response.allowed, "{:?}", response.result);
     assert_eq!(response.uid, "0b7c3a4e-1d6b-4d8e-9b1a-3c2f5e6d7a8b");
 }
@@ -60,7 +72,7 @@ fn an_invalid_create_is_refused_with_every_problem_by_path() {
     let mut object = module("registry.example.com/kmm-hello:${NOT_A_VARIABLE}");
     object["spec"]["moduleSpec"]["moduleLoader"]["container"]["kernelMappings"][0]["regexp"] =
         json!("(");
-    let response = review(&request("CREATE", Some(object), None));
+    let response = decide(&request("CREATE", Some(object), None));
     assert!(!response.allowed);
     assert_eq!(
         (response.result.code, response.result.reason.as_str()),
@@ -99,7 +111,7 @@ fn an_invalid_create_is_refused_with_every_problem_by_path() {
 fn a_type_error_names_its_field() {
     let mut object = module(GOOD);
     object["spec"]["selector"] = json!(["not", "a", "map"]);
-    let response = review(&request("CREATE", Some(object), None));
+    let response = decide(&request("CREATE", Some(object), None));
     assert!(!response.allowed);
     assert!(
         response.result.message.contains("spec.selector"),
@@ -113,21 +125,21 @@ fn an_update_that_keeps_the_spec_is_allowed_even_if_the_spec_is_invalid() {
     let invalid = module("registry.example.com/no-tag");
     let mut labelled = invalid.clone();
     labelled["metadata"]["finalizers"] = json!(["hub.kmm.sigs.x-k8s.io/unload"]);
-    assert!(review(&request("UPDATE", Some(labelled), Some(invalid.clone()))).allowed);
-    assert!(!review(&request("UPDATE", Some(invalid), Some(module(GOOD)))).allowed);
+    assert!(decide(&request("UPDATE", Some(labelled), Some(invalid.clone()))).allowed);
+    assert!(!decide(&request("UPDATE", Some(invalid), Some(module(GOOD)))).allowed);
 }
 
 #[test]
 fn a_module_being_deleted_can_always_be_updated() {
     let mut deleting = module("registry.example.com/no-tag");
     deleting["metadata"]["deletionTimestamp"] = json!("2026-11-23T12:00:00Z");
-    assert!(review(&request("UPDATE", Some(deleting), Some(module(GOOD)))).allowed);
+    assert!(decide(&request("UPDATE", Some(deleting), Some(module(GOOD)))).allowed);
 }
 
 #[test]
 fn deletes_are_never_refused() {
     assert!(
-        review(&request(
+        decide(&request(
             "DELETE",
             None,
             Some(module("registry.example.com/no-tag"))
@@ -147,7 +159,7 @@ fn a_max_unavailable_below_one_node_or_out_of_percent_range_is_refused_by_field(
     ] {
         let mut object = module(GOOD);
         object["spec"]["nodeUpgrade"] = json!({"maxUnavailable": value});
-        let response = review(&request("CREATE", Some(object), None));
+        let response = decide(&request("CREATE", Some(object), None));
         assert!(!response.allowed, "{shown} was allowed");
         let causes = response.result.details.expect("details").causes;
         assert_eq!(causes.len(), 1, "{causes:?}");
@@ -161,7 +173,7 @@ fn a_max_unavailable_below_one_node_or_out_of_percent_range_is_refused_by_field(
     for good in [json!(1), json!(3), json!("1%"), json!("100%")] {
         let mut object = module(GOOD);
         object["spec"]["nodeUpgrade"] = json!({"maxUnavailable": good});
-        let response = review(&request("CREATE", Some(object), None));
+        let response = decide(&request("CREATE", Some(object), None));
         assert!(response.allowed, "{good} refused: {:?}", response.result);
     }
 }
@@ -187,7 +199,7 @@ fn a_bad_rollout_strategy_is_refused_by_field() {
     ] {
         let mut object = module(GOOD);
         object["spec"]["rolloutStrategy"] = strategy;
-        let response = review(&request("CREATE", Some(object), None));
+        let response = decide(&request("CREATE", Some(object), None));
         assert!(!response.allowed, "{shown} was allowed");
         let causes = response.result.details.expect("details").causes;
         assert_eq!(causes.len(), 1, "{causes:?}");
@@ -200,7 +212,7 @@ fn a_bad_rollout_strategy_is_refused_by_field() {
     }
     let mut unknown = module(GOOD);
     unknown["spec"]["rolloutStrategy"] = json!({"type": "Sometimes"});
-    let response = review(&request("CREATE", Some(unknown), None));
+    let response = decide(&request("CREATE", Some(unknown), None));
     assert!(!response.allowed);
     let causes = response.result.details.expect("details").causes;
     assert_eq!(causes[0].field, "spec.rolloutStrategy.type", "{causes:?}");
@@ -209,6 +221,82 @@ fn a_bad_rollout_strategy_is_refused_by_field() {
     good["spec"]["rolloutStrategy"] = json!({"type": "Progressive", "progressive": {
         "maxConcurrency": "25%", "maxFailures": 1, "minSuccessTime": "1m30s",
         "progressDeadline": "None"}});
-    let response = review(&request("CREATE", Some(good), None));
+    let response = decide(&request("CREATE", Some(good), None));
     assert!(response.allowed, "{:?}", response.result);
+}
+
+#[test]
+fn a_missing_or_unreadable_placement_is_refused_by_field_and_only_new_ones_are_looked_up() {
+    let mut object = module(GOOD);
+    object["spec"]["placementRefs"] = json!([
+        {"namespace": "fleet", "name": "gpu"},
+        {"namespace": "fleet", "name": "gone"},
+        {"namespace": "fleet", "name": "denied"},
+        {"namespace": "fleet", "name": "gpu"},
+    ]);
+    let create = request("CREATE", Some(object.clone()), None);
+    assert_eq!(
+        placements_to_check(&create),
+        [placement("denied"), placement("gone"), placement("gpu")]
+    );
+    let found = BTreeMap::from([
+        (placement("gpu"), Lookup::Exists),
+        (placement("gone"), Lookup::Missing),
+        (placement("denied"), Lookup::Failed("forbidden".into())),
+    ]);
+    let response = review(&create, &found);
+    assert!(!response.allowed);
+    let causes = response.result.details.expect("details").causes;
+    let fields: Vec<&str> = causes.iter().map(|c| c.field.as_str()).collect();
+    assert_eq!(
+        fields,
+        [
+            "spec.placementRefs[1]",
+            "spec.placementRefs[2]",
+            "spec.placementRefs[3]"
+        ]
+    );
+    assert!(causes[0].message.starts_with("\"fleet/gone\": no such Placement"), "{causes:?}");
+    assert!(causes[1].message.contains("forbidden"), "{causes:?}");
+    assert!(causes[2].message.contains("named twice"), "{causes:?}");
+
+    let mut before = module(GOOD);
+    before["spec"]["placementRefs"] = json!([{"namespace": "fleet", "name": "gone"}]);
+    let mut after = before.clone();
+    after["spec"]["placementRefs"] = json!([
+        {"namespace": "fleet", "name": "gone"},
+        {"namespace": "fleet", "name": "gpu"},
+    ]);
+    let update = request("UPDATE", Some(after), Some(before));
+    assert_eq!(placements_to_check(&update), [placement("gpu")]);
+    let found = BTreeMap::from([(placement("gpu"), Lookup::Exists)]);
+    assert!(review(&update, &found).allowed, "a Placement named before is not looked up");
+}
+
+#[test]
+fn decision_groups_without_placements_are_refused_by_field() {
+    for (strategy, field) in [
+        (
+            json!({"type": "ProgressivePerGroup"}),
+            "spec.rolloutStrategy.type",
+        ),
+        (
+            json!({"type": "Progressive", "progressive": {
+                "mandatoryDecisionGroups": [{"groupName": "canary"}]}}),
+            "spec.rolloutStrategy.progressive.mandatoryDecisionGroups",
+        ),
+    ] {
+        let mut object = module(GOOD);
+        object["spec"]["rolloutStrategy"] = strategy.clone();
+        let response = decide(&request("CREATE", Some(object.clone()), None));
+        assert!(!response.allowed, "{strategy} was allowed");
+        let causes = response.result.details.expect("details").causes;
+        assert_eq!(causes.len(), 1, "{causes:?}");
+        assert_eq!(causes[0].field, field);
+        assert!(causes[0].message.contains("needs spec.placementRefs"), "{causes:?}");
+        object["spec"]["placementRefs"] = json!([{"namespace": "fleet", "name": "gpu"}]);
+        let found = BTreeMap::from([(placement("gpu"), Lookup::Exists)]);
+        let response = review(&request("CREATE", Some(object), None), &found);
+        assert!(response.allowed, "{:?}", response.result);
+    }
 }

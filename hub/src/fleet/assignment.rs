@@ -12,6 +12,15 @@ use kmm_api::ManagedClusterModule;
 
 use super::intents::{ModuleInput, selects};
 use super::node_statuses::NodeStatuses;
+use super::placements::{Placed, is_placed};
+
+/// What a module's selection of a ManagedCluster reads: its labels, and the Placements
+/// that decided it.
+#[derive(Clone, Copy, Debug)]
+pub struct ClusterFacts<'a> {
+    pub labels: &'a BTreeMap<String, String>,
+    pub placed: &'a Placed,
+}
 
 /// Held by every ManagedClusterModule the hub acts on, until its unload is confirmed or
 /// timed out.
@@ -27,13 +36,11 @@ pub fn is_guarded(module: &ManagedClusterModule) -> bool {
         .any(|f| f == FINALIZER)
 }
 
-/// Whether a ManagedClusterModule selects a cluster with `labels` (`None`: the
+/// Whether a ManagedClusterModule selects a cluster: its labels match the module's
+/// selector and, when the module names Placements, one of them decided it (`None`: the
 /// ManagedCluster does not exist, so nothing selects it).
-pub fn is_selected(
-    module: &ManagedClusterModule,
-    labels: Option<&BTreeMap<String, String>>,
-) -> bool {
-    labels.is_some_and(|labels| selects(&module.spec.selector, labels))
+pub fn is_selected(module: &ManagedClusterModule, cluster: Option<ClusterFacts<'_>>) -> bool {
+    cluster.is_some_and(|c| selects(&module.spec.selector, c.labels) && is_placed(module, c.placed))
 }
 
 /// Whether the module is being deleted.
@@ -44,14 +51,14 @@ pub fn is_deleting(module: &ManagedClusterModule) -> bool {
 /// The modules of one cluster's snapshot.
 pub fn cluster_modules<'a>(
     modules: &[&'a ManagedClusterModule],
-    labels: Option<&BTreeMap<String, String>>,
+    cluster: Option<ClusterFacts<'_>>,
     reported: &NodeStatuses,
 ) -> Vec<ModuleInput<'a>> {
     modules
         .iter()
         .filter(|module| is_guarded(module))
         .filter_map(|&module| {
-            let selected = is_selected(module, labels);
+            let selected = is_selected(module, cluster);
             let name = module.metadata.name.as_deref().unwrap_or_default();
             let lingering = !reported
                 .not_unloaded(&module.spec.spoke_namespace, name)
@@ -118,7 +125,12 @@ mod tests {
         labels: Option<&BTreeMap<String, String>>,
         statuses: &NodeStatuses,
     ) -> Vec<(String, bool)> {
-        cluster_modules(modules, labels, statuses)
+        let placed = Placed::new();
+        let cluster = labels.map(|labels| ClusterFacts {
+            labels,
+            placed: &placed,
+        });
+        cluster_modules(modules, cluster, statuses)
             .iter()
             .map(|input| (input.module.metadata.name.clone().unwrap(), input.unload))
             .collect()
@@ -137,6 +149,29 @@ mod tests {
             plan(&[&a, &b, &all], Some(&labels()), &NodeStatuses::default()),
             [("a".to_string(), false), ("all".to_string(), false)]
         );
+    }
+
+    #[test]
+    fn a_module_naming_placements_selects_only_clusters_one_of_them_decided() {
+        let mut gpu = mcm("gpu", "{fleet: a}");
+        let placement = kmm_api::PlacementRef {
+            namespace: "fleet".into(),
+            name: "gpu".into(),
+        };
+        gpu.spec.placement_refs = Some(vec![placement.clone()]);
+        let labels = labels();
+        let undecided = Placed::new();
+        let decided = Placed::from([(placement, Default::default())]);
+        let facts = |placed| {
+            Some(ClusterFacts {
+                labels: &labels,
+                placed,
+            })
+        };
+        assert!(!is_selected(&gpu, facts(&undecided)));
+        assert!(is_selected(&gpu, facts(&decided)));
+        gpu.spec.selector = BTreeMap::from([("fleet".into(), "b".into())]);
+        assert!(!is_selected(&gpu, facts(&decided)), "the selector still applies");
     }
 
     #[test]

@@ -11,6 +11,7 @@ pub mod intents;
 pub mod node_statuses;
 pub mod outbox;
 pub mod pacer;
+pub mod placements;
 pub mod preflight;
 pub mod readiness;
 pub mod resolutions;

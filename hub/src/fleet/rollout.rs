@@ -5,10 +5,13 @@
 //! is given a new revision, so that a hub restart or a new leader serves every cluster
 //! exactly what it served before: a cluster not listed runs `baseRevision`, a listed one
 //! the revision it was released to. `All` needs no record: every cluster runs the
-//! current spec at once. `Progressive` releases at most `maxConcurrency` clusters at a
-//! time, in name order; a released cluster succeeds when every matching node runs the
-//! new revision, fails when a node fails, and times out after `progressDeadline`; past
-//! `maxFailures` failed clusters the rollout halts, and the clusters not reached keep
+//! current spec at once. Clusters move in waves: the decision groups of the module's
+//! Placements, mandatory groups first (one at a time, tolerating no failure), then the
+//! others in order; within a wave, by name. `Progressive` releases at most
+//! `maxConcurrency` clusters at a time, `ProgressivePerGroup` one whole group once every
+//! cluster before it settled. A released cluster succeeds when every matching node runs
+//! the new revision, fails when a node fails, and times out after `progressDeadline`;
+//! past `maxFailures` failed clusters the rollout halts, and the clusters not reached keep
 //! their revision. A later spec change starts a new rollout from where each cluster is.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -16,7 +19,7 @@ use std::time::Duration;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kmm_api::{Rollout, RolloutCluster, RolloutCounts, RolloutStatus};
+use kmm_api::{Pace, Rollout, RolloutCluster, RolloutCounts, RolloutStatus};
 
 pub const PROGRESSING: &str = "Progressing";
 pub const SUCCEEDED: &str = "Succeeded";
@@ -32,6 +35,20 @@ pub struct Observation {
     pub converged: bool,
     /// The first failing node and why, when one fails.
     pub failure: Option<String>,
+    /// The decision group that placed it, when a Placement chose it.
+    pub wave: Option<Wave>,
+}
+
+/// The decision group a Placement put a cluster in: the wave it moves with. Clusters
+/// chosen by `selector` alone share one wave.
+#[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Wave {
+    /// Position of the Placement in `spec.placementRefs`.
+    pub placement: usize,
+    pub index: i32,
+    pub name: String,
+    /// How status shows it: `<namespace>/<placement>/<group name or index>`.
+    pub label: String,
 }
 
 /// Which revision of the module a cluster is to run.
@@ -77,8 +94,10 @@ pub fn advance(
     selected: &BTreeMap<String, Observation>,
     now: Timestamp,
 ) -> (RolloutStatus, Option<Duration>) {
-    let Some(concurrency) = strategy.max_concurrency else {
-        return (everywhere(current, selected), None);
+    let concurrency = match strategy.pace {
+        Pace::All => return (everywhere(current, selected), None),
+        Pace::Clusters(share) => Some(share),
+        Pace::Groups => None,
     };
     let base = match record {
         Some(record) => record.base_revision.clone(),
@@ -95,20 +114,32 @@ pub fn advance(
         status.summary = format!("{SUCCEEDED}, revision {current}");
         return (status, None);
     }
+    let mandatory = |observed: &Observation| {
+        observed.wave.as_ref().and_then(|wave| {
+            strategy
+                .mandatory
+                .iter()
+                .position(|group| group.names(wave.index, &wave.name))
+        })
+    };
     let total = selected.len();
     let mut clusters: Vec<RolloutCluster> = Vec::new();
-    let mut to_apply: Vec<&str> = Vec::new();
+    // Clusters not on the current revision, with the wave they move in: mandatory groups
+    // in their order, then every group in its order.
+    let mut to_apply: Vec<(&str, (usize, Option<&Wave>))> = Vec::new();
     let mut next_check: Option<Duration> = None;
     let mut check_in = |at: Timestamp| {
         let wait = Duration::try_from(now.duration_until(at)).unwrap_or_default();
         next_check = Some(next_check.map_or(wait, |w| w.min(wait)));
     };
     let (mut succeeded, mut progressing, mut failed, mut active) = (0, 0, 0, 0);
+    let (mut mandatory_active, mut mandatory_failed) = (0, 0);
     for (name, observed) in selected {
         let entry = listed.get(name.as_str()).copied();
         let revision = entry.map(|c| c.revision.as_str()).or(base.as_deref());
+        let position = mandatory(observed);
         if revision != Some(current) {
-            to_apply.push(name);
+            to_apply.push((name, (position.unwrap_or(usize::MAX), observed.wave.as_ref())));
             if let Some(entry) = entry {
                 clusters.push(entry.clone());
             }
@@ -123,7 +154,9 @@ pub fn advance(
             since,
             succeeded_at: entry.and_then(|c| c.succeeded_at.clone()),
             reason: None,
+            group: observed.wave.as_ref().map(|w| w.label.clone()),
         };
+        let (was_active, was_failed) = (active, failed);
         if observed.converged || next.succeeded_at.is_some() {
             let at = next.succeeded_at.get_or_insert(Time(now)).0;
             next.state = SUCCEEDED.to_owned();
@@ -161,14 +194,33 @@ pub fn advance(
                 check_in(next.since.0 + deadline);
             }
         }
+        if position.is_some() {
+            mandatory_active += active - was_active;
+            mandatory_failed += failed - was_failed;
+        }
         if entry.is_some() || base.as_deref() != Some(current) {
             clusters.push(next);
         }
     }
-    let halted = failed > strategy.max_failures.of(total, false);
+    // A mandatory group tolerates no failure.
+    let halted = failed > strategy.max_failures.of(total, false) || mandatory_failed > 0;
     if !halted {
-        let slots = concurrency.of(total, true).saturating_sub(active);
-        for name in to_apply.drain(..slots.min(to_apply.len())) {
+        to_apply.sort_by(|(a, a_wave), (b, b_wave)| a_wave.cmp(b_wave).then(a.cmp(b)));
+        let first_wave = to_apply.first().map(|(_, wave)| *wave);
+        let mandatory_left = first_wave.is_some_and(|(position, _)| position != usize::MAX);
+        let release = match concurrency {
+            // The rest move at their pace once the mandatory groups settled.
+            Some(share) if !mandatory_left && mandatory_active == 0 => {
+                share.of(total, true).saturating_sub(active)
+            }
+            // One whole wave, once every cluster before it settled.
+            _ if active == 0 => to_apply
+                .iter()
+                .take_while(|(_, wave)| Some(*wave) == first_wave)
+                .count(),
+            _ => 0,
+        };
+        for (name, (_, wave)) in to_apply.drain(..release.min(to_apply.len())) {
             clusters.retain(|c| c.cluster != name);
             clusters.push(RolloutCluster {
                 cluster: name.to_owned(),
@@ -177,6 +229,7 @@ pub fn advance(
                 since: Time(now),
                 succeeded_at: None,
                 reason: None,
+                group: wave.map(|w| w.label.clone()),
             });
             progressing += 1;
             if let Some(deadline) = strategy.progress_deadline {
@@ -370,13 +423,14 @@ pub fn assignment_changed(previous: Option<&RolloutStatus>, next: &RolloutStatus
 
 #[cfg(test)]
 mod tests {
-    use kmm_api::Share;
+    use kmm_api::{GroupRef, Share};
 
     use super::*;
 
     fn progressive(concurrency: u32, failures: u32) -> Rollout {
         Rollout {
-            max_concurrency: Some(Share::Clusters(concurrency)),
+            pace: Pace::Clusters(Share::Clusters(concurrency)),
+            mandatory: Vec::new(),
             max_failures: Share::Clusters(failures),
             min_success_time: Duration::ZERO,
             progress_deadline: None,
@@ -419,14 +473,14 @@ mod tests {
     fn converged() -> Observation {
         Observation {
             converged: true,
-            failure: None,
+            ..Observation::default()
         }
     }
 
     fn failing(why: &str) -> Observation {
         Observation {
-            converged: false,
             failure: Some(why.to_owned()),
+            ..Observation::default()
         }
     }
 
@@ -456,7 +510,7 @@ mod tests {
     fn all_makes_the_current_revision_the_base_at_once() {
         let record = settled("r1");
         let all = Rollout {
-            max_concurrency: None,
+            pace: Pace::All,
             ..progressive(1, 0)
         };
         let (status, next) = advance(
@@ -901,5 +955,155 @@ mod tests {
             revisions_in_use("r3", Some(&done), &done),
             BTreeSet::from(["r3"])
         );
+    }
+
+    /// `observed`, in the decision group `index` (named `name`) of the first Placement.
+    fn in_group(index: i32, name: &str, observed: Observation) -> Observation {
+        Observation {
+            wave: Some(Wave {
+                placement: 0,
+                index,
+                name: name.to_owned(),
+                label: format!("ns/p/{index}"),
+            }),
+            ..observed
+        }
+    }
+
+    fn per_group(mandatory: Vec<GroupRef>) -> Rollout {
+        Rollout {
+            pace: Pace::Groups,
+            mandatory,
+            ..progressive(1, 0)
+        }
+    }
+
+    /// The clusters the record gives `current`.
+    fn released<'a>(record: &'a RolloutStatus, current: &str) -> Vec<&'a str> {
+        record
+            .clusters
+            .iter()
+            .filter(|c| c.revision == current)
+            .map(|c| c.cluster.as_str())
+            .collect()
+    }
+
+    #[test]
+    fn per_group_releases_a_whole_group_once_the_one_before_settled() {
+        let strategy = per_group(Vec::new());
+        let fleet_of = |a: Observation, b: Observation, c: Observation| {
+            vec![
+                ("a", in_group(1, "", a)),
+                ("b", in_group(0, "", b)),
+                ("c", in_group(0, "", c)),
+            ]
+        };
+        let first = step(
+            &strategy,
+            "r2",
+            &settled("r1"),
+            &fleet_of(waiting(), waiting(), waiting()),
+            0,
+        );
+        assert_eq!(released(&first, "r2"), ["b", "c"], "group 0 moves whole");
+        assert_eq!(first.clusters[0].group.as_deref(), Some("ns/p/0"));
+        let one_done = step(
+            &strategy,
+            "r2",
+            &first,
+            &fleet_of(waiting(), converged(), waiting()),
+            1,
+        );
+        assert_eq!(released(&one_done, "r2"), ["b", "c"], "c still progresses");
+        let both = step(
+            &strategy,
+            "r2",
+            &one_done,
+            &fleet_of(waiting(), converged(), converged()),
+            2,
+        );
+        assert_eq!(released(&both, "r2"), ["a", "b", "c"]);
+    }
+
+    #[test]
+    fn mandatory_groups_go_first_one_at_a_time_whatever_the_concurrency() {
+        let strategy = Rollout {
+            mandatory: vec![GroupRef::Name("canary".into()), GroupRef::Index(2)],
+            ..progressive(5, 5)
+        };
+        let fleet_of = |observed: [Observation; 4]| {
+            let [a, b, c, d] = observed;
+            vec![
+                ("a", in_group(0, "", a)),
+                ("b", in_group(2, "", b)),
+                ("c", in_group(1, "canary", c)),
+                ("d", in_group(1, "canary", d)),
+            ]
+        };
+        let first = step(
+            &strategy,
+            "r2",
+            &settled("r1"),
+            &fleet_of([waiting(), waiting(), waiting(), waiting()]),
+            0,
+        );
+        assert_eq!(released(&first, "r2"), ["c", "d"], "the canary group alone");
+        let second = step(
+            &strategy,
+            "r2",
+            &first,
+            &fleet_of([waiting(), waiting(), converged(), converged()]),
+            1,
+        );
+        assert_eq!(released(&second, "r2"), ["b", "c", "d"], "then group 2");
+        let rest = step(
+            &strategy,
+            "r2",
+            &second,
+            &fleet_of([waiting(), converged(), converged(), converged()]),
+            2,
+        );
+        assert_eq!(released(&rest, "r2"), ["a", "b", "c", "d"]);
+    }
+
+    #[test]
+    fn a_failure_in_a_mandatory_group_halts_whatever_max_failures_allows() {
+        let strategy = Rollout {
+            mandatory: vec![GroupRef::Index(0)],
+            ..progressive(5, 5)
+        };
+        let first = step(
+            &strategy,
+            "r2",
+            &settled("r1"),
+            &[("a", in_group(0, "", waiting())), ("b", in_group(1, "", waiting()))],
+            0,
+        );
+        assert_eq!(released(&first, "r2"), ["a"]);
+        let failed = step(
+            &strategy,
+            "r2",
+            &first,
+            &[
+                ("a", in_group(0, "", failing("n1: LoadFailed"))),
+                ("b", in_group(1, "", waiting())),
+            ],
+            1,
+        );
+        assert_eq!(failed.state, HALTED);
+        assert_eq!(released(&failed, "r2"), ["a"], "b keeps r1");
+    }
+
+    #[test]
+    fn progressive_follows_the_groups_order_before_names() {
+        let strategy = progressive(1, 0);
+        let first = step(
+            &strategy,
+            "r2",
+            &settled("r1"),
+            &[("a", in_group(3, "", waiting())), ("z", in_group(0, "", waiting()))],
+            0,
+        );
+        assert_eq!(released(&first, "r2"), ["z"]);
     }
 }

@@ -98,7 +98,11 @@ impl StatusTally {
         if self.failures.len() > 4 * MAX_FAILURE_SAMPLES {
             self.trim_failures();
         }
-        Observation { converged, failure }
+        Observation {
+            converged,
+            failure,
+            wave: None,
+        }
     }
 
     fn trim_failures(&mut self) {

@@ -28,11 +28,12 @@ use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::reflector::{ObjectRef, Store};
 use tokio::sync::{Notify, watch};
 
-use crate::fleet::assignment::{cluster_modules, is_deleting, is_selected};
+use crate::fleet::assignment::{ClusterFacts, cluster_modules, is_deleting, is_selected};
 use crate::fleet::deletion::{ClusterUnload, Leftover, leftovers};
 use crate::fleet::intents::cluster_intents;
 use crate::fleet::node_statuses::{NodeStatuses, ReportParts, TooManyStatuses};
 use crate::fleet::outbox::Outbox;
+use crate::fleet::placements::{Placed, decided, wave};
 use crate::fleet::preflight::{Finding, module_status, preflight_needs};
 use crate::fleet::resolutions::Resolutions;
 use crate::fleet::revisions::{MODULE_LABEL, Revisions, object_name};
@@ -82,6 +83,8 @@ pub struct Stores {
     /// The kept revisions of every module's spec (the hub's namespace).
     pub revisions: Store<ControllerRevision>,
     pub preflights: Store<PreflightValidation>,
+    /// Every PlacementDecision: which clusters the modules' Placements chose.
+    pub decisions: Store<DynamicObject>,
 }
 
 #[derive(Debug, Default)]
@@ -145,7 +148,17 @@ type Entry = Arc<Mutex<ClusterEntry>>;
 #[derive(Clone, Debug, PartialEq)]
 struct ClusterView {
     labels: BTreeMap<String, String>,
+    placed: Placed,
     accepted: bool,
+}
+
+impl ClusterView {
+    fn facts(&self) -> ClusterFacts<'_> {
+        ClusterFacts {
+            labels: &self.labels,
+            placed: &self.placed,
+        }
+    }
 }
 
 /// Module-level bookkeeping.
@@ -215,6 +228,8 @@ pub struct FleetState {
     next_session: AtomicU64,
     clusters: RwLock<HashMap<String, Entry>>,
     views: Mutex<HashMap<String, ClusterView>>,
+    /// Per cluster, the Placements that decided it, from the PlacementDecisions.
+    placed: RwLock<HashMap<String, Placed>>,
     modules: Mutex<ModuleBook>,
     resolutions: Mutex<Resolutions>,
     revisions: Mutex<Revisions>,
@@ -253,6 +268,7 @@ impl FleetState {
             next_session: AtomicU64::new(1),
             clusters: RwLock::default(),
             views: Mutex::default(),
+            placed: RwLock::default(),
             modules: Mutex::default(),
             resolutions: Mutex::default(),
             revisions: Mutex::default(),
@@ -353,8 +369,16 @@ impl FleetState {
 
     fn cluster_view(&self, cluster: &str) -> Option<ClusterView> {
         let reference = ObjectRef::new_with(cluster, self.cluster_resource.clone());
+        let placed = self
+            .placed
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(cluster)
+            .cloned()
+            .unwrap_or_default();
         self.stores.clusters.get(&reference).map(|mc| ClusterView {
             labels: mc.labels().clone(),
+            placed,
             accepted: mc.data["spec"]["hubAcceptsClient"] == true,
         })
     }
@@ -362,13 +386,13 @@ impl FleetState {
     /// The modules whose status counts `cluster`: those selecting it, and those its last
     /// snapshot carries.
     fn modules_of(&self, cluster: &str, entry: Option<&ClusterEntry>) -> BTreeSet<String> {
-        let labels = self.cluster_view(cluster).map(|v| v.labels);
+        let view = self.cluster_view(cluster);
         let mut names: BTreeSet<String> = self
             .stores
             .modules
             .state()
             .iter()
-            .filter(|m| is_selected(m, labels.as_ref()))
+            .filter(|m| is_selected(m, view.as_ref().map(ClusterView::facts)))
             .map(|m| m.name_any())
             .collect();
         if let Some(entry) = entry {
@@ -592,10 +616,10 @@ impl FleetState {
         let name = module.name_any();
         let namespace = module.spec.spoke_namespace.as_str();
         for (cluster, entry) in self.entries() {
-            let labels = self.cluster_view(&cluster).map(|v| v.labels);
+            let view = self.cluster_view(&cluster);
             let mut entry = lock(&entry);
             if entry.stream.is_some()
-                && (is_selected(module, labels.as_ref())
+                && (is_selected(module, view.as_ref().map(ClusterView::facts))
                     || entry.carries(namespace, &name)
                     || entry.statuses.lingers(namespace, &name))
             {
@@ -630,8 +654,8 @@ impl FleetState {
             .state()
             .iter()
             .filter(|m| {
-                is_selected(m, before.as_ref().map(|v| &v.labels))
-                    != is_selected(m, now.as_ref().map(|v| &v.labels))
+                is_selected(m, before.as_ref().map(ClusterView::facts))
+                    != is_selected(m, now.as_ref().map(ClusterView::facts))
             })
             .map(|m| m.name_any())
             .collect();
@@ -647,6 +671,40 @@ impl FleetState {
             self.bump_needs();
             self.touched.add(selection_changed);
         }
+    }
+
+    /// A PlacementDecision was created, changed or deleted: the clusters whose Placements
+    /// changed are looked at again, as if their labels had changed.
+    pub fn decisions_changed(&self) {
+        if !self.is_synced() {
+            return;
+        }
+        for cluster in self.index_placements() {
+            self.cluster_changed(&cluster);
+        }
+    }
+
+    /// Rebuilds the Placements index from the PlacementDecisions; returns the clusters
+    /// whose Placements changed. A fleet has a few decisions per Placement (each lists up
+    /// to 100 clusters), so a rebuild costs little beside what it may trigger.
+    fn index_placements(&self) -> Vec<String> {
+        let now = decided(self.stores.decisions.state().iter().map(AsRef::as_ref));
+        let mut placed = self
+            .placed
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let changed = placed
+            .iter()
+            .filter(|(cluster, before)| now.get(*cluster) != Some(before))
+            .map(|(cluster, _)| cluster.clone())
+            .chain(
+                now.keys()
+                    .filter(|cluster| !placed.contains_key(*cluster))
+                    .cloned(),
+            )
+            .collect();
+        *placed = now;
+        changed
     }
 
     fn deny(&self, cluster: &str, entry: &ClusterEntry) {
@@ -713,6 +771,7 @@ impl FleetState {
     /// Recomputes every connected cluster and touches every module: after the watches
     /// listed (again), when any change may have been missed.
     pub fn recompute_all(&self) {
+        self.index_placements();
         {
             let mut views = lock(&self.views);
             views.clear();
@@ -760,13 +819,13 @@ impl FleetState {
         &self,
         modules: &[Arc<ManagedClusterModule>],
         cluster: &str,
-        labels: Option<&BTreeMap<String, String>>,
+        facts: Option<ClusterFacts<'_>>,
     ) -> Vec<Arc<ManagedClusterModule>> {
         let mut revisions = lock(&self.revisions);
         modules
             .iter()
             .filter_map(|module| {
-                if !is_progressive(module) || is_deleting(module) || !is_selected(module, labels) {
+                if !is_progressive(module) || is_deleting(module) || !is_selected(module, facts) {
                     return Some(module.clone());
                 }
                 let current = revisions.current(module);
@@ -804,10 +863,11 @@ impl FleetState {
         let Some(kernels) = &entry.kernels else {
             return;
         };
-        let labels = self.cluster_view(cluster).map(|v| v.labels);
-        let modules = self.at_revisions(&self.modules(), cluster, labels.as_ref());
+        let view = self.cluster_view(cluster);
+        let facts = view.as_ref().map(ClusterView::facts);
+        let modules = self.at_revisions(&self.modules(), cluster, facts);
         let refs: Vec<&ManagedClusterModule> = modules.iter().map(AsRef::as_ref).collect();
-        let inputs = cluster_modules(&refs, labels.as_ref(), &entry.statuses);
+        let inputs = cluster_modules(&refs, facts, &entry.statuses);
         let credentials = self.credentials(inputs.iter().map(|i| i.module));
         let intents = {
             let images = self
@@ -854,14 +914,15 @@ impl FleetState {
         type Served = (Arc<ManagedClusterModule>, BTreeSet<String>);
         let mut served: BTreeMap<(String, Option<i64>), Served> = BTreeMap::new();
         for (cluster, entry) in self.entries() {
-            let labels = self.cluster_view(&cluster).map(|v| v.labels);
+            let view = self.cluster_view(&cluster);
+            let facts = view.as_ref().map(ClusterView::facts);
             let entry = lock(&entry);
             let Some(cluster_kernels) = &entry.kernels else {
                 continue;
             };
-            let at_revisions = self.at_revisions(&modules, &cluster, labels.as_ref());
+            let at_revisions = self.at_revisions(&modules, &cluster, facts);
             let refs: Vec<&ManagedClusterModule> = at_revisions.iter().map(AsRef::as_ref).collect();
-            for input in cluster_modules(&refs, labels.as_ref(), &entry.statuses) {
+            for input in cluster_modules(&refs, facts, &entry.statuses) {
                 if input.unload {
                     continue;
                 }
@@ -1054,26 +1115,32 @@ impl FleetState {
         let name = module.name_any();
         let namespace = module.spec.spoke_namespace.as_str();
         let deleting = is_deleting(module);
-        let selected: BTreeSet<String> = self
+        // Each selected cluster, with the wave its rollout moves it in.
+        let selected: BTreeMap<String, _> = self
             .stores
             .clusters
             .state()
             .iter()
-            .filter(|c| is_selected(module, Some(c.labels())))
-            .map(|c| c.name_any())
+            .filter_map(|c| {
+                let name = c.name_any();
+                let view = self.cluster_view(&name)?;
+                is_selected(module, Some(view.facts()))
+                    .then(|| (name, wave(module, &view.placed)))
+            })
             .collect();
         let mut tally = StatusTally::default();
         let mut observed = BTreeMap::new();
         let mut unloads: Vec<(String, bool, bool, Vec<String>)> = Vec::new();
-        for cluster in &selected {
+        for (cluster, wave) in &selected {
             let Some(entry) = self.entry(cluster) else {
-                let observation = tally.add(&ClusterReport {
+                let mut observation = tally.add(&ClusterReport {
                     cluster,
                     connected: false,
                     reflects_generation: false,
                     kernels: &[],
                     nodes: &[],
                 });
+                observation.wave.clone_from(wave);
                 observed.insert(cluster.clone(), observation);
                 if deleting {
                     unloads.push((cluster.clone(), true, false, Vec::new()));
@@ -1085,7 +1152,7 @@ impl FleetState {
                 .carried_intent(namespace, &name)
                 .map(|m| m.kernels.as_slice())
                 .unwrap_or_default();
-            let observation = tally.add(&ClusterReport {
+            let mut observation = tally.add(&ClusterReport {
                 cluster,
                 connected: entry.stream.is_some(),
                 reflects_generation: entry.outbox.reflects(
@@ -1097,6 +1164,7 @@ impl FleetState {
                 kernels,
                 nodes: entry.statuses.module(namespace, &name),
             });
+            observation.wave.clone_from(wave);
             observed.insert(cluster.clone(), observation);
             if deleting {
                 unloads.push((
@@ -1109,7 +1177,7 @@ impl FleetState {
         }
         if deleting {
             for (cluster, entry) in self.entries() {
-                if selected.contains(&cluster) {
+                if selected.contains_key(&cluster) {
                     continue;
                 }
                 let entry = lock(&entry);
@@ -1210,6 +1278,10 @@ mod tests {
             secrets: store().0,
             revisions: store().0,
             preflights: store().0,
+            decisions: Writer::<DynamicObject>::new(
+                crate::fleet::placements::placement_decision_resource(),
+            )
+            .as_reader(),
         };
         FleetState::new(stores, Metrics::default())
     }

@@ -50,6 +50,7 @@ use self::sync_service::SyncService;
 use self::webhook::WebhookError;
 use crate::build::BuildJobs;
 use crate::fleet::pacer::Pacer;
+use crate::fleet::placements::{self, placement_decision_resource};
 use crate::fleet::revisions;
 
 /// Everything `serve` needs besides its clients and listeners.
@@ -152,6 +153,7 @@ pub async fn run(
         background.push(AbortOnDropHandle::new(tokio::spawn(webhook::serve(
             listener,
             acceptor,
+            client.clone(),
             metrics.clone(),
             stop.clone().cancelled_owned(),
         ))));
@@ -211,12 +213,16 @@ pub async fn run(
     let secrets_writer = reflector::store::Writer::<Secret>::default();
     let revisions_writer = reflector::store::Writer::<ControllerRevision>::default();
     let preflights_writer = reflector::store::Writer::<PreflightValidation>::default();
+    let decision_resource = placement_decision_resource();
+    let decisions_writer =
+        reflector::store::Writer::<DynamicObject>::new(decision_resource.clone());
     let stores = Stores {
         modules: controller.store(),
         clusters: clusters_writer.as_reader(),
         secrets: secrets_writer.as_reader(),
         revisions: revisions_writer.as_reader(),
         preflights: preflights_writer.as_reader(),
+        decisions: decisions_writer.as_reader(),
     };
     let state = Arc::new(FleetState::new(stores.clone(), metrics.clone()));
 
@@ -255,6 +261,18 @@ pub async fn run(
         watcher(preflights_api.clone(), watcher::Config::default()),
         "PreflightValidations",
         |state, _| state.preflight_changed(),
+    );
+    let decisions_api: Api<DynamicObject> = Api::all_with(client.clone(), &decision_resource);
+    let decisions = watch_into(
+        state.clone(),
+        decisions_writer,
+        watcher(
+            decisions_api,
+            watcher::Config::default().labels(placements::PLACEMENT_LABEL),
+        )
+        .modify(|decision| decision.metadata.managed_fields = None),
+        "PlacementDecisions",
+        |state, _| state.decisions_changed(),
     );
     let preflight_writer = AbortOnDropHandle::new(tokio::spawn(preflight::run(
         state.clone(),
@@ -348,12 +366,14 @@ pub async fn run(
     let secrets = AbortOnDropHandle::new(tokio::spawn(secrets));
     let revisions = AbortOnDropHandle::new(tokio::spawn(revisions));
     let preflights = AbortOnDropHandle::new(tokio::spawn(preflights));
+    let decisions = AbortOnDropHandle::new(tokio::spawn(decisions));
     let (grpc_result, (), lost_leadership) = tokio::join!(grpc_server, reconciler, stopper);
     drop((
         clusters,
         secrets,
         revisions,
         preflights,
+        decisions,
         preflight_writer,
         addon,
         image_worker,
@@ -439,7 +459,8 @@ async fn wait_synced(stores: Stores, state: Arc<FleetState>, health: Health) {
         ready(&stores.modules).await?;
         ready(&stores.clusters).await?;
         ready(&stores.secrets).await?;
-        ready(&stores.revisions).await
+        ready(&stores.revisions).await?;
+        ready(&stores.decisions).await
     };
     if ready.await.is_ok() {
         tracing::info!("caches synced; intents may go out");

@@ -1,6 +1,8 @@
 //! The validating admission webhook's HTTPS endpoint. Every replica serves it, leader or
-//! not: admission is stateless, and a create must not wait for a failover.
+//! not: admission is stateless, and a create must not wait for a failover. It reads the
+//! API only to look up the Placements a module newly names.
 
+use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
@@ -14,14 +16,17 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use kmm_runtime::serving::{self, ServingCertificate};
+use kmm_api::PlacementRef;
 use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview};
+use kube::{Api, Client};
 use thiserror::Error;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
 use super::metrics::Metrics;
-use crate::admission::{VALIDATE_PATH, review};
+use crate::admission::{Lookup, VALIDATE_PATH, placements_to_check, review};
+use crate::fleet::placements::placement_resource;
 
 /// The apiserver sends at most 3 MiB objects; a review wraps one or two of them.
 const MAX_BODY: usize = 8 * 1024 * 1024;
@@ -44,6 +49,7 @@ pub fn acceptor(certificate: Arc<ServingCertificate>) -> Result<TlsAcceptor, Web
 pub async fn serve(
     listener: TcpListener,
     acceptor: TlsAcceptor,
+    client: Client,
     metrics: Metrics,
     shutdown: impl Future<Output = ()>,
 ) {
@@ -64,6 +70,7 @@ pub async fn serve(
         while connections.try_join_next().is_some() {}
         let acceptor = acceptor.clone();
         let metrics = metrics.clone();
+        let client = client.clone();
         connections.spawn(async move {
             let stream = match acceptor.accept(stream).await {
                 Ok(stream) => stream,
@@ -74,7 +81,8 @@ pub async fn serve(
             };
             let service = service_fn(move |request: Request<Incoming>| {
                 let metrics = metrics.clone();
-                async move { Ok::<_, Infallible>(handle(request, &metrics).await) }
+                let client = client.clone();
+                async move { Ok::<_, Infallible>(handle(request, &client, &metrics).await) }
             });
             if let Err(error) = http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), service)
@@ -86,7 +94,11 @@ pub async fn serve(
     }
 }
 
-async fn handle(request: Request<Incoming>, metrics: &Metrics) -> Response<Full<Bytes>> {
+async fn handle(
+    request: Request<Incoming>,
+    client: &Client,
+    metrics: &Metrics,
+) -> Response<Full<Bytes>> {
     if request.uri().path() != VALIDATE_PATH {
         return plain(StatusCode::NOT_FOUND, "not found\n");
     }
@@ -118,7 +130,8 @@ async fn handle(request: Request<Incoming>, metrics: &Metrics) -> Response<Full<
                 );
             }
         };
-    let response: AdmissionResponse = review(&admission);
+    let placements = look_up(client, placements_to_check(&admission)).await;
+    let response: AdmissionResponse = review(&admission, &placements);
     metrics.observe_admission(response.allowed, started.elapsed());
     if !response.allowed {
         tracing::info!(
@@ -139,6 +152,22 @@ async fn handle(request: Request<Incoming>, metrics: &Metrics) -> Response<Full<
             &format!("cannot encode the review: {error}\n"),
         ),
     }
+}
+
+async fn look_up(client: &Client, wanted: Vec<PlacementRef>) -> BTreeMap<PlacementRef, Lookup> {
+    let resource = placement_resource();
+    let mut found = BTreeMap::new();
+    for placement in wanted {
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(client.clone(), &placement.namespace, &resource);
+        let lookup = match api.get_opt(&placement.name).await {
+            Ok(Some(_)) => Lookup::Exists,
+            Ok(None) => Lookup::Missing,
+            Err(error) => Lookup::Failed(error.to_string()),
+        };
+        found.insert(placement, lookup);
+    }
+    found
 }
 
 fn plain(status: StatusCode, text: &str) -> Response<Full<Bytes>> {

@@ -1,0 +1,201 @@
+//! Which clusters Open Cluster Management's Placements decided, and in which decision
+//! group: read from their PlacementDecisions, whose labels name the Placement and the
+//! group. Pure.
+
+use std::collections::{BTreeMap, HashMap};
+
+use kmm_api::{ManagedClusterModule, PlacementRef};
+use kube::ResourceExt;
+use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
+
+use super::rollout::Wave;
+
+/// On every PlacementDecision: the Placement that made it.
+pub const PLACEMENT_LABEL: &str = "cluster.open-cluster-management.io/placement";
+/// On every PlacementDecision: the index of its decision group.
+pub const GROUP_INDEX_LABEL: &str = "cluster.open-cluster-management.io/decision-group-index";
+/// On a PlacementDecision of a named decision group: the group's name.
+pub const GROUP_NAME_LABEL: &str = "cluster.open-cluster-management.io/decision-group-name";
+
+const GROUP: &str = "cluster.open-cluster-management.io";
+
+/// `cluster.open-cluster-management.io/v1beta1` `Placement`.
+pub fn placement_resource() -> ApiResource {
+    ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk(GROUP, "v1beta1", "Placement"),
+        "placements",
+    )
+}
+
+/// `cluster.open-cluster-management.io/v1beta1` `PlacementDecision`.
+pub fn placement_decision_resource() -> ApiResource {
+    ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk(GROUP, "v1beta1", "PlacementDecision"),
+        "placementdecisions",
+    )
+}
+
+/// A decision group of one Placement.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DecisionGroup {
+    pub index: i32,
+    /// Empty when the group has no name (`clustersPerDecisionGroup` made it).
+    pub name: String,
+}
+
+/// The Placements that decided one cluster, each with the group it put the cluster in.
+pub type Placed = BTreeMap<PlacementRef, DecisionGroup>;
+
+/// Per cluster, what the PlacementDecisions say. A decision without the placement label
+/// is not a Placement's and is ignored; a cluster a Placement decided twice keeps the
+/// lower group.
+pub fn decided<'a>(decisions: impl IntoIterator<Item = &'a DynamicObject>) -> HashMap<String, Placed> {
+    let mut placed: HashMap<String, Placed> = HashMap::new();
+    for decision in decisions {
+        let labels = decision.labels();
+        let Some(placement) = labels.get(PLACEMENT_LABEL) else {
+            continue;
+        };
+        let placement = PlacementRef {
+            namespace: decision.namespace().unwrap_or_default(),
+            name: placement.clone(),
+        };
+        let group = DecisionGroup {
+            index: labels
+                .get(GROUP_INDEX_LABEL)
+                .and_then(|i| i.parse().ok())
+                .unwrap_or_default(),
+            name: labels.get(GROUP_NAME_LABEL).cloned().unwrap_or_default(),
+        };
+        let clusters = decision.data["status"]["decisions"].as_array();
+        for cluster in clusters.into_iter().flatten() {
+            let Some(name) = cluster["clusterName"].as_str().filter(|n| !n.is_empty()) else {
+                continue;
+            };
+            let groups = placed.entry(name.to_owned()).or_default();
+            match groups.get(&placement) {
+                Some(kept) if kept.index <= group.index => {}
+                _ => {
+                    groups.insert(placement.clone(), group.clone());
+                }
+            }
+        }
+    }
+    placed
+}
+
+/// Whether the module's Placements (if it names any) decided a cluster.
+pub fn is_placed(module: &ManagedClusterModule, placed: &Placed) -> bool {
+    module
+        .spec
+        .placement_refs
+        .as_ref()
+        .is_none_or(|refs| refs.iter().any(|r| placed.contains_key(r)))
+}
+
+/// The wave a cluster moves in for the module: the group of the first of its Placements
+/// that decided the cluster. `None` for a module without Placements.
+pub fn wave(module: &ManagedClusterModule, placed: &Placed) -> Option<Wave> {
+    let refs = module.spec.placement_refs.as_ref()?;
+    refs.iter().enumerate().find_map(|(position, placement)| {
+        placed.get(placement).map(|group| Wave {
+            placement: position,
+            index: group.index,
+            name: group.name.clone(),
+            label: format!(
+                "{placement}/{}",
+                if group.name.is_empty() {
+                    group.index.to_string()
+                } else {
+                    group.name.clone()
+                }
+            ),
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn decision(namespace: &str, labels: serde_json::Value, clusters: &[&str]) -> DynamicObject {
+        serde_json::from_value(json!({
+            "apiVersion": "cluster.open-cluster-management.io/v1beta1",
+            "kind": "PlacementDecision",
+            "metadata": {"name": "d", "namespace": namespace, "labels": labels},
+            "status": {"decisions": clusters
+                .iter()
+                .map(|c| json!({"clusterName": c, "reason": ""}))
+                .collect::<Vec<_>>()},
+        }))
+        .unwrap()
+    }
+
+    fn placement(namespace: &str, name: &str) -> PlacementRef {
+        PlacementRef {
+            namespace: namespace.into(),
+            name: name.into(),
+        }
+    }
+
+    fn module(refs: Option<Vec<PlacementRef>>) -> ManagedClusterModule {
+        let mut module: ManagedClusterModule = serde_json::from_value(json!({
+            "apiVersion": "hub.kmm.sigs.x-k8s.io/v1beta1",
+            "kind": "ManagedClusterModule",
+            "metadata": {"name": "m"},
+            "spec": {"spokeNamespace": "drivers", "selector": {}, "moduleSpec": {"selector": {}}},
+        }))
+        .unwrap();
+        module.spec.placement_refs = refs;
+        module
+    }
+
+    #[test]
+    fn decisions_give_each_cluster_its_placements_and_groups() {
+        let decisions = [
+            decision(
+                "fleet",
+                json!({PLACEMENT_LABEL: "gpu", GROUP_INDEX_LABEL: "0", GROUP_NAME_LABEL: "canary"}),
+                &["spoke1"],
+            ),
+            decision(
+                "fleet",
+                json!({PLACEMENT_LABEL: "gpu", GROUP_INDEX_LABEL: "1"}),
+                &["spoke2", "spoke3"],
+            ),
+            decision("fleet", json!({PLACEMENT_LABEL: "all"}), &["spoke2"]),
+            decision("fleet", json!({"unrelated": "x"}), &["spoke9"]),
+        ];
+        let placed = decided(&decisions);
+        assert_eq!(
+            placed["spoke1"][&placement("fleet", "gpu")],
+            DecisionGroup {
+                index: 0,
+                name: "canary".into()
+            }
+        );
+        assert_eq!(placed["spoke2"].len(), 2);
+        assert_eq!(placed["spoke3"][&placement("fleet", "gpu")].index, 1);
+        assert!(!placed.contains_key("spoke9"));
+    }
+
+    #[test]
+    fn a_module_without_placements_is_placed_everywhere_one_with_them_only_where_decided() {
+        let placed = decided(&[decision(
+            "fleet",
+            json!({PLACEMENT_LABEL: "gpu", GROUP_INDEX_LABEL: "2"}),
+            &["spoke1"],
+        )]);
+        let nowhere = Placed::new();
+        assert!(is_placed(&module(None), &nowhere));
+        assert_eq!(wave(&module(None), &placed["spoke1"]), None);
+        let gpu = module(Some(vec![placement("other", "x"), placement("fleet", "gpu")]));
+        assert!(is_placed(&gpu, &placed["spoke1"]));
+        assert!(!is_placed(&gpu, &nowhere));
+        let wave = wave(&gpu, &placed["spoke1"]).unwrap();
+        assert_eq!((wave.placement, wave.index), (1, 2));
+        assert_eq!(wave.label, "fleet/gpu/2");
+    }
+}
