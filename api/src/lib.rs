@@ -31,8 +31,8 @@ pub use preflight_validation::{
     PreflightModuleStatus, PreflightValidation, PreflightValidationSpec, PreflightValidationStatus,
 };
 pub use rollout::{
-    GroupRef, MandatoryDecisionGroup, Pace, Rollout, RolloutCluster, RolloutConfig,
-    RolloutCounts, RolloutProblem, RolloutProgressive, RolloutProgressivePerGroup, RolloutStatus,
+    GroupRef, MandatoryDecisionGroup, Pace, Rollout, RolloutCluster, RolloutConfig, RolloutCounts,
+    RolloutGroup, RolloutProblem, RolloutProgressive, RolloutProgressivePerGroup, RolloutStatus,
     RolloutStrategy, RolloutType, Share, parse_duration,
 };
 pub use status::{

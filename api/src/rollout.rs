@@ -230,7 +230,9 @@ impl RolloutStrategy {
             })
         };
         let pace = match pace {
-            Some(concurrency) => Pace::Clusters(share("maxConcurrency", concurrency.as_ref(), 1, 1)),
+            Some(concurrency) => {
+                Pace::Clusters(share("maxConcurrency", concurrency.as_ref(), 1, 1))
+            }
             None => Pace::Groups,
         };
         let max_failures = share("maxFailures", config.max_failures.as_ref(), 0, 0);
@@ -359,6 +361,9 @@ pub struct RolloutStatus {
     /// Selected clusters, by their state in this rollout.
     #[serde(default)]
     pub counts: RolloutCounts,
+    /// The same counts per decision group (`spec.placementRefs`), in rollout order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub groups: Vec<RolloutGroup>,
     /// The clusters that run another revision than `baseRevision`, sorted by name.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub clusters: Vec<RolloutCluster>,
@@ -375,6 +380,15 @@ pub struct RolloutCounts {
     pub failed: i32,
     /// Not reached yet.
     pub to_apply: i32,
+}
+
+/// The counts of one decision group.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RolloutGroup {
+    /// `<placement namespace>/<name>/<group name or index>`.
+    pub group: String,
+    pub counts: RolloutCounts,
 }
 
 /// One cluster released to a revision other than the base.

@@ -256,7 +256,12 @@ fn a_missing_or_unreadable_placement_is_refused_by_field_and_only_new_ones_are_l
             "spec.placementRefs[3]"
         ]
     );
-    assert!(causes[0].message.starts_with("\"fleet/gone\": no such Placement"), "{causes:?}");
+    assert!(
+        causes[0]
+            .message
+            .starts_with("\"fleet/gone\": no such Placement"),
+        "{causes:?}"
+    );
     assert!(causes[1].message.contains("forbidden"), "{causes:?}");
     assert!(causes[2].message.contains("named twice"), "{causes:?}");
 
@@ -270,7 +275,10 @@ fn a_missing_or_unreadable_placement_is_refused_by_field_and_only_new_ones_are_l
     let update = request("UPDATE", Some(after), Some(before));
     assert_eq!(placements_to_check(&update), [placement("gpu")]);
     let found = BTreeMap::from([(placement("gpu"), Lookup::Exists)]);
-    assert!(review(&update, &found).allowed, "a Placement named before is not looked up");
+    assert!(
+        review(&update, &found).allowed,
+        "a Placement named before is not looked up"
+    );
 }
 
 #[test]
@@ -293,7 +301,10 @@ fn decision_groups_without_placements_are_refused_by_field() {
         let causes = response.result.details.expect("details").causes;
         assert_eq!(causes.len(), 1, "{causes:?}");
         assert_eq!(causes[0].field, field);
-        assert!(causes[0].message.contains("needs spec.placementRefs"), "{causes:?}");
+        assert!(
+            causes[0].message.contains("needs spec.placementRefs"),
+            "{causes:?}"
+        );
         object["spec"]["placementRefs"] = json!([{"namespace": "fleet", "name": "gpu"}]);
         let found = BTreeMap::from([(placement("gpu"), Lookup::Exists)]);
         let response = review(&request("CREATE", Some(object), None), &found);

@@ -171,7 +171,10 @@ mod tests {
         assert!(!is_selected(&gpu, facts(&undecided)));
         assert!(is_selected(&gpu, facts(&decided)));
         gpu.spec.selector = BTreeMap::from([("fleet".into(), "b".into())]);
-        assert!(!is_selected(&gpu, facts(&decided)), "the selector still applies");
+        assert!(
+            !is_selected(&gpu, facts(&decided)),
+            "the selector still applies"
+        );
     }
 
     #[test]

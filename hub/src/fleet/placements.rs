@@ -49,7 +49,9 @@ pub type Placed = BTreeMap<PlacementRef, DecisionGroup>;
 /// Per cluster, what the PlacementDecisions say. A decision without the placement label
 /// is not a Placement's and is ignored; a cluster a Placement decided twice keeps the
 /// lower group.
-pub fn decided<'a>(decisions: impl IntoIterator<Item = &'a DynamicObject>) -> HashMap<String, Placed> {
+pub fn decided<'a>(
+    decisions: impl IntoIterator<Item = &'a DynamicObject>,
+) -> HashMap<String, Placed> {
     let mut placed: HashMap<String, Placed> = HashMap::new();
     for decision in decisions {
         let labels = decision.labels();
@@ -191,7 +193,10 @@ mod tests {
         let nowhere = Placed::new();
         assert!(is_placed(&module(None), &nowhere));
         assert_eq!(wave(&module(None), &placed["spoke1"]), None);
-        let gpu = module(Some(vec![placement("other", "x"), placement("fleet", "gpu")]));
+        let gpu = module(Some(vec![
+            placement("other", "x"),
+            placement("fleet", "gpu"),
+        ]));
         assert!(is_placed(&gpu, &placed["spoke1"]));
         assert!(!is_placed(&gpu, &nowhere));
         let wave = wave(&gpu, &placed["spoke1"]).unwrap();

@@ -19,13 +19,14 @@ use std::time::Duration;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kmm_api::{Pace, Rollout, RolloutCluster, RolloutCounts, RolloutStatus};
+use kmm_api::{Pace, Rollout, RolloutCluster, RolloutCounts, RolloutGroup, RolloutStatus};
 
 pub const PROGRESSING: &str = "Progressing";
 pub const SUCCEEDED: &str = "Succeeded";
 pub const HALTED: &str = "Halted";
 pub const FAILED: &str = "Failed";
 pub const TIME_OUT: &str = "TimeOut";
+const TO_APPLY: &str = "ToApply";
 
 /// What a selected cluster shows for the module now.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -134,12 +135,18 @@ pub fn advance(
     };
     let (mut succeeded, mut progressing, mut failed, mut active) = (0, 0, 0, 0);
     let (mut mandatory_active, mut mandatory_failed) = (0, 0);
+    // Each cluster's state, for the counts per wave.
+    let mut states: BTreeMap<&str, (Option<&Wave>, &str)> = BTreeMap::new();
     for (name, observed) in selected {
         let entry = listed.get(name.as_str()).copied();
         let revision = entry.map(|c| c.revision.as_str()).or(base.as_deref());
         let position = mandatory(observed);
         if revision != Some(current) {
-            to_apply.push((name, (position.unwrap_or(usize::MAX), observed.wave.as_ref())));
+            states.insert(name, (observed.wave.as_ref(), TO_APPLY));
+            to_apply.push((
+                name,
+                (position.unwrap_or(usize::MAX), observed.wave.as_ref()),
+            ));
             if let Some(entry) = entry {
                 clusters.push(entry.clone());
             }
@@ -198,6 +205,14 @@ pub fn advance(
             mandatory_active += active - was_active;
             mandatory_failed += failed - was_failed;
         }
+        let state = if failed > was_failed {
+            FAILED
+        } else if next.state == SUCCEEDED {
+            SUCCEEDED
+        } else {
+            PROGRESSING
+        };
+        states.insert(name, (observed.wave.as_ref(), state));
         if entry.is_some() || base.as_deref() != Some(current) {
             clusters.push(next);
         }
@@ -221,6 +236,7 @@ pub fn advance(
             _ => 0,
         };
         for (name, (_, wave)) in to_apply.drain(..release.min(to_apply.len())) {
+            states.insert(name, (wave, PROGRESSING));
             clusters.retain(|c| c.cluster != name);
             clusters.push(RolloutCluster {
                 cluster: name.to_owned(),
@@ -245,6 +261,7 @@ pub fn advance(
         failed: count(failed),
         to_apply: count(to_apply.len()),
     };
+    let groups = per_wave(&states);
     if succeeded == total {
         // Every cluster runs the current revision: it becomes the base.
         return (
@@ -254,6 +271,7 @@ pub fn advance(
                 state: SUCCEEDED.to_owned(),
                 summary: format!("{SUCCEEDED}, revision {current}"),
                 counts,
+                groups,
                 clusters: Vec::new(),
             },
             next_check,
@@ -288,6 +306,7 @@ pub fn advance(
             state: state.to_owned(),
             summary,
             counts,
+            groups,
             clusters,
         },
         next_check,
@@ -319,8 +338,32 @@ fn everywhere(current: &str, selected: &BTreeMap<String, Observation>) -> Rollou
             failed: count(failed),
             to_apply: 0,
         },
+        groups: Vec::new(),
         clusters: Vec::new(),
     }
+}
+
+/// Counts per wave, in the waves' order; none when no Placement made the waves.
+fn per_wave(states: &BTreeMap<&str, (Option<&Wave>, &str)>) -> Vec<RolloutGroup> {
+    let mut waves: BTreeMap<&Wave, RolloutCounts> = BTreeMap::new();
+    for (wave, state) in states.values() {
+        let Some(wave) = wave else { continue };
+        let counts = waves.entry(wave).or_default();
+        counts.total += 1;
+        match *state {
+            SUCCEEDED => counts.succeeded += 1,
+            FAILED => counts.failed += 1,
+            TO_APPLY => counts.to_apply += 1,
+            _ => counts.progressing += 1,
+        }
+    }
+    waves
+        .into_iter()
+        .map(|(wave, counts)| RolloutGroup {
+            group: wave.label.clone(),
+            counts,
+        })
+        .collect()
 }
 
 fn count(n: usize) -> i32 {
@@ -1007,6 +1050,12 @@ mod tests {
         );
         assert_eq!(released(&first, "r2"), ["b", "c"], "group 0 moves whole");
         assert_eq!(first.clusters[0].group.as_deref(), Some("ns/p/0"));
+        let per_group: Vec<(&str, i32, i32)> = first
+            .groups
+            .iter()
+            .map(|g| (g.group.as_str(), g.counts.progressing, g.counts.to_apply))
+            .collect();
+        assert_eq!(per_group, [("ns/p/0", 2, 0), ("ns/p/1", 0, 1)]);
         let one_done = step(
             &strategy,
             "r2",
@@ -1076,7 +1125,10 @@ mod tests {
             &strategy,
             "r2",
             &settled("r1"),
-            &[("a", in_group(0, "", waiting())), ("b", in_group(1, "", waiting()))],
+            &[
+                ("a", in_group(0, "", waiting())),
+                ("b", in_group(1, "", waiting())),
+            ],
             0,
         );
         assert_eq!(released(&first, "r2"), ["a"]);
@@ -1101,7 +1153,10 @@ mod tests {
             &strategy,
             "r2",
             &settled("r1"),
-            &[("a", in_group(3, "", waiting())), ("z", in_group(0, "", waiting()))],
+            &[
+                ("a", in_group(3, "", waiting())),
+                ("z", in_group(0, "", waiting())),
+            ],
             0,
         );
         assert_eq!(released(&first, "r2"), ["z"]);

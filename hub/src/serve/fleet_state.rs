@@ -1124,8 +1124,7 @@ impl FleetState {
             .filter_map(|c| {
                 let name = c.name_any();
                 let view = self.cluster_view(&name)?;
-                is_selected(module, Some(view.facts()))
-                    .then(|| (name, wave(module, &view.placed)))
+                is_selected(module, Some(view.facts())).then(|| (name, wave(module, &view.placed)))
             })
             .collect();
         let mut tally = StatusTally::default();

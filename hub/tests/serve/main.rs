@@ -8,6 +8,7 @@ mod certificates;
 mod finalizers;
 mod images;
 mod leadership;
+mod placement;
 mod rollout;
 mod support;
 

@@ -271,7 +271,17 @@ impl TestHub {
     /// Creates a module managed by this hub, selecting clusters labelled
     /// [`TestHub::cluster_label`].
     pub async fn create_module(&self, name: &str, spec: serde_json::Value) -> ManagedClusterModule {
-        let module: ManagedClusterModule = serde_json::from_value(json!({
+        self.create_module_with(name, spec, json!({})).await
+    }
+
+    /// [`TestHub::create_module`], with more fields of the ManagedClusterModule's spec.
+    pub async fn create_module_with(
+        &self,
+        name: &str,
+        spec: serde_json::Value,
+        more: serde_json::Value,
+    ) -> ManagedClusterModule {
+        let mut object = json!({
             "apiVersion": "hub.kmm.sigs.x-k8s.io/v1beta1",
             "kind": "ManagedClusterModule",
             "metadata": {"name": name, "labels": {HUB_LABEL: self.namespace}},
@@ -280,8 +290,12 @@ impl TestHub {
                 "selector": {self.cluster_label(): "yes"},
                 "moduleSpec": spec,
             },
-        }))
-        .expect("a valid test module");
+        });
+        for (field, value) in more.as_object().into_iter().flatten() {
+            object["spec"][field] = value.clone();
+        }
+        let module: ManagedClusterModule =
+            serde_json::from_value(object).expect("a valid test module");
         self.modules()
             .create(&PostParams::default(), &module)
             .await
