@@ -18,6 +18,13 @@ pub fn version_ready_label(namespace: &str, name: &str) -> String {
     format!("{NODE_LABEL_DOMAIN}/{namespace}.{name}.version.ready")
 }
 
+/// `kmm.node.kubernetes.io/<namespace>.<name>.device-plugin-ready`: the node runs the
+/// module at the version it is to run, with no unload or version change coming: the
+/// module's device plugin DaemonSet is scheduled only on nodes carrying it.
+pub fn device_plugin_ready_label(namespace: &str, name: &str) -> String {
+    format!("{NODE_LABEL_DOMAIN}/{namespace}.{name}.device-plugin-ready")
+}
+
 /// `kmm.node.kubernetes.io/version-module.<namespace>.<name>`: set by users who move nodes
 /// to a new version one by one themselves (upstream's ordered upgrade). A node carrying it
 /// runs only the version it names.
@@ -43,6 +50,10 @@ mod tests {
             version_module_label("ns", "mod"),
             "kmm.node.kubernetes.io/version-module.ns.mod"
         );
+        assert_eq!(
+            device_plugin_ready_label("ns", "mod"),
+            "kmm.node.kubernetes.io/ns.mod.device-plugin-ready"
+        );
     }
 
     #[test]
@@ -53,6 +64,7 @@ mod tests {
             ready_label(&namespace, &name),
             version_ready_label(&namespace, &name),
             version_module_label(&namespace, &name),
+            device_plugin_ready_label(&namespace, &name),
         ] {
             let (_, key_name) = label.split_once('/').expect("label has a prefix");
             assert!(

@@ -6,8 +6,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kmm_proto::v1::{
-    AgentHello, DesiredModules, IntentSnapshot, KernelInventory, ModuleEvent, ModuleIntent,
-    ModuleLoad, ModuleState, NodeModule,
+    AgentHello, DesiredModules, DevicePlugin, IntentSnapshot, KernelInventory, ModuleEvent,
+    ModuleIntent, ModuleLoad, ModuleState, NodeModule, Toleration,
 };
 use serde_json::Value;
 
@@ -55,6 +55,10 @@ pub struct ClusterState {
     label_dirty: BTreeSet<String>,
     next_revision: u64,
     inventory: Inventory,
+    /// (module, node) pairs where a Pod of the module's device plugin exists: the module
+    /// is not unloaded nor replaced there until it is gone. `None` until the Pods were
+    /// listed: meanwhile every module that has a plugin counts as running it everywhere.
+    device_plugin_pods: Option<BTreeSet<StatusKey>>,
 }
 
 /// What the agent must do for a module, without what it needs to do it (credentials,
@@ -111,6 +115,7 @@ impl ClusterState {
             label_dirty: BTreeSet::new(),
             next_revision: revision_base,
             inventory: Inventory::new(revision_base),
+            device_plugin_pods: None,
         }
     }
 
@@ -202,6 +207,46 @@ impl ClusterState {
         self.place_waiting();
     }
 
+    /// Every device plugin Pod there is, by module and node; `false` when nothing
+    /// changed. A node whose plugin Pod went may now unload or replace its module.
+    pub fn set_device_plugin_pods(&mut self, pods: BTreeSet<StatusKey>) -> bool {
+        if self.device_plugin_pods.as_ref() == Some(&pods) {
+            return false;
+        }
+        let changed: BTreeSet<String> = match &self.device_plugin_pods {
+            Some(before) => pods
+                .symmetric_difference(before)
+                .map(|(_, node)| node.clone())
+                .filter(|node| self.nodes.contains_key(node))
+                .collect(),
+            None => self.nodes.keys().cloned().collect(),
+        };
+        self.device_plugin_pods = Some(pods);
+        for node in &changed {
+            self.place_node(node);
+        }
+        self.place_waiting();
+        true
+    }
+
+    /// The device plugins to run: each module of the snapshot that has one and is not
+    /// being unloaded, with its tolerations (the plugin's Pods go where the module goes).
+    pub fn device_plugins(&self) -> Vec<(ModuleId, &DevicePlugin, &[Toleration])> {
+        self.intents
+            .iter()
+            .flat_map(|s| &s.modules)
+            .filter(|m| !m.unload)
+            .filter_map(|m| {
+                let plugin = m.device_plugin.as_ref()?;
+                Some((
+                    ModuleId::from_key(m.key.as_ref()),
+                    plugin,
+                    m.tolerations.as_slice(),
+                ))
+            })
+            .collect()
+    }
+
     /// Revision of the node's DesiredModules, cheap to compare before cloning them.
     pub fn desired_revision(&self, node: &str) -> u64 {
         self.work.get(node).map_or(0, |w| w.revision)
@@ -272,13 +317,19 @@ impl ClusterState {
         let facts = self.nodes.get(node)?;
         let work = self.work.get(node)?;
         let view = self.agents.get(node);
+        let with_plugin: BTreeSet<ModuleId> = self
+            .device_plugins()
+            .into_iter()
+            .map(|(id, _, _)| id)
+            .collect();
         let mut intents: Vec<_> = work
             .placements
             .iter()
             .filter_map(|(id, placement)| {
                 let since = work.since_of(id);
                 let a = assess(placement, view, id, &facts.kernel, since);
-                label_intent(placement, a.as_ref(), view, id).map(|i| (id.clone(), i))
+                label_intent(placement, a.as_ref(), view, id, with_plugin.contains(id))
+                    .map(|i| (id.clone(), i))
             })
             .collect();
         intents.extend(
@@ -390,6 +441,54 @@ impl ClusterState {
         })
     }
 
+    /// `placement`, unless it unloads or replaces the module on a node where the module's
+    /// device plugin Pod still is: then the node keeps what it runs until the Pod went
+    /// (its `device-plugin-ready` label is removed meanwhile, so the DaemonSet lets go).
+    fn device_plugin_first(
+        &self,
+        node: &str,
+        id: &ModuleId,
+        intent: &ModuleIntent,
+        placement: Placement,
+    ) -> Placement {
+        let present = match &self.device_plugin_pods {
+            Some(pods) => pods.contains(&(id.clone(), node.to_owned())),
+            None => intent.device_plugin.is_some(),
+        };
+        if !present {
+            return placement;
+        }
+        let running = self
+            .agents
+            .get(node)
+            .and_then(|v| v.loaded.get(id))
+            .map(|p| p.version.clone());
+        let (unload, target) = match &placement {
+            Placement::Unload => (true, String::new()),
+            Placement::Load(load) if running.as_ref().is_some_and(|r| *r != load.version) => {
+                (false, load.version.clone())
+            }
+            _ => return placement,
+        };
+        let keep = self
+            .work
+            .get(node)
+            .and_then(|w| {
+                w.modules
+                    .iter()
+                    .find(|m| ModuleId::from_key(m.key.as_ref()) == *id)
+            })
+            .and_then(|m| m.load.as_ref())
+            .filter(|given| Some(&given.version) == running.as_ref())
+            .cloned();
+        Placement::Held(Box::new(Held {
+            hold: Hold::DevicePluginStopping { unload },
+            running,
+            target,
+            keep,
+        }))
+    }
+
     /// The module's matching nodes, and how many besides `node` lack it at their target.
     fn upgrade_cluster(&self, node: &str, id: &ModuleId) -> node_upgrade::Cluster {
         let mut cluster = node_upgrade::Cluster {
@@ -466,6 +565,7 @@ impl ClusterState {
                     }),
                 other => other,
             };
+            let placement = self.device_plugin_first(name, &id, intent, placement);
             if placement.is_selected() {
                 self.may_have.insert(key);
             }
@@ -586,6 +686,7 @@ mod tests {
             ],
             unload: false,
             max_unavailable: None,
+            device_plugin: None,
         }
     }
 
@@ -1128,5 +1229,81 @@ mod tests {
         assert_eq!(s.desired_modules("a"), DesiredModules::default());
         assert!(statuses(&s).is_empty());
         assert_eq!(s.inventory().kernels[0].node_count, 1);
+    }
+
+    #[test]
+    fn a_device_plugin_pod_stops_before_its_module_moves_or_leaves() {
+        let mut s = cluster();
+        s.set_device_plugin_pods(BTreeSet::new());
+        let mut with_plugin = intent("m", "v1");
+        with_plugin.device_plugin = Some(DevicePlugin {
+            spec_json: r#"{"container":{"image":"reg/plugin:1"}}"#.into(),
+        });
+        s.set_intents(snapshot(1, vec![with_plugin.clone()]));
+        assert_eq!(s.device_plugins().len(), 1);
+        s.agent_hello("a", &hello("a", &[]));
+        let rev = s.desired_modules("a").revision;
+        s.agent_event("a", &event("m", Action::Load, Outcome::Succeeded, rev));
+        let patch = s.label_patch("a").unwrap();
+        assert_eq!(
+            patch["metadata"]["labels"]["kmm.node.kubernetes.io/ns.m.device-plugin-ready"],
+            ""
+        );
+        // The DaemonSet put its Pod on a.
+        let pod = BTreeSet::from([(id("m"), "a".to_string())]);
+        assert!(s.set_device_plugin_pods(pod.clone()));
+        assert!(!s.set_device_plugin_pods(pod), "no change, nothing to do");
+        let mut labelled = node("a", "6.1", "worker");
+        labelled.labels.extend(
+            patch["metadata"]["labels"]
+                .as_object()
+                .unwrap()
+                .iter()
+                .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_owned())),
+        );
+        s.upsert_node(labelled);
+
+        // v2: the node keeps v1 and loses its plugin label until the Pod is gone.
+        let mut v2 = with_plugin.clone();
+        v2.kernels = intent("m", "v2").kernels;
+        s.set_intents(snapshot(2, vec![v2]));
+        assert_eq!(desired_version(&s, "a").as_deref(), Some("v1"));
+        let status = &statuses(&s)[&(id("m"), "a".to_string())];
+        assert_eq!(status.reason, "DevicePluginStopping");
+        let patch = s.label_patch("a").unwrap();
+        assert!(
+            patch["metadata"]["labels"]["kmm.node.kubernetes.io/ns.m.device-plugin-ready"]
+                .is_null()
+        );
+        assert!(s.set_device_plugin_pods(BTreeSet::new()));
+        assert_eq!(desired_version(&s, "a").as_deref(), Some("v2"));
+
+        // An unload waits for the plugin's Pod too.
+        s.set_device_plugin_pods(BTreeSet::from([(id("m"), "a".to_string())]));
+        let mut gone = with_plugin;
+        gone.unload = true;
+        s.set_intents(snapshot(3, vec![gone]));
+        assert!(s.device_plugins().is_empty(), "an unload runs no plugin");
+        assert!(
+            !s.desired_modules("a").modules.iter().any(|m| m.unload),
+            "no unload while the plugin's Pod is there"
+        );
+        s.set_device_plugin_pods(BTreeSet::new());
+        assert!(s.desired_modules("a").modules.iter().any(|m| m.unload));
+    }
+
+    #[test]
+    fn before_the_plugins_pods_are_listed_a_module_with_a_plugin_never_leaves() {
+        let mut s = cluster();
+        let mut with_plugin = intent("m", "v1");
+        with_plugin.device_plugin = Some(DevicePlugin {
+            spec_json: "{}".into(),
+        });
+        with_plugin.unload = true;
+        s.set_intents(snapshot(1, vec![with_plugin, intent("plain", "v1")]));
+        s.agent_hello("a", &hello("a", &[("m", "v1")]));
+        assert!(s.desired_modules("a").modules.iter().all(|m| !m.unload));
+        assert!(s.set_device_plugin_pods(BTreeSet::new()));
+        assert!(s.desired_modules("a").modules.iter().any(|m| m.unload));
     }
 }

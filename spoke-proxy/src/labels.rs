@@ -3,48 +3,62 @@
 
 use std::collections::BTreeMap;
 
-use kmm_api::labels::{ready_label, version_ready_label};
+use kmm_api::labels::{device_plugin_ready_label, ready_label, version_ready_label};
 use kmm_proto::v1::ModuleState;
 use serde_json::{Map, Value};
 
 use crate::agent_view::AgentView;
 use crate::module_id::ModuleId;
 use crate::node_status::Assessment;
+use crate::node_upgrade::Hold;
 use crate::placement::Placement;
 
 /// What one module's labels on one node must become.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LabelIntent {
     /// The agent proved the current intent loaded: `ready`, and `version.ready` when the
-    /// version is set.
-    Set { version: String },
+    /// version is set; `device-plugin-ready` when the module has a device plugin to run.
+    Set {
+        version: String,
+        device_plugin: bool,
+    },
+    /// The module is about to be replaced or unloaded: its device plugin must stop first
+    /// (`device-plugin-ready` goes); the other labels stay until proof.
+    StopDevicePlugin,
     /// The agent proved the module is not loaded.
     Remove,
 }
 
 /// Labels change only on proof: set once the current intent is proven loaded, removed
 /// once the agent proves the module is not loaded (confirmed unload, failed load, or a
-/// hello without it). Without proof either way they stay as they are.
+/// hello without it). Without proof either way they stay as they are, but for
+/// `device-plugin-ready`, which goes as soon as the node is to change what it runs.
 pub fn label_intent(
     placement: &Placement,
     assessment: Option<&Assessment>,
     view: Option<&AgentView>,
     id: &ModuleId,
+    has_device_plugin: bool,
 ) -> Option<LabelIntent> {
     if let (Placement::Load(_), Some(a)) = (placement, assessment)
         && a.state == ModuleState::Loaded
     {
         return Some(LabelIntent::Set {
             version: a.loaded_version.clone(),
+            device_plugin: has_device_plugin,
         });
     }
     let proof = view.and_then(|v| v.loaded.get(id));
     match (placement, view, proof) {
-        // A held node still runs its version: its labels say which.
-        (Placement::Held(_), _, Some(p)) => Some(LabelIntent::Set {
+        // A held node still runs its version: its labels say which, and its device
+        // plugin keeps running unless it is held for that plugin to stop.
+        (Placement::Held(held), _, Some(p)) => Some(LabelIntent::Set {
             version: p.version.clone(),
+            device_plugin: has_device_plugin
+                && !matches!(held.hold, Hold::DevicePluginStopping { .. }),
         }),
         (_, Some(_), None) => Some(LabelIntent::Remove),
+        (_, Some(_), Some(_)) => Some(LabelIntent::StopDevicePlugin),
         _ => None,
     }
 }
@@ -64,14 +78,21 @@ pub fn merge_patch(
     for (id, intent) in intents {
         let ready = ready_label(&id.namespace, &id.name);
         let version = version_ready_label(&id.namespace, &id.name);
+        let device_plugin = device_plugin_ready_label(&id.namespace, &id.name);
         match intent {
-            LabelIntent::Set { version: v } => {
+            LabelIntent::Set {
+                version: v,
+                device_plugin: runs,
+            } => {
                 want(ready, Some(""));
                 want(version, (!v.is_empty()).then_some(v.as_str()));
+                want(device_plugin, runs.then_some(""));
             }
+            LabelIntent::StopDevicePlugin => want(device_plugin, None),
             LabelIntent::Remove => {
                 want(ready, None);
                 want(version, None);
+                want(device_plugin, None);
             }
         }
     }
@@ -118,27 +139,46 @@ mod tests {
         let load = Placement::Load(Box::default());
         let a = assessment(ModuleState::Loaded, "v1");
         assert_eq!(
-            label_intent(&load, Some(&a), Some(&loaded_view()), &id()),
+            label_intent(&load, Some(&a), Some(&loaded_view()), &id(), false),
             Some(LabelIntent::Set {
-                version: "v1".into()
+                version: "v1".into(),
+                device_plugin: false,
             })
         );
         let pending = assessment(ModuleState::Pending, "");
         assert_eq!(
-            label_intent(&load, Some(&pending), Some(&loaded_view()), &id()),
+            label_intent(&load, Some(&pending), Some(&loaded_view()), &id(), false),
+            Some(LabelIntent::StopDevicePlugin),
+            "moving to another load: only the device plugin label goes"
+        );
+        assert_eq!(
+            label_intent(&load, Some(&pending), None, &id(), false),
             None
         );
-        assert_eq!(label_intent(&load, Some(&pending), None, &id()), None);
     }
 
     #[test]
-    fn unload_requested_but_unconfirmed_keeps_labels() {
+    fn unload_requested_but_unconfirmed_keeps_labels_but_stops_the_device_plugin() {
         let a = assessment(ModuleState::Loaded, "v0");
         assert_eq!(
-            label_intent(&Placement::Unload, Some(&a), Some(&loaded_view()), &id()),
+            label_intent(
+                &Placement::Unload,
+                Some(&a),
+                Some(&loaded_view()),
+                &id(),
+                true
+            ),
+            Some(LabelIntent::StopDevicePlugin)
+        );
+        assert_eq!(
+            merge_patch(&BTreeMap::new(), &[(id(), LabelIntent::StopDevicePlugin)]),
+            None,
+            "the ready labels are not touched"
+        );
+        assert_eq!(
+            label_intent(&Placement::Unload, None, None, &id(), false),
             None
         );
-        assert_eq!(label_intent(&Placement::Unload, None, None, &id()), None);
     }
 
     #[test]
@@ -146,7 +186,13 @@ mod tests {
         let empty = AgentView::default();
         let unloaded = assessment(ModuleState::Unloaded, "");
         assert_eq!(
-            label_intent(&Placement::Unload, Some(&unloaded), Some(&empty), &id()),
+            label_intent(
+                &Placement::Unload,
+                Some(&unloaded),
+                Some(&empty),
+                &id(),
+                false
+            ),
             Some(LabelIntent::Remove)
         );
         let failed = assessment(ModuleState::Failed, "");
@@ -155,7 +201,8 @@ mod tests {
                 &Placement::Load(Box::default()),
                 Some(&failed),
                 Some(&empty),
-                &id()
+                &id(),
+                false
             ),
             Some(LabelIntent::Remove)
         );
@@ -167,6 +214,7 @@ mod tests {
             id(),
             LabelIntent::Set {
                 version: "v1".into(),
+                device_plugin: false,
             },
         )];
         assert_eq!(
@@ -215,7 +263,8 @@ mod tests {
                 &[(
                     id(),
                     LabelIntent::Set {
-                        version: String::new()
+                        version: String::new(),
+                        device_plugin: false,
                     }
                 )]
             ),
@@ -223,6 +272,46 @@ mod tests {
                 "kmm.node.kubernetes.io/ns.m.ready": "",
                 "kmm.node.kubernetes.io/ns.m.version.ready": null,
             }}}))
+        );
+    }
+
+    #[test]
+    fn the_device_plugin_label_follows_the_load_and_goes_before_a_hold_for_it() {
+        let load = Placement::Load(Box::default());
+        let a = assessment(ModuleState::Loaded, "v1");
+        let set = label_intent(&load, Some(&a), Some(&loaded_view()), &id(), true).unwrap();
+        assert_eq!(
+            merge_patch(&BTreeMap::new(), &[(id(), set)]),
+            Some(json!({"metadata": {"labels": {
+                "kmm.node.kubernetes.io/ns.m.ready": "",
+                "kmm.node.kubernetes.io/ns.m.version.ready": "v1",
+                "kmm.node.kubernetes.io/ns.m.device-plugin-ready": "",
+            }}}))
+        );
+        let held = |hold| {
+            Placement::Held(Box::new(crate::placement::Held {
+                hold,
+                running: Some("v0".into()),
+                target: "v1".into(),
+                keep: None,
+            }))
+        };
+        let waiting = held(Hold::Waiting { max: 1 });
+        assert_eq!(
+            label_intent(&waiting, None, Some(&loaded_view()), &id(), true),
+            Some(LabelIntent::Set {
+                version: "v0".into(),
+                device_plugin: true
+            }),
+            "a node waiting its turn keeps running its plugin"
+        );
+        let stopping = held(Hold::DevicePluginStopping { unload: false });
+        assert_eq!(
+            label_intent(&stopping, None, Some(&loaded_view()), &id(), true),
+            Some(LabelIntent::Set {
+                version: "v0".into(),
+                device_plugin: false
+            })
         );
     }
 }

@@ -16,6 +16,8 @@ use kmm_proto::v1::{ModuleIntent, module_intent};
 pub const REASON_VERSION_PINNED: &str = "VersionPinned";
 /// Reason of a node kept at its version until fewer nodes lack the module.
 pub const REASON_AWAITING_TURN: &str = "AwaitingUpgradeTurn";
+/// Reason of a node kept as it is until the module's device plugin pod left it.
+pub const REASON_DEVICE_PLUGIN_STOPPING: &str = "DevicePluginStopping";
 
 /// What keeps a node at the version it runs.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -24,6 +26,9 @@ pub enum Hold {
     Pinned { label: String },
     /// `max` matching nodes already lack the module.
     Waiting { max: usize },
+    /// The module's device plugin pod still runs on the node: it stops before the module
+    /// is unloaded (`unload`) or moves to another version (upstream's order).
+    DevicePluginStopping { unload: bool },
 }
 
 /// Where one node stands in a module's version change.
@@ -95,6 +100,17 @@ pub fn describe(hold: &Hold, running: Option<&str>, target: &str) -> (&'static s
             format!(
                 "the node {runs} and moves to {target:?} once fewer than {max} matching nodes \
                  lack the module (nodeUpgrade.maxUnavailable)"
+            ),
+        ),
+        Hold::DevicePluginStopping { unload } => (
+            REASON_DEVICE_PLUGIN_STOPPING,
+            format!(
+                "the node {runs}; the module's device plugin pod stops on it before {}",
+                if *unload {
+                    "the module is unloaded".to_owned()
+                } else {
+                    format!("the module moves to {target:?}")
+                }
             ),
         ),
     }

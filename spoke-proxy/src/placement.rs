@@ -140,6 +140,7 @@ mod tests {
             ],
             unload: false,
             max_unavailable: None,
+            device_plugin: None,
         }
     }
 

@@ -1,5 +1,6 @@
 //! Wires the proxy together: agent TLS material, the agent server, the Node watch, the
-//! hub link, the label patcher and the observability endpoint, until shutdown.
+//! hub link, the label patcher, the device plugins' DaemonSets and the observability
+//! endpoint, until shutdown.
 
 use std::net::SocketAddr;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -20,7 +21,7 @@ use crate::cluster_state::ClusterState;
 use crate::hub_connection::{self, HubLink};
 use crate::metrics::Metrics;
 use crate::shared_state::SharedState;
-use crate::{node_labels, nodes};
+use crate::{device_plugin_sync, node_labels, nodes};
 
 /// Everything the proxy needs to run.
 #[derive(Clone, Debug)]
@@ -119,6 +120,12 @@ pub async fn run(
         client.clone(),
         state.clone(),
         metrics.clone(),
+        cancel.clone(),
+    ));
+    tasks.spawn(device_plugin_sync::run(
+        client.clone(),
+        state.clone(),
+        config.namespace.clone(),
         cancel.clone(),
     ));
     // Ready only while connected to the hub (hub_connection says why); alive regardless.

@@ -9,15 +9,16 @@ use std::time::Duration;
 
 use anyhow::{Result, bail, ensure};
 use k8s_openapi::ByteString;
-use k8s_openapi::api::core::v1::{ConfigMap, Secret, ServiceAccount};
+use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, ServiceAccount};
 use kmm_e2e::fixture::wait_until;
 use kmm_proto::v1::{
-    Action, IntentSnapshot, KernelTarget, ModuleEvent, ModuleIntent, ModuleKey, ModuleLoad,
-    ModuleState, Outcome, PullCredential, Unresolved, kernel_target::Target, proxy_message,
-    pull_credential::Content,
+    Action, DevicePlugin, IntentSnapshot, KernelTarget, ModuleEvent, ModuleIntent, ModuleKey,
+    ModuleLoad, ModuleState, Outcome, PullCredential, Unresolved, kernel_target::Target,
+    proxy_message, pull_credential::Content,
 };
 use kube::Api;
-use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
+use kube::api::{ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use support::{AgentConn, HubPeer, HubPki, ProxyProcess, Spoke, WAIT, hello};
 use tonic::Code;
 
@@ -55,6 +56,7 @@ fn intent_for_node(spoke: &Spoke, name: &str, i: usize) -> ModuleIntent {
         kernels,
         unload: false,
         max_unavailable: None,
+        device_plugin: None,
     }
 }
 
@@ -1048,4 +1050,151 @@ async fn attach_agent(
         hello(node),
     )
     .await?)
+}
+
+/// `intent` at `version`, with the device plugin `image`.
+fn with_plugin(mut intent: ModuleIntent, version: &str) -> ModuleIntent {
+    for kernel in &mut intent.kernels {
+        if let Some(Target::Load(load)) = &mut kernel.target {
+            load.version = version.into();
+        }
+    }
+    intent.device_plugin = Some(DevicePlugin {
+        spec_json: r#"{"container":{"image":"registry.example/plugin:1"}}"#.into(),
+    });
+    intent
+}
+
+/// The nodes the module's device plugin Pods are bound to.
+async fn plugin_pods(spoke: &Spoke, module: &str) -> Result<Vec<String>> {
+    let pods: Api<Pod> = Api::namespaced(spoke.client.clone(), &spoke.namespace);
+    let list = pods
+        .list(&ListParams::default().labels(&format!("kmm.sigs.x-k8s.io/device-plugin={module}")))
+        .await?;
+    Ok(list
+        .items
+        .iter()
+        .filter_map(|p| p.spec.as_ref()?.node_name.clone())
+        .collect())
+}
+
+#[tokio::test]
+async fn a_device_plugin_runs_where_its_module_is_loaded_and_stops_before_it_changes() -> Result<()>
+{
+    let Started {
+        spoke,
+        pki: _pki,
+        mut hub,
+        proxy,
+        ca,
+    } = start("proxy-plugin").await?;
+    let node = spoke.node_name(0).to_string();
+    let label = format!(
+        "kmm.node.kubernetes.io/{}.plug.device-plugin-ready",
+        spoke.namespace
+    );
+    let mut stream = hub.next_stream().await?;
+    stream.send(snapshot(
+        1,
+        vec![with_plugin(intent_for_node(&spoke, "plug", 0), "v1")],
+    ))?;
+    let mut agent = attach_agent(&proxy, &ca, &spoke, 0, &node).await?;
+    let desired = agent.next_desired().await?;
+    let daemon_sets: Api<DaemonSet> = Api::namespaced(spoke.client.clone(), &spoke.namespace);
+    let set = wait_until("the plugin's DaemonSet", WAIT, || async {
+        daemon_sets
+            .get_opt("plug-device-plugin")
+            .await
+            .map_err(|e| e.to_string())?
+            .ok_or_else(|| "not yet".to_owned())
+    })
+    .await?;
+    let selector = set.spec.unwrap().template.spec.unwrap().node_selector;
+    ensure!(
+        selector == Some([(label.clone(), String::new())].into()),
+        "{selector:?}"
+    );
+    ensure!(
+        plugin_pods(&spoke, "plug").await?.is_empty(),
+        "a plugin Pod before the module is loaded"
+    );
+
+    agent
+        .send(event(&spoke, "plug", Action::Load, desired.revision))
+        .await?;
+    wait_until("the plugin's Pod on the loaded node", WAIT, || async {
+        let nodes = plugin_pods(&spoke, "plug")
+            .await
+            .map_err(|e| e.to_string())?;
+        (nodes == [node.clone()])
+            .then_some(())
+            .ok_or(format!("{nodes:?}"))
+    })
+    .await?;
+
+    // v2: the node keeps v1 until its plugin Pod is gone, and only then gets v2.
+    stream.send(snapshot(
+        2,
+        vec![with_plugin(intent_for_node(&spoke, "plug", 0), "v2")],
+    ))?;
+    stream
+        .wait_status("DevicePluginStopping", |s| {
+            is(s, "plug", &node, ModuleState::Pending) && s.reason == "DevicePluginStopping"
+        })
+        .await?;
+    let moved = loop {
+        let desired = agent.next_desired().await?;
+        let version = desired.modules[0].load.as_ref().map(|l| l.version.clone());
+        if version.as_deref() == Some("v2") {
+            break desired;
+        }
+        ensure!(version.as_deref() == Some("v1"), "{desired:?}");
+    };
+    ensure!(
+        plugin_pods(&spoke, "plug").await?.is_empty(),
+        "v2 was given while the plugin Pod still existed"
+    );
+    ensure!(
+        !spoke.node_labels(0).await?.contains_key(&label),
+        "the plugin label stayed during the change"
+    );
+    agent
+        .send(ModuleEvent {
+            version: "v2".into(),
+            ..event(&spoke, "plug", Action::Load, moved.revision)
+        })
+        .await?;
+    wait_until("the plugin back once v2 is loaded", WAIT, || async {
+        let nodes = plugin_pods(&spoke, "plug")
+            .await
+            .map_err(|e| e.to_string())?;
+        (nodes == [node.clone()])
+            .then_some(())
+            .ok_or(format!("{nodes:?}"))
+    })
+    .await?;
+
+    // Unload: the DaemonSet goes, and the unload waits for its Pod.
+    let mut gone = with_plugin(intent_for_node(&spoke, "plug", 0), "v2");
+    gone.unload = true;
+    stream.send(snapshot(3, vec![gone]))?;
+    let unload = loop {
+        let desired = agent.next_desired().await?;
+        if desired.modules.iter().any(|m| m.unload) {
+            break desired;
+        }
+    };
+    ensure!(
+        plugin_pods(&spoke, "plug").await?.is_empty(),
+        "unloaded while the plugin Pod still existed: {unload:?}"
+    );
+    wait_until("the DaemonSet deleted", WAIT, || async {
+        match daemon_sets.get_opt("plug-device-plugin").await {
+            Ok(None) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await?;
+    proxy.stop().await?;
+    spoke.cleanup().await
 }

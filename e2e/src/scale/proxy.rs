@@ -630,6 +630,7 @@ mod tests {
             kernels,
             unload,
             max_unavailable: None,
+            device_plugin: None,
         }
     }
 

@@ -6,8 +6,9 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use kmm_api::{ManagedClusterModule, MaxUnavailable};
 use kmm_proto::v1::{
-    IntentSnapshot, KernelTarget, Modprobe, ModprobeArgs, ModuleIntent, ModuleKey, ModuleLoad,
-    PullCredential, RegistryTls, Toleration, Unresolved, kernel_target::Target, module_intent,
+    DevicePlugin, IntentSnapshot, KernelTarget, Modprobe, ModprobeArgs, ModuleIntent, ModuleKey,
+    ModuleLoad, PullCredential, RegistryTls, Toleration, Unresolved, kernel_target::Target,
+    module_intent,
 };
 use kmm_resolver::Resolution;
 use kube::ResourceExt;
@@ -155,7 +156,18 @@ fn module_intent(
         kernels: targets,
         unload: input.unload,
         max_unavailable: max_unavailable(mcm),
+        device_plugin: device_plugin(mcm),
     }
+}
+
+/// The module's device plugin, also on an unload: the proxy stops the plugin on a node
+/// before it unloads the module there.
+fn device_plugin(mcm: &ManagedClusterModule) -> Option<DevicePlugin> {
+    let spec = mcm.spec.module_spec.device_plugin.as_ref()?;
+    // Serializing a typed value cannot fail: no map with non-string keys, no float NaN.
+    serde_json::to_string(spec)
+        .ok()
+        .map(|spec_json| DevicePlugin { spec_json })
 }
 
 /// `nodeUpgrade.maxUnavailable` for the proxy; a value admission would refuse (stored
@@ -400,6 +412,32 @@ mod tests {
             Some(MaxUnavailablePercent(30))
         );
         assert_eq!(intent(Some(IntOrString::Int(0))), None);
+    }
+
+    #[test]
+    fn the_device_plugin_travels_with_loads_and_unloads() {
+        let mut module = mcm("hello", HELLO);
+        let spec: kmm_api::DevicePluginSpec =
+            serde_json::from_value(serde_json::json!({"container": {"image": "r/plugin:1"}}))
+                .unwrap();
+        module.spec.module_spec.device_plugin = Some(spec.clone());
+        for unload in [false, true] {
+            let intent = module_intent(
+                &ModuleInput {
+                    module: &module,
+                    unload,
+                },
+                &kernels(&[]),
+                &creds(&[]),
+                &pinned(),
+                &ModuleResolutions::default(),
+                &mut BTreeSet::new(),
+                &mut false,
+            );
+            let sent: kmm_api::DevicePluginSpec =
+                serde_json::from_str(&intent.device_plugin.unwrap().spec_json).unwrap();
+            assert_eq!(sent, spec, "unload: {unload}");
+        }
     }
 
     #[test]
