@@ -36,6 +36,7 @@ pub use rollout::{
     RolloutStrategy, RolloutType, Share, parse_duration,
 };
 pub use status::{
-    ClusterCounts, FailureSample, ImageStatus, KernelCounts, MAX_FAILURE_SAMPLES,
-    MAX_IMAGE_KERNELS, MAX_IMAGE_STATUSES, ManagedClusterModuleStatus, NodeCounts,
+    ClusterCounts, ClusterDevicePlugins, DevicePluginCounts, FailureSample, ImageStatus,
+    KernelCounts, MAX_FAILURE_SAMPLES, MAX_IMAGE_KERNELS, MAX_IMAGE_STATUSES,
+    ManagedClusterModuleStatus, NodeCounts,
 };

@@ -45,9 +45,35 @@ pub struct ManagedClusterModuleStatus {
     /// Where the rollout of the latest `spec.moduleSpec` across the clusters stands.
     pub rollout: Option<crate::RolloutStatus>,
 
+    /// The device plugin's Pods (`spec.moduleSpec.devicePlugin`) on the selected clusters.
+    pub device_plugins: Option<DevicePluginCounts>,
+
     /// Standard conditions summarising the counts (`Ready`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
+}
+
+/// Device plugin Pods: one should run on every node that runs the module.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DevicePluginCounts {
+    /// Nodes where a plugin Pod should run.
+    pub desired: i32,
+    /// Of those, nodes where it is available.
+    pub available: i32,
+    /// The clusters where fewer are available than desired, by name; at most 10.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 10))]
+    pub short: Vec<ClusterDevicePlugins>,
+}
+
+/// One cluster's device plugin Pods.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterDevicePlugins {
+    pub cluster: String,
+    pub desired: i32,
+    pub available: i32,
 }
 
 /// Managed clusters by state.

@@ -1,9 +1,9 @@
 //! Container images of kmm-fleet, built with buildah from the Dockerfiles beside each
-//! component (`hub/Dockerfile`, `spoke-proxy/Dockerfile`, `node-agent/Dockerfile`, and
-//! the builder's `hub/builder/Dockerfile`) on bases assembled from Debian packages
-//! ([`base`]).
+//! component (`hub/Dockerfile`, `spoke-proxy/Dockerfile`, `node-agent/Dockerfile`, the
+//! builder's `hub/builder/Dockerfile`, and the sample device plugin's
+//! `samples/device-plugin/Dockerfile`) on bases assembled from Debian packages ([`base`]).
 //!
-//! [`build`] builds the release binaries, makes the bases current, builds the four
+//! [`build`] builds the release binaries, makes the bases current, builds the five
 //! images and, given a registry, pushes bases and images there ([`builder`] does only
 //! the builder's, which needs no binary). Every image carries a label hashing all it is
 //! made of (binary or context files, Dockerfile, base, build arguments); an image
@@ -84,6 +84,13 @@ pub const COMPONENTS: &[Component] = &[
         context: Context::Binary,
     },
     BUILDER,
+    // Not part of the product: what the local fleet runs as a module's device plugin.
+    Component {
+        name: "kmm-sample-device-plugin",
+        dockerfile: "samples/device-plugin/Dockerfile",
+        base: &BASE,
+        context: Context::Binary,
+    },
 ];
 
 /// The image kmm-hub's build Jobs run: buildah and its entrypoint script.
@@ -149,7 +156,7 @@ pub struct Built {
     pub images: Vec<Image>,
 }
 
-/// Build the release binaries, the bases and the four images; with a registry, push
+/// Build the release binaries, the bases and the five images; with a registry, push
 /// bases and images to it. Fails naming buildah if it is missing.
 pub fn build(options: &Options) -> Result<Built> {
     buildah::check()?;

@@ -794,32 +794,6 @@ async fn a_node_whose_image_is_missing_is_reported_with_the_registrys_answer() -
     Ok(())
 }
 
-/// A node's kernel log from byte `from` on: (nanoseconds, node, inserted?, kmod).
-fn kernel_events(agent: &Agent, from: usize) -> Result<Vec<(u128, String, bool, String)>> {
-    let path = agent.kernel_log();
-    let log = std::fs::read_to_string(&path).with_context(|| format!("{}", path.display()))?;
-    log.get(from..)
-        .unwrap_or_default()
-        .lines()
-        .map(|line| {
-            let mut words = line.split(' ');
-            match (words.next(), words.next(), words.next()) {
-                (Some(at), Some(event @ ("insert" | "remove")), Some(kmod)) => Ok((
-                    at.parse()?,
-                    agent.node.clone(),
-                    event == "insert",
-                    kmod.to_owned(),
-                )),
-                _ => bail!("{}: unexpected line {line:?}", path.display()),
-            }
-        })
-        .collect()
-}
-
-fn log_len(agent: &Agent) -> usize {
-    std::fs::metadata(agent.kernel_log()).map_or(0, |m| m.len() as usize)
-}
-
 #[tokio::test]
 async fn a_version_change_with_max_unavailable_one_takes_one_node_down_at_a_time() -> Result<()> {
     let _serial = SERIAL.lock().await;

@@ -6,8 +6,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kmm_proto::v1::{
-    AgentHello, DesiredModules, DevicePlugin, IntentSnapshot, KernelInventory, ModuleEvent,
-    ModuleIntent, ModuleLoad, ModuleState, NodeModule, Toleration,
+    AgentHello, DesiredModules, DevicePlugin, DevicePluginCount, DevicePluginReport,
+    IntentSnapshot, KernelInventory, ModuleEvent, ModuleIntent, ModuleLoad, ModuleState,
+    NodeModule, Toleration,
 };
 use serde_json::Value;
 
@@ -59,6 +60,8 @@ pub struct ClusterState {
     /// is not unloaded nor replaced there until it is gone. `None` until the Pods were
     /// listed: meanwhile every module that has a plugin counts as running it everywhere.
     device_plugin_pods: Option<BTreeSet<StatusKey>>,
+    /// Per module, its plugin DaemonSet's (desired, available) Pods, for the hub.
+    device_plugin_counts: BTreeMap<ModuleId, (u32, u32)>,
 }
 
 /// What the agent must do for a module, without what it needs to do it (credentials,
@@ -116,6 +119,7 @@ impl ClusterState {
             next_revision: revision_base,
             inventory: Inventory::new(revision_base),
             device_plugin_pods: None,
+            device_plugin_counts: BTreeMap::new(),
         }
     }
 
@@ -227,6 +231,30 @@ impl ClusterState {
         }
         self.place_waiting();
         true
+    }
+
+    /// The plugin DaemonSets' Pod counts; `false` when nothing changed.
+    pub fn set_device_plugin_counts(&mut self, counts: BTreeMap<ModuleId, (u32, u32)>) -> bool {
+        if counts == self.device_plugin_counts {
+            return false;
+        }
+        self.device_plugin_counts = counts;
+        true
+    }
+
+    /// The plugin DaemonSets' Pod counts, as the hub is told them.
+    pub fn device_plugin_report(&self) -> DevicePluginReport {
+        DevicePluginReport {
+            plugins: self
+                .device_plugin_counts
+                .iter()
+                .map(|(id, &(desired, available))| DevicePluginCount {
+                    module: Some(id.key()),
+                    desired,
+                    available,
+                })
+                .collect(),
+        }
     }
 
     /// The device plugins to run: each module of the snapshot that has one and is not

@@ -162,6 +162,30 @@ pub fn owned_by(owner: &str) -> String {
     format!("{MANAGED_BY_LABEL}={MANAGED_BY},{OWNER_LABEL}={owner},{MODULE_LABEL}")
 }
 
+/// Per module, its plugin DaemonSet's desired and available Pods.
+pub fn counts<'a>(
+    daemon_sets: impl IntoIterator<Item = &'a DaemonSet>,
+) -> BTreeMap<ModuleId, (u32, u32)> {
+    daemon_sets
+        .into_iter()
+        .filter_map(|set| {
+            let id = ModuleId {
+                namespace: set.metadata.namespace.clone()?,
+                name: set.metadata.labels.as_ref()?.get(MODULE_LABEL)?.clone(),
+            };
+            let status = set.status.as_ref();
+            let count = |n: Option<i32>| n.map_or(0, |n| u32::try_from(n).unwrap_or(0));
+            Some((
+                id,
+                (
+                    count(status.map(|s| s.desired_number_scheduled)),
+                    count(status.and_then(|s| s.number_available)),
+                ),
+            ))
+        })
+        .collect()
+}
+
 /// Where the plugins' Pods are: (module, node) of every Pod bound to a node. A Pod
 /// counts until it is gone from the API, that is until the kubelet stopped it.
 pub fn pods_by_node<'a>(pods: impl IntoIterator<Item = &'a Pod>) -> BTreeSet<StatusKey> {
@@ -278,6 +302,32 @@ mod tests {
         assert_eq!(
             pods_by_node(&pods),
             BTreeSet::from([(id(), "n1".to_owned())])
+        );
+    }
+
+    #[test]
+    fn counts_come_from_each_daemon_sets_status() {
+        let set: DaemonSet = serde_json::from_value(json!({
+            "metadata": {"name": "hello-device-plugin", "namespace": "drivers",
+                         "labels": {MODULE_LABEL: "hello"}},
+            "status": {"desiredNumberScheduled": 3, "numberAvailable": 2,
+                       "currentNumberScheduled": 3, "numberMisscheduled": 0, "numberReady": 2},
+        }))
+        .unwrap();
+        let fresh: DaemonSet = serde_json::from_value(json!({
+            "metadata": {"name": "other-device-plugin", "namespace": "drivers",
+                         "labels": {MODULE_LABEL: "other"}},
+        }))
+        .unwrap();
+        let counted = counts([&set, &fresh]);
+        assert_eq!(counted[&id()], (3, 2));
+        assert_eq!(counted.len(), 2);
+        assert_eq!(
+            counted[&ModuleId {
+                namespace: "drivers".into(),
+                name: "other".into()
+            }],
+            (0, 0)
         );
     }
 }

@@ -18,7 +18,7 @@ use kube::{Api, Client, ResourceExt};
 use tokio_util::sync::CancellationToken;
 
 use crate::device_plugin::{
-    MANAGED_BY, MANAGED_BY_LABEL, MODULE_LABEL, daemon_set, owned_by, pods_by_node,
+    MANAGED_BY, MANAGED_BY_LABEL, MODULE_LABEL, counts, daemon_set, owned_by, pods_by_node,
 };
 use crate::module_id::ModuleId;
 use crate::shared_state::SharedState;
@@ -32,19 +32,30 @@ const FIELD_MANAGER: &str = "kmm-spoke-proxy";
 pub async fn run(client: Client, state: SharedState, owner: String, cancel: CancellationToken) {
     let selector = owned_by(&owner);
     let (owned, writer) = reflector::store();
-    let watch_owned = reflector::reflector(
-        writer,
-        watcher::watcher(
-            Api::<DaemonSet>::all(client.clone()),
-            watcher::Config::default().labels(&selector),
-        ),
-    )
-    .default_backoff()
-    .for_each(|event| async move {
-        if let Err(error) = event {
-            tracing::warn!(%error, "watching device plugin DaemonSets failed; retrying");
-        }
-    });
+    let watch_owned = {
+        let (owned, state) = (owned.clone(), state.clone());
+        reflector::reflector(
+            writer,
+            watcher::watcher(
+                Api::<DaemonSet>::all(client.clone()),
+                watcher::Config::default().labels(&selector),
+            ),
+        )
+        .default_backoff()
+        .for_each(move |event| {
+            match event {
+                Err(error) => {
+                    tracing::warn!(%error, "watching device plugin DaemonSets failed; retrying");
+                }
+                // Their status: how many plugin Pods run where they should, for the hub.
+                Ok(_) => {
+                    let counted = counts(owned.state().iter().map(AsRef::as_ref));
+                    state.update_if(|s| s.set_device_plugin_counts(counted));
+                }
+            }
+            futures::future::ready(())
+        })
+    };
     tokio::select! {
         () = cancel.cancelled() => {}
         () = watch_owned => {}

@@ -207,7 +207,7 @@ async fn session(
     let mut changes = state.subscribe();
     let mut reporter = StatusReporter::default();
     changes.borrow_and_update();
-    let (hello, inventory, statuses) = state.update_quietly(|s| {
+    let (hello, inventory, statuses, plugins) = state.update_quietly(|s| {
         s.take_status_dirty();
         (
             ProxyHello {
@@ -216,9 +216,11 @@ async fn session(
             },
             s.inventory(),
             s.all_statuses(),
+            s.device_plugin_report(),
         )
     });
     let mut inventory_revision = inventory.revision;
+    let mut plugins_sent = plugins.clone();
     let applied = hello.applied_intent_revision;
     let mut first = vec![
         proxy_message::Message::Hello(hello),
@@ -229,6 +231,7 @@ async fn session(
             .into_iter()
             .map(proxy_message::Message::Status),
     );
+    first.push(proxy_message::Message::DevicePlugins(plugins));
     let (tx, rx) = mpsc::channel::<ProxyMessage>(first.len() + 64);
     for message in first {
         // The channel is fresh and larger than these messages: this cannot block.
@@ -276,13 +279,22 @@ async fn session(
                 Err(status) => return Err(SessionError::Broken(status)),
             },
             _ = changes.changed() => {
-                let (inventory, statuses, applied) = state.update_quietly(|s| {
+                let (inventory, statuses, applied, plugins) = state.update_quietly(|s| {
                     let dirty = s.take_status_dirty();
-                    (s.inventory(), s.statuses_of(&dirty), s.applied_intent_revision())
+                    (
+                        s.inventory(),
+                        s.statuses_of(&dirty),
+                        s.applied_intent_revision(),
+                        s.device_plugin_report(),
+                    )
                 });
                 if inventory.revision != inventory_revision {
                     inventory_revision = inventory.revision;
                     send(&tx, proxy_message::Message::Inventory(inventory)).await?;
+                }
+                if plugins != plugins_sent {
+                    plugins_sent = plugins.clone();
+                    send(&tx, proxy_message::Message::DevicePlugins(plugins)).await?;
                 }
                 if let Some(delta) = reporter.delta(statuses, applied) {
                     for part in report_parts(delta, REPORT_PART) {

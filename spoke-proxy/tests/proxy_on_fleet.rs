@@ -1131,6 +1131,19 @@ async fn a_device_plugin_runs_where_its_module_is_loaded_and_stops_before_it_cha
             .ok_or(format!("{nodes:?}"))
     })
     .await?;
+    // The hub hears how many plugin Pods run where they should.
+    loop {
+        if let proxy_message::Message::DevicePlugins(report) = stream.next().await? {
+            let counted = report
+                .plugins
+                .iter()
+                .find(|p| p.module.as_ref().is_some_and(|m| m.name == "plug"))
+                .map(|p| (p.desired, p.available));
+            if counted == Some((1, 1)) {
+                break;
+            }
+        }
+    }
 
     // v2: the node keeps v1 until its plugin Pod is gone, and only then gets v2.
     stream.send(snapshot(

@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use anyhow::{Context, Result, ensure};
+use anyhow::{Context, Result, bail, ensure};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -488,4 +488,30 @@ pub async fn retag(registry: &str, image: &str, from: &str, to: &str) -> Result<
         .push_manifest_raw(&target, manifest.to_vec(), media_type.parse()?)
         .await?;
     Ok(())
+}
+
+/// A node's kernel log from byte `from` on: (nanoseconds, node, inserted?, kmod).
+pub fn kernel_events(agent: &Agent, from: usize) -> Result<Vec<(u128, String, bool, String)>> {
+    let path = agent.kernel_log();
+    let log = std::fs::read_to_string(&path).with_context(|| format!("{}", path.display()))?;
+    log.get(from..)
+        .unwrap_or_default()
+        .lines()
+        .map(|line| {
+            let mut words = line.split(' ');
+            match (words.next(), words.next(), words.next()) {
+                (Some(at), Some(event @ ("insert" | "remove")), Some(kmod)) => Ok((
+                    at.parse()?,
+                    agent.node.clone(),
+                    event == "insert",
+                    kmod.to_owned(),
+                )),
+                _ => bail!("{}: unexpected line {line:?}", path.display()),
+            }
+        })
+        .collect()
+}
+
+pub fn log_len(agent: &Agent) -> usize {
+    std::fs::metadata(agent.kernel_log()).map_or(0, |m| m.len() as usize)
 }

@@ -7,6 +7,7 @@ pub mod addon_status;
 pub mod assignment;
 pub mod cluster_identity;
 pub mod deletion;
+pub mod device_plugins;
 pub mod intents;
 pub mod node_statuses;
 pub mod outbox;

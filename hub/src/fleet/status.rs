@@ -125,6 +125,7 @@ impl StatusTally {
             failures: self.failures,
             images: Vec::new(),
             rollout: None,
+            device_plugins: None,
             conditions: Vec::new(),
         }
     }

@@ -21,7 +21,8 @@ use kmm_api::{
     RolloutType,
 };
 use kmm_proto::v1::{
-    KernelInventory, ModuleIntent, NodeStatusReport, PullCredential, pull_credential::Content,
+    DevicePluginReport, KernelInventory, ModuleIntent, NodeStatusReport, PullCredential,
+    pull_credential::Content,
 };
 use kube::ResourceExt;
 use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
@@ -30,6 +31,7 @@ use tokio::sync::{Notify, watch};
 
 use crate::fleet::assignment::{ClusterFacts, cluster_modules, is_deleting, is_selected};
 use crate::fleet::deletion::{ClusterUnload, Leftover, leftovers};
+use crate::fleet::device_plugins::counts as device_plugin_counts;
 use crate::fleet::intents::cluster_intents;
 use crate::fleet::node_statuses::{NodeStatuses, ReportParts, TooManyStatuses};
 use crate::fleet::outbox::Outbox;
@@ -103,6 +105,8 @@ struct ClusterEntry {
     /// The intent revision the current stream's statuses were made with (its hello, then
     /// every report).
     acked_revision: u64,
+    /// Per module (namespace, name): its device plugin's (desired, available) Pods.
+    device_plugins: BTreeMap<(String, String), (u32, u32)>,
 }
 
 impl ClusterEntry {
@@ -476,6 +480,42 @@ impl FleetState {
                 .insert(cluster.to_owned(), Time(Timestamp::now()));
         });
         self.connection_changed(cluster, entry);
+    }
+
+    /// A device plugin report arrived on stream `id`: the modules whose counts changed
+    /// are reconciled (their status).
+    pub fn device_plugins(&self, cluster: &str, id: SessionId, report: DevicePluginReport) {
+        let Some(entry) = self.entry(cluster) else {
+            return;
+        };
+        let mut entry = lock(&entry);
+        if !entry.current(id) {
+            return;
+        }
+        let now: BTreeMap<(String, String), (u32, u32)> = report
+            .plugins
+            .into_iter()
+            .filter_map(|p| {
+                let key = p.module?;
+                Some(((key.namespace, key.name), (p.desired, p.available)))
+            })
+            .collect();
+        let changed: BTreeSet<String> = now
+            .iter()
+            .filter(|(key, counts)| entry.device_plugins.get(*key) != Some(counts))
+            .chain(
+                entry
+                    .device_plugins
+                    .iter()
+                    .filter(|(key, _)| !now.contains_key(*key)),
+            )
+            .map(|((_, name), _)| name.clone())
+            .collect();
+        entry.device_plugins = now;
+        drop(entry);
+        if !changed.is_empty() {
+            self.touched.add(changed);
+        }
     }
 
     /// A kernel inventory arrived on stream `id`; late duplicates are ignored.
@@ -1129,6 +1169,7 @@ impl FleetState {
             .collect();
         let mut tally = StatusTally::default();
         let mut observed = BTreeMap::new();
+        let mut plugins: Vec<(String, (u32, u32))> = Vec::new();
         let mut unloads: Vec<(String, bool, bool, Vec<String>)> = Vec::new();
         for (cluster, wave) in &selected {
             let Some(entry) = self.entry(cluster) else {
@@ -1165,6 +1206,12 @@ impl FleetState {
             });
             observation.wave.clone_from(wave);
             observed.insert(cluster.clone(), observation);
+            if let Some(counts) = entry
+                .device_plugins
+                .get(&(namespace.to_owned(), name.clone()))
+            {
+                plugins.push((cluster.clone(), *counts));
+            }
             if deleting {
                 unloads.push((
                     cluster.clone(),
@@ -1189,6 +1236,13 @@ impl FleetState {
             }
         }
         let mut status = tally.finish(module.metadata.generation);
+        if module.spec.module_spec.device_plugin.is_some() {
+            status.device_plugins = Some(device_plugin_counts(
+                plugins
+                    .iter()
+                    .map(|(cluster, counts)| (cluster.as_str(), *counts)),
+            ));
+        }
         {
             let images = self
                 .images

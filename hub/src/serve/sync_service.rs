@@ -226,6 +226,10 @@ async fn serve_stream(
                     );
                     state.status(cluster, id, report);
                 }
+                proxy_message::Message::DevicePlugins(report) => {
+                    tracing::debug!(cluster, plugins = report.plugins.len(), "device plugins");
+                    state.device_plugins(cluster, id, report);
+                }
             },
             Ok(Some(ProxyMessage { message: None })) => {}
             Ok(None) => break,

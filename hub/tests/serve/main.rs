@@ -5,6 +5,7 @@
 mod addon;
 mod admission;
 mod certificates;
+mod device_plugins;
 mod finalizers;
 mod images;
 mod leadership;
