@@ -81,6 +81,16 @@ async fn serves_health_and_metrics_and_stops_on_sigterm() {
             .expect("kmm-hub starts"),
     );
 
+    // Read as it is written: a full pipe would block the hub's logging, and its exit.
+    let logs = {
+        let mut stderr = hub.0.stderr.take().expect("stderr is piped");
+        std::thread::spawn(move || {
+            let mut logs = String::new();
+            std::io::Read::read_to_string(&mut stderr, &mut logs)
+                .map(|_| logs)
+                .unwrap_or_default()
+        })
+    };
     wait_until("kmm-hub to be ready", WAIT, || async {
         let response = get(metrics, "/readyz").await?;
         if response.starts_with("HTTP/1.1 200") {
@@ -119,16 +129,13 @@ async fn serves_health_and_metrics_and_stops_on_sigterm() {
             }
         }
     })
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
-    let mut logs = String::new();
-    use std::io::Read;
-    hub.0
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut logs)
-        .unwrap();
+    .await;
+    if status.is_err() {
+        let _ = hub.0.kill();
+        let _ = hub.0.wait();
+    }
+    let logs = logs.join().expect("the log reader");
+    let status = status.unwrap_or_else(|e| panic!("{e}; its log: {logs}"));
     assert!(status.success(), "kmm-hub exited with {status}: {logs}");
     for line in logs.lines() {
         let _: serde_json::Value = serde_json::from_str(line)
