@@ -424,6 +424,14 @@ mod tests {
         IntOrString::String(s.to_owned())
     }
 
+    /// Each problem's field and value.
+    fn fields(problems: &[RolloutProblem]) -> Vec<(&str, &str)> {
+        problems
+            .iter()
+            .map(|p| (p.field.as_str(), p.value.as_str()))
+            .collect()
+    }
+
     #[test]
     fn durations_are_hours_minutes_seconds_in_order() {
         assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
@@ -503,12 +511,8 @@ mod tests {
             ..RolloutStrategy::default()
         };
         let problems = strategy.check().unwrap_err();
-        let fields: Vec<(&str, &str)> = problems
-            .iter()
-            .map(|p| (p.field.as_str(), p.value.as_str()))
-            .collect();
         assert_eq!(
-            fields,
+            fields(&problems),
             [
                 ("progressive.mandatoryDecisionGroups[0]", ""),
                 ("progressive.mandatoryDecisionGroups[1].groupIndex", "-2"),
@@ -536,12 +540,8 @@ mod tests {
             ..RolloutStrategy::default()
         };
         let problems = strategy.check().unwrap_err();
-        let fields: Vec<(&str, &str)> = problems
-            .iter()
-            .map(|p| (p.field.as_str(), p.value.as_str()))
-            .collect();
         assert_eq!(
-            fields,
+            fields(&problems),
             [
                 ("progressive.maxConcurrency", "0"),
                 ("progressive.maxFailures", "150%"),

@@ -441,15 +441,7 @@ impl ClusterState {
             .labels
             .get(&version_module_label(&id.namespace, &id.name))
             .map(String::as_str);
-        let given = self
-            .work
-            .get(node)
-            .and_then(|w| {
-                w.modules
-                    .iter()
-                    .find(|m| ModuleId::from_key(m.key.as_ref()) == *id)
-            })
-            .and_then(|m| m.load.as_ref());
+        let given = self.given(node, id);
         let hold = node_upgrade::hold(
             &node_upgrade::Node {
                 target: &load.version,
@@ -467,6 +459,17 @@ impl ClusterState {
                 .filter(|g| Some(g.version.as_str()) == running)
                 .cloned(),
         })
+    }
+
+    /// The load this proxy last gave `node` for the module, if any.
+    fn given(&self, node: &str, id: &ModuleId) -> Option<&ModuleLoad> {
+        self.work
+            .get(node)?
+            .modules
+            .iter()
+            .find(|m| ModuleId::from_key(m.key.as_ref()) == *id)?
+            .load
+            .as_ref()
     }
 
     /// `placement`, unless it unloads or replaces the module on a node where the module's
@@ -499,14 +502,7 @@ impl ClusterState {
             _ => return placement,
         };
         let keep = self
-            .work
-            .get(node)
-            .and_then(|w| {
-                w.modules
-                    .iter()
-                    .find(|m| ModuleId::from_key(m.key.as_ref()) == *id)
-            })
-            .and_then(|m| m.load.as_ref())
+            .given(node, id)
             .filter(|given| Some(&given.version) == running.as_ref())
             .cloned();
         Placement::Held(Box::new(Held {

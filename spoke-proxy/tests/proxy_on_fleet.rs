@@ -1065,6 +1065,18 @@ fn with_plugin(mut intent: ModuleIntent, version: &str) -> ModuleIntent {
     intent
 }
 
+/// Waits until the module's only plugin Pod is on `node`.
+async fn plugin_pod_on(spoke: &Spoke, module: &str, node: &str, what: &str) -> Result<()> {
+    wait_until(what, WAIT, || async {
+        let nodes = plugin_pods(spoke, module)
+            .await
+            .map_err(|e| e.to_string())?;
+        (nodes == [node]).then_some(()).ok_or(format!("{nodes:?}"))
+    })
+    .await?;
+    Ok(())
+}
+
 /// The nodes the module's device plugin Pods are bound to.
 async fn plugin_pods(spoke: &Spoke, module: &str) -> Result<Vec<String>> {
     let pods: Api<Pod> = Api::namespaced(spoke.client.clone(), &spoke.namespace);
@@ -1122,15 +1134,7 @@ async fn a_device_plugin_runs_where_its_module_is_loaded_and_stops_before_it_cha
     agent
         .send(event(&spoke, "plug", Action::Load, desired.revision))
         .await?;
-    wait_until("the plugin's Pod on the loaded node", WAIT, || async {
-        let nodes = plugin_pods(&spoke, "plug")
-            .await
-            .map_err(|e| e.to_string())?;
-        (nodes == [node.clone()])
-            .then_some(())
-            .ok_or(format!("{nodes:?}"))
-    })
-    .await?;
+    plugin_pod_on(&spoke, "plug", &node, "the plugin's Pod on the loaded node").await?;
     // The hub hears how many plugin Pods run where they should.
     loop {
         if let proxy_message::Message::DevicePlugins(report) = stream.next().await? {
@@ -1177,15 +1181,7 @@ async fn a_device_plugin_runs_where_its_module_is_loaded_and_stops_before_it_cha
             ..event(&spoke, "plug", Action::Load, moved.revision)
         })
         .await?;
-    wait_until("the plugin back once v2 is loaded", WAIT, || async {
-        let nodes = plugin_pods(&spoke, "plug")
-            .await
-            .map_err(|e| e.to_string())?;
-        (nodes == [node.clone()])
-            .then_some(())
-            .ok_or(format!("{nodes:?}"))
-    })
-    .await?;
+    plugin_pod_on(&spoke, "plug", &node, "the plugin back once v2 is loaded").await?;
 
     // Unload: the DaemonSet goes, and the unload waits for its Pod.
     let mut gone = with_plugin(intent_for_node(&spoke, "plug", 0), "v2");

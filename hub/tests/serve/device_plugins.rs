@@ -8,6 +8,20 @@ use super::support::*;
 
 const NAME: &str = "hello-plugin";
 
+/// The module's plugin has `available` of `desired` Pods on the cluster.
+fn report(desired: u32, available: u32) -> proxy_message::Message {
+    proxy_message::Message::DevicePlugins(DevicePluginReport {
+        plugins: vec![DevicePluginCount {
+            module: Some(ModuleKey {
+                namespace: "kmm-test".into(),
+                name: NAME.into(),
+            }),
+            desired,
+            available,
+        }],
+    })
+}
+
 #[tokio::test]
 async fn the_plugin_travels_with_the_intent_and_its_pods_are_counted_per_cluster() {
     let fleet = fleet().await;
@@ -28,18 +42,7 @@ async fn the_plugin_travels_with_the_intent_and_its_pods_are_counted_per_cluster
         "{plugin:?}"
     );
 
-    proxy
-        .send(proxy_message::Message::DevicePlugins(DevicePluginReport {
-            plugins: vec![DevicePluginCount {
-                module: Some(ModuleKey {
-                    namespace: "kmm-test".into(),
-                    name: NAME.into(),
-                }),
-                desired: 3,
-                available: 2,
-            }],
-        }))
-        .await;
+    proxy.send(report(3, 2)).await;
     let counted = hub
         .wait_module(NAME, "the plugin's Pods counted", WAIT, |m| {
             let plugins = m.and_then(|m| m.status?.device_plugins).ok_or("no count")?;
@@ -52,18 +55,7 @@ async fn the_plugin_travels_with_the_intent_and_its_pods_are_counted_per_cluster
     assert_eq!(counted.short.len(), 1);
     assert_eq!(counted.short[0].cluster, "spoke1");
 
-    proxy
-        .send(proxy_message::Message::DevicePlugins(DevicePluginReport {
-            plugins: vec![DevicePluginCount {
-                module: Some(ModuleKey {
-                    namespace: "kmm-test".into(),
-                    name: NAME.into(),
-                }),
-                desired: 3,
-                available: 3,
-            }],
-        }))
-        .await;
+    proxy.send(report(3, 3)).await;
     hub.wait_module(NAME, "every plugin Pod available", WAIT, |m| {
         let plugins = m.and_then(|m| m.status?.device_plugins).ok_or("no count")?;
         (plugins.available == 3 && plugins.short.is_empty())
