@@ -1156,17 +1156,27 @@ impl FleetState {
         let namespace = module.spec.spoke_namespace.as_str();
         let deleting = is_deleting(module);
         // Each selected cluster, with the wave its rollout moves it in.
-        let selected: BTreeMap<String, _> = self
-            .stores
-            .clusters
-            .state()
-            .iter()
-            .filter_map(|c| {
-                let name = c.name_any();
-                let view = self.cluster_view(&name)?;
-                is_selected(module, Some(view.facts())).then(|| (name, wave(module, &view.placed)))
-            })
-            .collect();
+        let selected: BTreeMap<String, _> = {
+            let placed = self
+                .placed
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let nowhere = Placed::new();
+            self.stores
+                .clusters
+                .state()
+                .iter()
+                .filter_map(|c| {
+                    let name = c.name_any();
+                    let placed = placed.get(&name).unwrap_or(&nowhere);
+                    let facts = ClusterFacts {
+                        labels: c.labels(),
+                        placed,
+                    };
+                    is_selected(module, Some(facts)).then(|| (name, wave(module, placed)))
+                })
+                .collect()
+        };
         let mut tally = StatusTally::default();
         let mut observed = BTreeMap::new();
         let mut plugins: Vec<(String, (u32, u32))> = Vec::new();
