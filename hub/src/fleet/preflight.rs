@@ -12,17 +12,20 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kmm_api::{ManagedClusterModule, PreflightModuleStatus};
 
+use super::resolutions::ModuleResolutions;
 use crate::images::record::{ImageRecord, ImageState};
 use crate::images::{ImageKey, ImageNeed, module_needs};
 
-/// The image needs a preflight for `kernel` adds for `module`; with `push` false, without
-/// their recipes, so that the worker checks and never builds or signs.
+/// The image needs a preflight for `kernel` adds for `module` (`resolved`: its cached
+/// resolutions, holding the kernel); with `push` false, without their recipes, so that
+/// the worker checks and never builds or signs.
 pub fn preflight_needs(
     module: &ManagedClusterModule,
+    resolved: &ModuleResolutions,
     kernel: &str,
     push: bool,
 ) -> BTreeMap<ImageKey, ImageNeed> {
-    let mut needs = module_needs(module, &BTreeSet::from([kernel.to_owned()]));
+    let mut needs = module_needs(module, resolved, &BTreeSet::from([kernel.to_owned()]));
     if !push {
         for need in needs.values_mut() {
             need.build = None;
@@ -126,6 +129,7 @@ pub fn module_status(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fleet::resolutions::Resolutions;
     use crate::images::Next;
 
     const KERNEL: &str = "6.1.0-9-amd64";
@@ -165,20 +169,28 @@ spec:
         }
     }
 
+    /// The sample module's preflight needs for `kernel`, resolved afresh.
+    fn preflight(kernel: &str, push: bool) -> BTreeMap<ImageKey, ImageNeed> {
+        let module = mcm();
+        let mut resolutions = Resolutions::default();
+        let resolved = resolutions.resolve(&module, &BTreeSet::from([kernel.to_owned()]));
+        preflight_needs(&module, resolved, kernel, push)
+    }
+
     #[test]
     fn without_push_the_worker_gets_no_recipe_and_builds_nothing() {
-        let checked = preflight_needs(&mcm(), KERNEL, false);
+        let checked = preflight(KERNEL, false);
         let need = checked.values().next().expect("one image");
         assert!(need.build.is_none() && need.sign.is_none());
         assert_eq!(need.kernels, BTreeSet::from([KERNEL.to_owned()]));
-        let pushed = preflight_needs(&mcm(), KERNEL, true);
+        let pushed = preflight(KERNEL, true);
         assert!(pushed.values().next().unwrap().build.is_some());
-        assert!(preflight_needs(&mcm(), "5.14.0", true).is_empty());
+        assert!(preflight("5.14.0", true).is_empty());
     }
 
     #[test]
     fn each_image_state_gives_a_verdict_and_a_stage() {
-        let needs = preflight_needs(&mcm(), KERNEL, true);
+        let needs = preflight(KERNEL, true);
         let (key, need) = needs.iter().next().unwrap();
         let with = |record: Option<&ImageRecord>, push: bool| {
             verdict(&Finding::Images(vec![(key, true, record)]), push)

@@ -6,9 +6,10 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use kmm_api::{Build, ManagedClusterModule, TlsOptions};
 use kmm_registry::RegistryTls;
-use kmm_resolver::{ModuleIdentity, Resolver};
 use kube::ResourceExt;
 use sha2::{Digest, Sha256};
+
+use crate::fleet::resolutions::ModuleResolutions;
 
 /// One image of one module. Two modules naming the same image are tracked apart: their
 /// build and sign settings, and their pull secrets, may differ.
@@ -67,24 +68,19 @@ pub struct SignPlan {
     pub files: Vec<String>,
 }
 
-/// The images `module` needs for `kernels`. Kernels that do not resolve need nothing:
-/// their nodes report the resolver's reason instead.
+/// The images `module` needs for `kernels`, from its cached resolutions (`resolved`,
+/// which must hold those kernels). Kernels that do not resolve need nothing: their nodes
+/// report the resolver's reason instead.
 pub fn module_needs(
     module: &ManagedClusterModule,
+    resolved: &ModuleResolutions,
     kernels: &BTreeSet<String>,
 ) -> BTreeMap<ImageKey, ImageNeed> {
     let name = module.name_any();
     let spec = &module.spec.module_spec;
-    let Ok(resolver) = Resolver::new(
-        spec,
-        ModuleIdentity {
-            name: &name,
-            namespace: &module.spec.spoke_namespace,
-            spec_path: "spec.moduleSpec",
-        },
-    ) else {
+    if resolved.invalid().is_some() {
         return BTreeMap::new();
-    };
+    }
     let pull_secret = spec
         .image_repo_secret
         .as_ref()
@@ -92,7 +88,7 @@ pub fn module_needs(
         .filter(|n| !n.is_empty());
     let mut needs: BTreeMap<ImageKey, ImageNeed> = BTreeMap::new();
     for kernel in kernels {
-        let Ok(resolution) = resolver.resolve(kernel) else {
+        let Some(Ok(resolution)) = resolved.kernel(kernel) else {
             continue;
         };
         let key = ImageKey {
@@ -103,20 +99,20 @@ pub fn module_needs(
             need.kernels.insert(kernel.clone());
             continue;
         }
-        let sign = resolution.sign.map(|sign| SignPlan {
-            unsigned_image: match (&resolution.build, sign.unsigned_image) {
+        let sign = resolution.sign.as_ref().map(|sign| SignPlan {
+            unsigned_image: match (&resolution.build, &sign.unsigned_image) {
                 // Build then sign: the build's output is an intermediate image.
                 (Some(_), _) | (None, None) => unsigned_image_name(
                     &resolution.container_image,
                     &module.spec.spoke_namespace,
                     &name,
                 ),
-                (None, Some(image)) => image,
+                (None, Some(image)) => image.clone(),
             },
             unsigned_tls: tls(sign.unsigned_image_registry_tls.as_ref()),
-            key_secret: sign.key_secret.name,
-            cert_secret: sign.cert_secret.name,
-            files: sign.files_to_sign.unwrap_or_default(),
+            key_secret: sign.key_secret.name.clone(),
+            cert_secret: sign.cert_secret.name.clone(),
+            files: sign.files_to_sign.clone().unwrap_or_default(),
         });
         needs.insert(
             key,
@@ -126,7 +122,7 @@ pub fn module_needs(
                 kernels: BTreeSet::from([kernel.clone()]),
                 tls: tls(resolution.registry_tls.as_ref()),
                 pull_secret: pull_secret.clone(),
-                build: resolution.build,
+                build: resolution.build.clone(),
                 sign,
                 rebuild_generation: spec.image_rebuild_trigger_generation.unwrap_or_default(),
             },
@@ -172,6 +168,19 @@ pub fn unsigned_image_name(image: &str, namespace: &str, module: &str) -> String
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fleet::resolutions::Resolutions;
+
+    /// The module's needs, resolved afresh.
+    fn needs_of(
+        module: &ManagedClusterModule,
+        kernels: &BTreeSet<String>,
+    ) -> BTreeMap<ImageKey, ImageNeed> {
+        module_needs(
+            module,
+            Resolutions::default().resolve(module, kernels),
+            kernels,
+        )
+    }
 
     fn mcm(module_spec: &str) -> ManagedClusterModule {
         let doc = format!(
@@ -207,7 +216,7 @@ mod tests {
 
     #[test]
     fn one_need_per_image_with_its_kernels_and_how_to_make_it() {
-        let needs = module_needs(
+        let needs = needs_of(
             &mcm(BUILD_AND_SIGN),
             &kernels(&["6.1.0-1-amd64", "5.14.0", "5.14.1", "4.18.0"]),
         );
@@ -255,7 +264,7 @@ mod tests {
         let broken = mcm(
             "    selector: {}\n    moduleLoader:\n      container:\n        modprobe: {}\n        kernelMappings: [{regexp: '('}]\n",
         );
-        assert!(module_needs(&broken, &kernels(&["6.1.0"])).is_empty());
+        assert!(needs_of(&broken, &kernels(&["6.1.0"])).is_empty());
     }
 
     #[test]

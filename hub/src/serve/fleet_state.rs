@@ -980,17 +980,26 @@ impl FleetState {
                     .extend(cluster_kernels.iter().cloned());
             }
         }
+        // Every module's resolutions come from the cache, compiled once per generation.
+        let mut resolutions = lock(&self.resolutions);
         let mut needs: BTreeMap<ImageKey, ImageNeed> = served
             .values()
-            .flat_map(|(module, kernels)| module_needs(module, kernels))
+            .flat_map(|(module, kernels)| {
+                module_needs(module, resolutions.resolve(module, kernels), kernels)
+            })
             .collect();
         // Preflights add what no cluster needs yet; a kernel clusters run keeps its needs.
         for preflight in self.stores.preflights.state() {
             let spec = &preflight.spec;
+            let kernel = BTreeSet::from([spec.kernel_version.clone()]);
             for module in modules.iter().filter(|m| !is_deleting(m)) {
-                for (key, need) in
-                    preflight_needs(module, &spec.kernel_version, spec.push_built_image)
-                {
+                let resolved = resolutions.resolve(module, &kernel);
+                for (key, need) in preflight_needs(
+                    module,
+                    resolved,
+                    &spec.kernel_version,
+                    spec.push_built_image,
+                ) {
                     needs.entry(key).or_insert(need);
                 }
             }
@@ -1032,16 +1041,16 @@ impl FleetState {
             .filter(|m| !is_deleting(m))
             .map(|module| {
                 let name = module.name_any();
-                let unresolved = {
+                let (unresolved, recipes) = {
                     let mut resolutions = lock(&self.resolutions);
                     let resolved = resolutions.resolve(module, &kernels);
-                    match (resolved.invalid(), resolved.kernel(kernel)) {
+                    let unresolved = match (resolved.invalid(), resolved.kernel(kernel)) {
                         (Some(errors), _) => Some(format!("InvalidSpec: {errors}")),
                         (None, Some(Err(e))) => Some(format!("{}: {e}", e.kind.reason())),
                         _ => None,
-                    }
+                    };
+                    (unresolved, preflight_needs(module, resolved, kernel, true))
                 };
-                let recipes = preflight_needs(module, kernel, true);
                 let finding = match unresolved {
                     Some(why) => Finding::Unresolved(why),
                     None => Finding::Images(
