@@ -7,7 +7,7 @@
 //! namespace, as DaemonSets keep theirs: the spec a cluster still runs after the module
 //! moved on must survive hub restarts.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use k8s_openapi::api::apps::v1::ControllerRevision;
@@ -96,6 +96,15 @@ pub fn module_at(
 pub struct Revisions {
     current: HashMap<String, (Option<i64>, String)>,
     earlier: HashMap<(String, String), (Option<String>, Arc<ManagedClusterModule>)>,
+    /// (module, revision) found missing since last found: said once, not per recompute.
+    missing: HashSet<(String, String)>,
+}
+
+/// An earlier revision that is not kept (or unreadable).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Missing {
+    /// It was found, or not looked for, before: its absence is worth saying once.
+    pub newly: bool,
 }
 
 impl Revisions {
@@ -112,31 +121,36 @@ impl Revisions {
         entry.1.clone()
     }
 
-    /// The module at an earlier `revision`; `None` when `stored` (the kept
+    /// The module at an earlier `revision`; `Err` when `stored` (the kept
     /// `ControllerRevision`) is missing or unreadable.
     pub fn earlier(
         &mut self,
         current: &ManagedClusterModule,
         revision: &str,
         stored: impl FnOnce() -> Option<Arc<ControllerRevision>>,
-    ) -> Option<Arc<ManagedClusterModule>> {
+    ) -> Result<Arc<ManagedClusterModule>, Missing> {
         let key = (current.name_any(), revision.to_owned());
         let version = current.metadata.resource_version.clone();
         if let Some((seen, module)) = self.earlier.get(&key)
             && *seen == version
         {
-            return Some(module.clone());
+            return Ok(module.clone());
         }
-        let stored = stored()?;
-        let module = Arc::new(module_at(current, &stored).ok()?);
+        let module = stored().and_then(|stored| module_at(current, &stored).ok());
+        let Some(module) = module.map(Arc::new) else {
+            let newly = self.missing.insert(key);
+            return Err(Missing { newly });
+        };
+        self.missing.remove(&key);
         self.earlier.insert(key, (version, module.clone()));
-        Some(module)
+        Ok(module)
     }
 
     /// Forgets every module `keep` refuses (deleted modules).
     pub fn retain(&mut self, keep: impl Fn(&str) -> bool) {
         self.current.retain(|name, _| keep(name));
         self.earlier.retain(|(name, _), _| keep(name));
+        self.missing.retain(|(name, _)| keep(name));
     }
 }
 
@@ -200,8 +214,24 @@ mod tests {
         let again = revisions.earlier(&v2, &r1, || None).unwrap();
         assert!(Arc::ptr_eq(&first, &again));
         let v3 = mcm(3, "r/hello:3");
-        assert!(revisions.earlier(&v3, &r1, || None).is_none());
+        assert_eq!(
+            revisions.earlier(&v3, &r1, || None).unwrap_err(),
+            Missing { newly: true }
+        );
+        assert_eq!(
+            revisions.earlier(&v3, &r1, || None).unwrap_err(),
+            Missing { newly: false },
+            "a revision still missing is said once"
+        );
         assert_ne!(revisions.current(&v2), revisions.current(&v3));
+        revisions
+            .earlier(&v3, &r1, || Some(stored.clone()))
+            .unwrap();
+        assert_eq!(
+            revisions.earlier(&mcm(4, "r/hello:4"), &r1, || None),
+            Err(Missing { newly: true }),
+            "found again, then lost again: said again"
+        );
     }
 
     #[test]

@@ -38,7 +38,7 @@ use crate::fleet::outbox::Outbox;
 use crate::fleet::placements::{Placed, decided, wave};
 use crate::fleet::preflight::{Finding, module_status, preflight_needs};
 use crate::fleet::resolutions::Resolutions;
-use crate::fleet::revisions::{MODULE_LABEL, Revisions, object_name};
+use crate::fleet::revisions::{MODULE_LABEL, Missing, Revisions, object_name};
 use crate::fleet::rollout::{Assigned, Observation, assigned};
 use crate::fleet::shared_snapshot::IntentPool;
 use crate::fleet::status::{ClusterReport, StatusTally};
@@ -879,16 +879,17 @@ impl FleetState {
                         let kept = revisions.earlier(module, revision, || {
                             self.stores.revisions.find(|r| r.name_any() == object)
                         });
-                        if kept.is_none() {
+                        if let Err(Missing { newly: true }) = kept {
                             tracing::warn!(
                                 module = name,
                                 cluster,
                                 revision,
                                 "the revision the cluster runs is not kept (or unreadable); \
-                                 its snapshot leaves the module out until the rollout moves it"
+                                 the snapshots of the clusters on it leave the module out \
+                                 until the rollout moves them"
                             );
                         }
-                        kept
+                        kept.ok()
                     }
                 }
             })
