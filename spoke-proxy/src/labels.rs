@@ -58,6 +58,9 @@ pub fn label_intent(
                 && !matches!(held.hold, Hold::DevicePluginStopping { .. }),
         }),
         (_, Some(_), None) => Some(LabelIntent::Remove),
+        // The version it is to run, not proven for the current intent yet (an agent
+        // reconnecting, say): nothing changes for the plugin either.
+        (Placement::Load(load), Some(_), Some(p)) if p.version == load.version => None,
         (_, Some(_), Some(_)) => Some(LabelIntent::StopDevicePlugin),
         _ => None,
     }
@@ -272,6 +275,19 @@ mod tests {
                 "kmm.node.kubernetes.io/ns.m.ready": "",
                 "kmm.node.kubernetes.io/ns.m.version.ready": null,
             }}}))
+        );
+    }
+
+    #[test]
+    fn a_node_running_its_target_version_keeps_its_plugin_until_proven_otherwise() {
+        let load = Placement::Load(Box::new(kmm_proto::v1::ModuleLoad {
+            version: "v0".into(),
+            ..Default::default()
+        }));
+        let pending = assessment(ModuleState::Pending, "");
+        assert_eq!(
+            label_intent(&load, Some(&pending), Some(&loaded_view()), &id(), true),
+            None
         );
     }
 
