@@ -133,9 +133,9 @@ pub fn advance(
         let wait = Duration::try_from(now.duration_until(at)).unwrap_or_default();
         next_check = Some(next_check.map_or(wait, |w| w.min(wait)));
     };
-    let (mut succeeded, mut progressing, mut failed, mut active) = (0, 0, 0, 0);
+    let (mut failed, mut active) = (0, 0);
     let (mut mandatory_active, mut mandatory_failed) = (0, 0);
-    // Each cluster's state, for the counts per wave.
+    // Each cluster's state: the counts, overall and per wave.
     let mut states: BTreeMap<&str, (Option<&Wave>, &str)> = BTreeMap::new();
     for (name, observed) in selected {
         let entry = listed.get(name.as_str()).copied();
@@ -167,7 +167,6 @@ pub fn advance(
         if observed.converged || next.succeeded_at.is_some() {
             let at = next.succeeded_at.get_or_insert(Time(now)).0;
             next.state = SUCCEEDED.to_owned();
-            succeeded += 1;
             let settled = at + strategy.min_success_time;
             if settled > now {
                 active += 1;
@@ -195,7 +194,6 @@ pub fn advance(
             ));
             failed += 1;
         } else {
-            progressing += 1;
             active += 1;
             if let Some(deadline) = strategy.progress_deadline {
                 check_in(next.since.0 + deadline);
@@ -247,22 +245,16 @@ pub fn advance(
                 reason: None,
                 group: wave.map(|w| w.label.clone()),
             });
-            progressing += 1;
             if let Some(deadline) = strategy.progress_deadline {
                 check_in(now + deadline);
             }
         }
     }
     clusters.sort_by(|a, b| a.cluster.cmp(&b.cluster));
-    let counts = RolloutCounts {
-        total: count(total),
-        succeeded: count(succeeded),
-        progressing: count(progressing),
-        failed: count(failed),
-        to_apply: count(to_apply.len()),
-    };
+    let counts = tally(states.values().map(|(_, state)| *state));
     let groups = per_wave(&states);
-    if succeeded == total {
+    let succeeded = counts.succeeded;
+    if counts.succeeded == counts.total {
         // Every cluster runs the current revision: it becomes the base.
         return (
             RolloutStatus {
@@ -345,25 +337,34 @@ fn everywhere(current: &str, selected: &BTreeMap<String, Observation>) -> Rollou
 
 /// Counts per wave, in the waves' order; none when no Placement made the waves.
 fn per_wave(states: &BTreeMap<&str, (Option<&Wave>, &str)>) -> Vec<RolloutGroup> {
-    let mut waves: BTreeMap<&Wave, RolloutCounts> = BTreeMap::new();
+    let mut waves: BTreeMap<&Wave, Vec<&str>> = BTreeMap::new();
     for (wave, state) in states.values() {
-        let Some(wave) = wave else { continue };
-        let counts = waves.entry(wave).or_default();
+        if let Some(wave) = wave {
+            waves.entry(wave).or_default().push(state);
+        }
+    }
+    waves
+        .into_iter()
+        .map(|(wave, states)| RolloutGroup {
+            group: wave.label.clone(),
+            counts: tally(states),
+        })
+        .collect()
+}
+
+/// Clusters by their state in the rollout.
+fn tally<'a>(states: impl IntoIterator<Item = &'a str>) -> RolloutCounts {
+    let mut counts = RolloutCounts::default();
+    for state in states {
         counts.total += 1;
-        match *state {
+        match state {
             SUCCEEDED => counts.succeeded += 1,
             FAILED => counts.failed += 1,
             TO_APPLY => counts.to_apply += 1,
             _ => counts.progressing += 1,
         }
     }
-    waves
-        .into_iter()
-        .map(|(wave, counts)| RolloutGroup {
-            group: wave.label.clone(),
-            counts,
-        })
-        .collect()
+    counts
 }
 
 fn count(n: usize) -> i32 {
