@@ -99,7 +99,7 @@ async fn the_device_plugin_advertises_only_while_its_module_is_loaded() -> Resul
         },
     )
     .await?;
-    let inserted = first_insert(agent, log_from)?.context("no insert in the kernel log")?;
+    let inserted = first_event(agent, log_from, true)?.context("no insert in the kernel log")?;
     let registered = journal(&journal_file)?
         .into_iter()
         .find(|(_, what)| what == "registered")
@@ -150,11 +150,4 @@ async fn the_device_plugin_advertises_only_while_its_module_is_loaded() -> Resul
     label_cluster(&fleet.hub, &spoke, &id, false).await?;
     let _ = std::fs::remove_file(&journal_file);
     Ok(())
-}
-
-fn first_insert(agent: &kmm_e2e::fleet::kmm::Agent, from: usize) -> Result<Option<u128>> {
-    Ok(kernel_events(agent, from)?
-        .into_iter()
-        .find(|(_, _, inserted, _)| *inserted)
-        .map(|(at, ..)| at))
 }

@@ -884,15 +884,6 @@ fn now_ns() -> u128 {
         .map_or(0, |d| d.as_nanos())
 }
 
-/// When `agent`'s kernel first removed (`inserted` false) or inserted a kmod after byte
-/// `from` of its log.
-fn first_event(agent: &Agent, from: usize, inserted: bool) -> Result<Option<u128>> {
-    Ok(kernel_events(agent, from)?
-        .into_iter()
-        .find(|(_, _, i, _)| *i == inserted)
-        .map(|(at, ..)| at))
-}
-
 #[tokio::test]
 async fn a_progressive_rollout_halts_on_a_missing_image_survives_a_hub_crash_and_resumes()
 -> Result<()> {

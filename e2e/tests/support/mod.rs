@@ -515,3 +515,12 @@ pub fn kernel_events(agent: &Agent, from: usize) -> Result<Vec<(u128, String, bo
 pub fn log_len(agent: &Agent) -> usize {
     std::fs::metadata(agent.kernel_log()).map_or(0, |m| m.len() as usize)
 }
+
+/// When `agent`'s kernel first removed (`inserted` false) or inserted a kmod after byte
+/// `from` of its log.
+pub fn first_event(agent: &Agent, from: usize, inserted: bool) -> Result<Option<u128>> {
+    Ok(kernel_events(agent, from)?
+        .into_iter()
+        .find(|(_, _, i, _)| *i == inserted)
+        .map(|(at, ..)| at))
+}
