@@ -35,12 +35,13 @@ pub struct NodeStatus {
     pub state: ModuleState,
     /// The version loaded, when loaded.
     pub loaded_version: Arc<str>,
-    /// Why it failed or cannot load, when the proxy said.
-    pub detail: Option<Box<Detail>>,
+    /// Why it failed or cannot load, when the proxy said; shared by the cluster's
+    /// statuses that say the same (every node waiting for the same image, say).
+    pub detail: Option<Arc<Detail>>,
 }
 
 /// A status's reason and message.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Detail {
     pub reason: String,
     pub message: String,
@@ -50,7 +51,7 @@ impl NodeStatus {
     /// The reported status, its strings taken from `strings`.
     fn from_report(status: ModuleNodeStatus, node: &str, strings: &mut Strings) -> Self {
         let detail = (!status.reason.is_empty() || !status.message.is_empty()).then(|| {
-            Box::new(Detail {
+            strings.detail(Detail {
                 reason: status.reason,
                 message: status.message,
             })
@@ -85,12 +86,13 @@ impl From<&ModuleNodeStatus> for NodeStatus {
     }
 }
 
-/// The strings a cluster's statuses share: each distinct node name, kernel and version
-/// once.
+/// What a cluster's statuses share: each distinct node name, kernel and version once, and
+/// each distinct reason and message once.
 #[derive(Clone, Debug, Default)]
 struct Strings {
     set: HashSet<Arc<str>>,
-    /// Size after the last sweep: the next sweep waits until the set doubled.
+    details: HashSet<Arc<Detail>>,
+    /// Size after the last sweep: the next sweep waits until the sets doubled.
     swept: usize,
 }
 
@@ -104,14 +106,55 @@ impl Strings {
         shared
     }
 
-    /// Forgets strings no status uses any more, once the set has doubled since the last
-    /// time, so a cluster whose nodes come and go keeps a bounded set.
+    fn detail(&mut self, detail: Detail) -> Arc<Detail> {
+        if let Some(shared) = self.details.get(&detail) {
+            return shared.clone();
+        }
+        let shared = Arc::new(detail);
+        self.details.insert(shared.clone());
+        shared
+    }
+
+    /// Forgets what no status uses any more, once the sets have doubled since the last
+    /// time, so a cluster whose nodes and errors come and go keeps bounded sets.
     fn sweep(&mut self) {
-        if self.set.len() > 64 && self.set.len() > 2 * self.swept {
+        let held = self.set.len() + self.details.len();
+        if held > 64 && held > 2 * self.swept {
             self.set.retain(|s| Arc::strong_count(s) > 1);
-            self.swept = self.set.len();
+            self.details.retain(|d| Arc::strong_count(d) > 1);
+            self.swept = self.set.len() + self.details.len();
         }
     }
+}
+
+/// A report being received: applied only once its last part arrived (`continued` is
+/// false), so that its revision is never taken for statuses half applied. Its parts are
+/// held as they will be kept (shared strings, the module once) rather than as received:
+/// when a fleet reconnects, every cluster has one in flight.
+#[derive(Clone, Debug, Default)]
+struct Staged {
+    full: bool,
+    intent_revision: u64,
+    updates: BTreeMap<ModuleId, BTreeMap<Arc<str>, NodeStatus>>,
+    removals: BTreeMap<ModuleId, BTreeSet<Arc<str>>>,
+}
+
+impl Staged {
+    fn entries(&self) -> usize {
+        let updates: usize = self.updates.values().map(BTreeMap::len).sum();
+        let removals: usize = self.removals.values().map(BTreeSet::len).sum();
+        updates.max(removals)
+    }
+}
+
+/// A whole report, applied.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Applied {
+    /// The modules whose statuses it changed.
+    pub changed: BTreeSet<ModuleId>,
+    pub full: bool,
+    /// The intent revision the proxy had applied when it made the report.
+    pub intent_revision: u64,
 }
 
 /// The per-module per-node status of one cluster. Kept per module, each module's nodes
@@ -121,6 +164,8 @@ pub struct NodeStatuses {
     modules: BTreeMap<ModuleId, Vec<NodeStatus>>,
     entries: usize,
     strings: Strings,
+    /// The report whose parts are still arriving.
+    receiving: Option<Staged>,
 }
 
 impl PartialEq for NodeStatuses {
@@ -130,17 +175,32 @@ impl PartialEq for NodeStatuses {
 }
 
 impl NodeStatuses {
-    /// Applies a report and returns the modules whose statuses it changed. Entries
-    /// without a complete key are ignored (they cannot be attributed to a module and
-    /// node), and so are entries of modules `known` denies (modules the hub never sent
-    /// the cluster). A report that would leave more than [`MAX_ENTRIES`] is refused whole.
-    pub fn apply(
+    /// Receives one part of a report (a report that fits in one is its own part) and,
+    /// once its last part arrived, applies the whole: a full report replaces everything,
+    /// a delta updates and removes entries. A part that does not continue the report
+    /// being received (another `full` or revision) starts a new one. Entries without a
+    /// complete key are ignored (they cannot be attributed to a module and node), and so
+    /// are entries of modules `known` denies (modules the hub never sent the cluster). A
+    /// report that would leave more than [`MAX_ENTRIES`], or grows beyond them while
+    /// arriving, is refused whole and forgotten.
+    pub fn receive(
         &mut self,
-        report: NodeStatusReport,
+        part: NodeStatusReport,
         known: impl Fn(&str, &str) -> bool,
-    ) -> Result<BTreeSet<ModuleId>, TooManyStatuses> {
-        let mut updates: BTreeMap<ModuleId, BTreeMap<String, ModuleNodeStatus>> = BTreeMap::new();
-        for status in report.statuses {
+    ) -> Result<Option<Applied>, TooManyStatuses> {
+        let mut staged = match self.receiving.take() {
+            Some(staged)
+                if staged.full == part.full && staged.intent_revision == part.intent_revision =>
+            {
+                staged
+            }
+            _ => Staged {
+                full: part.full,
+                intent_revision: part.intent_revision,
+                ..Staged::default()
+            },
+        };
+        for status in part.statuses {
             let Some((module, node)) = status
                 .key
                 .as_ref()
@@ -149,16 +209,64 @@ impl NodeStatuses {
                 continue;
             };
             if known(&module.0, &module.1) {
-                updates.entry(module).or_default().insert(node, status);
+                let status = NodeStatus::from_report(status, &node, &mut self.strings);
+                staged
+                    .updates
+                    .entry(module)
+                    .or_default()
+                    .insert(status.node.clone(), status);
             }
         }
-        let mut removals: BTreeMap<ModuleId, BTreeSet<String>> = BTreeMap::new();
-        for removed in &report.removed {
+        for removed in &part.removed {
             if let Some((module, node)) = entry_key(removed.module.as_ref(), &removed.node) {
-                removals.entry(module).or_default().insert(node);
+                let node = self.strings.get(&node);
+                staged.removals.entry(module).or_default().insert(node);
             }
         }
-        let entries = if report.full {
+        let entries = staged.entries();
+        if entries > MAX_ENTRIES {
+            return Err(TooManyStatuses { entries });
+        }
+        if part.continued {
+            self.receiving = Some(staged);
+            return Ok(None);
+        }
+        let (full, intent_revision) = (staged.full, staged.intent_revision);
+        let changed = self.commit(staged)?;
+        Ok(Some(Applied {
+            changed,
+            full,
+            intent_revision,
+        }))
+    }
+
+    /// Receives a report in one part; what it changed.
+    #[cfg(test)]
+    pub(crate) fn apply(
+        &mut self,
+        report: NodeStatusReport,
+        known: impl Fn(&str, &str) -> bool,
+    ) -> Result<BTreeSet<ModuleId>, TooManyStatuses> {
+        assert!(!report.continued, "a report in one part");
+        Ok(self
+            .receive(report, known)?
+            .expect("a whole report")
+            .changed)
+    }
+
+    /// Forgets a report whose parts were still arriving (its stream ended).
+    pub fn forget_partial(&mut self) {
+        self.receiving = None;
+    }
+
+    fn commit(&mut self, staged: Staged) -> Result<BTreeSet<ModuleId>, TooManyStatuses> {
+        let Staged {
+            full,
+            updates,
+            removals,
+            ..
+        } = staged;
+        let entries = if full {
             updates.values().map(BTreeMap::len).sum()
         } else {
             let removed = removals
@@ -181,18 +289,10 @@ impl NodeStatuses {
             return Err(TooManyStatuses { entries });
         }
         let mut changed = BTreeSet::new();
-        let strings = &mut self.strings;
-        let updates: BTreeMap<ModuleId, Vec<NodeStatus>> = updates
+        let updates = updates
             .into_iter()
-            .map(|(module, nodes)| {
-                let nodes = nodes
-                    .into_iter()
-                    .map(|(node, status)| NodeStatus::from_report(status, &node, strings))
-                    .collect();
-                (module, nodes)
-            })
-            .collect();
-        if report.full {
+            .map(|(module, nodes)| (module, nodes.into_values().collect::<Vec<_>>()));
+        if full {
             let before = std::mem::take(&mut self.modules);
             for (module, nodes) in updates {
                 if before.get(&module) != Some(&nodes) {
@@ -211,7 +311,7 @@ impl NodeStatuses {
                     continue;
                 };
                 let before = statuses.len();
-                statuses.retain(|s| !nodes.contains(&*s.node));
+                statuses.retain(|s| !nodes.contains(&s.node));
                 if statuses.len() != before {
                     changed.insert(module.clone());
                 }
@@ -241,7 +341,6 @@ impl NodeStatuses {
         self.strings.sweep();
         Ok(changed)
     }
-
     fn has(&self, module: &ModuleId, node: &str) -> bool {
         self.modules
             .get(module)
@@ -295,45 +394,6 @@ fn reserve_for(statuses: &mut Vec<NodeStatus>, updates: &[NodeStatus]) {
     }
 }
 
-/// The parts of a report cut for the wire (`continued`), put back together: a report is
-/// applied only whole, so its revision is never taken for statuses half applied.
-#[derive(Clone, Debug, Default)]
-pub struct ReportParts {
-    pending: Option<NodeStatusReport>,
-}
-
-impl ReportParts {
-    /// Adds a part; returns the whole report once its last part arrived. A part that does
-    /// not continue the pending report (another `full` or revision) starts a new one. A
-    /// report growing beyond what a cluster may hold is refused (and forgotten).
-    pub fn add(
-        &mut self,
-        part: NodeStatusReport,
-    ) -> Result<Option<NodeStatusReport>, TooManyStatuses> {
-        let whole = match self.pending.take() {
-            Some(mut pending)
-                if pending.full == part.full && pending.intent_revision == part.intent_revision =>
-            {
-                pending.statuses.extend(part.statuses);
-                pending.removed.extend(part.removed);
-                pending.continued = part.continued;
-                pending
-            }
-            _ => part,
-        };
-        let entries = whole.statuses.len().max(whole.removed.len());
-        if entries > MAX_ENTRIES {
-            return Err(TooManyStatuses { entries });
-        }
-        if whole.continued {
-            self.pending = Some(whole);
-            Ok(None)
-        } else {
-            Ok(Some(whole))
-        }
-    }
-}
-
 fn entry_key(module: Option<&ModuleKey>, node: &str) -> Option<(ModuleId, String)> {
     let module = module?;
     if module.name.is_empty() || node.is_empty() {
@@ -371,12 +431,6 @@ mod tests {
 
     fn nodes(list: &[NodeStatus]) -> Vec<String> {
         list.iter().map(|s| s.node.to_string()).collect()
-    }
-
-    fn wire_nodes(list: &[ModuleNodeStatus]) -> Vec<String> {
-        list.iter()
-            .map(|s| s.key.as_ref().unwrap().node.clone())
-            .collect()
     }
 
     #[test]
@@ -522,7 +576,7 @@ mod tests {
 
     #[test]
     fn a_report_in_parts_is_applied_only_whole() {
-        let mut parts = ReportParts::default();
+        let mut statuses = NodeStatuses::default();
         let part = |node: &str, revision, continued| NodeStatusReport {
             full: true,
             statuses: vec![status("a", node, ModuleState::Loaded)],
@@ -530,17 +584,46 @@ mod tests {
             continued,
             ..NodeStatusReport::default()
         };
-        assert_eq!(parts.add(part("n1", 3, true)).unwrap(), None);
-        assert_eq!(parts.add(part("n2", 3, true)).unwrap(), None);
-        let whole = parts.add(part("n3", 3, false)).unwrap().unwrap();
-        assert_eq!(wire_nodes(&whole.statuses), ["n1", "n2", "n3"]);
-        assert!(!whole.continued);
-        assert_eq!(whole.intent_revision, 3);
+        let all = |_: &str, _: &str| true;
+        assert_eq!(statuses.receive(part("n1", 3, true), all).unwrap(), None);
+        assert_eq!(statuses.receive(part("n2", 3, true), all).unwrap(), None);
+        assert!(
+            statuses.is_empty(),
+            "nothing is applied before the last part"
+        );
+        let whole = statuses
+            .receive(part("n3", 3, false), all)
+            .unwrap()
+            .unwrap();
+        assert_eq!(nodes(statuses.module("drivers", "a")), ["n1", "n2", "n3"]);
+        assert_eq!(
+            whole,
+            Applied {
+                changed: [("drivers".to_owned(), "a".to_owned())].into(),
+                full: true,
+                intent_revision: 3,
+            }
+        );
 
         // A report left unfinished is dropped when another starts.
-        assert_eq!(parts.add(part("n1", 4, true)).unwrap(), None);
-        let other = parts.add(part("n9", 5, false)).unwrap().unwrap();
-        assert_eq!(wire_nodes(&other.statuses), ["n9"]);
+        assert_eq!(statuses.receive(part("n1", 4, true), all).unwrap(), None);
+        let other = statuses
+            .receive(part("n9", 5, false), all)
+            .unwrap()
+            .unwrap();
+        assert_eq!(other.intent_revision, 5);
+        assert_eq!(nodes(statuses.module("drivers", "a")), ["n9"]);
+
+        // And when its stream ended.
+        assert_eq!(statuses.receive(part("n1", 6, true), all).unwrap(), None);
+        statuses.forget_partial();
+        let delta = NodeStatusReport {
+            statuses: vec![status("a", "n2", ModuleState::Loaded)],
+            intent_revision: 6,
+            ..NodeStatusReport::default()
+        };
+        statuses.receive(delta, all).unwrap().unwrap();
+        assert_eq!(nodes(statuses.module("drivers", "a")), ["n2", "n9"]);
 
         let huge = NodeStatusReport {
             removed: (0..=MAX_ENTRIES)
@@ -550,16 +633,39 @@ mod tests {
             ..NodeStatusReport::default()
         };
         assert!(
-            parts.add(huge).is_err(),
+            statuses.receive(huge, all).is_err(),
             "parts cannot pile up without bound"
         );
+        let next = statuses
+            .receive(part("n1", 7, false), all)
+            .unwrap()
+            .unwrap();
+        assert_eq!(next.intent_revision, 7);
+    }
+
+    #[test]
+    fn statuses_saying_the_same_share_their_detail() {
+        let mut statuses = NodeStatuses::default();
+        let waiting = |node: &str| ModuleNodeStatus {
+            message: "waiting for the node agent to load registry/kmod:1".into(),
+            ..status("a", node, ModuleState::Pending)
+        };
+        statuses
+            .apply(
+                NodeStatusReport {
+                    full: true,
+                    statuses: vec![waiting("n1"), waiting("n2")],
+                    ..NodeStatusReport::default()
+                },
+                |_, _| true,
+            )
+            .unwrap();
+        let held = statuses.module("drivers", "a");
+        let (first, second) = (held[0].detail.as_ref(), held[1].detail.as_ref());
+        assert!(Arc::ptr_eq(first.unwrap(), second.unwrap()));
         assert_eq!(
-            parts
-                .add(part("n1", 6, false))
-                .unwrap()
-                .unwrap()
-                .intent_revision,
-            6
+            held[0].message(),
+            "waiting for the node agent to load registry/kmod:1"
         );
     }
 

@@ -33,7 +33,7 @@ use crate::fleet::assignment::{ClusterFacts, cluster_modules, is_deleting, is_se
 use crate::fleet::deletion::{ClusterUnload, Leftover, leftovers};
 use crate::fleet::device_plugins::counts as device_plugin_counts;
 use crate::fleet::intents::cluster_intents;
-use crate::fleet::node_statuses::{NodeStatuses, ReportParts, TooManyStatuses};
+use crate::fleet::node_statuses::{Applied, NodeStatuses, TooManyStatuses};
 use crate::fleet::outbox::Outbox;
 use crate::fleet::placements::{Placed, decided, wave};
 use crate::fleet::preflight::{Finding, module_status, preflight_needs};
@@ -98,8 +98,6 @@ struct ClusterEntry {
     kernels: Option<BTreeSet<String>>,
     inventory_revision: u64,
     statuses: NodeStatuses,
-    /// The parts of a report still arriving.
-    parts: ReportParts,
     /// A full status report arrived since the hub started.
     statuses_known: bool,
     /// The intent revision the current stream's statuses were made with (its hello, then
@@ -432,7 +430,7 @@ impl FleetState {
         entry.acked_revision = applied_revision;
         entry.kernels = None;
         entry.inventory_revision = 0;
-        entry.parts = ReportParts::default();
+        entry.statuses.forget_partial();
         // Under the cluster's lock: a close and an open of the same cluster must not swap
         // places.
         self.connections.send_if_modified(|c| {
@@ -553,13 +551,6 @@ impl FleetState {
         if !entry.current(id) {
             return;
         }
-        let report = match entry.parts.add(part) {
-            Ok(Some(report)) => report,
-            Ok(None) => return,
-            Err(refused) => return self.refuse_report(cluster, &entry, &refused),
-        };
-        let acked = report.intent_revision;
-        let full = report.full;
         // Statuses of modules the hub does not know (no ManagedClusterModule, nothing
         // sent) mean nothing here: a proxy cannot make the hub keep them.
         let mut known_modules: BTreeSet<(String, String)> = self
@@ -580,8 +571,13 @@ impl FleetState {
         let known = |namespace: &str, name: &str| {
             known_modules.contains(&(namespace.to_owned(), name.to_owned()))
         };
-        let changed = match entry.statuses.apply(report, known) {
-            Ok(changed) => changed,
+        let Applied {
+            changed,
+            full,
+            intent_revision: acked,
+        } = match entry.statuses.receive(part, known) {
+            Ok(Some(applied)) => applied,
+            Ok(None) => return,
             Err(refused) => return self.refuse_report(cluster, &entry, &refused),
         };
         entry.statuses_known |= full;
