@@ -27,17 +27,24 @@ pub struct TooManyStatuses {
     pub entries: usize,
 }
 
-/// One node's status of one module, as held.
+/// One node's status of one module, as held: 24 bytes, the rest shared. The version
+/// loaded is not kept: a proxy reports `Loaded` only at the version its intent asks for,
+/// and the intent revision it acknowledges says which that is.
 #[derive(Clone, Debug, PartialEq)]
 pub struct NodeStatus {
-    pub node: Arc<str>,
-    pub kernel: Arc<str>,
+    /// The node and the kernel it reported, shared by the node's statuses.
+    pub node: Arc<Node>,
     pub state: ModuleState,
-    /// The version loaded, when loaded.
-    pub loaded_version: Arc<str>,
     /// Why it failed or cannot load, when the proxy said; shared by the cluster's
     /// statuses that say the same (every node waiting for the same image, say).
     pub detail: Option<Arc<Detail>>,
+}
+
+/// A node as its statuses name it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Node {
+    pub name: Arc<str>,
+    pub kernel: Arc<str>,
 }
 
 /// A status's reason and message.
@@ -48,7 +55,7 @@ pub struct Detail {
 }
 
 impl NodeStatus {
-    /// The reported status, its strings taken from `strings`.
+    /// The reported status, what it shares taken from `strings`.
     fn from_report(status: ModuleNodeStatus, node: &str, strings: &mut Strings) -> Self {
         let detail = (!status.reason.is_empty() || !status.message.is_empty()).then(|| {
             strings.detail(Detail {
@@ -57,10 +64,8 @@ impl NodeStatus {
             })
         });
         Self {
-            node: strings.get(node),
-            kernel: strings.get(&status.kernel),
+            node: strings.node(node, &status.kernel),
             state: ModuleState::try_from(status.state).unwrap_or_default(),
-            loaded_version: strings.get(&status.loaded_version),
             detail,
         }
     }
@@ -86,11 +91,12 @@ impl From<&ModuleNodeStatus> for NodeStatus {
     }
 }
 
-/// What a cluster's statuses share: each distinct node name, kernel and version once, and
-/// each distinct reason and message once.
+/// What a cluster's statuses share: each distinct node name and kernel once, each node
+/// once, and each distinct reason and message once.
 #[derive(Clone, Debug, Default)]
 struct Strings {
     set: HashSet<Arc<str>>,
+    nodes: HashSet<Arc<Node>>,
     details: HashSet<Arc<Detail>>,
     /// Size after the last sweep: the next sweep waits until the sets doubled.
     swept: usize,
@@ -106,6 +112,19 @@ impl Strings {
         shared
     }
 
+    fn node(&mut self, name: &str, kernel: &str) -> Arc<Node> {
+        let node = Node {
+            name: self.get(name),
+            kernel: self.get(kernel),
+        };
+        if let Some(shared) = self.nodes.get(&node) {
+            return shared.clone();
+        }
+        let shared = Arc::new(node);
+        self.nodes.insert(shared.clone());
+        shared
+    }
+
     fn detail(&mut self, detail: Detail) -> Arc<Detail> {
         if let Some(shared) = self.details.get(&detail) {
             return shared.clone();
@@ -115,14 +134,19 @@ impl Strings {
         shared
     }
 
+    fn len(&self) -> usize {
+        self.set.len() + self.nodes.len() + self.details.len()
+    }
+
     /// Forgets what no status uses any more, once the sets have doubled since the last
     /// time, so a cluster whose nodes and errors come and go keeps bounded sets.
     fn sweep(&mut self) {
-        let held = self.set.len() + self.details.len();
-        if held > 64 && held > 2 * self.swept {
-            self.set.retain(|s| Arc::strong_count(s) > 1);
+        if self.len() > 64 && self.len() > 2 * self.swept {
+            // Nodes first: a forgotten node releases its name and kernel.
+            self.nodes.retain(|n| Arc::strong_count(n) > 1);
             self.details.retain(|d| Arc::strong_count(d) > 1);
-            self.swept = self.set.len() + self.details.len();
+            self.set.retain(|s| Arc::strong_count(s) > 1);
+            self.swept = self.len();
         }
     }
 }
@@ -214,7 +238,7 @@ impl NodeStatuses {
                     .updates
                     .entry(module)
                     .or_default()
-                    .insert(status.node.clone(), status);
+                    .insert(status.node.name.clone(), status);
             }
         }
         for removed in &part.removed {
@@ -311,7 +335,7 @@ impl NodeStatuses {
                     continue;
                 };
                 let before = statuses.len();
-                statuses.retain(|s| !nodes.contains(&s.node));
+                statuses.retain(|s| !nodes.contains(&s.node.name));
                 if statuses.len() != before {
                     changed.insert(module.clone());
                 }
@@ -323,7 +347,7 @@ impl NodeStatuses {
                 let statuses = self.modules.entry(module.clone()).or_default();
                 reserve_for(statuses, &nodes);
                 for status in nodes {
-                    match statuses.binary_search_by(|s| s.node.cmp(&status.node)) {
+                    match statuses.binary_search_by(|s| s.node.name.cmp(&status.node.name)) {
                         Ok(i) if statuses[i] == status => {}
                         Ok(i) => {
                             statuses[i] = status;
@@ -344,7 +368,7 @@ impl NodeStatuses {
     fn has(&self, module: &ModuleId, node: &str) -> bool {
         self.modules
             .get(module)
-            .is_some_and(|s| s.binary_search_by(|s| (*s.node).cmp(node)).is_ok())
+            .is_some_and(|s| s.binary_search_by(|s| (*s.node.name).cmp(node)).is_ok())
     }
 
     /// How many node statuses are held.
@@ -368,7 +392,7 @@ impl NodeStatuses {
         self.module(namespace, name)
             .iter()
             .filter(|status| status.state != ModuleState::Unloaded)
-            .map(|status| status.node.to_string())
+            .map(|status| status.node.name.to_string())
             .collect()
     }
 
@@ -387,7 +411,11 @@ impl NodeStatuses {
 fn reserve_for(statuses: &mut Vec<NodeStatus>, updates: &[NodeStatus]) {
     let new = updates
         .iter()
-        .filter(|u| statuses.binary_search_by(|s| s.node.cmp(&u.node)).is_err())
+        .filter(|u| {
+            statuses
+                .binary_search_by(|s| s.node.name.cmp(&u.node.name))
+                .is_err()
+        })
         .count();
     if statuses.len() + new > statuses.capacity() {
         statuses.reserve_exact(new.max(statuses.len() / 8));
@@ -430,7 +458,7 @@ mod tests {
     }
 
     fn nodes(list: &[NodeStatus]) -> Vec<String> {
-        list.iter().map(|s| s.node.to_string()).collect()
+        list.iter().map(|s| s.node.name.to_string()).collect()
     }
 
     #[test]
@@ -641,6 +669,27 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(next.intent_revision, 7);
+    }
+
+    #[test]
+    fn a_status_is_small_and_shares_the_rest() {
+        // 1.4 million of them at 3,500 clusters x 20 nodes x 20 modules.
+        assert_eq!(std::mem::size_of::<NodeStatus>(), 24);
+        let mut statuses = NodeStatuses::default();
+        let report = NodeStatusReport {
+            full: true,
+            statuses: vec![
+                status("a", "n1", ModuleState::Loaded),
+                status("b", "n1", ModuleState::Loaded),
+            ],
+            ..NodeStatusReport::default()
+        };
+        statuses.apply(report, |_, _| true).unwrap();
+        let (a, b) = (
+            statuses.module("drivers", "a"),
+            statuses.module("drivers", "b"),
+        );
+        assert!(Arc::ptr_eq(&a[0].node, &b[0].node));
     }
 
     #[test]

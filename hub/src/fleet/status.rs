@@ -63,13 +63,18 @@ impl StatusTally {
                 ModuleState::Loaded => loaded += 1,
                 ModuleState::Failed => {
                     failure.get_or_insert_with(|| {
-                        format!("{}: {}: {}", status.node, status.reason(), status.message())
+                        format!(
+                            "{}: {}: {}",
+                            status.node.name,
+                            status.reason(),
+                            status.message()
+                        )
                     });
                     self.nodes.failed += 1;
                     self.failures.push(FailureSample {
                         cluster: report.cluster.to_owned(),
-                        node: Some(status.node.to_string()),
-                        kernel: status.kernel.to_string(),
+                        node: Some(status.node.name.to_string()),
+                        kernel: status.node.kernel.to_string(),
                         reason: status.reason().to_owned(),
                         message: status.message().to_owned(),
                     });
