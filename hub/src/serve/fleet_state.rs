@@ -964,7 +964,7 @@ impl FleetState {
                     continue;
                 }
                 let key = (input.module.name_any(), input.module.metadata.generation);
-                served
+                let kernels = &mut served
                     .entry(key)
                     .or_insert_with(|| {
                         let module = at_revisions
@@ -973,8 +973,13 @@ impl FleetState {
                             .expect("an input is one of the modules given");
                         (module.clone(), BTreeSet::new())
                     })
-                    .1
-                    .extend(cluster_kernels.iter().cloned());
+                    .1;
+                // Most clusters run kernels seen already: look before copying.
+                for kernel in cluster_kernels {
+                    if !kernels.contains(kernel) {
+                        kernels.insert(kernel.clone());
+                    }
+                }
             }
         }
         // Every module's resolutions come from the cache, compiled once per generation.
