@@ -15,20 +15,13 @@ pub mod limits {
     /// The size a node status report's parts are cut to: well below
     /// [`PROXY_MESSAGE`], so that a part stays valid whatever its last entry weighs
     /// (an agent's error text is bounded far below the difference). Small, because a
-    /// gRPC decoder keeps a buffer as large as the most its stream ever held at once (a
-    /// partial message plus the HTTP/2 frame that completes it) for the stream's life:
-    /// a part plus a frame of at most [`PROXY_STREAM_WINDOW`] stays within the
-    /// decoder's first doubling, 16 KiB. On a hub of 1,000 clusters sending full reports
-    /// of 20 x 20 statuses, heaptrack measured 85 KiB per stream with 1 MiB parts and
-    /// 34 KiB with 8 KiB parts in 16 KiB frames.
-    pub const REPORT_PART: usize = 6 << 10;
-    /// The hub's HTTP/2 receive window per proxy stream and connection: what a proxy may
-    /// send ahead of the hub reading it, and so the largest frame it sends. It bounds
-    /// what a busy hub holds unread per cluster (hyper's default is 1 MiB) and keeps the
-    /// decoder's buffer small (see [`REPORT_PART`]). The cost is round trips: a report
-    /// crosses a link at most this much per round trip (8 KiB per 50 ms is 160 KiB/s,
-    /// a full report of 20 x 20 statuses in ~0.25 s).
-    pub const PROXY_STREAM_WINDOW: u32 = 8 << 10;
+    /// gRPC decoder keeps a buffer as large as the most its stream ever held for the
+    /// stream's life: on a hub of 1,000 clusters sending full reports of 20 x 20
+    /// statuses, heaptrack measured 85 KiB per stream with 1 MiB parts, 35 KiB with
+    /// 16 KiB parts and 32 KiB with 8 KiB parts (the decoder's buffer grows without
+    /// moving what it already consumed; smaller parts and an 8 KiB receive window
+    /// did not shrink it).
+    pub const REPORT_PART: usize = 8 << 10;
     /// Hub to proxy (`HubMessage`): a cluster's complete intents with credentials.
     pub const HUB_MESSAGE: usize = 64 << 20;
     /// Agent to proxy (`AgentMessage`): a hello or one event.

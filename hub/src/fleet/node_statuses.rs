@@ -153,19 +153,20 @@ impl Strings {
 
 /// A report being received: applied only once its last part arrived (`continued` is
 /// false), so that its revision is never taken for statuses half applied. Its parts are
-/// held as they will be kept (shared strings, the module once) rather than as received:
-/// when a fleet reconnects, every cluster has one in flight.
+/// held as they will be kept (24 bytes a status, the module once) rather than as
+/// received: in a burst, every cluster of the fleet can have one in flight.
 #[derive(Clone, Debug, Default)]
 struct Staged {
     full: bool,
     intent_revision: u64,
-    updates: BTreeMap<ModuleId, BTreeMap<Arc<str>, NodeStatus>>,
+    /// In arrival order; [`latest_per_node`] sorts them when the report is whole.
+    updates: BTreeMap<ModuleId, Vec<NodeStatus>>,
     removals: BTreeMap<ModuleId, BTreeSet<Arc<str>>>,
 }
 
 impl Staged {
     fn entries(&self) -> usize {
-        let updates: usize = self.updates.values().map(BTreeMap::len).sum();
+        let updates: usize = self.updates.values().map(Vec::len).sum();
         let removals: usize = self.removals.values().map(BTreeSet::len).sum();
         updates.max(removals)
     }
@@ -234,11 +235,7 @@ impl NodeStatuses {
             };
             if known(&module.0, &module.1) {
                 let status = NodeStatus::from_report(status, &node, &mut self.strings);
-                staged
-                    .updates
-                    .entry(module)
-                    .or_default()
-                    .insert(status.node.name.clone(), status);
+                staged.updates.entry(module).or_default().push(status);
             }
         }
         for removed in &part.removed {
@@ -290,8 +287,12 @@ impl NodeStatuses {
             removals,
             ..
         } = staged;
+        let updates: BTreeMap<ModuleId, Vec<NodeStatus>> = updates
+            .into_iter()
+            .map(|(module, nodes)| (module, latest_per_node(nodes)))
+            .collect();
         let entries = if full {
-            updates.values().map(BTreeMap::len).sum()
+            updates.values().map(Vec::len).sum()
         } else {
             let removed = removals
                 .iter()
@@ -302,7 +303,8 @@ impl NodeStatuses {
                 .map(|(module, nodes)| {
                     let gone = removals.get(module);
                     nodes
-                        .keys()
+                        .iter()
+                        .map(|s| &s.node.name)
                         .filter(|n| gone.is_some_and(|g| g.contains(*n)) || !self.has(module, n))
                         .count()
                 })
@@ -313,9 +315,6 @@ impl NodeStatuses {
             return Err(TooManyStatuses { entries });
         }
         let mut changed = BTreeSet::new();
-        let updates = updates
-            .into_iter()
-            .map(|(module, nodes)| (module, nodes.into_values().collect::<Vec<_>>()));
         if full {
             let before = std::mem::take(&mut self.modules);
             for (module, nodes) in updates {
@@ -420,6 +419,22 @@ fn reserve_for(statuses: &mut Vec<NodeStatus>, updates: &[NodeStatus]) {
     if statuses.len() + new > statuses.capacity() {
         statuses.reserve_exact(new.max(statuses.len() / 8));
     }
+}
+
+/// A module's statuses as staged, sorted by node, the last one reported of each node
+/// kept; exactly as large as that, since a full report's become the held ones.
+fn latest_per_node(mut nodes: Vec<NodeStatus>) -> Vec<NodeStatus> {
+    // Stable, so that of a node reported twice the later status comes second.
+    nodes.sort_by(|a, b| a.node.name.cmp(&b.node.name));
+    nodes.dedup_by(|later, kept| {
+        let same = later.node.name == kept.node.name;
+        if same {
+            std::mem::swap(later, kept);
+        }
+        same
+    });
+    nodes.shrink_to_fit();
+    nodes
 }
 
 fn entry_key(module: Option<&ModuleKey>, node: &str) -> Option<(ModuleId, String)> {
@@ -669,6 +684,32 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(next.intent_revision, 7);
+    }
+
+    #[test]
+    fn of_a_node_reported_twice_the_later_status_counts() {
+        let mut statuses = NodeStatuses::default();
+        let part = |state, continued| NodeStatusReport {
+            full: true,
+            statuses: vec![
+                status("a", "n2", state),
+                status("a", "n1", ModuleState::Pending),
+            ],
+            intent_revision: 1,
+            continued,
+            ..NodeStatusReport::default()
+        };
+        let all = |_: &str, _: &str| true;
+        statuses
+            .receive(part(ModuleState::Pending, true), all)
+            .unwrap();
+        statuses
+            .receive(part(ModuleState::Loaded, false), all)
+            .unwrap();
+        let held = statuses.module("drivers", "a");
+        assert_eq!(nodes(held), ["n1", "n2"]);
+        assert_eq!(held[1].state, ModuleState::Loaded);
+        assert_eq!(statuses.len(), 2);
     }
 
     #[test]

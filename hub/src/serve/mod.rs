@@ -322,8 +322,6 @@ pub async fn run(
 
     let grpc_server = Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
-        .initial_stream_window_size(limits::PROXY_STREAM_WINDOW)
-        .initial_connection_window_size(limits::PROXY_STREAM_WINDOW)
         .add_service(
             HubServer::new(SyncService {
                 state: state.clone(),
