@@ -553,29 +553,29 @@ impl FleetState {
         }
         // Statuses of modules the hub does not know (no ManagedClusterModule, nothing
         // sent) mean nothing here: a proxy cannot make the hub keep them.
-        let mut known_modules: BTreeSet<(String, String)> = self
-            .stores
-            .modules
-            .state()
+        let modules = self.stores.modules.state();
+        let ClusterEntry {
+            outbox, statuses, ..
+        } = &mut *entry;
+        let mut known_modules: BTreeSet<(&str, &str)> = modules
             .iter()
-            .map(|m| (m.spec.spoke_namespace.clone(), m.name_any()))
+            .filter_map(|m| Some((m.spec.spoke_namespace.as_str(), m.metadata.name.as_deref()?)))
             .collect();
-        if let Some(sent) = entry.outbox.last() {
+        if let Some(sent) = outbox.last() {
             known_modules.extend(
                 sent.modules
                     .iter()
                     .filter_map(|m| m.key.as_ref())
-                    .map(|k| (k.namespace.clone(), k.name.clone())),
+                    .map(|k| (k.namespace.as_str(), k.name.as_str())),
             );
         }
-        let known = |namespace: &str, name: &str| {
-            known_modules.contains(&(namespace.to_owned(), name.to_owned()))
-        };
+        let known = |namespace: &str, name: &str| known_modules.contains(&(namespace, name));
+        let received = statuses.receive(part, known);
         let Applied {
             changed,
             full,
             intent_revision: acked,
-        } = match entry.statuses.receive(part, known) {
+        } = match received {
             Ok(Some(applied)) => applied,
             Ok(None) => return,
             Err(refused) => return self.refuse_report(cluster, &entry, &refused),
