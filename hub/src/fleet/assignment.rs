@@ -60,9 +60,7 @@ pub fn cluster_modules<'a>(
         .filter_map(|&module| {
             let selected = is_selected(module, cluster);
             let name = module.metadata.name.as_deref().unwrap_or_default();
-            let lingering = !reported
-                .not_unloaded(&module.spec.spoke_namespace, name)
-                .is_empty();
+            let lingering = reported.lingers(&module.spec.spoke_namespace, name);
             let unload = is_deleting(module) || !selected;
             (selected || lingering).then_some(ModuleInput { module, unload })
         })

@@ -387,12 +387,11 @@ impl NodeStatuses {
     }
 
     /// Nodes on which the module may still be loaded: any reported state but UNLOADED.
-    pub fn not_unloaded(&self, namespace: &str, name: &str) -> Vec<String> {
+    pub fn not_unloaded(&self, namespace: &str, name: &str) -> impl Iterator<Item = &str> {
         self.module(namespace, name)
             .iter()
             .filter(|status| status.state != ModuleState::Unloaded)
-            .map(|status| status.node.name.to_string())
-            .collect()
+            .map(|status| &*status.node.name)
     }
 
     /// Whether any node may still have the module loaded.
@@ -540,8 +539,11 @@ mod tests {
         let a = statuses.module("drivers", "a");
         assert_eq!(nodes(a), ["n2"]);
         assert_eq!(a[0].state, ModuleState::Unloaded);
-        assert!(statuses.not_unloaded("drivers", "a").is_empty());
-        assert_eq!(statuses.not_unloaded("drivers", "b"), ["n1"]);
+        assert_eq!(statuses.not_unloaded("drivers", "a").count(), 0);
+        assert_eq!(
+            statuses.not_unloaded("drivers", "b").collect::<Vec<_>>(),
+            ["n1"]
+        );
         statuses
             .apply(
                 NodeStatusReport {
@@ -554,7 +556,10 @@ mod tests {
             )
             .unwrap();
         assert!(statuses.module("drivers", "b").is_empty(), "full replaces");
-        assert_eq!(statuses.not_unloaded("drivers", "c"), ["n9"]);
+        assert_eq!(
+            statuses.not_unloaded("drivers", "c").collect::<Vec<_>>(),
+            ["n9"]
+        );
         assert!(
             statuses.module("other", "c").is_empty(),
             "namespace is part of the key"

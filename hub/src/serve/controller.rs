@@ -21,7 +21,7 @@ use kube::{Api, Resource, ResourceExt};
 use serde_json::json;
 use thiserror::Error;
 
-use crate::fleet::deletion::{Deletion, decide, describe};
+use crate::fleet::deletion::{Deletion, decide};
 use crate::fleet::readiness::{READY, is_transition, phase, ready_condition, summary};
 use crate::fleet::rollout::{assignment_changed, milestones};
 
@@ -44,8 +44,6 @@ const UNLOAD_RECHECK: Duration = Duration::from_secs(10);
 pub const STATUS_WRITE_INTERVAL: Duration = Duration::from_secs(1);
 /// What the apiserver answers when a JSON patch's `test` op fails: our view was stale.
 const PATCH_TEST_FAILED: &str = "the server rejected our request due to an error in our request";
-/// Leftovers named in an Event or log line.
-const LEFTOVERS_SHOWN: usize = 20;
 
 #[derive(Debug, Error)]
 pub enum ReconcileError {
@@ -186,7 +184,7 @@ pub async fn reconcile(
                 return release(&ctx, &module).await;
             }
             Deletion::TimedOut(leftovers) => {
-                let list = describe(&leftovers, LEFTOVERS_SHOWN);
+                let list = leftovers.to_string();
                 tracing::warn!(module = name, leftovers = %list, timeout = ?ctx.unload_timeout, "unload not confirmed in time; releasing the finalizer");
                 // The leftovers must be on record before the module can go.
                 let event = warning(
@@ -207,10 +205,7 @@ pub async fn reconcile(
                 return release(&ctx, &module).await;
             }
             Deletion::Waiting(leftovers) => {
-                detail = format!(
-                    "waiting for the unload on: {}",
-                    describe(&leftovers, LEFTOVERS_SHOWN)
-                );
+                detail = format!("waiting for the unload on: {leftovers}");
                 requeue = UNLOAD_RECHECK
                     .min(ctx.unload_timeout.saturating_sub(elapsed) + Duration::from_millis(100));
             }

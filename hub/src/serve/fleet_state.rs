@@ -30,7 +30,7 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use tokio::sync::{Notify, watch};
 
 use crate::fleet::assignment::{ClusterFacts, cluster_modules, is_deleting, is_selected};
-use crate::fleet::deletion::{ClusterUnload, Leftover, leftovers};
+use crate::fleet::deletion::Leftovers;
 use crate::fleet::device_plugins::counts as device_plugin_counts;
 use crate::fleet::intents::cluster_intents;
 use crate::fleet::node_statuses::{Applied, NodeStatuses, TooManyStatuses};
@@ -216,7 +216,7 @@ pub struct ModuleView {
     /// Its status, but for the rollout and conditions.
     pub status: ManagedClusterModuleStatus,
     /// Where its unload is not yet confirmed, when it is being deleted.
-    pub leftovers: Vec<Leftover>,
+    pub leftovers: Leftovers,
     /// What each selected cluster shows, for its rollout.
     pub observed: BTreeMap<String, Observation>,
 }
@@ -1191,7 +1191,7 @@ impl FleetState {
         let mut tally = StatusTally::default();
         let mut observed = BTreeMap::new();
         let mut plugins: Vec<(String, (u32, u32))> = Vec::new();
-        let mut unloads: Vec<(String, bool, bool, Vec<String>)> = Vec::new();
+        let mut leftovers = Leftovers::default();
         for (cluster, wave) in &selected {
             let Some(entry) = self.entry(cluster) else {
                 let mut observation = tally.add(&ClusterReport {
@@ -1204,7 +1204,7 @@ impl FleetState {
                 observation.wave.clone_from(wave);
                 observed.insert(cluster.clone(), observation);
                 if deleting {
-                    unloads.push((cluster.clone(), true, false, Vec::new()));
+                    leftovers.add(cluster, true, false, []);
                 }
                 continue;
             };
@@ -1234,12 +1234,12 @@ impl FleetState {
                 plugins.push((cluster.clone(), *counts));
             }
             if deleting {
-                unloads.push((
-                    cluster.clone(),
+                leftovers.add(
+                    cluster,
                     true,
                     entry.statuses_known,
                     entry.statuses.not_unloaded(namespace, &name),
-                ));
+                );
             }
         }
         if deleting {
@@ -1248,12 +1248,12 @@ impl FleetState {
                     continue;
                 }
                 let entry = lock(&entry);
-                unloads.push((
-                    cluster,
+                leftovers.add(
+                    &cluster,
                     false,
                     entry.statuses_known,
                     entry.statuses.not_unloaded(namespace, &name),
-                ));
+                );
             }
         }
         let mut status = tally.finish(module.metadata.generation);
@@ -1277,20 +1277,9 @@ impl FleetState {
                 module.status.as_ref().map_or(&[], |s| s.images.as_slice()),
             );
         }
-        let unloads: Vec<ClusterUnload<'_>> = unloads
-            .iter()
-            .map(
-                |(cluster, selected, statuses_known, not_unloaded)| ClusterUnload {
-                    cluster,
-                    selected: *selected,
-                    statuses_known: *statuses_known,
-                    not_unloaded: not_unloaded.clone(),
-                },
-            )
-            .collect();
         ModuleView {
             status,
-            leftovers: leftovers(&unloads),
+            leftovers,
             observed,
         }
     }
