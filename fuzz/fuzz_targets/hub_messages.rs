@@ -5,7 +5,7 @@
 
 #![no_main]
 
-use kmm_hub::fleet::node_statuses::{MAX_ENTRIES, NodeStatuses, ReportParts};
+use kmm_hub::fleet::node_statuses::{MAX_ENTRIES, NodeStatuses};
 use kmm_hub::fleet::status::{ClusterReport, module_status};
 use kmm_proto::v1::{ProxyMessage, proxy_message};
 use libfuzzer_sys::fuzz_target;
@@ -13,16 +13,13 @@ use prost::Message as _;
 
 fuzz_target!(|data: &[u8]| {
     let mut statuses = NodeStatuses::default();
-    let mut parts = ReportParts::default();
     // Several messages in a row, as a stream carries them.
     for chunk in data.split(|b| *b == 0xff) {
         let Ok(message) = ProxyMessage::decode(chunk) else {
             continue;
         };
-        if let Some(proxy_message::Message::Status(part)) = message.message
-            && let Ok(Some(report)) = parts.add(part)
-        {
-            let _ = statuses.apply(report, |namespace, name| namespace == "ns" && name == "m");
+        if let Some(proxy_message::Message::Status(part)) = message.message {
+            let _ = statuses.receive(part, |namespace, name| namespace == "ns" && name == "m");
         }
         assert!(statuses.len() <= MAX_ENTRIES);
         assert!(statuses.module("ns", "other").is_empty());
