@@ -5,6 +5,8 @@
 //!
 //! The `.proto` sources under `proto/kmm/v1/` are the documentation of every message.
 
+pub mod codec;
+
 /// Largest messages each side accepts, part of the contract: a peer sending more gets
 /// `RESOURCE_EXHAUSTED`, never an unbounded allocation on the receiving side. Sizes are of
 /// the encoded message.
@@ -14,14 +16,12 @@ pub mod limits {
     pub const PROXY_MESSAGE: usize = 4 << 20;
     /// The size a node status report's parts are cut to: well below
     /// [`PROXY_MESSAGE`], so that a part stays valid whatever its last entry weighs
-    /// (an agent's error text is bounded far below the difference). Small, because a
-    /// gRPC decoder keeps a buffer as large as the most its stream ever held for the
-    /// stream's life: on a hub of 1,000 clusters sending full reports of 20 x 20
-    /// statuses, heaptrack measured 85 KiB per stream with 1 MiB parts, 35 KiB with
-    /// 16 KiB parts and 32 KiB with 8 KiB parts (the decoder's buffer grows without
-    /// moving what it already consumed; smaller parts and an 8 KiB receive window
-    /// did not shrink it).
-    pub const REPORT_PART: usize = 8 << 10;
+    /// (an agent's error text is bounded far below the difference). Small, because the
+    /// hub's decode buffer of every stream is sized for three parts
+    /// ([`crate::codec::DECODE_BUFFER`]) and tonic keeps a buffer as large as it ever
+    /// grew: heaptrack measured 85 KiB per stream with 1 MiB parts, 35 KiB with 16 KiB
+    /// parts and 32 KiB with 8 KiB parts sent in 32 KiB chunks.
+    pub const REPORT_PART: usize = 2 << 10;
     /// Hub to proxy (`HubMessage`): a cluster's complete intents with credentials.
     pub const HUB_MESSAGE: usize = 64 << 20;
     /// Agent to proxy (`AgentMessage`): a hello or one event.

@@ -73,3 +73,31 @@ fn an_entry_larger_than_a_part_still_travels_alone() {
     assert_eq!(parts[0].statuses, whole.statuses[..1]);
     assert_eq!(parts[1].statuses, whole.statuses[1..]);
 }
+
+#[test]
+fn a_part_as_the_proxy_sends_it_fits_the_codec_envelope() {
+    use kmm_proto::codec::PART_ENVELOPE;
+    use kmm_proto::limits::REPORT_PART;
+    use kmm_proto::v1::{ProxyMessage, proxy_message};
+    let mut whole = report(5_000, 2_000);
+    whole.intent_revision = u64::MAX;
+    let largest = report_parts(whole, REPORT_PART)
+        .into_iter()
+        .map(|part| {
+            ProxyMessage {
+                message: Some(proxy_message::Message::Status(part)),
+            }
+            .encoded_len()
+        })
+        .max()
+        .expect("parts");
+    assert!(
+        largest > REPORT_PART - 300,
+        "parts are filled: largest {largest}"
+    );
+    assert!(
+        largest <= REPORT_PART + PART_ENVELOPE,
+        "largest part message {largest} bytes, envelope allows {}",
+        REPORT_PART + PART_ENVELOPE
+    );
+}

@@ -174,19 +174,12 @@ async fn serve_stream(
         );
     }
     let mut ended = outbound.subscribe();
+    let failure = outbound.clone();
     // The handshake checked the certificate once; a stream outliving it ends with it, and
     // the proxy reconnects with its renewed one.
-    let expiry = outbound.clone();
-    let failure = outbound.clone();
     let until_expiry = Duration::try_from(expires - OffsetDateTime::now_utc()).unwrap_or_default();
-    let expire = tokio::spawn(async move {
-        tokio::time::sleep(until_expiry).await;
-        expiry.end(
-            Code::Unauthenticated,
-            format!("the client certificate expired at {expires}; reconnect with a renewed one"),
-        );
-    });
-    let expire = tokio_util::task::AbortOnDropHandle::new(expire);
+    let expiry = tokio::time::sleep(until_expiry);
+    tokio::pin!(expiry);
     let id = state.open_session(cluster, hello.applied_intent_revision, outbound);
     tracing::info!(
         cluster,
@@ -199,6 +192,13 @@ async fn serve_stream(
         let message = tokio::select! {
             message = inbound.message() => message,
             _ = ended.wait_for(|o| matches!(o, Outbound::End(..))) => break,
+            () = &mut expiry => {
+                failure.end(
+                    Code::Unauthenticated,
+                    format!("the client certificate expired at {expires}; reconnect with a renewed one"),
+                );
+                break;
+            }
         };
         match message {
             Ok(Some(ProxyMessage {
@@ -244,7 +244,6 @@ async fn serve_stream(
             }
         }
     }
-    drop(expire);
     state.close_session(cluster, id);
     tracing::info!(cluster, "proxy stream ended");
 }
