@@ -172,27 +172,27 @@ pub async fn check_image(options: &CheckOptions) -> Result<CheckReport, CheckErr
             Err(e) => return Err(local(e)),
         };
     let in_image = modules_in_image(&module_dir, &options.kernel);
+    if let Some(missing) = chain.iter().find(|insmod| !insmod.path.is_file()) {
+        return Err(CheckError::MissingDependency(format!(
+            "modules.dep lists {} but the image does not contain it",
+            missing
+                .path
+                .strip_prefix(&fetched.root)
+                .unwrap_or(&missing.path)
+                .display()
+        )));
+    }
+    let paths: Vec<&Path> = chain.iter().map(|insmod| insmod.path.as_path()).collect();
+    let infos = modprobe::modinfo(&paths).map_err(local)?;
     let mut modules = vec![];
-    for insmod in &chain {
-        if !insmod.path.is_file() {
-            return Err(CheckError::MissingDependency(format!(
-                "modules.dep lists {} but the image does not contain it",
-                insmod
-                    .path
-                    .strip_prefix(&fetched.root)
-                    .unwrap_or(&insmod.path)
-                    .display()
-            )));
-        }
-        let built_for = modprobe::vermagic_kernel(&insmod.path).map_err(local)?;
-        if built_for != options.kernel {
+    for (insmod, info) in chain.iter().zip(infos) {
+        if info.built_for != options.kernel {
             return Err(CheckError::WrongKernel(format!(
-                "{} was built for kernel {built_for}, not {}",
-                insmod.name, options.kernel
+                "{} was built for kernel {}, not {}",
+                insmod.name, info.built_for, options.kernel
             )));
         }
-        let depends = modprobe::modinfo_field(&insmod.path, "depends").map_err(local)?;
-        for dependency in depends.split(',').filter(|d| !d.is_empty()) {
+        for dependency in &info.depends {
             let dependency = dependency.replace('-', "_");
             if !in_image.contains(&dependency) {
                 return Err(CheckError::MissingDependency(format!(
@@ -201,12 +201,7 @@ pub async fn check_image(options: &CheckOptions) -> Result<CheckReport, CheckErr
                 )));
             }
         }
-        let signer = modprobe::modinfo_field(&insmod.path, "signer")
-            .map_err(local)?
-            .trim()
-            .to_string();
-        let signer = (!signer.is_empty()).then_some(signer);
-        if options.require_signature && signer.is_none() {
+        if options.require_signature && info.signer.is_none() {
             return Err(CheckError::Unsigned(format!(
                 "{} carries no signature",
                 insmod.name
@@ -215,7 +210,7 @@ pub async fn check_image(options: &CheckOptions) -> Result<CheckReport, CheckErr
         modules.push(CheckedModule {
             name: insmod.name.clone(),
             path: insmod.path.clone(),
-            signer,
+            signer: info.signer,
         });
     }
     Ok(CheckReport {

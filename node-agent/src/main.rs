@@ -98,6 +98,11 @@ struct RunArgs {
     /// Image cache (content-addressed, garbage-collected).
     #[arg(long, default_value = "/var/cache/kmm")]
     cache_dir: PathBuf,
+    /// How long an image no module uses any more stays in the cache, in seconds, so that
+    /// loading it again (a module created again, a rollback) pulls nothing. 0 removes it
+    /// as soon as it is unused.
+    #[arg(long, default_value_t = kmm_node_agent::reconcile::DEFAULT_UNUSED_IMAGE_RETENTION.as_secs())]
+    unused_image_retention_seconds: u64,
     /// Host directory firmware is copied to; when it is not /lib/firmware the kernel's
     /// firmware_class search path is set to it.
     #[arg(long, default_value = kmm_node_agent::firmware::DEFAULT_FIRMWARE_DIR)]

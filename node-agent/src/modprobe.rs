@@ -162,6 +162,8 @@ pub enum ToolError {
     },
     #[error("{command} did not finish within {}s and was killed (a module stuck in the kernel?)", .limit.as_secs())]
     TimedOut { command: String, limit: Duration },
+    #[error("{command}: {why}")]
+    Unexpected { command: String, why: String },
 }
 
 /// How long a kmod tool may run: a `modprobe` stuck in a module's init or exit is
@@ -305,24 +307,73 @@ pub fn resolve_with_dry_run(
     Ok(parse_dry_run(&output))
 }
 
-/// `modinfo -F <field> <path>`.
-pub fn modinfo_field(path: &Path, field: &str) -> Result<String, ToolError> {
-    Ok(run_tool(
-        "modinfo",
-        &["-F".into(), field.into(), path.display().to_string()],
-    )?
-    .trim()
-    .to_string())
+/// What `modinfo` says about one module file.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ModuleInfo {
+    /// The kernel release it was built for (the first word of its vermagic).
+    pub built_for: String,
+    /// The modules it depends on, as modinfo names them.
+    pub depends: Vec<String>,
+    /// Who signed it, when it is signed.
+    pub signer: Option<String>,
 }
 
-/// The kernel release a module was built for (first word of its vermagic).
-pub fn vermagic_kernel(path: &Path) -> Result<String, ToolError> {
-    let vermagic = modinfo_field(path, "vermagic")?;
-    Ok(vermagic
-        .split_whitespace()
-        .next()
-        .unwrap_or_default()
-        .to_string())
+/// `modinfo <path>...`: the fields of every file, in the order given, from one process
+/// (a load checks a whole dependency chain, and every process costs milliseconds).
+pub fn modinfo(paths: &[&Path]) -> Result<Vec<ModuleInfo>, ToolError> {
+    if paths.is_empty() {
+        return Ok(vec![]);
+    }
+    let args: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+    let output = run_tool("modinfo", &args)?;
+    let infos = parse_modinfo(&output);
+    if infos.len() != paths.len() {
+        return Err(ToolError::Unexpected {
+            command: format!("modinfo {}", args.join(" ")),
+            why: format!(
+                "described {} modules where {} were asked for",
+                infos.len(),
+                paths.len()
+            ),
+        });
+    }
+    Ok(infos)
+}
+
+/// Parses modinfo's output: every module starts with its `filename:` line; a line that
+/// starts with whitespace continues the value above it (a signature's bytes).
+pub fn parse_modinfo(output: &str) -> Vec<ModuleInfo> {
+    let mut infos: Vec<ModuleInfo> = vec![];
+    for line in output.lines() {
+        if line.starts_with(char::is_whitespace) {
+            continue;
+        }
+        let Some((field, value)) = line.split_once(':') else {
+            continue;
+        };
+        let value = value.trim();
+        if field == "filename" {
+            infos.push(ModuleInfo::default());
+            continue;
+        }
+        let Some(info) = infos.last_mut() else {
+            continue;
+        };
+        match field {
+            "vermagic" if info.built_for.is_empty() => {
+                info.built_for = value.split_whitespace().next().unwrap_or_default().into();
+            }
+            "depends" => info.depends.extend(
+                value
+                    .split(',')
+                    .filter(|d| !d.is_empty())
+                    .map(str::to_string),
+            ),
+            "signer" if !value.is_empty() => info.signer = Some(value.into()),
+            _ => {}
+        }
+    }
+    infos
 }
 
 #[cfg(test)]
@@ -443,5 +494,37 @@ mod tests {
         )
         .unwrap_err();
         assert!(error.to_string().contains("why"), "{error}");
+    }
+
+    #[test]
+    fn modinfo_output_gives_each_module_its_fields() {
+        let out = "filename:       /r/extra/kmm_hello_dep.ko\n\
+                   depends:        kmm_hello,other\n\
+                   name:           kmm_hello_dep\n\
+                   vermagic:       6.1.0-55-amd64 SMP preempt mod_unload modversions \n\
+                   parm:           who:whom it greets (charp)\n\
+                   filename:       /r/extra/kmm_hello.ko\n\
+                   depends:        \n\
+                   vermagic:       6.1.0-56-amd64 SMP mod_unload \n\
+                   signer:         kmm-fleet test key\n\
+                   signature:      30:82:02:\n\
+                   \t\tAB:CD:EF\n";
+        let infos = parse_modinfo(out);
+        assert_eq!(
+            infos,
+            [
+                ModuleInfo {
+                    built_for: "6.1.0-55-amd64".into(),
+                    depends: vec!["kmm_hello".into(), "other".into()],
+                    signer: None,
+                },
+                ModuleInfo {
+                    built_for: "6.1.0-56-amd64".into(),
+                    depends: vec![],
+                    signer: Some("kmm-fleet test key".into()),
+                },
+            ]
+        );
+        assert!(parse_modinfo("").is_empty());
     }
 }

@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant, SystemTime};
 
 use tokio::sync::watch;
 
@@ -46,6 +46,11 @@ pub enum ReconcileError {
     State(#[from] StateError),
 }
 
+/// How long an image no module uses any more stays in the cache by default: a module
+/// deleted and created again, a rollback or a placement flapping loads it again without
+/// pulling and extracting it (kubelet keeps unused images at least 2 minutes).
+pub const DEFAULT_UNUSED_IMAGE_RETENTION: Duration = Duration::from_secs(300);
+
 /// The agent's executor: owns the state for the running boot.
 #[derive(Debug)]
 pub struct Reconciler {
@@ -58,6 +63,7 @@ pub struct Reconciler {
     progress: watch::Sender<Progress>,
     /// Modules whose last attempt failed: their actions go after the others'.
     failing: BTreeSet<String>,
+    unused_image_retention: Duration,
 }
 
 impl Reconciler {
@@ -102,7 +108,15 @@ impl Reconciler {
             release,
             progress,
             failing: BTreeSet::new(),
+            unused_image_retention: DEFAULT_UNUSED_IMAGE_RETENTION,
         })
+    }
+
+    /// Keeps an image no module uses for `retention` after its last use (zero: collect
+    /// it at the end of the pass that stopped using it).
+    pub fn with_unused_image_retention(mut self, retention: Duration) -> Self {
+        self.unused_image_retention = retention;
+        self
     }
 
     /// Follows what this reconciler has loaded and applied.
@@ -171,6 +185,12 @@ impl Reconciler {
             &self.failing,
         );
         let mut events = Vec::with_capacity(actions.len());
+        let in_use_before: BTreeSet<String> = self
+            .state
+            .modules
+            .values()
+            .map(|r| r.digest.clone())
+            .collect();
         let mut keep: BTreeSet<String> = BTreeSet::new();
         // Keys whose previous version could not be unloaded: loading the new one now
         // would be a no-op for modprobe while the old code keeps running.
@@ -218,7 +238,15 @@ impl Reconciler {
             events.push(event);
         }
         keep.extend(self.state.modules.values().map(|r| r.digest.clone()));
-        match self.images.gc(&keep) {
+        for released in in_use_before.difference(&keep) {
+            if let Err(e) = self.images.cache().touch(released) {
+                tracing::warn!(error = %error_chain(&e), "cannot record an image's last use");
+            }
+        }
+        let unused_since = SystemTime::now()
+            .checked_sub(self.unused_image_retention)
+            .unwrap_or(SystemTime::UNIX_EPOCH);
+        match self.images.gc(&keep, unused_since) {
             Ok(report) if report != Default::default() => {
                 tracing::info!(?report, "cache collected")
             }

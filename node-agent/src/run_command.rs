@@ -44,7 +44,8 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<()> {
         StateStore::new(&args.state_dir),
         args.firmware_dir.clone(),
     )
-    .context("loading the agent state")?;
+    .context("loading the agent state")?
+    .with_unused_image_retention(Duration::from_secs(args.unused_image_retention_seconds));
     let hello = reconciler.hello(&args.node_name);
     tracing::info!(
         node = %hello.node_name,

@@ -108,8 +108,13 @@ pub async fn run(worker: ImageWorker) {
                     return;
                 }
                 // Changes come in bursts (clusters connecting send their kernels one by
-                // one): a pass goes through them all, so look at most once per spacing.
-                tokio::time::sleep_until(pass + spacing).await;
+                // one): a pass goes through them all, so look at most once per spacing,
+                // unless a snapshot waits for an image nobody checked yet (a module just
+                // created): its clusters get nothing until then.
+                tokio::select! {
+                    () = tokio::time::sleep_until(pass + spacing) => {}
+                    () = worker.state.images_unchecked() => {}
+                }
             }
             () = worker.state.images_unchecked() => {}
             () = tokio::time::sleep(until) => {}

@@ -1,9 +1,12 @@
 //! The content-addressed image cache on the node: layer blobs and manifests by
 //! digest, and extracted module trees by manifest digest and selection. Garbage
-//! collection removes everything not reachable from the digests in use.
+//! collection removes everything not reachable from the digests in use or from the
+//! images that stopped being used recently (a manifest's modification time is when its
+//! image was last used).
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
+use std::time::SystemTime;
 
 use oci_client::manifest::OciImageManifest;
 use sha2::{Digest, Sha256};
@@ -147,10 +150,32 @@ impl Cache {
             .join(format!("{hex}-{}", &key[..16])))
     }
 
-    /// Removes manifests, blobs and extracted trees not reachable from `keep`
-    /// (manifest digests in use or about to be used).
-    pub fn gc(&self, keep: &BTreeSet<String>) -> Result<GcReport, CacheError> {
-        let keep_hex: BTreeSet<&str> = keep.iter().filter_map(|d| digest_hex(d).ok()).collect();
+    /// Records that the image `digest` was in use until now: a collection keeps it
+    /// while its last use is recent. An image not in the cache is left alone.
+    pub fn touch(&self, digest: &str) -> Result<(), CacheError> {
+        let path = self.manifest_path(digest)?;
+        match std::fs::File::open(&path) {
+            Ok(file) => file
+                .set_modified(SystemTime::now())
+                .map_err(io("touching", &path)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(io("opening", &path)(e)),
+        }
+    }
+
+    /// Removes manifests, blobs and extracted trees reachable neither from `keep`
+    /// (manifest digests in use or about to be used) nor from an image last used at or
+    /// after `unused_since`.
+    pub fn gc(
+        &self,
+        keep: &BTreeSet<String>,
+        unused_since: SystemTime,
+    ) -> Result<GcReport, CacheError> {
+        let mut keep_hex: BTreeSet<String> = keep
+            .iter()
+            .filter_map(|d| digest_hex(d).ok())
+            .map(str::to_string)
+            .collect();
         let mut report = GcReport::default();
         let mut blobs_in_use = BTreeSet::new();
         let manifests = self.dir.join("manifests/sha256");
@@ -160,6 +185,13 @@ impl Cache {
         {
             let name = entry.file_name().to_string_lossy().into_owned();
             let hex = name.trim_end_matches(".json");
+            let recent = entry
+                .metadata()
+                .and_then(|m| m.modified())
+                .is_ok_and(|used| used >= unused_since);
+            if recent {
+                keep_hex.insert(hex.to_string());
+            }
             if keep_hex.contains(hex) {
                 if let Some(manifest) = self.manifest(&format!("sha256:{hex}"))? {
                     blobs_in_use.insert(manifest.config.digest.clone());

@@ -145,8 +145,13 @@ impl ImageStore {
         })
     }
 
-    /// Garbage-collects everything but the images `keep`.
-    pub fn gc(&self, keep: &BTreeSet<String>) -> Result<cache::GcReport, CacheError> {
-        self.cache().gc(keep)
+    /// Garbage-collects everything but the images `keep` and those last used at or
+    /// after `unused_since`.
+    pub fn gc(
+        &self,
+        keep: &BTreeSet<String>,
+        unused_since: std::time::SystemTime,
+    ) -> Result<cache::GcReport, CacheError> {
+        self.cache().gc(keep, unused_since)
     }
 }

@@ -8,9 +8,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::{HostKernel, Kernel, KernelError, io_err};
-use crate::modprobe::{
-    ModprobeCommand, modinfo_field, parse_command, resolve_with_dry_run, vermagic_kernel,
-};
+use crate::modprobe::{ModprobeCommand, modinfo, parse_command, resolve_with_dry_run};
 use crate::plan::normalize_module_name;
 
 /// One simulated loaded module.
@@ -183,29 +181,30 @@ impl SimulatedKernel {
                 self.release
             )));
         }
+        if let Some(missing) = chain.iter().find(|insmod| !insmod.path.is_file()) {
+            return Err(KernelError::Refused(format!(
+                "modprobe: could not insert '{}': {} is missing from the image",
+                missing.name,
+                missing.path.display()
+            )));
+        }
+        let paths: Vec<&Path> = chain.iter().map(|insmod| insmod.path.as_path()).collect();
+        let infos = modinfo(&paths)?;
         let loaded = self.loaded_modules()?;
         let mut available: BTreeSet<String> = loaded.clone();
         let mut to_write = vec![];
-        for insmod in &chain {
-            if !insmod.path.is_file() {
-                return Err(KernelError::Refused(format!(
-                    "modprobe: could not insert '{}': {} is missing from the image",
-                    insmod.name,
-                    insmod.path.display()
-                )));
-            }
-            let built_for = vermagic_kernel(&insmod.path)?;
-            if built_for != self.release {
+        for (insmod, info) in chain.iter().zip(infos) {
+            if info.built_for != self.release {
                 return Err(KernelError::Refused(format!(
                     "modprobe: ERROR: could not insert '{}': Exec format error \
-                     (module built for kernel {built_for}, the node runs {})",
-                    insmod.name, self.release
+                     (module built for kernel {}, the node runs {})",
+                    insmod.name, info.built_for, self.release
                 )));
             }
-            let depends: Vec<String> = modinfo_field(&insmod.path, "depends")?
-                .split(',')
-                .filter(|d| !d.is_empty())
-                .map(normalize_module_name)
+            let depends: Vec<String> = info
+                .depends
+                .iter()
+                .map(|d| normalize_module_name(d))
                 .collect();
             if let Some(missing) = depends.iter().find(|d| !available.contains(*d)) {
                 return Err(KernelError::Refused(format!(

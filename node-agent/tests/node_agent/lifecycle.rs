@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::{Duration, SystemTime};
 
 use kmm_node_agent::control::{AgentEvent, EventAction, Outcome};
 use kmm_node_agent::desired::{DesiredModule, DesiredSnapshot, Modprobe, RegistryTls};
@@ -158,10 +159,11 @@ async fn load_restart_reboot_upgrade_and_unload() {
     assert_eq!(node.loaded(), [MODULE, DEP_MODULE]);
 
     // Reboot: the boot ID changes, the state is discarded, everything loads again.
+    // (This agent keeps no unused image, so that what it stops using leaves the cache.)
     drop(agent);
     node.kernel.reboot().unwrap();
     assert!(node.loaded().is_empty());
-    let mut agent = node.agent();
+    let mut agent = node.agent().with_unused_image_retention(Duration::ZERO);
     assert!(agent.hello("node-1").loaded.is_empty());
     assert_success(
         &agent.reconcile(&load(std::slice::from_ref(&one))).await,
@@ -199,6 +201,61 @@ async fn load_restart_reboot_upgrade_and_unload() {
     assert!(agent.reconcile(&unload("kmm-ops/hello")).await.is_empty());
     let confirmed = agent.confirm_already_unloaded(&unload("kmm-ops/hello"));
     assert_success(&confirmed, &[EventAction::Unload]);
+}
+
+#[tokio::test]
+async fn an_unused_image_stays_cached_for_its_retention_then_goes() {
+    let k = kernel();
+    let registry = Registry::plain();
+    registry
+        .push_sample("samples/hello:v1", &Sample::good(k))
+        .await;
+    let node = Node::new(k);
+    let one = desired(registry.image("samples/hello:v1"), "1");
+    let mut agent = node
+        .agent()
+        .with_unused_image_retention(Duration::from_secs(300));
+    let events = agent.reconcile(&load(std::slice::from_ref(&one))).await;
+    assert_success(&events, &[EventAction::Load]);
+    assert!(events[0].pull_ms > 0, "the first load pulls");
+
+    // Unloaded: the image stays, and loading it again pulls and extracts nothing.
+    let extracted = || {
+        std::fs::read_dir(node.cache_dir().join("extracted"))
+            .unwrap()
+            .count()
+    };
+    assert_success(
+        &agent.reconcile(&unload("kmm-ops/hello")).await,
+        &[EventAction::Unload],
+    );
+    assert_eq!(extracted(), 1, "kept within its retention");
+    let events = agent.reconcile(&load(std::slice::from_ref(&one))).await;
+    assert_success(&events, &[EventAction::Load]);
+    assert_eq!(events[0].pull_ms, 0, "loaded from the cache");
+    assert_eq!(node.loaded(), [MODULE, DEP_MODULE]);
+
+    // Unloaded again, and last used longer ago than the retention: the next pass
+    // collects it.
+    assert_success(
+        &agent.reconcile(&unload("kmm-ops/hello")).await,
+        &[EventAction::Unload],
+    );
+    assert_eq!(extracted(), 1);
+    let long_ago = SystemTime::now() - Duration::from_secs(600);
+    for manifest in std::fs::read_dir(node.cache_dir().join("manifests/sha256")).unwrap() {
+        std::fs::File::open(manifest.unwrap().path())
+            .unwrap()
+            .set_modified(long_ago)
+            .unwrap();
+    }
+    assert!(agent.reconcile(&unload("kmm-ops/hello")).await.is_empty());
+    assert_eq!(extracted(), 0, "collected after its retention");
+    assert!(
+        tree(&node.cache_dir().join("blobs"))
+            .iter()
+            .all(|p| p.is_dir())
+    );
 }
 
 #[tokio::test]

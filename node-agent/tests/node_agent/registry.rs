@@ -1,5 +1,7 @@
 //! Pulling: plain HTTP, TLS with htpasswd auth, moved tags, zstd, hostile images.
 
+use std::time::SystemTime;
+
 use kmm_e2e::registry_server::docker_config_json;
 use kmm_node_agent::desired::{PullSecret, RegistryTls};
 use kmm_node_agent::image::cache::Cache;
@@ -70,8 +72,11 @@ async fn pulls_extracts_and_caches_over_plain_http() {
 
     // Garbage collection keeps what is in use and removes the rest.
     let keep = [digest.clone()].into_iter().collect();
-    assert_eq!(store.gc(&keep).unwrap(), Default::default());
-    let report = store.gc(&Default::default()).unwrap();
+    assert_eq!(
+        store.gc(&keep, SystemTime::now()).unwrap(),
+        Default::default()
+    );
+    let report = store.gc(&Default::default(), SystemTime::now()).unwrap();
     assert_eq!(
         (report.manifests, report.blobs, report.extracted),
         (1, 1, 1)
@@ -124,7 +129,9 @@ async fn agents_sharing_a_cache_fetch_the_same_image_at_once() {
                 .is_none(),
             "round {round}: nothing left in tmp"
         );
-        stores[0].gc(&Default::default()).unwrap();
+        stores[0]
+            .gc(&Default::default(), SystemTime::now())
+            .unwrap();
     }
 }
 
