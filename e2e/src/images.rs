@@ -154,6 +154,8 @@ pub struct Built {
     pub bases: Vec<Image>,
     /// One per [`COMPONENTS`], in that order.
     pub images: Vec<Image>,
+    /// Where the release binaries the images hold were built.
+    pub release_dir: PathBuf,
 }
 
 /// Build the release binaries, the bases and the five images; with a registry, push
@@ -166,6 +168,7 @@ pub fn build(options: &Options) -> Result<Built> {
     let mut built = Built {
         bases: vec![],
         images: vec![],
+        release_dir: release.clone(),
     };
     for component in COMPONENTS {
         built

@@ -169,8 +169,8 @@ fn runner_pid(status: &str, node: &str) -> Option<u64> {
         .find_map(|p| p["pid"].as_u64())
 }
 
-/// The kmm-fleet binaries the fleet runs as processes, built by `cargo build` in this
-/// workspace: the node agent (on KWOK nodes) and the runner that starts it.
+/// The kmm-fleet binaries the fleet runs as processes: the node agent (on KWOK nodes)
+/// and the runner that starts it.
 #[derive(Debug, Clone)]
 pub struct Binaries {
     pub agent: PathBuf,
@@ -178,35 +178,40 @@ pub struct Binaries {
 }
 
 impl Binaries {
-    /// `$KMM_BIN_DIR`, else the workspace's `target/debug`. Fails naming the missing
-    /// binary and the command that builds it.
-    pub fn locate() -> Result<Self> {
-        let dir = std::env::var_os("KMM_BIN_DIR").map_or_else(
-            || {
-                std::env::var_os("CARGO_TARGET_DIR")
-                    .map_or_else(
-                        || Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"),
-                        PathBuf::from,
-                    )
-                    .join("debug")
-            },
-            PathBuf::from,
-        );
-        let find = |name: &str| {
+    /// Both from `$KMM_BIN_DIR` when it is set. Otherwise the agent the images hold, from
+    /// `release` (the build `images::build` made), so that simulated nodes run what real
+    /// nodes run, and the runner from the workspace's `target/debug`. Fails naming the
+    /// missing binary and the command that builds it.
+    pub fn locate(release: &Path) -> Result<Self> {
+        let chosen = std::env::var_os("KMM_BIN_DIR").map(PathBuf::from);
+        let debug = std::env::var_os("CARGO_TARGET_DIR")
+            .map_or_else(
+                || Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"),
+                PathBuf::from,
+            )
+            .join("debug");
+        let find = |dir: &Path, name: &str, built_by: &str| {
             let path = dir.join(name);
             if path.is_file() {
                 Ok(path)
             } else {
                 Err(Error::Invalid(format!(
-                    "{} is missing; build it with `cargo build --bins` (`cargo xtask env up` \
-                     and `cargo xtask test` do)",
+                    "{} is missing; {built_by} builds it",
                     path.display()
                 )))
             }
         };
+        let (agent_dir, agent_built_by) = match &chosen {
+            Some(dir) => (dir.as_path(), "`cargo build --bins`"),
+            None => (release, "`cargo xtask images`"),
+        };
         Ok(Self {
-            agent: find("kmm-node-agent")?,
-            runner: find("kwok-pod-runner")?,
+            agent: find(agent_dir, "kmm-node-agent", agent_built_by)?,
+            runner: find(
+                chosen.as_deref().unwrap_or(&debug),
+                "kwok-pod-runner",
+                "`cargo build --bins` (`cargo xtask env up` and `cargo xtask test` do)",
+            )?,
         })
     }
 
@@ -233,7 +238,6 @@ impl Starting {
     pub(super) async fn kmm(&mut self, hub: &ControlPlane, spokes: &[ControlPlane]) -> Result<()> {
         let kmm_dir = self.dir.join("kmm");
         std::fs::create_dir_all(&kmm_dir).context(|| format!("creating {}", kmm_dir.display()))?;
-        let binaries = Binaries::locate()?.copy_to(&kmm_dir.join("bin"))?;
 
         // kmm-hub and the add-on as a user installs them: images in the registry,
         // `kubectl apply -k`.
@@ -243,6 +247,7 @@ impl Starting {
         })
         .await
         .map_err(|e| Error::Invalid(format!("building the images panicked: {e}")))??;
+        let binaries = Binaries::locate(&built.release_dir)?.copy_to(&kmm_dir.join("bin"))?;
         let tag = built
             .images
             .first()
