@@ -185,11 +185,15 @@ impl Cache {
         {
             let name = entry.file_name().to_string_lossy().into_owned();
             let hex = name.trim_end_matches(".json");
-            let recent = entry
-                .metadata()
-                .and_then(|m| m.modified())
-                .is_ok_and(|used| used >= unused_since);
-            if recent {
+            let recently_used = || {
+                entry
+                    .metadata()
+                    .and_then(|m| m.modified())
+                    .is_ok_and(|used| used >= unused_since)
+            };
+            // Only an image not in use is asked when it was last used; once kept, its
+            // extracted trees are kept below too.
+            if !keep_hex.contains(hex) && recently_used() {
                 keep_hex.insert(hex.to_string());
             }
             if keep_hex.contains(hex) {
