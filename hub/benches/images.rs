@@ -5,7 +5,7 @@
 //!   real docker-registry of the bench's own on loopback (plain HTTP, and HTTPS with
 //!   credentials), with p50/p99 latency;
 //! - **memory with 1,000 images tracked**: the heap the leader holds for them (a record
-//!   per image, with the need it was computed for, as `FleetState` keeps them) and their
+//!   per image, with the need it was computed for, as `FleetView` keeps them) and their
 //!   status entries (at most 100 per module), counted exactly by dhat's allocator; for
 //!   plain images and for images the hub builds and signs (the largest needs);
 //! - the time to compute a module's needs for 1,000 kernels, which the image worker does
@@ -22,9 +22,9 @@ use futures::StreamExt;
 use k8s_openapi::jiff::Timestamp;
 use kmm_api::ManagedClusterModule;
 use kmm_e2e::registry_server::RegistryServer;
-use kmm_hub::fleet::resolutions::Resolutions;
 use kmm_hub::images::status::image_statuses;
 use kmm_hub::images::{ImageKey, ImageRecord, Next, Observation, module_needs, record};
+use kmm_hub::resolutions::Resolutions;
 use kmm_registry::{PullSecret, RegistryTls};
 use serde_json::json;
 

@@ -4,4 +4,5 @@ pub mod admission;
 pub mod build;
 pub mod fleet;
 pub mod images;
+pub mod resolutions;
 pub mod serve;

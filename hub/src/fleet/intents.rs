@@ -13,8 +13,8 @@ use kmm_proto::v1::{
 use kmm_resolver::Resolution;
 use kube::ResourceExt;
 
-use super::resolutions::{ModuleResolutions, Resolutions};
 use crate::images::{ImageKey, ImageRecord, Verdict};
+use crate::resolutions::{ModuleResolutions, Resolutions};
 
 /// A module as the hub sees it for one cluster.
 #[derive(Clone, Copy, Debug)]

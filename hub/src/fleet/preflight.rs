@@ -7,14 +7,17 @@
 //! pushed. The preflight's needs never reach a cluster's snapshot.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kmm_api::{ManagedClusterModule, PreflightModuleStatus};
+use kmm_api::{ManagedClusterModule, PreflightModuleStatus, PreflightValidation};
+use kube::ResourceExt;
 
-use super::resolutions::ModuleResolutions;
+use super::assignment::is_deleting;
 use crate::images::record::{ImageRecord, ImageState};
 use crate::images::{ImageKey, ImageNeed, module_needs};
+use crate::resolutions::{ModuleResolutions, Resolutions};
 
 /// The image needs a preflight for `kernel` adds for `module` (`resolved`: its cached
 /// resolutions, holding the kernel); with `push` false, without their recipes, so that
@@ -126,11 +129,57 @@ pub fn module_status(
     }
 }
 
+/// Every module's answer for `preflight`, in the order of `modules`; a module being
+/// deleted has none. `records` are the image worker's.
+pub fn preflight_statuses(
+    preflight: &PreflightValidation,
+    modules: &[Arc<ManagedClusterModule>],
+    records: &BTreeMap<ImageKey, ImageRecord>,
+    resolutions: &mut Resolutions,
+    now: Timestamp,
+) -> Vec<PreflightModuleStatus> {
+    let kernel = preflight.spec.kernel_version.as_str();
+    let push = preflight.spec.push_built_image;
+    let kernels = BTreeSet::from([kernel.to_owned()]);
+    let previous = preflight
+        .status
+        .as_ref()
+        .map_or(&[][..], |s| &s.modules[..]);
+    modules
+        .iter()
+        .filter(|m| !is_deleting(m))
+        .map(|module| {
+            let name = module.name_any();
+            let resolved = resolutions.resolve(module, &kernels);
+            let unresolved = match (resolved.invalid(), resolved.kernel(kernel)) {
+                (Some(errors), _) => Some(format!("InvalidSpec: {errors}")),
+                (None, Some(Err(e))) => Some(format!("{}: {e}", e.kind.reason())),
+                _ => None,
+            };
+            let recipes = preflight_needs(module, resolved, kernel, true);
+            let finding = match unresolved {
+                Some(why) => Finding::Unresolved(why),
+                None => Finding::Images(
+                    recipes
+                        .iter()
+                        .map(|(key, need)| {
+                            let recipe = need.build.is_some() || need.sign.is_some();
+                            (key, recipe, records.get(key))
+                        })
+                        .collect(),
+                ),
+            };
+            let before = previous.iter().find(|p| p.name == name);
+            module_status(module, &finding, push, before, now)
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fleet::resolutions::Resolutions;
     use crate::images::Next;
+    use crate::resolutions::Resolutions;
 
     const KERNEL: &str = "6.1.0-9-amd64";
 

@@ -9,7 +9,7 @@ use kmm_registry::RegistryTls;
 use kube::ResourceExt;
 use sha2::{Digest, Sha256};
 
-use crate::fleet::resolutions::ModuleResolutions;
+use crate::resolutions::ModuleResolutions;
 
 /// One image of one module. Two modules naming the same image are tracked apart: their
 /// build and sign settings, and their pull secrets, may differ.
@@ -168,7 +168,7 @@ pub fn unsigned_image_name(image: &str, namespace: &str, module: &str) -> String
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fleet::resolutions::Resolutions;
+    use crate::resolutions::Resolutions;
 
     /// The module's needs, resolved afresh.
     fn needs_of(

@@ -10,7 +10,7 @@ use super::record::ImageRecord;
 
 /// Status entries for `records` (one module's), bounded: the images some kernel needs
 /// now first, with those kernels (`needed`), then the ones none needs at the moment
-/// (their pins are kept, see `FleetState::track_images`), with no kernels; each group
+/// (their pins are kept, see `FleetView::track_images`), with no kernels; each group
 /// sorted by image. Only the entries kept are built: a module may track many more images
 /// than status lists.
 pub fn image_statuses<'a>(

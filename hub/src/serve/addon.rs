@@ -30,7 +30,7 @@ use crate::fleet::addon_config::{
 use crate::fleet::addon_status::{DEGRADED, degraded_condition, is_current, session};
 
 use super::controller::FIELD_MANAGER;
-use super::fleet_state::Connections;
+use super::fleet_view::Connections;
 
 const VERSION: &str = "v1alpha1";
 /// Changes arriving together make one pass.

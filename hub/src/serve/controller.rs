@@ -22,10 +22,12 @@ use serde_json::json;
 use thiserror::Error;
 
 use crate::fleet::deletion::{Deletion, decide};
+use crate::fleet::module_view::ModuleView;
 use crate::fleet::readiness::{READY, is_transition, phase, ready_condition, summary};
 use crate::fleet::rollout::{assignment_changed, milestones};
+use crate::fleet::served_revisions::is_progressive;
 
-use super::fleet_state::{FleetState, ModuleView, is_progressive};
+use super::fleet_view::FleetView;
 use super::metrics::Metrics;
 use super::rollout;
 
@@ -68,7 +70,7 @@ pub struct Context {
     pub revisions: Api<ControllerRevision>,
     /// The hub's namespace.
     pub namespace: String,
-    pub state: Arc<FleetState>,
+    pub state: Arc<FleetView>,
     pub recorder: Recorder,
     pub unload_timeout: Duration,
     pub metrics: Metrics,

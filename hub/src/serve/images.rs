@@ -18,7 +18,7 @@ use kube::{Api, Resource};
 use tokio::task::JoinSet;
 
 use super::controller::truncate;
-use super::fleet_state::FleetState;
+use super::fleet_view::FleetView;
 use super::signing::{sign_image, signing_key};
 use crate::build::{BuildJobs, BuildProgress, BuildRequest};
 use crate::images::record::{Next, Observation, due, observe};
@@ -42,7 +42,7 @@ const MAX_STEPS: usize = 8;
 
 /// What the worker works with.
 pub struct ImageWorker {
-    pub state: Arc<FleetState>,
+    pub state: Arc<FleetView>,
     pub modules: Store<ManagedClusterModule>,
     pub secrets: Store<Secret>,
     pub config_maps: Api<ConfigMap>,

@@ -5,7 +5,7 @@
 pub mod addon;
 pub mod ca;
 pub mod controller;
-pub mod fleet_state;
+pub mod fleet_view;
 pub mod images;
 pub mod leadership;
 pub mod metrics;
@@ -43,12 +43,13 @@ use tonic::transport::Server;
 
 use self::ca::{CaError, RenewingCertificate};
 use self::controller::Context;
-use self::fleet_state::{FleetState, Stores, managed_cluster_resource, trim_managed_cluster};
+use self::fleet_view::{FleetView, Stores};
 use self::leadership::{Election, LeaderElection, LeadershipError};
 use self::metrics::Metrics;
 use self::sync_service::SyncService;
 use self::webhook::WebhookError;
 use crate::build::BuildJobs;
+use crate::fleet::cluster_view::{managed_cluster_resource, trim_managed_cluster};
 use crate::fleet::pacer::Pacer;
 use crate::fleet::placements::{self, placement_decision_resource};
 use crate::fleet::revisions;
@@ -224,7 +225,7 @@ pub async fn run(
         preflights: preflights_writer.as_reader(),
         decisions: decisions_writer.as_reader(),
     };
-    let state = Arc::new(FleetState::new(stores.clone(), metrics.clone()));
+    let state = Arc::new(FleetView::new(stores.clone(), metrics.clone()));
 
     let clusters_api: Api<DynamicObject> = Api::all_with(client.clone(), &cluster_resource);
     let clusters = watch_into(
@@ -395,11 +396,11 @@ pub async fn run(
 /// to `changed`; after a (re-)list, when changes may have been missed, everything is
 /// recomputed.
 async fn watch_into<K>(
-    state: Arc<FleetState>,
+    state: Arc<FleetView>,
     writer: reflector::store::Writer<K>,
     stream: impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send,
     what: &'static str,
-    changed: impl Fn(&FleetState, &K),
+    changed: impl Fn(&FleetView, &K),
 ) where
     K: kube::Resource + Clone + std::fmt::Debug + Send + Sync + 'static,
     K::DynamicType: Clone + Eq + std::hash::Hash,
@@ -421,7 +422,7 @@ async fn watch_into<K>(
 /// The modules an event touched, paced: a module is reconciled at once after a quiet
 /// period, and at most once per [`TOUCH_INTERVAL`] while its clusters keep reporting.
 fn touched_modules(
-    state: Arc<FleetState>,
+    state: Arc<FleetView>,
 ) -> impl futures::Stream<Item = ObjectRef<ManagedClusterModule>> + Send {
     let pacer = Pacer::new(TOUCH_INTERVAL);
     futures::stream::unfold(
@@ -454,7 +455,7 @@ async fn sleep_until(at: Option<Instant>) {
     }
 }
 
-async fn wait_synced(stores: Stores, state: Arc<FleetState>, health: Health) {
+async fn wait_synced(stores: Stores, state: Arc<FleetView>, health: Health) {
     let ready = async {
         ready(&stores.modules).await?;
         ready(&stores.clusters).await?;

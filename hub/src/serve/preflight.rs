@@ -1,6 +1,6 @@
 //! Writes every PreflightValidation's status: each module's answer, as the fleet view
 //! computes it from the module's spec and the image worker's records. The image needs the
-//! preflights add are the fleet view's (`FleetState::image_needs`); this only reports.
+//! preflights add are the fleet view's (`FleetView::image_needs`); this only reports.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,14 +13,14 @@ use kube::{Api, Resource, ResourceExt};
 use serde_json::json;
 
 use super::controller::FIELD_MANAGER;
-use super::fleet_state::FleetState;
+use super::fleet_view::FleetView;
 
 /// A safety net beside the events that wake the writer (image records, preflights and
 /// modules changing): an answer computed from state no event announced is still written.
 const RESYNC: Duration = Duration::from_secs(30);
 
 pub async fn run(
-    state: Arc<FleetState>,
+    state: Arc<FleetView>,
     api: Api<PreflightValidation>,
     preflights: Store<PreflightValidation>,
 ) {

@@ -16,7 +16,7 @@ use crate::fleet::revisions::{REVISION_LABEL, controller_revision};
 use crate::fleet::rollout::{Observation, advance, revisions_in_use};
 
 use super::controller::ReconcileError;
-use super::fleet_state::FleetState;
+use super::fleet_view::FleetView;
 
 /// The record to write, and when to look again.
 #[derive(Debug)]
@@ -29,7 +29,7 @@ pub struct Step {
 /// it) moves nothing: the record stays as it was, and the error says why.
 pub async fn step(
     revisions: &Api<ControllerRevision>,
-    state: &FleetState,
+    state: &FleetView,
     namespace: &str,
     module: &ManagedClusterModule,
     observed: &BTreeMap<String, Observation>,

@@ -1,0 +1,107 @@
+//! What the hub reads of a ManagedCluster: its labels, its acceptance and the Placements
+//! that decided it. Pure.
+
+use std::collections::BTreeMap;
+
+use kube::ResourceExt;
+use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
+
+use super::assignment::ClusterFacts;
+use super::placements::Placed;
+
+/// `cluster.open-cluster-management.io/v1` `ManagedCluster`.
+pub fn managed_cluster_resource() -> ApiResource {
+    let gvk = GroupVersionKind::gvk("cluster.open-cluster-management.io", "v1", "ManagedCluster");
+    ApiResource::from_gvk_with_plural(&gvk, "managedclusters")
+}
+
+/// Strips a ManagedCluster down to what [`ClusterView`] reads of it (name, labels,
+/// `spec.hubAcceptsClient`) before a store keeps it: a real cluster's status (claims,
+/// capacity, conditions) and managed fields are kilobytes each, times the fleet.
+pub fn trim_managed_cluster(cluster: &mut DynamicObject) {
+    cluster.metadata.managed_fields = None;
+    cluster.metadata.annotations = None;
+    cluster.metadata.owner_references = None;
+    let accepts = cluster.data["spec"]["hubAcceptsClient"].take();
+    cluster.data = serde_json::json!({ "spec": { "hubAcceptsClient": accepts } });
+}
+
+/// What the hub last saw of a ManagedCluster: what its snapshot and its modules'
+/// selection depend on.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClusterView {
+    pub labels: BTreeMap<String, String>,
+    pub placed: Placed,
+    /// `spec.hubAcceptsClient`: a cluster the hub does not accept gets no stream.
+    pub accepted: bool,
+}
+
+impl ClusterView {
+    /// The view of a (trimmed) ManagedCluster decided by `placed`.
+    pub fn of(cluster: &DynamicObject, placed: Placed) -> Self {
+        Self {
+            labels: cluster.labels().clone(),
+            placed,
+            accepted: cluster.data["spec"]["hubAcceptsClient"] == true,
+        }
+    }
+
+    pub fn facts(&self) -> ClusterFacts<'_> {
+        ClusterFacts {
+            labels: &self.labels,
+            placed: &self.placed,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn managed_cluster(accepts: serde_json::Value) -> DynamicObject {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "cluster.open-cluster-management.io/v1",
+            "kind": "ManagedCluster",
+            "metadata": {
+                "name": "spoke1",
+                "labels": {"env": "prod"},
+                "annotations": {"note": "x".repeat(1000)},
+                "managedFields": [{"manager": "registration", "operation": "Update"}],
+            },
+            "spec": {"hubAcceptsClient": accepts, "leaseDurationSeconds": 60},
+            "status": {"clusterClaims": [{"name": "id.k8s.io", "value": "x".repeat(1000)}]},
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_trimmed_managed_cluster_keeps_what_the_hub_reads() {
+        let mut cluster = managed_cluster(serde_json::json!(true));
+        let before = serde_json::to_vec(&cluster).unwrap().len();
+        trim_managed_cluster(&mut cluster);
+        assert!(serde_json::to_vec(&cluster).unwrap().len() < before / 4);
+        assert_eq!(cluster.name_any(), "spoke1");
+        assert_eq!(
+            cluster.labels().get("env").map(String::as_str),
+            Some("prod")
+        );
+        assert_eq!(cluster.data["spec"]["hubAcceptsClient"], true);
+        assert!(cluster.data.get("status").is_none());
+    }
+
+    #[test]
+    fn only_a_cluster_the_hub_accepts_by_a_true_flag_is_accepted() {
+        for (flag, accepted) in [
+            (serde_json::json!(true), true),
+            (serde_json::json!(false), false),
+            (serde_json::json!("true"), false),
+            (serde_json::Value::Null, false),
+        ] {
+            let mut cluster = managed_cluster(flag.clone());
+            trim_managed_cluster(&mut cluster);
+            let view = ClusterView::of(&cluster, Placed::new());
+            assert_eq!(view.accepted, accepted, "hubAcceptsClient: {flag}");
+            assert_eq!(view.labels.get("env").map(String::as_str), Some("prod"));
+        }
+    }
+}

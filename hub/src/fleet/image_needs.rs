@@ -1,0 +1,97 @@
+//! Every image the fleet needs now: each module (not being unloaded) resolved for the
+//! kernels of the connected clusters that select it, plus what PreflightValidations ask.
+//! Pure.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use kmm_api::{ManagedClusterModule, PreflightValidation};
+use kube::ResourceExt;
+
+use super::assignment::{ClusterFacts, cluster_modules, is_deleting};
+use super::node_statuses::NodeStatuses;
+use super::preflight::preflight_needs;
+use crate::images::{ImageKey, ImageNeed, module_needs};
+use crate::resolutions::Resolutions;
+
+/// A module as served, and the kernels it is served for.
+type Served = (Arc<ManagedClusterModule>, BTreeSet<String>);
+
+/// The kernels each module is served for, per generation (a rollout serves several at
+/// once), gathered one cluster at a time.
+#[derive(Debug, Default)]
+pub struct ServedKernels {
+    served: BTreeMap<(String, Option<i64>), Served>,
+}
+
+impl ServedKernels {
+    /// One cluster: `modules` as it is served them (at their revisions), its kernels and
+    /// node statuses.
+    pub fn add_cluster(
+        &mut self,
+        modules: &[Arc<ManagedClusterModule>],
+        facts: Option<ClusterFacts<'_>>,
+        statuses: &NodeStatuses,
+        kernels: &BTreeSet<String>,
+    ) {
+        let refs: Vec<&ManagedClusterModule> = modules.iter().map(AsRef::as_ref).collect();
+        for input in cluster_modules(&refs, facts, statuses) {
+            if input.unload {
+                continue;
+            }
+            let key = (input.module.name_any(), input.module.metadata.generation);
+            let served = &mut self
+                .served
+                .entry(key)
+                .or_insert_with(|| {
+                    let module = modules
+                        .iter()
+                        .find(|m| std::ptr::eq(m.as_ref(), input.module))
+                        .expect("an input is one of the modules given");
+                    (module.clone(), BTreeSet::new())
+                })
+                .1;
+            // Most clusters run kernels seen already: look before copying.
+            for kernel in kernels {
+                if !served.contains(kernel) {
+                    served.insert(kernel.clone());
+                }
+            }
+        }
+    }
+
+    /// The images needed: every served module for its kernels, then what the preflights
+    /// ask of the (current) `modules` that no cluster needs yet. Resolutions come from the
+    /// cache, compiled once per generation.
+    pub fn needs<'p>(
+        self,
+        modules: &[Arc<ManagedClusterModule>],
+        preflights: impl IntoIterator<Item = &'p PreflightValidation>,
+        resolutions: &mut Resolutions,
+    ) -> BTreeMap<ImageKey, ImageNeed> {
+        let mut needs: BTreeMap<ImageKey, ImageNeed> = self
+            .served
+            .values()
+            .flat_map(|(module, kernels)| {
+                module_needs(module, resolutions.resolve(module, kernels), kernels)
+            })
+            .collect();
+        // A kernel clusters run keeps its needs.
+        for preflight in preflights {
+            let spec = &preflight.spec;
+            let kernel = BTreeSet::from([spec.kernel_version.clone()]);
+            for module in modules.iter().filter(|m| !is_deleting(m)) {
+                let resolved = resolutions.resolve(module, &kernel);
+                for (key, need) in preflight_needs(
+                    module,
+                    resolved,
+                    &spec.kernel_version,
+                    spec.push_built_image,
+                ) {
+                    needs.entry(key).or_insert(need);
+                }
+            }
+        }
+        needs
+    }
+}

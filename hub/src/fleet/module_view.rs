@@ -1,0 +1,148 @@
+//! A module as its clusters show it: its status (but for the rollout and conditions),
+//! what each selected cluster shows its rollout, and, while it is being deleted, where
+//! its unload is not yet confirmed. Pure: counted one cluster at a time, from what each
+//! cluster's session holds, so that no more than one cluster need be at hand at once.
+
+use std::collections::BTreeMap;
+
+use kmm_api::{ImageStatus, ManagedClusterModule, ManagedClusterModuleStatus};
+use kmm_proto::v1::KernelTarget;
+use kube::ResourceExt;
+
+use super::assignment::is_deleting;
+use super::deletion::Leftovers;
+use super::device_plugins::counts as device_plugin_counts;
+use super::node_statuses::NodeStatuses;
+use super::rollout::{Observation, Wave};
+use super::status::{ClusterReport, StatusTally};
+
+/// A module as its clusters show it.
+#[derive(Debug)]
+pub struct ModuleView {
+    /// Its status, but for the rollout and conditions.
+    pub status: ManagedClusterModuleStatus,
+    /// Where its unload is not yet confirmed, when it is being deleted.
+    pub leftovers: Leftovers,
+    /// What each selected cluster shows, for its rollout.
+    pub observed: BTreeMap<String, Observation>,
+}
+
+/// What one cluster's session holds about one module.
+#[derive(Clone, Copy, Debug)]
+pub struct ClusterSight<'a> {
+    /// Whether the cluster's proxy is connected now.
+    pub connected: bool,
+    /// Whether its node statuses were made with the module's current generation applied.
+    pub reflects_generation: bool,
+    /// The module's per-kernel resolution in the cluster's last snapshot.
+    pub kernels: &'a [KernelTarget],
+    /// Every node status the cluster reported.
+    pub statuses: &'a NodeStatuses,
+    /// Whether a full status report arrived since the hub started.
+    pub statuses_known: bool,
+    /// The module's device plugin Pods there: (desired, available).
+    pub device_plugin: Option<(u32, u32)>,
+}
+
+/// Counts a module's clusters one at a time into its [`ModuleView`].
+#[derive(Debug)]
+pub struct ModuleViewBuilder<'m> {
+    module: &'m ManagedClusterModule,
+    name: String,
+    deleting: bool,
+    tally: StatusTally,
+    observed: BTreeMap<String, Observation>,
+    plugins: Vec<(String, (u32, u32))>,
+    leftovers: Leftovers,
+}
+
+impl<'m> ModuleViewBuilder<'m> {
+    pub fn new(module: &'m ManagedClusterModule) -> Self {
+        Self {
+            module,
+            name: module.name_any(),
+            deleting: is_deleting(module),
+            tally: StatusTally::default(),
+            observed: BTreeMap::new(),
+            plugins: Vec::new(),
+            leftovers: Leftovers::default(),
+        }
+    }
+
+    /// Whether clusters the module does not select count too: a deletion must confirm
+    /// the unload wherever a node still reports the module.
+    pub fn counts_unselected(&self) -> bool {
+        self.deleting
+    }
+
+    /// A selected cluster, moving in `wave`; `sight` is `None` when no proxy of the
+    /// cluster ever connected to this hub.
+    pub fn selected(&mut self, cluster: &str, wave: Option<Wave>, sight: Option<ClusterSight<'_>>) {
+        let namespace = self.module.spec.spoke_namespace.as_str();
+        let report = match &sight {
+            None => ClusterReport {
+                cluster,
+                connected: false,
+                reflects_generation: false,
+                kernels: &[],
+                nodes: &[],
+            },
+            Some(sight) => ClusterReport {
+                cluster,
+                connected: sight.connected,
+                reflects_generation: sight.reflects_generation,
+                kernels: sight.kernels,
+                nodes: sight.statuses.module(namespace, &self.name),
+            },
+        };
+        let mut observation = self.tally.add(&report);
+        observation.wave = wave;
+        self.observed.insert(cluster.to_owned(), observation);
+        if let Some(counts) = sight.and_then(|s| s.device_plugin) {
+            self.plugins.push((cluster.to_owned(), counts));
+        }
+        if self.deleting {
+            match sight {
+                None => self.leftovers.add(cluster, true, false, []),
+                Some(sight) => self.leftovers.add(
+                    cluster,
+                    true,
+                    sight.statuses_known,
+                    sight.statuses.not_unloaded(namespace, &self.name),
+                ),
+            }
+        }
+    }
+
+    /// A cluster the module does not select (counted only while it is being deleted).
+    pub fn unselected(&mut self, cluster: &str, sight: ClusterSight<'_>) {
+        if !self.deleting {
+            return;
+        }
+        let namespace = self.module.spec.spoke_namespace.as_str();
+        self.leftovers.add(
+            cluster,
+            false,
+            sight.statuses_known,
+            sight.statuses.not_unloaded(namespace, &self.name),
+        );
+    }
+
+    /// The view, with the module's image statuses.
+    pub fn finish(self, images: Vec<ImageStatus>) -> ModuleView {
+        let mut status = self.tally.finish(self.module.metadata.generation);
+        if self.module.spec.module_spec.device_plugin.is_some() {
+            status.device_plugins = Some(device_plugin_counts(
+                self.plugins
+                    .iter()
+                    .map(|(cluster, counts)| (cluster.as_str(), *counts)),
+            ));
+        }
+        status.images = images;
+        ModuleView {
+            status,
+            leftovers: self.leftovers,
+            observed: self.observed,
+        }
+    }
+}

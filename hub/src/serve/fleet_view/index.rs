@@ -1,0 +1,305 @@
+//! The watched objects the fleet view computes from, and the indexes built from them:
+//! each ManagedCluster's view (labels, acceptance, Placements), the Placements' decisions
+//! per cluster, and which module generations the snapshots were computed for.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, RwLock};
+
+use k8s_openapi::api::apps::v1::ControllerRevision;
+use k8s_openapi::api::core::v1::Secret;
+use kmm_api::{ManagedClusterModule, PreflightValidation};
+use kmm_proto::v1::PullCredential;
+use kube::ResourceExt;
+use kube::core::{ApiResource, DynamicObject};
+use kube::runtime::reflector::{ObjectRef, Store};
+
+use crate::fleet::assignment::{ClusterFacts, is_deleting, is_selected};
+use crate::fleet::cluster_view::{ClusterView, managed_cluster_resource};
+use crate::fleet::credentials;
+use crate::fleet::placements::{Placed, decided, wave};
+use crate::fleet::revisions::MODULE_LABEL;
+use crate::fleet::rollout::Wave;
+use crate::fleet::served_revisions::assignment_key;
+
+use super::lock;
+
+/// The watched objects the hub computes from.
+#[derive(Clone, Debug)]
+pub struct Stores {
+    pub modules: Store<ManagedClusterModule>,
+    pub clusters: Store<DynamicObject>,
+    pub secrets: Store<Secret>,
+    /// The kept revisions of every module's spec (the hub's namespace).
+    pub revisions: Store<ControllerRevision>,
+    pub preflights: Store<PreflightValidation>,
+    /// Every PlacementDecision: which clusters the modules' Placements chose.
+    pub decisions: Store<DynamicObject>,
+}
+
+/// A ManagedCluster's view before and after a change (`None`: no such cluster).
+#[derive(Debug)]
+pub struct ViewChange {
+    pub before: Option<ClusterView>,
+    pub now: Option<ClusterView>,
+}
+
+/// Per module: what the snapshots were last computed for.
+#[derive(Debug, Default)]
+struct ModuleBook {
+    /// The generation, deletion state and rollout assignment.
+    seen: BTreeMap<String, (Option<i64>, bool, u64)>,
+    /// UIDs of modules whose finalizer the hub removed: gone, even before the watch says so.
+    gone: BTreeSet<String>,
+}
+
+#[derive(Debug)]
+pub struct FleetIndex {
+    pub stores: Stores,
+    cluster_resource: ApiResource,
+    /// What each ManagedCluster looked like when its change was last handled.
+    views: Mutex<HashMap<String, ClusterView>>,
+    /// Per cluster, the Placements that decided it, from the PlacementDecisions.
+    placed: RwLock<HashMap<String, Placed>>,
+    modules: Mutex<ModuleBook>,
+}
+
+impl FleetIndex {
+    pub fn new(stores: Stores) -> Self {
+        Self {
+            stores,
+            cluster_resource: managed_cluster_resource(),
+            views: Mutex::default(),
+            placed: RwLock::default(),
+            modules: Mutex::default(),
+        }
+    }
+
+    /// The ManagedCluster as the hub reads it; `None` when there is none.
+    pub fn cluster_view(&self, cluster: &str) -> Option<ClusterView> {
+        let reference = ObjectRef::new_with(cluster, self.cluster_resource.clone());
+        let placed = self
+            .placed
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(cluster)
+            .cloned()
+            .unwrap_or_default();
+        self.stores
+            .clusters
+            .get(&reference)
+            .map(|mc| ClusterView::of(&mc, placed))
+    }
+
+    /// Remembers the cluster's view as it is now; `None` when it did not change since
+    /// last remembered.
+    pub fn remember_view(&self, cluster: &str) -> Option<ViewChange> {
+        let now = self.cluster_view(cluster);
+        let mut views = lock(&self.views);
+        let before = match &now {
+            Some(view) => views.insert(cluster.to_owned(), view.clone()),
+            None => views.remove(cluster),
+        };
+        (before != now).then_some(ViewChange { before, now })
+    }
+
+    /// Remembers every cluster's view afresh (after a re-list).
+    pub fn remember_all_views(&self) {
+        let mut views = lock(&self.views);
+        views.clear();
+        for cluster in self.stores.clusters.state() {
+            if let Some(view) = self.cluster_view(&cluster.name_any()) {
+                views.insert(cluster.name_any(), view);
+            }
+        }
+    }
+
+    /// Rebuilds the Placements index from the PlacementDecisions; returns the clusters
+    /// whose Placements changed. A fleet has a few decisions per Placement (each lists up
+    /// to 100 clusters), so a rebuild costs little beside what it may trigger.
+    pub fn index_placements(&self) -> Vec<String> {
+        let now = decided(self.stores.decisions.state().iter().map(AsRef::as_ref));
+        let mut placed = self
+            .placed
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let changed = placed
+            .iter()
+            .filter(|(cluster, before)| now.get(*cluster) != Some(before))
+            .map(|(cluster, _)| cluster.clone())
+            .chain(
+                now.keys()
+                    .filter(|cluster| !placed.contains_key(*cluster))
+                    .cloned(),
+            )
+            .collect();
+        *placed = now;
+        changed
+    }
+
+    /// Each cluster the module selects, with the wave its rollout moves it in.
+    pub fn selected_clusters(
+        &self,
+        module: &ManagedClusterModule,
+    ) -> BTreeMap<String, Option<Wave>> {
+        let placed = self
+            .placed
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let nowhere = Placed::new();
+        self.stores
+            .clusters
+            .state()
+            .iter()
+            .filter_map(|c| {
+                let name = c.name_any();
+                let placed = placed.get(&name).unwrap_or(&nowhere);
+                let facts = ClusterFacts {
+                    labels: c.labels(),
+                    placed,
+                };
+                is_selected(module, Some(facts)).then(|| (name, wave(module, placed)))
+            })
+            .collect()
+    }
+
+    /// The names of the modules selecting a cluster seen as `view`.
+    pub fn modules_selecting(&self, view: Option<&ClusterView>) -> BTreeSet<String> {
+        self.stores
+            .modules
+            .state()
+            .iter()
+            .filter(|m| is_selected(m, view.map(ClusterView::facts)))
+            .map(|m| m.name_any())
+            .collect()
+    }
+
+    /// The names of the modules whose selection of a cluster differs between two views.
+    pub fn selection_changed(
+        &self,
+        before: Option<&ClusterView>,
+        now: Option<&ClusterView>,
+    ) -> Vec<String> {
+        self.stores
+            .modules
+            .state()
+            .iter()
+            .filter(|m| {
+                is_selected(m, before.map(ClusterView::facts))
+                    != is_selected(m, now.map(ClusterView::facts))
+            })
+            .map(|m| m.name_any())
+            .collect()
+    }
+
+    /// Every module the hub serves, by name: those whose finalizer it released are gone
+    /// even before the watch says so.
+    pub fn modules(&self) -> Vec<Arc<ManagedClusterModule>> {
+        let mut book = lock(&self.modules);
+        let modules = self.stores.modules.state();
+        // Once the watch dropped a released module, its UID need not be remembered.
+        if !book.gone.is_empty() {
+            let present: BTreeSet<String> = modules.iter().filter_map(|m| m.uid()).collect();
+            book.gone.retain(|uid| present.contains(uid));
+        }
+        let mut modules: Vec<_> = modules
+            .into_iter()
+            .filter(|m| m.uid().is_none_or(|uid| !book.gone.contains(&uid)))
+            .collect();
+        drop(book);
+        modules.sort_by_key(|m| m.name_any());
+        modules
+    }
+
+    pub fn module(&self, name: &str) -> Option<Arc<ManagedClusterModule>> {
+        self.stores.modules.get(&ObjectRef::new(name))
+    }
+
+    /// Every module's name, as the watch holds them.
+    pub fn module_names(&self) -> Vec<String> {
+        self.stores
+            .modules
+            .state()
+            .iter()
+            .map(|m| m.name_any())
+            .collect()
+    }
+
+    /// Notes the module as the snapshots are about to be computed for it; false when
+    /// nothing they depend on (generation, deletion, rollout assignment) changed since.
+    pub fn note(&self, module: &ManagedClusterModule) -> bool {
+        let key = (
+            module.metadata.generation,
+            is_deleting(module),
+            assignment_key(module),
+        );
+        let mut book = lock(&self.modules);
+        let name = module.name_any();
+        if book.seen.get(&name) == Some(&key) {
+            return false;
+        }
+        book.seen.insert(name, key);
+        true
+    }
+
+    /// The hub released the module's finalizer: it is gone.
+    pub fn forget(&self, module: &ManagedClusterModule) {
+        let mut book = lock(&self.modules);
+        book.seen.remove(&module.name_any());
+        if let Some(uid) = module.uid() {
+            book.gone.insert(uid);
+        }
+    }
+
+    /// The modules naming `secret` as their pull Secret.
+    pub fn modules_pulling_with(&self, secret: &str) -> Vec<Arc<ManagedClusterModule>> {
+        self.stores
+            .modules
+            .state()
+            .into_iter()
+            .filter(|m| {
+                m.spec
+                    .module_spec
+                    .image_repo_secret
+                    .as_ref()
+                    .is_some_and(|s| s.name == secret)
+            })
+            .collect()
+    }
+
+    /// The pull credentials `modules` reference.
+    pub fn credentials<'a>(
+        &self,
+        modules: impl Iterator<Item = &'a ManagedClusterModule>,
+    ) -> BTreeMap<String, PullCredential> {
+        credentials::referenced(modules, || self.stores.secrets.state())
+    }
+
+    /// The module's kept revisions.
+    pub fn kept_revisions(&self, module: &str) -> Vec<Arc<ControllerRevision>> {
+        self.stores
+            .revisions
+            .state()
+            .into_iter()
+            .filter(|r| r.labels().get(MODULE_LABEL).is_some_and(|m| m == module))
+            .collect()
+    }
+
+    /// A kept revision by its object name.
+    pub fn stored_revision(&self, object: &str) -> Option<Arc<ControllerRevision>> {
+        self.stores.revisions.find(|r| r.name_any() == object)
+    }
+
+    /// Every ManagedCluster's name.
+    pub fn cluster_names(&self) -> Vec<String> {
+        self.stores
+            .clusters
+            .state()
+            .iter()
+            .map(|c| c.name_any())
+            .collect()
+    }
+
+    pub fn preflights(&self) -> Vec<Arc<PreflightValidation>> {
+        self.stores.preflights.state()
+    }
+}

@@ -1,0 +1,122 @@
+//! What the controller, the image worker and the preflight writer read of the fleet
+//! view, and the image worker's records coming back.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use k8s_openapi::jiff::Timestamp;
+use kmm_api::{ManagedClusterModule, PreflightModuleStatus, PreflightValidation};
+use kube::ResourceExt;
+
+use crate::fleet::cluster_view::ClusterView;
+use crate::fleet::image_needs::ServedKernels;
+use crate::fleet::module_view::{ModuleView, ModuleViewBuilder};
+use crate::fleet::preflight::preflight_statuses;
+use crate::images::{ImageKey, ImageNeed, ImageRecord};
+
+use super::{FleetView, lock};
+
+impl FleetView {
+    /// The module's status over its selected clusters and, when it is being deleted, where
+    /// its unload is not yet confirmed. Each cluster's lock is held only while that
+    /// cluster is counted.
+    pub fn module_view(&self, module: &ManagedClusterModule) -> ModuleView {
+        let name = module.name_any();
+        let namespace = module.spec.spoke_namespace.as_str();
+        let generation = module.metadata.generation;
+        let selected = self.index.selected_clusters(module);
+        let mut view = ModuleViewBuilder::new(module);
+        for (cluster, wave) in &selected {
+            match self.sessions.get(cluster) {
+                None => view.selected(cluster, wave.clone(), None),
+                Some(session) => {
+                    let session = lock(&session);
+                    view.selected(
+                        cluster,
+                        wave.clone(),
+                        Some(session.sight(namespace, &name, generation)),
+                    );
+                }
+            }
+        }
+        if view.counts_unselected() {
+            for (cluster, session) in self.sessions.all() {
+                if selected.contains_key(&cluster) {
+                    continue;
+                }
+                let session = lock(&session);
+                view.unselected(&cluster, session.sight(namespace, &name, generation));
+            }
+        }
+        let persisted = module.status.as_ref().map_or(&[][..], |s| &s.images[..]);
+        view.finish(self.images.statuses(&name, persisted))
+    }
+
+    /// Every image the fleet needs now: each module (not being unloaded) resolved for the
+    /// kernels of the connected clusters that select it, and what preflights ask.
+    pub fn image_needs(&self) -> BTreeMap<ImageKey, ImageNeed> {
+        let modules = self.index.modules();
+        let mut served = ServedKernels::default();
+        for (cluster, session) in self.sessions.all() {
+            let view = self.index.cluster_view(&cluster);
+            let facts = view.as_ref().map(ClusterView::facts);
+            let session = lock(&session);
+            let Some(kernels) = &session.kernels else {
+                continue;
+            };
+            let at_revisions = self.served_modules(&modules, &cluster, facts);
+            served.add_cluster(&at_revisions, facts, &session.statuses, kernels);
+        }
+        let preflights = self.index.preflights();
+        served.needs(
+            &modules,
+            preflights.iter().map(AsRef::as_ref),
+            &mut self.caches.resolutions(),
+        )
+    }
+
+    /// Every module's preflight answer for `preflight`, sorted by module name.
+    pub fn preflight_statuses(
+        &self,
+        preflight: &PreflightValidation,
+        now: Timestamp,
+    ) -> Vec<PreflightModuleStatus> {
+        let modules = self.index.modules();
+        let images = self.images.read();
+        preflight_statuses(
+            preflight,
+            &modules,
+            &images.records,
+            &mut self.caches.resolutions(),
+            now,
+        )
+    }
+
+    /// Where `key` stands, as the image worker last recorded it.
+    pub fn image(&self, key: &ImageKey) -> Option<ImageRecord> {
+        self.images.get(key)
+    }
+
+    /// The image worker's new record for `key`. Snapshots are recomputed only when what
+    /// nodes get changes; status follows every change.
+    pub fn set_image(&self, key: ImageKey, record: ImageRecord) {
+        let module = key.module.clone();
+        let change = self.images.set(key, record);
+        if change.verdict
+            && let Some(module) = self.index.module(&module)
+        {
+            self.recompute_module(&module);
+        }
+        if change.reported {
+            self.signals.touched.add([module]);
+            self.signals.preflight_changed.notify_one();
+        }
+    }
+
+    /// Takes the image worker's latest `needs`: status lists each image with the kernels
+    /// needing it now (see `ImageBook::track`).
+    pub fn track_images(&self, needs: &BTreeMap<ImageKey, ImageNeed>) {
+        let modules: BTreeSet<String> = self.index.modules().iter().map(|m| m.name_any()).collect();
+        let touched = self.images.track(needs, &modules);
+        self.signals.touched.add(touched);
+    }
+}

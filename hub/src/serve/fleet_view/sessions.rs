@@ -1,0 +1,355 @@
+//! The clusters' sessions: per cluster, its current stream, what the hub sent it (the
+//! outbox) and what it reported (kernels, node statuses, device plugins). Each cluster
+//! has a lock of its own: a report from one cluster never waits for another's.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kmm_proto::v1::{DevicePluginReport, KernelInventory, ModuleIntent};
+use tokio::sync::watch;
+
+use crate::fleet::module_view::ClusterSight;
+use crate::fleet::node_statuses::NodeStatuses;
+use crate::fleet::outbox::Outbox;
+use crate::serve::outbound::OutboundSender;
+
+/// Identifies one stream among all the streams the hub has accepted.
+pub type SessionId = u64;
+
+/// Which clusters' proxies have a session with this hub, and when the others' last one
+/// closed (as far as this hub saw).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Connections {
+    pub open: BTreeSet<String>,
+    pub closed_at: BTreeMap<String, Time>,
+}
+
+/// One cluster's session state.
+#[derive(Debug, Default)]
+pub struct ClusterSession {
+    /// The current stream: the newest wins.
+    pub stream: Option<(SessionId, OutboundSender)>,
+    pub outbox: Outbox,
+    /// The kernels of the current stream's latest inventory; `None` until it sent one.
+    pub kernels: Option<BTreeSet<String>>,
+    inventory_revision: u64,
+    pub statuses: NodeStatuses,
+    /// A full status report arrived since the hub started.
+    pub statuses_known: bool,
+    /// The intent revision the current stream's statuses were made with (its hello, then
+    /// every report).
+    pub acked_revision: u64,
+    /// Per module (namespace, name): its device plugin's (desired, available) Pods.
+    device_plugins: BTreeMap<(String, String), (u32, u32)>,
+}
+
+impl ClusterSession {
+    /// Whether `id` is the current stream.
+    pub fn current(&self, id: SessionId) -> bool {
+        self.stream
+            .as_ref()
+            .is_some_and(|(current, _)| *current == id)
+    }
+
+    /// Makes `outbound` the current stream; returns the stream it replaces. What the old
+    /// stream reported of kernels and unfinished reports goes with it; its node statuses
+    /// stay until the new one reports.
+    pub fn start(
+        &mut self,
+        id: SessionId,
+        applied_revision: u64,
+        outbound: OutboundSender,
+    ) -> Option<OutboundSender> {
+        let replaced = self.stream.replace((id, outbound)).map(|(_, old)| old);
+        self.outbox.new_stream(applied_revision);
+        self.acked_revision = applied_revision;
+        self.kernels = None;
+        self.inventory_revision = 0;
+        self.statuses.forget_partial();
+        replaced
+    }
+
+    /// Whether the last snapshot carries the module.
+    pub fn carries(&self, namespace: &str, name: &str) -> bool {
+        self.carried_intent(namespace, name).is_some()
+    }
+
+    /// The module's intent in the last snapshot.
+    pub fn carried_intent(&self, namespace: &str, name: &str) -> Option<&ModuleIntent> {
+        self.outbox
+            .last()?
+            .modules
+            .iter()
+            .map(AsRef::as_ref)
+            .find(|m| {
+                m.key
+                    .as_ref()
+                    .is_some_and(|k| k.name == name && k.namespace == namespace)
+            })
+    }
+
+    /// The modules of the last snapshot, by name.
+    pub fn carried(&self) -> impl Iterator<Item = &str> {
+        self.outbox
+            .last()
+            .into_iter()
+            .flat_map(|s| &s.modules)
+            .filter_map(|m| m.key.as_ref().map(|k| k.name.as_str()))
+    }
+
+    /// A kernel inventory: whether the kernels changed; `None` for a late duplicate.
+    pub fn receive_inventory(&mut self, inventory: KernelInventory) -> Option<bool> {
+        if self.kernels.is_some() && inventory.revision <= self.inventory_revision {
+            return None;
+        }
+        self.inventory_revision = inventory.revision;
+        let kernels: BTreeSet<String> = inventory.kernels.into_iter().map(|k| k.release).collect();
+        let changed = self.kernels.as_ref() != Some(&kernels);
+        self.kernels = Some(kernels);
+        Some(changed)
+    }
+
+    /// A device plugin report: the modules whose counts changed, by name.
+    pub fn receive_device_plugins(&mut self, report: DevicePluginReport) -> BTreeSet<String> {
+        let now: BTreeMap<(String, String), (u32, u32)> = report
+            .plugins
+            .into_iter()
+            .filter_map(|p| {
+                let key = p.module?;
+                Some(((key.namespace, key.name), (p.desired, p.available)))
+            })
+            .collect();
+        let changed = now
+            .iter()
+            .filter(|(key, counts)| self.device_plugins.get(*key) != Some(counts))
+            .chain(
+                self.device_plugins
+                    .iter()
+                    .filter(|(key, _)| !now.contains_key(*key)),
+            )
+            .map(|((_, name), _)| name.clone())
+            .collect();
+        self.device_plugins = now;
+        changed
+    }
+
+    /// What the session shows of one module at `generation`.
+    pub fn sight(&self, namespace: &str, name: &str, generation: Option<i64>) -> ClusterSight<'_> {
+        ClusterSight {
+            connected: self.stream.is_some(),
+            reflects_generation: self.outbox.reflects(
+                namespace,
+                name,
+                generation,
+                self.acked_revision,
+            ),
+            kernels: self
+                .carried_intent(namespace, name)
+                .map(|m| m.kernels.as_slice())
+                .unwrap_or_default(),
+            statuses: &self.statuses,
+            statuses_known: self.statuses_known,
+            device_plugin: self
+                .device_plugins
+                .get(&(namespace.to_owned(), name.to_owned()))
+                .copied(),
+        }
+    }
+}
+
+pub type Session = Arc<Mutex<ClusterSession>>;
+
+/// Every cluster's session, the connections they make, and the hub's end of them all.
+#[derive(Debug)]
+pub struct Sessions {
+    clusters: RwLock<HashMap<String, Session>>,
+    next_id: AtomicU64,
+    /// Changes only when a session opens or closes.
+    connections: watch::Sender<Connections>,
+    /// Why every stream ends, once the hub stops: no stream may open after it.
+    ending: watch::Sender<Option<String>>,
+}
+
+impl Default for Sessions {
+    fn default() -> Self {
+        Self {
+            clusters: RwLock::default(),
+            next_id: AtomicU64::new(1),
+            connections: watch::Sender::new(Connections::default()),
+            ending: watch::Sender::new(None),
+        }
+    }
+}
+
+impl Sessions {
+    pub fn get(&self, cluster: &str) -> Option<Session> {
+        self.clusters
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(cluster)
+            .cloned()
+    }
+
+    pub fn get_or_new(&self, cluster: &str) -> Session {
+        if let Some(session) = self.get(cluster) {
+            return session;
+        }
+        self.clusters
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .entry(cluster.to_owned())
+            .or_default()
+            .clone()
+    }
+
+    /// Every cluster's session (a copy of the index: no lock is held while they are used).
+    pub fn all(&self) -> Vec<(String, Session)> {
+        self.clusters
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .map(|(name, session)| (name.clone(), session.clone()))
+            .collect()
+    }
+
+    pub fn next_id(&self) -> SessionId {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Follows the clusters' sessions as they open and close.
+    pub fn connections(&self) -> watch::Receiver<Connections> {
+        self.connections.subscribe()
+    }
+
+    /// How many clusters are connected.
+    pub fn open_count(&self) -> usize {
+        self.connections.borrow().open.len()
+    }
+
+    /// The cluster's stream opened (call under its lock: an open and a close of the same
+    /// cluster must not swap places).
+    pub fn opened(&self, cluster: &str) {
+        self.connections.send_if_modified(|c| {
+            c.closed_at.remove(cluster);
+            c.open.insert(cluster.to_owned())
+        });
+    }
+
+    /// The cluster's current stream closed (under its lock).
+    pub fn closed(&self, cluster: &str) {
+        self.connections.send_modify(|c| {
+            c.open.remove(cluster);
+            c.closed_at
+                .insert(cluster.to_owned(), Time(Timestamp::now()));
+        });
+    }
+
+    /// Set once, with the reason, when the hub ends every stream.
+    pub fn ending(&self) -> watch::Receiver<Option<String>> {
+        self.ending.subscribe()
+    }
+
+    /// Why streams end, once the hub stops.
+    pub fn ending_reason(&self) -> Option<String> {
+        self.ending.borrow().clone()
+    }
+
+    /// Ends every stream (shutdown), and every stream that opens later.
+    pub fn end_all(&self, why: &str) {
+        self.ending.send_replace(Some(why.to_owned()));
+        for (_, session) in self.all() {
+            if let Some((_, stream)) = &super::lock(&session).stream {
+                stream.end(tonic::Code::Unavailable, why);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kmm_proto::v1::{DevicePluginCount, Kernel, ModuleKey};
+
+    use super::*;
+
+    fn inventory(revision: u64, kernels: &[&str]) -> KernelInventory {
+        KernelInventory {
+            revision,
+            kernels: kernels
+                .iter()
+                .map(|k| Kernel {
+                    release: (*k).to_owned(),
+                    ..Kernel::default()
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn an_inventory_counts_once_and_only_newer_ones_follow() {
+        let mut session = ClusterSession::default();
+        assert_eq!(
+            session.receive_inventory(inventory(3, &["6.1"])),
+            Some(true)
+        );
+        assert_eq!(session.receive_inventory(inventory(3, &["6.2"])), None);
+        assert_eq!(
+            session.receive_inventory(inventory(4, &["6.1"])),
+            Some(false)
+        );
+        assert_eq!(
+            session.receive_inventory(inventory(5, &["6.2"])),
+            Some(true)
+        );
+        // A new stream starts over: its first inventory counts whatever its revision.
+        session.start(7, 0, OutboundSender::default());
+        assert_eq!(session.kernels, None);
+        assert_eq!(
+            session.receive_inventory(inventory(1, &["6.2"])),
+            Some(true)
+        );
+    }
+
+    #[test]
+    fn device_plugin_counts_name_the_modules_that_changed_or_went() {
+        let plugin = |name: &str, desired, available| DevicePluginCount {
+            module: Some(ModuleKey {
+                namespace: "kmm".into(),
+                name: name.into(),
+            }),
+            desired,
+            available,
+        };
+        let mut session = ClusterSession::default();
+        let first = DevicePluginReport {
+            plugins: vec![plugin("a", 2, 1), plugin("b", 1, 1)],
+        };
+        assert_eq!(
+            session.receive_device_plugins(first.clone()),
+            BTreeSet::from(["a".to_owned(), "b".to_owned()])
+        );
+        assert!(session.receive_device_plugins(first).is_empty());
+        let next = DevicePluginReport {
+            plugins: vec![plugin("a", 2, 2)],
+        };
+        assert_eq!(
+            session.receive_device_plugins(next),
+            BTreeSet::from(["a".to_owned(), "b".to_owned()])
+        );
+        assert_eq!(session.sight("kmm", "a", None).device_plugin, Some((2, 2)));
+        assert_eq!(session.sight("kmm", "b", None).device_plugin, None);
+    }
+
+    #[test]
+    fn a_replaced_stream_is_handed_back() {
+        let mut session = ClusterSession::default();
+        assert!(session.start(1, 0, OutboundSender::default()).is_none());
+        assert!(session.current(1));
+        assert!(session.start(2, 5, OutboundSender::default()).is_some());
+        assert!(!session.current(1));
+        assert!(session.current(2));
+        assert_eq!(session.acked_revision, 5);
+    }
+}

@@ -1,0 +1,105 @@
+//! Recomputing clusters' snapshots and sending those that changed.
+
+use std::sync::Arc;
+
+use kmm_api::ManagedClusterModule;
+use kube::ResourceExt;
+
+use crate::fleet::assignment::{ClusterFacts, cluster_modules, is_selected};
+use crate::fleet::cluster_view::ClusterView;
+use crate::fleet::intents::cluster_intents;
+use crate::fleet::served_revisions::{MissingRevision, at_revisions};
+
+use super::sessions::ClusterSession;
+use super::{FleetView, lock};
+
+impl FleetView {
+    /// Recomputes the connected clusters the module is selected by or sent to.
+    pub(super) fn recompute_module(&self, module: &ManagedClusterModule) {
+        let name = module.name_any();
+        let namespace = module.spec.spoke_namespace.as_str();
+        for (cluster, session) in self.sessions.all() {
+            let view = self.index.cluster_view(&cluster);
+            let mut session = lock(&session);
+            if session.stream.is_some()
+                && (is_selected(module, view.as_ref().map(ClusterView::facts))
+                    || session.carries(namespace, &name)
+                    || session.statuses.lingers(namespace, &name))
+            {
+                self.recompute(&cluster, &mut session);
+            }
+        }
+    }
+
+    /// The modules as `cluster` is to run them (see `fleet::served_revisions`).
+    pub(super) fn served_modules(
+        &self,
+        modules: &[Arc<ManagedClusterModule>],
+        cluster: &str,
+        facts: Option<ClusterFacts<'_>>,
+    ) -> Vec<Arc<ManagedClusterModule>> {
+        let mut missing = Vec::new();
+        let served = at_revisions(
+            modules,
+            cluster,
+            facts,
+            &mut self.caches.revisions(),
+            |object| self.index.stored_revision(object),
+            &mut missing,
+        );
+        for MissingRevision { module, revision } in missing {
+            tracing::warn!(
+                module,
+                cluster,
+                revision,
+                "the revision the cluster runs is not kept (or unreadable); the snapshots \
+                 of the clusters on it leave the module out until the rollout moves them"
+            );
+        }
+        served
+    }
+
+    /// Recomputes one cluster's snapshot (its lock held) and sends it when it changed.
+    pub(super) fn recompute(&self, cluster: &str, session: &mut ClusterSession) {
+        if !self.is_synced() || session.stream.is_none() {
+            return;
+        }
+        let Some(kernels) = &session.kernels else {
+            return;
+        };
+        let view = self.index.cluster_view(cluster);
+        let facts = view.as_ref().map(ClusterView::facts);
+        let modules = self.served_modules(&self.index.modules(), cluster, facts);
+        let refs: Vec<&ManagedClusterModule> = modules.iter().map(AsRef::as_ref).collect();
+        let inputs = cluster_modules(&refs, facts, &session.statuses);
+        let credentials = self.index.credentials(inputs.iter().map(|i| i.module));
+        let intents = cluster_intents(
+            &inputs,
+            kernels,
+            &credentials,
+            &self.images.read().records,
+            &mut self.caches.resolutions(),
+        );
+        if intents.unchecked {
+            // The image worker checks it within moments and recomputes.
+            self.signals.unchecked_images.notify_one();
+            return;
+        }
+        let shared = self.caches.intents().share(intents.snapshot);
+        let Some(snapshot) = session.outbox.offer(shared) else {
+            return;
+        };
+        if let Some((_, stream)) = &session.stream {
+            tracing::info!(
+                cluster,
+                revision = snapshot.revision,
+                modules = snapshot.modules.len(),
+                unloads = snapshot.modules.iter().filter(|m| m.unload).count(),
+                credentials = snapshot.credentials.len(),
+                "sending intents"
+            );
+            self.metrics.snapshots_sent.inc();
+            stream.snapshot(snapshot);
+        }
+    }
+}
