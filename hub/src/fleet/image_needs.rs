@@ -95,3 +95,87 @@ impl ServedKernels {
         needs
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::fleet::assignment::FINALIZER;
+    use crate::fleet::placements::Placed;
+
+    fn mcm(name: &str, generation: i64, env: &str) -> Arc<ManagedClusterModule> {
+        Arc::new(
+            serde_json::from_value(serde_json::json!({
+                "apiVersion": "hub.kmm.sigs.x-k8s.io/v1beta1",
+                "kind": "ManagedClusterModule",
+                "metadata": {"name": name, "uid": name, "generation": generation,
+                             "finalizers": [FINALIZER]},
+                "spec": {
+                    "spokeNamespace": "drivers",
+                    "selector": {"env": env},
+                    "moduleSpec": {"selector": {}, "moduleLoader": {"container": {
+                        "modprobe": {"moduleName": name},
+                        "kernelMappings": [{"regexp": ".*",
+                                            "containerImage": format!("r/{name}:$KERNEL_FULL_VERSION")}],
+                    }}},
+                },
+            }))
+            .unwrap(),
+        )
+    }
+
+    fn kernels(releases: &[&str]) -> BTreeSet<String> {
+        releases.iter().map(|k| (*k).to_owned()).collect()
+    }
+
+    fn needed(needs: &BTreeMap<ImageKey, ImageNeed>) -> Vec<(String, Vec<String>)> {
+        needs
+            .iter()
+            .map(|(key, need)| (key.image.clone(), need.kernels.iter().cloned().collect()))
+            .collect()
+    }
+
+    #[test]
+    fn each_selected_module_needs_an_image_per_kernel_its_clusters_run() {
+        let prod = BTreeMap::from([("env".to_owned(), "prod".to_owned())]);
+        let placed = Placed::new();
+        let facts = Some(ClusterFacts {
+            labels: &prod,
+            placed: &placed,
+        });
+        let modules = [mcm("a", 1, "prod"), mcm("b", 1, "test")];
+        let mut served = ServedKernels::default();
+        let none = NodeStatuses::default();
+        served.add_cluster(&modules, facts, &none, &kernels(&["6.1", "6.2"]));
+        served.add_cluster(&modules, facts, &none, &kernels(&["6.2", "6.3"]));
+        let needs = served.needs(&modules, [], &mut Resolutions::default());
+        // `b` selects no cluster: it is unloaded, or not sent at all, and needs nothing.
+        assert_eq!(
+            needed(&needs),
+            [
+                ("r/a:6.1".to_owned(), vec!["6.1".to_owned()]),
+                ("r/a:6.2".to_owned(), vec!["6.2".to_owned()]),
+                ("r/a:6.3".to_owned(), vec!["6.3".to_owned()]),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_preflight_adds_its_kernel_for_every_module_not_being_deleted() {
+        let modules = [mcm("a", 1, "prod")];
+        let preflight: PreflightValidation = serde_json::from_value(serde_json::json!({
+            "apiVersion": "hub.kmm.sigs.x-k8s.io/v1beta1",
+            "kind": "PreflightValidation",
+            "metadata": {"name": "next"},
+            "spec": {"kernelVersion": "6.9"},
+        }))
+        .unwrap();
+        let needs =
+            ServedKernels::default().needs(&modules, [&preflight], &mut Resolutions::default());
+        assert_eq!(
+            needed(&needs),
+            [("r/a:6.9".to_owned(), vec!["6.9".to_owned()])]
+        );
+    }
+}

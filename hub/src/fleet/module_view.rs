@@ -146,3 +146,157 @@ impl<'m> ModuleViewBuilder<'m> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    use kmm_proto::v1::{
+        ModuleKey, ModuleNodeKey, ModuleNodeStatus, ModuleState, NodeStatusReport,
+    };
+
+    use super::*;
+    use crate::fleet::deletion::Leftover;
+
+    fn mcm(device_plugin: bool) -> ManagedClusterModule {
+        let mut doc = serde_json::json!({
+            "apiVersion": "hub.kmm.sigs.x-k8s.io/v1beta1",
+            "kind": "ManagedClusterModule",
+            "metadata": {"name": "hello", "generation": 2},
+            "spec": {
+                "spokeNamespace": "drivers",
+                "selector": {},
+                "moduleSpec": {"selector": {}, "moduleLoader": {"container": {
+                    "modprobe": {"moduleName": "hello"},
+                    "kernelMappings": [{"literal": "6.1", "containerImage": "r/x:1"}],
+                }}},
+            },
+        });
+        if device_plugin {
+            doc["spec"]["moduleSpec"]["devicePlugin"] =
+                serde_json::json!({"container": {"image": "r/plugin:1"}});
+        }
+        serde_json::from_value(doc).unwrap()
+    }
+
+    fn deleting(mut module: ManagedClusterModule) -> ManagedClusterModule {
+        module.metadata.deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
+        module
+    }
+
+    fn reported(nodes: &[(&str, ModuleState)]) -> NodeStatuses {
+        let mut statuses = NodeStatuses::default();
+        statuses
+            .apply(
+                NodeStatusReport {
+                    full: true,
+                    statuses: nodes
+                        .iter()
+                        .map(|(node, state)| ModuleNodeStatus {
+                            key: Some(ModuleNodeKey {
+                                module: Some(ModuleKey {
+                                    namespace: "drivers".into(),
+                                    name: "hello".into(),
+                                }),
+                                node: (*node).into(),
+                            }),
+                            state: (*state).into(),
+                            ..ModuleNodeStatus::default()
+                        })
+                        .collect(),
+                    ..NodeStatusReport::default()
+                },
+                |_, _| true,
+            )
+            .unwrap();
+        statuses
+    }
+
+    fn sight(statuses: &NodeStatuses, known: bool) -> ClusterSight<'_> {
+        ClusterSight {
+            connected: true,
+            reflects_generation: true,
+            kernels: &[],
+            statuses,
+            statuses_known: known,
+            device_plugin: Some((2, 1)),
+        }
+    }
+
+    fn leftovers(view: &ModuleView) -> Vec<(String, Option<String>)> {
+        view.leftovers
+            .first()
+            .map(|Leftover { cluster, node }| (cluster.clone(), node.clone()))
+            .collect()
+    }
+
+    #[test]
+    fn every_selected_cluster_is_counted_and_observed_with_its_wave() {
+        let module = mcm(false);
+        let statuses = reported(&[("n1", ModuleState::Loaded)]);
+        let mut builder = ModuleViewBuilder::new(&module);
+        assert!(!builder.counts_unselected());
+        let wave = Wave {
+            label: "ns/p/0".into(),
+            ..Wave::default()
+        };
+        builder.selected("a", Some(wave.clone()), Some(sight(&statuses, true)));
+        builder.selected("b", None, None);
+        builder.unselected("c", sight(&statuses, true));
+        let view = builder.finish(Vec::new());
+        assert_eq!(view.status.clusters.selected, 2);
+        assert_eq!(view.status.clusters.connected, 1);
+        assert_eq!(view.observed.keys().collect::<Vec<_>>(), ["a", "b"]);
+        assert_eq!(view.observed["a"].wave, Some(wave));
+        assert_eq!(view.observed["b"].wave, None);
+        assert!(
+            view.leftovers.is_empty(),
+            "nothing is left over unless deleting"
+        );
+        assert_eq!(view.status.device_plugins, None, "no plugin, no counts");
+    }
+
+    #[test]
+    fn a_deletion_waits_on_every_node_not_unloaded_and_on_selected_clusters_never_heard() {
+        let module = deleting(mcm(false));
+        let loaded = reported(&[("n1", ModuleState::Loaded), ("n2", ModuleState::Unloaded)]);
+        let unheard = NodeStatuses::default();
+        let mut builder = ModuleViewBuilder::new(&module);
+        assert!(builder.counts_unselected());
+        builder.selected("a", None, Some(sight(&loaded, true)));
+        // Selected, connected, but no full report yet: no node reporting proves nothing.
+        builder.selected("b", None, Some(sight(&unheard, false)));
+        // Selected and never connected.
+        builder.selected("c", None, None);
+        // Not selected: only its nodes still reporting the module count.
+        builder.unselected("d", sight(&loaded, true));
+        builder.unselected("e", sight(&unheard, false));
+        let view = builder.finish(Vec::new());
+        assert_eq!(
+            leftovers(&view),
+            [
+                ("a".to_owned(), Some("n1".to_owned())),
+                ("b".to_owned(), None),
+                ("c".to_owned(), None),
+                ("d".to_owned(), Some("n1".to_owned())),
+            ]
+        );
+    }
+
+    #[test]
+    fn device_plugin_counts_come_from_the_selected_clusters_of_a_plugin_module() {
+        let module = mcm(true);
+        let statuses = reported(&[]);
+        let mut builder = ModuleViewBuilder::new(&module);
+        builder.selected("a", None, Some(sight(&statuses, true)));
+        builder.selected("b", None, Some(sight(&statuses, true)));
+        builder.unselected("c", sight(&statuses, true));
+        let image = ImageStatus {
+            image: "r/x:1".into(),
+            ..ImageStatus::default()
+        };
+        let view = builder.finish(vec![image.clone()]);
+        let plugins = view.status.device_plugins.expect("a plugin module counts");
+        assert_eq!((plugins.desired, plugins.available), (4, 2));
+        assert_eq!(view.status.images, [image]);
+    }
+}

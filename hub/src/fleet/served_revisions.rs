@@ -86,3 +86,162 @@ pub fn at_revisions(
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::fleet::placements::Placed;
+    use crate::fleet::revisions::{controller_revision, revision_of};
+
+    fn mcm(image: &str, progressive: bool) -> ManagedClusterModule {
+        let mut doc = serde_json::json!({
+            "apiVersion": "hub.kmm.sigs.x-k8s.io/v1beta1",
+            "kind": "ManagedClusterModule",
+            "metadata": {"name": "hello", "uid": "u1", "generation": 1, "resourceVersion": "1"},
+            "spec": {
+                "spokeNamespace": "drivers",
+                "selector": {},
+                "moduleSpec": {"selector": {}, "moduleLoader": {"container": {
+                    "modprobe": {"moduleName": "hello"},
+                    "kernelMappings": [{"literal": "6.1", "containerImage": image}],
+                }}},
+            },
+        });
+        if progressive {
+            doc["spec"]["rolloutStrategy"] = serde_json::json!({"type": "Progressive"});
+        }
+        serde_json::from_value(doc).unwrap()
+    }
+
+    /// `module` with a rollout record (clusters sorted, as records keep them): clusters
+    /// not listed run `base`.
+    fn with_record(
+        mut module: ManagedClusterModule,
+        base: Option<&str>,
+        clusters: &[(&str, &str)],
+    ) -> ManagedClusterModule {
+        let record = serde_json::json!({
+            "revision": revision_of(&module.spec.module_spec),
+            "baseRevision": base,
+            "state": "Progressing",
+            "summary": "",
+            "clusters": clusters.iter().map(|(cluster, revision)| serde_json::json!({
+                "cluster": cluster, "revision": revision, "state": "ToApply",
+                "since": "2026-01-01T00:00:00Z",
+            })).collect::<Vec<_>>(),
+        });
+        module.status =
+            Some(serde_json::from_value(serde_json::json!({"rollout": record})).unwrap());
+        module
+    }
+
+    fn image(module: &ManagedClusterModule) -> String {
+        let loader = module.spec.module_spec.module_loader.as_ref().unwrap();
+        loader.container.kernel_mappings[0]
+            .container_image
+            .clone()
+            .unwrap()
+    }
+
+    #[test]
+    fn each_cluster_runs_what_the_rollout_record_assigns_it() {
+        let v1 = mcm("r/x:1", true);
+        let old = revision_of(&v1.spec.module_spec);
+        let kept = Arc::new(controller_revision(&v1, &old, "kmm-hub"));
+        let current = revision_of(&mcm("r/x:2", true).spec.module_spec);
+        let module = Arc::new(with_record(
+            mcm("r/x:2", true),
+            Some(&old),
+            &[("gone", "0123456789"), ("released", &current)],
+        ));
+        let labels = BTreeMap::new();
+        let placed = Placed::new();
+        let facts = Some(ClusterFacts {
+            labels: &labels,
+            placed: &placed,
+        });
+        let mut revisions = Revisions::default();
+        let stored = |object: &str| (object == kept.name_any()).then(|| kept.clone());
+        let mut served = |cluster: &str, missing: &mut Vec<MissingRevision>| {
+            at_revisions(
+                std::slice::from_ref(&module),
+                cluster,
+                facts,
+                &mut revisions,
+                stored,
+                missing,
+            )
+            .iter()
+            .map(|m| image(m))
+            .collect::<Vec<_>>()
+        };
+        let mut missing = Vec::new();
+        assert_eq!(served("released", &mut missing), ["r/x:2"]);
+        assert_eq!(
+            served("waiting", &mut missing),
+            ["r/x:1"],
+            "the base revision"
+        );
+        assert!(missing.is_empty());
+        assert!(served("gone", &mut missing).is_empty());
+        assert_eq!(
+            missing,
+            [MissingRevision {
+                module: "hello".into(),
+                revision: "0123456789".into(),
+            }]
+        );
+        // Said once, not at every recompute.
+        assert!(served("gone", &mut missing).is_empty());
+        assert_eq!(missing.len(), 1);
+    }
+
+    #[test]
+    fn a_new_progressive_module_goes_nowhere_and_others_go_as_they_are() {
+        let labels = BTreeMap::new();
+        let placed = Placed::new();
+        let facts = Some(ClusterFacts {
+            labels: &labels,
+            placed: &placed,
+        });
+        let fresh = Arc::new(mcm("r/x:1", true));
+        let plain = Arc::new(mcm("r/x:1", false));
+        let mut missing = Vec::new();
+        let served = at_revisions(
+            &[fresh, plain.clone()],
+            "a",
+            facts,
+            &mut Revisions::default(),
+            |_| None,
+            &mut missing,
+        );
+        assert_eq!(served.len(), 1);
+        assert!(Arc::ptr_eq(&served[0], &plain));
+        assert!(missing.is_empty());
+        // A cluster that is not selected (no ManagedCluster) gets the current object:
+        // whatever it still runs is unloaded from it.
+        let fresh = Arc::new(mcm("r/x:1", true));
+        let unselected = at_revisions(
+            std::slice::from_ref(&fresh),
+            "a",
+            None,
+            &mut Revisions::default(),
+            |_| None,
+            &mut missing,
+        );
+        assert!(Arc::ptr_eq(&unselected[0], &fresh));
+    }
+
+    #[test]
+    fn the_assignment_key_follows_a_progressive_record_only() {
+        let v2 = revision_of(&mcm("r/x:2", true).spec.module_spec);
+        let before = with_record(mcm("r/x:2", true), Some("a1"), &[]);
+        let released = with_record(mcm("r/x:2", true), Some("a1"), &[("c1", &v2)]);
+        assert_ne!(assignment_key(&before), assignment_key(&released));
+        let plain = with_record(mcm("r/x:2", false), Some("a1"), &[]);
+        let plain_released = with_record(mcm("r/x:2", false), Some("a1"), &[("c1", &v2)]);
+        assert_eq!(assignment_key(&plain), assignment_key(&plain_released));
+    }
+}
