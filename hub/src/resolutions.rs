@@ -5,7 +5,7 @@
 use std::collections::{BTreeSet, HashMap};
 
 use kmm_api::ManagedClusterModule;
-use kmm_resolver::{ModuleIdentity, Resolution, ResolveError, Resolver};
+use kmm_resolver::{ModuleIdentity, Resolution, ResolveError, Resolver, validate};
 use kube::ResourceExt;
 
 /// What resolving one module gave, for the kernels asked so far.
@@ -13,6 +13,8 @@ use kube::ResourceExt;
 pub struct ModuleResolutions {
     uid: Option<String>,
     generation: Option<i64>,
+    /// Whether the spec was validated (it is, at the latest, when a kernel is resolved).
+    validated: bool,
     /// The spec's validation errors: no kernel resolves.
     invalid: Option<String>,
     kernels: HashMap<String, Result<Resolution, ResolveError>>,
@@ -64,7 +66,41 @@ impl Resolutions {
         kernels: &BTreeSet<String>,
     ) -> &ModuleResolutions {
         let name = module.name_any();
-        let generations = self.modules.entry(name.clone()).or_default();
+        let entry = self.generation(module);
+        let missing = entry.missing(kernels);
+        if !missing.is_empty() {
+            match Resolver::new(&module.spec.module_spec, identity(&name, module)) {
+                Err(errors) => entry.invalid = Some(errors.to_string()),
+                Ok(resolver) => {
+                    for kernel in missing {
+                        entry
+                            .kernels
+                            .insert(kernel.clone(), resolver.resolve(kernel));
+                    }
+                }
+            }
+            entry.validated = true;
+        }
+        entry
+    }
+
+    /// Why the module's spec is invalid, when it is: validated once per generation, and
+    /// shared with the resolutions (which an invalid spec has none of).
+    pub fn invalid(&mut self, module: &ManagedClusterModule) -> Option<&str> {
+        let name = module.name_any();
+        let entry = self.generation(module);
+        if !entry.validated {
+            entry.invalid = validate(&module.spec.module_spec, identity(&name, module))
+                .err()
+                .map(|errors| errors.to_string());
+            entry.validated = true;
+        }
+        entry.invalid.as_deref()
+    }
+
+    /// The cache of the module's generation, made the most recently used.
+    fn generation(&mut self, module: &ManagedClusterModule) -> &mut ModuleResolutions {
+        let generations = self.modules.entry(module.name_any()).or_default();
         let used = match generations.iter().position(|r| r.is_for(module)) {
             Some(i) => generations.remove(i),
             None => ModuleResolutions {
@@ -77,26 +113,7 @@ impl Resolutions {
             generations.remove(0);
         }
         generations.push(used);
-        let entry = generations.last_mut().expect("just pushed");
-        let missing = entry.missing(kernels);
-        if !missing.is_empty() {
-            let identity = ModuleIdentity {
-                name: &name,
-                namespace: &module.spec.spoke_namespace,
-                spec_path: "spec.moduleSpec",
-            };
-            match Resolver::new(&module.spec.module_spec, identity) {
-                Err(errors) => entry.invalid = Some(errors.to_string()),
-                Ok(resolver) => {
-                    for kernel in missing {
-                        entry
-                            .kernels
-                            .insert(kernel.clone(), resolver.resolve(kernel));
-                    }
-                }
-            }
-        }
-        entry
+        generations.last_mut().expect("just pushed")
     }
 
     /// Forgets every module `keep` refuses (deleted modules).
@@ -111,6 +128,14 @@ impl Resolutions {
             .get(&module.name_any())?
             .iter()
             .find(|r| r.is_for(module))
+    }
+}
+
+fn identity<'a>(name: &'a str, module: &'a ManagedClusterModule) -> ModuleIdentity<'a> {
+    ModuleIdentity {
+        name,
+        namespace: &module.spec.spoke_namespace,
+        spec_path: "spec.moduleSpec",
     }
 }
 
@@ -203,5 +228,26 @@ mod tests {
         let resolutions = r.resolve(&invalid, &kernels(&["6.1.0-13-amd64"]));
         assert!(resolutions.invalid().unwrap().contains("regexp"));
         assert!(resolutions.kernel("6.1.0-13-amd64").is_none());
+    }
+
+    #[test]
+    fn a_generation_is_validated_once_and_its_errors_are_those_a_kernel_would_get() {
+        let broken = mcm(1, "{regexp: '(', containerImage: 'r/x:1'}");
+        let mut r = Resolutions::default();
+        let why = r
+            .invalid(&broken)
+            .expect("an unparsable regexp is invalid")
+            .to_owned();
+        assert!(why.contains("regexp"), "{why}");
+        assert!(r.cached(&broken).unwrap().validated);
+        // Resolving later shares the verdict rather than validating again.
+        let resolved = r.resolve(&broken, &kernels(&["6.1"]));
+        assert_eq!(resolved.invalid(), Some(why.as_str()));
+        let fine = mcm(2, "{literal: '6.1', containerImage: 'r/x:1'}");
+        assert_eq!(r.invalid(&fine), None);
+        assert!(
+            r.cached(&fine).unwrap().kernels.is_empty(),
+            "validating resolves nothing"
+        );
     }
 }

@@ -12,12 +12,12 @@ use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use k8s_openapi::jiff::Timestamp;
 use kmm_api::{ManagedClusterModule, TlsOptions};
 use kmm_registry::{PullSecret, RegistryError, RegistryTls, error_chain};
-use kube::runtime::events::{Event, EventType, Recorder};
+use kube::Api;
+use kube::runtime::events::EventType;
 use kube::runtime::reflector::{ObjectRef, Store};
-use kube::{Api, Resource};
 use tokio::task::JoinSet;
 
-use super::controller::truncate;
+use super::events::EventPublisher;
 use super::fleet_view::FleetView;
 use super::signing::{sign_image, signing_key};
 use crate::build::{BuildJobs, BuildProgress, BuildRequest};
@@ -48,7 +48,7 @@ pub struct ImageWorker {
     pub config_maps: Api<ConfigMap>,
     pub namespace: String,
     pub builds: BuildJobs,
-    pub recorder: Recorder,
+    pub events: EventPublisher,
 }
 
 impl std::fmt::Debug for ImageWorker {
@@ -380,20 +380,14 @@ impl ImageWorker {
                 "image"
             );
         }
-        let event = Event {
-            type_: if warning {
-                EventType::Warning
-            } else {
-                EventType::Normal
-            },
-            reason: after.reason.clone(),
-            note: Some(truncate(note, 1024)),
-            action: "Image".into(),
-            secondary: None,
+        let type_ = if warning {
+            EventType::Warning
+        } else {
+            EventType::Normal
         };
-        if let Err(error) = self.recorder.publish(&event, &module.object_ref(&())).await {
-            tracing::warn!(module = key.module, %error, "cannot record an Event");
-        }
+        self.events
+            .publish(&module, type_, &after.reason, "Image", note)
+            .await;
     }
 }
 

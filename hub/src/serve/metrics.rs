@@ -17,6 +17,14 @@ pub struct AdmissionLabels {
     pub decision: &'static str,
 }
 
+/// What the module controller's runs ended in.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ControllerLabels {
+    /// `reconciled`, `reconcile_failed`, `object_not_found`, `watch_failed` or
+    /// `controller_failed`.
+    pub result: &'static str,
+}
+
 /// A module's clusters in one rollout state.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RolloutLabels {
@@ -38,6 +46,8 @@ pub struct Metrics {
     pub streams_refused: Counter,
     pub streams_replaced: Counter,
     pub reconcile_errors: Counter,
+    /// Every run of the module controller, by result: a broken watch shows here.
+    pub controller_results: Family<ControllerLabels, Counter>,
     /// ManagedClusterModule status writes (server-side apply of `status`).
     pub status_writes: Counter,
     pub rollout_clusters: Family<RolloutLabels, Gauge>,
@@ -55,6 +65,7 @@ impl Default for Metrics {
             streams_refused: Counter::default(),
             streams_replaced: Counter::default(),
             reconcile_errors: Counter::default(),
+            controller_results: Family::default(),
             status_writes: Counter::default(),
             rollout_clusters: Family::default(),
         }
@@ -68,6 +79,12 @@ impl Metrics {
             .get_or_create(&AdmissionLabels { decision })
             .inc();
         self.admission_seconds.observe(took.as_secs_f64());
+    }
+
+    pub fn observe_controller(&self, result: &'static str) {
+        self.controller_results
+            .get_or_create(&ControllerLabels { result })
+            .inc();
     }
 
     /// A module's clusters by rollout state, as its status says.
@@ -137,6 +154,11 @@ impl Metrics {
             "kmm_hub_reconcile_errors",
             "ManagedClusterModule reconciliations that failed",
             self.reconcile_errors.clone(),
+        );
+        registry.register(
+            "kmm_hub_controller_results",
+            "Runs of the ManagedClusterModule controller, by result (reconciled, reconcile_failed, object_not_found, watch_failed, controller_failed)",
+            self.controller_results.clone(),
         );
         registry.register(
             "kmm_hub_status_writes",

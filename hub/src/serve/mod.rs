@@ -5,13 +5,13 @@
 pub mod addon;
 pub mod ca;
 pub mod controller;
+pub mod events;
 pub mod fleet_view;
 pub mod images;
 pub mod leadership;
 pub mod metrics;
 pub mod outbound;
 pub mod preflight;
-pub mod rollout;
 pub mod signing;
 pub mod sync_service;
 pub mod webhook;
@@ -42,7 +42,9 @@ use tokio_util::task::AbortOnDropHandle;
 use tonic::transport::Server;
 
 use self::ca::{CaError, RenewingCertificate};
-use self::controller::Context;
+use self::controller::status_writer::StatusPacer;
+use self::controller::{Context, ReconcileError};
+use self::events::EventPublisher;
 use self::fleet_view::{FleetView, Stores};
 use self::leadership::{Election, LeaderElection, LeadershipError};
 use self::metrics::Metrics;
@@ -288,13 +290,13 @@ pub async fn run(
         state.connections(),
     )));
 
-    let recorder = Recorder::new(
+    let events = EventPublisher::new(Recorder::new(
         client.clone(),
         Reporter {
             controller: "kmm-hub".into(),
             instance: Some(settings.instance.clone()),
         },
-    );
+    ));
     let image_worker = AbortOnDropHandle::new(tokio::spawn(images::run(images::ImageWorker {
         state: state.clone(),
         modules: stores.modules.clone(),
@@ -302,7 +304,7 @@ pub async fn run(
         config_maps: Api::namespaced(client.clone(), &settings.namespace),
         namespace: settings.namespace.clone(),
         builds: BuildJobs::new(client.clone(), &settings.namespace, &settings.builder_image),
-        recorder: recorder.clone(),
+        events: events.clone(),
     })));
 
     let context = Arc::new(Context {
@@ -310,16 +312,20 @@ pub async fn run(
         revisions: Api::namespaced(client.clone(), &settings.namespace),
         namespace: settings.namespace.clone(),
         state: state.clone(),
-        recorder,
+        events,
         unload_timeout: settings.unload_timeout,
         metrics: metrics.clone(),
-        status_written: std::sync::Mutex::default(),
+        status_pacer: StatusPacer::default(),
     });
+    let results = metrics.clone();
     let reconciler = controller
         .reconcile_on(touched_modules(state.clone()))
         .graceful_shutdown_on(stop.clone().cancelled_owned())
         .run(controller::reconcile, controller::error_policy, context)
-        .for_each(|_| futures::future::ready(()));
+        .for_each(move |result| {
+            observe_controller(&results, result);
+            futures::future::ready(())
+        });
 
     let grpc_server = Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
@@ -417,6 +423,39 @@ async fn watch_into<K>(
             Err(error) => tracing::warn!(what, %error, "watch failed; retrying"),
         }
     }
+}
+
+/// Counts every run of the module controller by its result. A failed reconciliation
+/// was logged by the error policy; anything else failing (a watch, the queue) is logged
+/// here: a broken watch must not be silent.
+fn observe_controller(
+    metrics: &Metrics,
+    result: Result<
+        (
+            ObjectRef<ManagedClusterModule>,
+            kube::runtime::controller::Action,
+        ),
+        kube::runtime::controller::Error<ReconcileError, watcher::Error>,
+    >,
+) {
+    use kube::runtime::controller::Error;
+    let label = match result {
+        Ok(_) => "reconciled",
+        Err(Error::ReconcilerFailed(..)) => "reconcile_failed",
+        Err(Error::ObjectNotFound(object)) => {
+            tracing::debug!(module = object.name, "queued module is gone");
+            "object_not_found"
+        }
+        Err(error @ Error::QueueError(_)) => {
+            tracing::warn!(%error, "the ManagedClusterModule watch failed; retrying");
+            "watch_failed"
+        }
+        Err(error) => {
+            tracing::warn!(%error, "the ManagedClusterModule controller failed");
+            "controller_failed"
+        }
+    };
+    metrics.observe_controller(label);
 }
 
 /// The modules an event touched, paced: a module is reconciled at once after a quiet

@@ -51,6 +51,11 @@ impl FleetView {
         view.finish(self.images.statuses(&name, persisted))
     }
 
+    /// Why the module's spec is invalid, when it is (validated once per generation).
+    pub fn invalid(&self, module: &ManagedClusterModule) -> Option<String> {
+        self.caches.resolutions().invalid(module).map(str::to_owned)
+    }
+
     /// Every image the fleet needs now: each module (not being unloaded) resolved for the
     /// kernels of the connected clusters that select it, and what preflights ask.
     pub fn image_needs(&self) -> BTreeMap<ImageKey, ImageNeed> {

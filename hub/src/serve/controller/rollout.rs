@@ -15,8 +15,8 @@ use kube::{Api, ResourceExt};
 use crate::fleet::revisions::{REVISION_LABEL, controller_revision};
 use crate::fleet::rollout::{Observation, advance, revisions_in_use};
 
-use super::controller::ReconcileError;
-use super::fleet_view::FleetView;
+use super::error::ReconcileError;
+use crate::serve::fleet_view::FleetView;
 
 /// The record to write, and when to look again.
 #[derive(Debug)]

@@ -1,0 +1,88 @@
+//! Events on ManagedClusterModules, from the controller and the image worker alike.
+//! Best effort: a failure to record one is logged and never fails the work that
+//! announced it (but for the Events that must be on record, see `publish_required`).
+
+use kmm_api::ManagedClusterModule;
+use kube::Resource;
+use kube::runtime::events::{Event, EventType, Recorder};
+
+/// Event notes are bounded by the API; longer ones are cut.
+const MAX_NOTE: usize = 1024;
+
+/// Records Events as the hub (`kmm-hub`, this replica).
+#[derive(Clone)]
+pub struct EventPublisher {
+    recorder: Recorder,
+}
+
+impl std::fmt::Debug for EventPublisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventPublisher").finish_non_exhaustive()
+    }
+}
+
+impl EventPublisher {
+    pub fn new(recorder: Recorder) -> Self {
+        Self { recorder }
+    }
+
+    /// Records an Event on `module`; a failure is logged.
+    pub async fn publish(
+        &self,
+        module: &ManagedClusterModule,
+        type_: EventType,
+        reason: &str,
+        action: &str,
+        note: String,
+    ) {
+        if let Err(error) = self
+            .publish_required(module, type_, reason, action, note)
+            .await
+        {
+            tracing::warn!(reason, %error, "cannot record an Event");
+        }
+    }
+
+    /// Records an Event that must be on record before the work goes on.
+    pub async fn publish_required(
+        &self,
+        module: &ManagedClusterModule,
+        type_: EventType,
+        reason: &str,
+        action: &str,
+        note: String,
+    ) -> Result<(), kube::Error> {
+        let event = Event {
+            type_,
+            reason: reason.to_owned(),
+            note: Some(truncate(note, MAX_NOTE)),
+            action: action.to_owned(),
+            secondary: None,
+        };
+        self.recorder.publish(&event, &module.object_ref(&())).await
+    }
+}
+
+/// `text` cut to at most `max` bytes, on a character boundary.
+fn truncate(mut text: String, max: usize) -> String {
+    if text.len() > max {
+        let mut end = max;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_long_note_is_cut_on_a_character_boundary() {
+        assert_eq!(truncate("short".into(), 10), "short");
+        assert_eq!(truncate("ééé".into(), 3), "é", "never half a character");
+        assert_eq!(truncate("x".repeat(2000), MAX_NOTE).len(), MAX_NOTE);
+    }
+}
