@@ -9,6 +9,8 @@ mod error;
 pub mod finalizer;
 mod rollout;
 pub mod status_writer;
+#[cfg(test)]
+mod tests;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

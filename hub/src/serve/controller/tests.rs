@@ -1,0 +1,378 @@
+//! The controller's pipeline against a mocked API server: every request it makes is
+//! checked in order and answered, with no apiserver running.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::FutureExt;
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use k8s_openapi::api::apps::v1::ControllerRevision;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::client::Body;
+use kube::core::DynamicObject;
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::reflector::store::Writer;
+use kube::runtime::watcher;
+use kube::{Api, Client};
+use serde_json::{Value, json};
+use tower_test::mock::{Handle, SendResponse};
+
+use super::*;
+use crate::fleet::cluster_view::managed_cluster_resource;
+use crate::fleet::placements::placement_decision_resource;
+use crate::serve::fleet_view::Stores;
+
+type ApiServer = Handle<Request<Body>, Response<Body>>;
+
+const MODULES: &str = "/apis/hub.kmm.sigs.x-k8s.io/v1beta1/managedclustermodules";
+
+/// A module as the watch would give it.
+fn module(finalizers: &[&str], deleting: bool) -> Arc<ManagedClusterModule> {
+    let mut module: ManagedClusterModule = serde_json::from_value(json!({
+        "apiVersion": "hub.kmm.sigs.x-k8s.io/v1beta1",
+        "kind": "ManagedClusterModule",
+        "metadata": {
+            "name": "hello", "uid": "u1", "generation": 1, "resourceVersion": "7",
+            "finalizers": finalizers,
+        },
+        "spec": {
+            "spokeNamespace": "drivers",
+            "selector": {"env": "prod"},
+            "moduleSpec": {"selector": {}, "moduleLoader": {"container": {
+                "modprobe": {"moduleName": "hello"},
+                "kernelMappings": [{"literal": "6.1", "containerImage": "r/hello:1"}],
+            }}},
+        },
+    }))
+    .unwrap();
+    if deleting {
+        module.metadata.deletion_timestamp = Some(Time(Timestamp::now()));
+    }
+    Arc::new(module)
+}
+
+/// A fleet of `clusters` (each selected by the module), its view synced, and the
+/// context reconciling against the mocked API server.
+struct Harness {
+    ctx: Arc<Context>,
+    server: ApiServer,
+    /// Keeps the stores' writers alive.
+    _clusters: Writer<DynamicObject>,
+}
+
+fn harness(clusters: &[&str], unload_timeout: Duration) -> Harness {
+    let (service, server) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let client = Client::new(service, "default");
+    let mut cluster_writer = Writer::<DynamicObject>::new(managed_cluster_resource());
+    for name in clusters {
+        let cluster: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "cluster.open-cluster-management.io/v1",
+            "kind": "ManagedCluster",
+            "metadata": {"name": name, "labels": {"env": "prod"}},
+            "spec": {"hubAcceptsClient": true},
+        }))
+        .unwrap();
+        cluster_writer.apply_watcher_event(&watcher::Event::Apply(cluster));
+    }
+    let stores = Stores {
+        modules: Writer::default().as_reader(),
+        clusters: cluster_writer.as_reader(),
+        secrets: Writer::default().as_reader(),
+        revisions: Writer::default().as_reader(),
+        preflights: Writer::default().as_reader(),
+        decisions: Writer::<DynamicObject>::new(placement_decision_resource()).as_reader(),
+    };
+    let state = Arc::new(FleetView::new(stores, Metrics::default()));
+    state.set_synced();
+    let events = EventPublisher::new(Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: "kmm-hub".into(),
+            instance: Some("test".into()),
+        },
+    ));
+    let ctx = Arc::new(Context {
+        api: Api::all(client.clone()),
+        revisions: Api::namespaced(client, "kmm-hub"),
+        namespace: "kmm-hub".into(),
+        state,
+        events,
+        unload_timeout,
+        metrics: Metrics::default(),
+        status_pacer: StatusPacer::default(),
+    });
+    Harness {
+        ctx,
+        server,
+        _clusters: cluster_writer,
+    }
+}
+
+/// The next request: its method, path and JSON body, and where to answer it.
+async fn next(server: &mut ApiServer) -> (Method, String, Value, SendResponse<Response<Body>>) {
+    let (request, respond) = tokio::time::timeout(Duration::from_secs(10), server.next_request())
+        .await
+        .expect("a request within 10 s")
+        .expect("the client is alive");
+    let method = request.method().clone();
+    let path = request.uri().path().to_owned();
+    let bytes = request.into_body().collect().await.unwrap().to_bytes();
+    let body = if bytes.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(&bytes).unwrap()
+    };
+    (method, path, body, respond)
+}
+
+fn answer(respond: SendResponse<Response<Body>>, status: StatusCode, body: &Value) {
+    respond.send_response(
+        Response::builder()
+            .status(status)
+            .body(Body::from(serde_json::to_vec(body).unwrap()))
+            .unwrap(),
+    );
+}
+
+/// A Kubernetes `Status` refusal.
+fn refusal(code: u16, reason: &str, message: &str) -> Value {
+    json!({
+        "kind": "Status", "apiVersion": "v1", "status": "Failure",
+        "code": code, "reason": reason, "message": message,
+    })
+}
+
+/// Answers the Event the reconciliation records; gives its (type, reason, note).
+async fn expect_event(server: &mut ApiServer) -> (String, String, String) {
+    let (method, path, body, respond) = next(server).await;
+    assert_eq!(method, Method::POST);
+    assert!(path.ends_with("/events"), "{path}");
+    answer(respond, StatusCode::CREATED, &body);
+    let text = |field: &str| body[field].as_str().unwrap_or_default().to_owned();
+    (text("type"), text("reason"), text("note"))
+}
+
+/// Nothing more was asked of the API server.
+fn assert_quiet(server: &mut ApiServer) {
+    if let Some(Some((request, _))) = server.next_request().now_or_never() {
+        panic!("unexpected request: {} {}", request.method(), request.uri());
+    }
+}
+
+#[tokio::test]
+async fn a_new_module_gets_the_finalizer_first_at_the_version_it_was_read() {
+    let Harness {
+        ctx, mut server, ..
+    } = harness(&[], Duration::from_secs(60));
+    let reconciling = tokio::spawn(reconcile(module(&["other"], false), ctx));
+    let (method, path, body, respond) = next(&mut server).await;
+    assert_eq!(
+        (method, path.as_str()),
+        (Method::PATCH, &*format!("{MODULES}/hello"))
+    );
+    assert_eq!(
+        body,
+        json!({"metadata": {"resourceVersion": "7", "finalizers": ["other", FINALIZER]}})
+    );
+    answer(
+        respond,
+        StatusCode::OK,
+        &serde_json::to_value(&*module(&[], false)).unwrap(),
+    );
+    let action = reconciling.await.unwrap().expect("the finalizer is added");
+    assert_eq!(action, Action::await_change());
+    assert_quiet(&mut server);
+}
+
+#[tokio::test]
+async fn a_stale_view_is_retried_without_an_event() {
+    let Harness {
+        ctx, mut server, ..
+    } = harness(&[], Duration::from_secs(60));
+    let reconciling = tokio::spawn(reconcile(module(&[], false), ctx.clone()));
+    let (_, _, _, respond) = next(&mut server).await;
+    answer(
+        respond,
+        StatusCode::CONFLICT,
+        &refusal(409, "Conflict", "the object has been modified"),
+    );
+    let error = reconciling
+        .await
+        .unwrap()
+        .expect_err("a conflict fails the reconciliation");
+    assert!(matches!(error, ReconcileError::Stale { .. }), "{error}");
+    assert_eq!(
+        error_policy(module(&[], false), &error, ctx),
+        Action::requeue(STALE_RETRY)
+    );
+    assert_quiet(&mut server);
+}
+
+#[tokio::test]
+async fn a_refused_finalizer_patch_is_reported_as_a_warning_and_retried() {
+    let Harness {
+        ctx, mut server, ..
+    } = harness(&[], Duration::from_secs(60));
+    let reconciling = tokio::spawn(reconcile(module(&[], false), ctx.clone()));
+    let (_, _, _, respond) = next(&mut server).await;
+    let denial = "ValidatingAdmissionPolicy 'keep' denied request: the test keeps it";
+    answer(
+        respond,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        &refusal(422, "Invalid", denial),
+    );
+    let (type_, reason, note) = expect_event(&mut server).await;
+    assert_eq!(
+        (type_.as_str(), reason.as_str()),
+        ("Warning", "FinalizerPatchFailed")
+    );
+    assert!(
+        note.contains("adding the finalizer") && note.contains(denial),
+        "{note}"
+    );
+    let error = reconciling
+        .await
+        .unwrap()
+        .expect_err("a refusal is never taken for done");
+    assert!(matches!(error, ReconcileError::Api { .. }), "{error}");
+    assert_eq!(
+        error_policy(module(&[], false), &error, ctx),
+        Action::requeue(ERROR_RETRY)
+    );
+}
+
+#[tokio::test]
+async fn status_is_written_by_server_side_apply_and_its_transition_announced() {
+    let Harness {
+        ctx, mut server, ..
+    } = harness(&["spoke1"], Duration::from_secs(60));
+    let reconciling = tokio::spawn(reconcile(module(&[FINALIZER], false), ctx.clone()));
+    // The rollout keeps the spec's revision first.
+    let (method, path, body, respond) = next(&mut server).await;
+    assert_eq!(method, Method::POST);
+    assert_eq!(path, "/apis/apps/v1/namespaces/kmm-hub/controllerrevisions");
+    assert_eq!(
+        body["metadata"]["labels"]["hub.kmm.sigs.x-k8s.io/module"],
+        "hello"
+    );
+    let revision: ControllerRevision = serde_json::from_value(body.clone()).unwrap();
+    answer(
+        respond,
+        StatusCode::CREATED,
+        &serde_json::to_value(&revision).unwrap(),
+    );
+
+    let (method, path, body, respond) = next(&mut server).await;
+    assert_eq!(
+        (method, path.as_str()),
+        (Method::PATCH, &*format!("{MODULES}/hello/status"))
+    );
+    let status = &body["status"];
+    assert_eq!(status["clusters"]["selected"], 1, "{status}");
+    assert_eq!(status["clusters"]["connected"], 0, "{status}");
+    let ready = &status["conditions"][0];
+    assert_eq!(
+        (ready["type"].as_str(), ready["status"].as_str()),
+        (Some("Ready"), Some("False"))
+    );
+    answer(
+        respond,
+        StatusCode::OK,
+        &serde_json::to_value(&*module(&[FINALIZER], false)).unwrap(),
+    );
+
+    // The selected cluster has no proxy connected: a warning, named as status names it.
+    let (type_, reason, _) = expect_event(&mut server).await;
+    assert_eq!(type_, "Warning");
+    assert_eq!(reason, ready["reason"].as_str().unwrap());
+    let action = reconciling.await.unwrap().expect("reconciled");
+    assert_eq!(action, Action::requeue(RESYNC));
+    assert_quiet(&mut server);
+    assert_eq!(ctx.metrics.status_writes.get(), 1);
+}
+
+#[tokio::test]
+async fn a_deletion_waits_for_every_leftover_then_times_out_on_record() {
+    // spoke1 is selected and never reported: its unload is unconfirmed.
+    let Harness {
+        ctx, mut server, ..
+    } = harness(&["spoke1"], Duration::from_secs(600));
+    let reconciling = tokio::spawn(reconcile(module(&[FINALIZER], true), ctx));
+    let (method, path, body, respond) = next(&mut server).await;
+    assert_eq!(
+        (method, path.as_str()),
+        (Method::PATCH, &*format!("{MODULES}/hello/status"))
+    );
+    let message = body["status"]["conditions"][0]["message"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        message.contains("waiting for the unload on: spoke1"),
+        "{message}"
+    );
+    answer(
+        respond,
+        StatusCode::OK,
+        &serde_json::to_value(&*module(&[FINALIZER], true)).unwrap(),
+    );
+    let _ = expect_event(&mut server).await;
+    let action = reconciling.await.unwrap().expect("waiting");
+    assert_eq!(action, Action::requeue(UNLOAD_RECHECK));
+
+    // With no time left, the leftovers go on record before the finalizer goes.
+    let Harness {
+        ctx, mut server, ..
+    } = harness(&["spoke1"], Duration::ZERO);
+    let reconciling = tokio::spawn(reconcile(module(&[FINALIZER, "other"], true), ctx));
+    let (type_, reason, note) = expect_event(&mut server).await;
+    assert_eq!(
+        (type_.as_str(), reason.as_str()),
+        ("Warning", "UnloadTimedOut")
+    );
+    assert!(note.contains("spoke1"), "{note}");
+    let (method, path, body, respond) = next(&mut server).await;
+    assert_eq!(
+        (method, path.as_str()),
+        (Method::PATCH, &*format!("{MODULES}/hello"))
+    );
+    assert_eq!(
+        body,
+        json!({"metadata": {"resourceVersion": "7", "finalizers": ["other"]}})
+    );
+    answer(
+        respond,
+        StatusCode::OK,
+        &serde_json::to_value(&*module(&["other"], true)).unwrap(),
+    );
+    assert_eq!(reconciling.await.unwrap().unwrap(), Action::await_change());
+    assert_quiet(&mut server);
+}
+
+#[tokio::test]
+async fn a_deletion_with_nothing_loaded_is_announced_and_released_at_once() {
+    let Harness {
+        ctx, mut server, ..
+    } = harness(&[], Duration::from_secs(600));
+    let reconciling = tokio::spawn(reconcile(module(&[FINALIZER], true), ctx.clone()));
+    let (type_, reason, _) = expect_event(&mut server).await;
+    assert_eq!((type_.as_str(), reason.as_str()), ("Normal", "Unloaded"));
+    let (method, _, body, respond) = next(&mut server).await;
+    assert_eq!(method, Method::PATCH);
+    assert_eq!(body["metadata"]["finalizers"], json!([]));
+    answer(
+        respond,
+        StatusCode::NOT_FOUND,
+        &refusal(404, "NotFound", "gone"),
+    );
+    assert_eq!(
+        reconciling
+            .await
+            .unwrap()
+            .expect("gone already counts as done"),
+        Action::await_change()
+    );
+    assert_quiet(&mut server);
+}
