@@ -211,6 +211,7 @@ pub struct ProxyConnection {
 
 impl ProxyConnection {
     /// Connects, and reconnects with backoff, until the future is dropped.
+    #[tracing::instrument(name = "proxy_link", skip_all, fields(node = %self.hello.node_name))]
     pub async fn run(mut self) {
         let mut backoff = Backoff::new(self.config.backoff_initial, self.config.backoff_max);
         loop {

@@ -6,6 +6,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
+use tracing::Instrument;
 
 use tokio::sync::watch;
 
@@ -163,6 +164,7 @@ impl Reconciler {
     }
 
     /// One pass: plan against the kernel's loaded modules, act, report.
+    #[tracing::instrument(name = "reconcile", skip_all, fields(revision = snapshot.revision))]
     pub async fn reconcile(&mut self, snapshot: &DesiredSnapshot) -> Vec<AgentEvent> {
         let events = self.reconcile_pass(snapshot).await;
         self.progress.send_modify(|p| {
@@ -213,12 +215,19 @@ impl Reconciler {
                     revision: snapshot.revision,
                 },
                 Action::Load { desired, reason } => {
-                    tracing::info!(key = %desired.key, ?reason, image = %desired.image, "loading");
-                    self.load(&desired, snapshot.revision, &mut keep).await
+                    let span = tracing::info_span!("module", key = %desired.key);
+                    span.in_scope(|| tracing::info!(?reason, image = %desired.image, "loading"));
+                    self.load(&desired, snapshot.revision, &mut keep)
+                        .instrument(span)
+                        .await
                 }
                 Action::Unload { record, reason } => {
-                    tracing::info!(key = %record.key, ?reason, "unloading");
-                    let event = self.unload(*record, snapshot.revision).await;
+                    let span = tracing::info_span!("module", key = %record.key);
+                    span.in_scope(|| tracing::info!(?reason, "unloading"));
+                    let event = self
+                        .unload(*record, snapshot.revision)
+                        .instrument(span)
+                        .await;
                     if !event.is_success() {
                         blocked.insert(event.key.clone());
                     }

@@ -14,6 +14,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument;
 
 use crate::agent_auth::{AuthError, Authenticated, TokenAuthenticator};
 use crate::metrics::Metrics;
@@ -187,13 +188,17 @@ impl Agent for AgentService {
         // The stream lives no longer than the token that opened it; the agent reconnects
         // with the one the kubelet rotated in.
         let deadline = expires.map(|at| review_cache::instant_of(at, std::time::Instant::now()));
-        tokio::spawn(async move {
-            service.metrics.agents_connected.inc();
-            let end = service.serve(&node, inbound, &tx, replaced, deadline).await;
-            service.metrics.agents_connected.dec();
-            service.unregister(&node, id);
-            tracing::info!(node, end, "agent stream ended");
-        });
+        let span = tracing::info_span!("agent", node = %node);
+        tokio::spawn(
+            async move {
+                service.metrics.agents_connected.inc();
+                let end = service.serve(&node, inbound, &tx, replaced, deadline).await;
+                service.metrics.agents_connected.dec();
+                service.unregister(&node, id);
+                tracing::info!(end, "agent stream ended");
+            }
+            .instrument(span),
+        );
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 }
@@ -267,7 +272,6 @@ impl AgentService {
                         }
                         self.metrics.agent_events.inc();
                         tracing::info!(
-                            node,
                             module = %crate::module_id::ModuleId::from_key(event.key.as_ref()),
                             action = event.action().as_str_name(),
                             outcome = event.outcome().as_str_name(),
@@ -278,7 +282,7 @@ impl AgentService {
                         );
                         self.state.update(|s| s.agent_event(node, &event));
                     }
-                    Ok(Some(_)) => tracing::debug!(node, "unexpected message from the agent ignored"),
+                    Ok(Some(_)) => tracing::debug!("unexpected message from the agent ignored"),
                     Ok(None) => return "agent closed the stream",
                     Err(_) => return "agent stream broken",
                 },

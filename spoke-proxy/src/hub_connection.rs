@@ -184,6 +184,7 @@ fn endpoint(link: &HubLink, credentials: &HubCredentials) -> Result<Endpoint, Se
         .keep_alive_while_idle(true))
 }
 
+#[tracing::instrument(name = "hub_link", skip_all, fields(address = %link.address))]
 async fn session(
     link: &HubLink,
     state: &SharedState,
@@ -257,7 +258,7 @@ async fn session(
     health.set_note(None);
     health.set_ready(true);
     backoff.reset();
-    tracing::info!(address = %link.address, "hub stream open");
+    tracing::info!("hub stream open");
 
     let mut poll = tokio::time::interval(link.poll);
     poll.tick().await;

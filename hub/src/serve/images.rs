@@ -60,6 +60,7 @@ impl std::fmt::Debug for ImageWorker {
 }
 
 /// Runs until dropped.
+#[tracing::instrument(name = "image_worker", skip_all)]
 pub async fn run(worker: ImageWorker) {
     let worker = Arc::new(worker);
     let mut needs_changed = worker.state.needs_changed();
@@ -134,6 +135,7 @@ impl ImageWorker {
     }
 
     /// Performs the due steps of one image until none is due now.
+    #[tracing::instrument(name = "image", skip_all, fields(module = %key.module, image = %key.image))]
     async fn advance(&self, key: &ImageKey, need: &ImageNeed, mut record: Option<ImageRecord>) {
         for _ in 0..MAX_STEPS {
             let now = Timestamp::now();
@@ -222,6 +224,7 @@ impl ImageWorker {
     }
 
     /// Starts or follows the image's build; `retry` replaces a failed one.
+    #[tracing::instrument(name = "build", skip_all, fields(kernel = need.build_kernel()))]
     async fn build(&self, key: &ImageKey, need: &ImageNeed, retry: bool) -> Observation {
         let Some(build) = &need.build else {
             return Observation::BuildNotStarted {
@@ -285,6 +288,7 @@ impl ImageWorker {
         }
     }
 
+    #[tracing::instrument(name = "sign", skip_all)]
     async fn sign(
         &self,
         key: &ImageKey,
@@ -364,21 +368,9 @@ impl ImageWorker {
             note.push_str(&after.message);
         }
         if warning {
-            tracing::warn!(
-                module = key.module,
-                image = key.image,
-                reason = after.reason,
-                message = after.message,
-                "image"
-            );
+            tracing::warn!(reason = after.reason, message = after.message, "image");
         } else {
-            tracing::info!(
-                module = key.module,
-                image = key.image,
-                reason = after.reason,
-                digest = after.digest,
-                "image"
-            );
+            tracing::info!(reason = after.reason, digest = after.digest, "image");
         }
         let type_ = if warning {
             EventType::Warning

@@ -122,6 +122,7 @@ fn peer_identity<T>(
 
 /// Reads one stream: hello first, then inventories and status reports, until the proxy
 /// ends it or a newer stream of the same cluster replaces it.
+#[tracing::instrument(name = "stream", skip_all, fields(cluster = %identity.cluster))]
 async fn serve_stream(
     state: Arc<dyn ClusterStreams>,
     metrics: Metrics,
@@ -134,7 +135,7 @@ async fn serve_stream(
     let cluster = identity.cluster.as_str();
     let refuse = |code, message: String| {
         metrics.streams_refused.inc();
-        tracing::warn!(cluster, %message, "refused a proxy stream");
+        tracing::warn!(%message, "refused a proxy stream");
         outbound.end(code, message);
     };
     // A hub that is stopping opens no more streams; returning ends both halves.
@@ -155,7 +156,7 @@ async fn serve_stream(
         }
         Ok(Ok(None)) => return,
         Ok(Err(status)) => {
-            tracing::debug!(cluster, %status, "stream ended before hello");
+            tracing::debug!(%status, "stream ended before hello");
             return;
         }
         Err(_) => {
@@ -206,7 +207,6 @@ async fn serve_stream(
     tokio::pin!(expiry);
     let id = state.open_session(cluster, hello.applied_intent_revision, outbound);
     tracing::info!(
-        cluster,
         agent = identity.agent,
         proxy_version = hello.proxy_version,
         applied_revision = hello.applied_intent_revision,
@@ -229,11 +229,10 @@ async fn serve_stream(
                 message: Some(message),
             })) => match message {
                 proxy_message::Message::Hello(_) => {
-                    tracing::warn!(cluster, "ignored a second ProxyHello on the same stream");
+                    tracing::warn!("ignored a second ProxyHello on the same stream");
                 }
                 proxy_message::Message::Inventory(inventory) => {
                     tracing::debug!(
-                        cluster,
                         revision = inventory.revision,
                         kernels = inventory.kernels.len(),
                         "inventory"
@@ -242,7 +241,6 @@ async fn serve_stream(
                 }
                 proxy_message::Message::Status(report) => {
                     tracing::debug!(
-                        cluster,
                         full = report.full,
                         statuses = report.statuses.len(),
                         removed = report.removed.len(),
@@ -251,14 +249,14 @@ async fn serve_stream(
                     state.status(cluster, id, report);
                 }
                 proxy_message::Message::DevicePlugins(report) => {
-                    tracing::debug!(cluster, plugins = report.plugins.len(), "device plugins");
+                    tracing::debug!(plugins = report.plugins.len(), "device plugins");
                     state.device_plugins(cluster, id, report);
                 }
             },
             Ok(Some(ProxyMessage { message: None })) => {}
             Ok(None) => break,
             Err(status) => {
-                tracing::info!(cluster, %status, "proxy stream failed");
+                tracing::info!(%status, "proxy stream failed");
                 // Tell the proxy why (an oversized message, say), not just end.
                 failure.end(
                     status.code(),
@@ -269,7 +267,7 @@ async fn serve_stream(
         }
     }
     state.close_session(cluster, id);
-    tracing::info!(cluster, "proxy stream ended");
+    tracing::info!("proxy stream ended");
 }
 
 /// The outbound half: the latest snapshot whenever it changes, then the end.

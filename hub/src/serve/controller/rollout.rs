@@ -43,7 +43,7 @@ pub async fn step(
     {
         let object = controller_revision(module, &current, namespace);
         match revisions.create(&PostParams::default(), &object).await {
-            Ok(_) => tracing::info!(module = name, revision = current, "kept a new revision"),
+            Ok(_) => tracing::info!(revision = current, "kept a new revision"),
             Err(kube::Error::Api(s)) if s.code == 409 => {}
             Err(source) => {
                 return Err(ReconcileError::Api {
@@ -88,11 +88,7 @@ pub async fn step(
             .delete(&unused.name_any(), &DeleteParams::default())
             .await
         {
-            Ok(_) => tracing::info!(
-                module = name,
-                revision = unused.name_any(),
-                "deleted an unused revision"
-            ),
+            Ok(_) => tracing::info!(revision = unused.name_any(), "deleted an unused revision"),
             Err(kube::Error::Api(s)) if s.code == 404 => {}
             Err(source) => {
                 return Err(ReconcileError::Api {
