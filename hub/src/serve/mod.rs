@@ -109,6 +109,9 @@ pub enum ServeError {
     LeadershipLost,
 }
 
+/// Module events the controller may fall behind the watch by before the watch waits.
+const MODULE_EVENTS_BUFFERED: usize = 256;
+
 /// Longest a touched module waits for its reconciliation while its clusters keep
 /// reporting: bounds both the status latency and the reconciliations of a busy fleet.
 const TOUCH_INTERVAL: Duration = Duration::from_millis(100);
@@ -210,7 +213,13 @@ pub async fn run(
         Some(selector) => watcher::Config::default().labels(selector),
         None => watcher::Config::default(),
     };
-    let controller = Controller::new(modules.clone(), module_watch);
+    // The modules' watch feeds the fleet view like every other kind, and shares its store
+    // and events with the controller.
+    let (module_store, module_writer) = reflector::store_shared(MODULE_EVENTS_BUFFERED);
+    let module_events = module_writer
+        .subscribe()
+        .expect("a shared store has subscribers");
+    let controller = Controller::for_shared_stream(module_events, module_store.clone());
     let cluster_resource = managed_cluster_resource();
     let clusters_writer = reflector::store::Writer::<DynamicObject>::new(cluster_resource.clone());
     let secrets_writer = reflector::store::Writer::<Secret>::default();
@@ -220,7 +229,7 @@ pub async fn run(
     let decisions_writer =
         reflector::store::Writer::<DynamicObject>::new(decision_resource.clone());
     let stores = Stores {
-        modules: controller.store(),
+        modules: module_store,
         clusters: clusters_writer.as_reader(),
         secrets: secrets_writer.as_reader(),
         revisions: revisions_writer.as_reader(),
@@ -229,53 +238,74 @@ pub async fn run(
     };
     let state = Arc::new(FleetView::new(stores.clone(), metrics.clone()));
 
+    let modules_watched = watch_into(
+        state.clone(),
+        watcher(modules.clone(), module_watch)
+            .default_backoff()
+            .reflect_shared(module_writer),
+        "ManagedClusterModules",
+        |state, module, seen| match seen {
+            Seen::Applied => state.note_module(module),
+            Seen::Deleted => state.forget_module(module),
+        },
+    );
     let clusters_api: Api<DynamicObject> = Api::all_with(client.clone(), &cluster_resource);
     let clusters = watch_into(
         state.clone(),
-        clusters_writer,
-        watcher(clusters_api, watcher::Config::default()).modify(trim_managed_cluster),
+        reflected(
+            clusters_writer,
+            watcher(clusters_api, watcher::Config::default()).modify(trim_managed_cluster),
+        ),
         "ManagedClusters",
-        |state, cluster| state.cluster_changed(&cluster.name_any()),
+        |state, cluster, _| state.cluster_changed(&cluster.name_any()),
     );
     let secrets_api: Api<Secret> = Api::namespaced(client.clone(), &settings.namespace);
     let secrets = watch_into(
         state.clone(),
-        secrets_writer,
-        watcher(secrets_api, watcher::Config::default()),
+        reflected(
+            secrets_writer,
+            watcher(secrets_api, watcher::Config::default()),
+        ),
         "Secrets",
-        |state, secret| state.secret_changed(&secret.name_any()),
+        |state, secret, _| state.secret_changed(&secret.name_any()),
     );
     let revisions_api: Api<ControllerRevision> =
         Api::namespaced(client.clone(), &settings.namespace);
     let revisions = watch_into(
         state.clone(),
-        revisions_writer,
-        watcher(
-            revisions_api,
-            watcher::Config::default().labels(revisions::MODULE_LABEL),
+        reflected(
+            revisions_writer,
+            watcher(
+                revisions_api,
+                watcher::Config::default().labels(revisions::MODULE_LABEL),
+            ),
         ),
         "ControllerRevisions",
-        |state, revision| state.revision_changed(revision),
+        |state, revision, _| state.revision_changed(revision),
     );
     let preflights_api: Api<PreflightValidation> = Api::all(client.clone());
     let preflights = watch_into(
         state.clone(),
-        preflights_writer,
-        watcher(preflights_api.clone(), watcher::Config::default()),
+        reflected(
+            preflights_writer,
+            watcher(preflights_api.clone(), watcher::Config::default()),
+        ),
         "PreflightValidations",
-        |state, _| state.preflight_changed(),
+        |state, _, _| state.preflight_changed(),
     );
     let decisions_api: Api<DynamicObject> = Api::all_with(client.clone(), &decision_resource);
     let decisions = watch_into(
         state.clone(),
-        decisions_writer,
-        watcher(
-            decisions_api,
-            watcher::Config::default().labels(placements::PLACEMENT_LABEL),
-        )
-        .modify(|decision| decision.metadata.managed_fields = None),
+        reflected(
+            decisions_writer,
+            watcher(
+                decisions_api,
+                watcher::Config::default().labels(placements::PLACEMENT_LABEL),
+            )
+            .modify(|decision| decision.metadata.managed_fields = None),
+        ),
         "PlacementDecisions",
-        |state, _| state.decisions_changed(),
+        |state, _, _| state.decisions_changed(),
     );
     let preflight_writer = AbortOnDropHandle::new(tokio::spawn(preflight::run(
         state.clone(),
@@ -369,6 +399,7 @@ pub async fn run(
         stop.cancel();
         lost_leadership
     };
+    let modules_watched = AbortOnDropHandle::new(tokio::spawn(modules_watched));
     let clusters = AbortOnDropHandle::new(tokio::spawn(clusters));
     let secrets = AbortOnDropHandle::new(tokio::spawn(secrets));
     let revisions = AbortOnDropHandle::new(tokio::spawn(revisions));
@@ -376,6 +407,7 @@ pub async fn run(
     let decisions = AbortOnDropHandle::new(tokio::spawn(decisions));
     let (grpc_result, (), lost_leadership) = tokio::join!(grpc_server, reconciler, stopper);
     drop((
+        modules_watched,
         clusters,
         secrets,
         revisions,
@@ -398,27 +430,43 @@ pub async fn run(
     Ok(())
 }
 
-/// Keeps a reflector store current and hands every created, changed or deleted object
-/// to `changed`; after a (re-)list, when changes may have been missed, everything is
-/// recomputed.
-async fn watch_into<K>(
-    state: Arc<FleetView>,
+/// Whether a watched object was created or changed, or deleted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Seen {
+    Applied,
+    Deleted,
+}
+
+/// A watch keeping `writer`'s store current.
+fn reflected<K>(
     writer: reflector::store::Writer<K>,
     stream: impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send,
+) -> impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send
+where
+    K: kube::Resource + Clone + std::fmt::Debug + Send + Sync + 'static,
+    K::DynamicType: Clone + Eq + std::hash::Hash,
+{
+    reflector::reflector(writer, stream).default_backoff()
+}
+
+/// Hands every created, changed or deleted object of a reflected watch to `changed`;
+/// after a (re-)list, when changes may have been missed, everything is recomputed.
+async fn watch_into<K>(
+    state: Arc<FleetView>,
+    events: impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send,
     what: &'static str,
-    changed: impl Fn(&FleetView, &K),
+    changed: impl Fn(&FleetView, &K, Seen),
 ) where
     K: kube::Resource + Clone + std::fmt::Debug + Send + Sync + 'static,
     K::DynamicType: Clone + Eq + std::hash::Hash,
 {
-    let mut events = std::pin::pin!(reflector::reflector(writer, stream).default_backoff());
+    let mut events = std::pin::pin!(events);
     loop {
         match events.try_next().await {
             Ok(Some(watcher::Event::InitApply(_) | watcher::Event::Init)) => {}
             Ok(Some(watcher::Event::InitDone)) => state.recompute_all(),
-            Ok(Some(watcher::Event::Apply(object) | watcher::Event::Delete(object))) => {
-                changed(&state, &object);
-            }
+            Ok(Some(watcher::Event::Apply(object))) => changed(&state, &object, Seen::Applied),
+            Ok(Some(watcher::Event::Delete(object))) => changed(&state, &object, Seen::Deleted),
             Ok(None) => return,
             Err(error) => tracing::warn!(what, %error, "watch failed; retrying"),
         }

@@ -1,6 +1,6 @@
 //! The ManagedClusterModule controller, as a pipeline: the finalizer guards every module;
-//! the module is looked up in the fleet view (its spec validated once per generation,
-//! its clusters counted); the rollout advances; a deleted module's finalizer goes once
+//! the module is looked up in the fleet view, which its watch feeds (its spec validated
+//! once per generation, its clusters counted); the rollout advances; a deleted module's finalizer goes once
 //! every affected node confirmed the unload or the unload timeout elapsed; status
 //! (counts, failure sample, `Ready`) is written by server-side apply; transitions become
 //! Events.
@@ -111,7 +111,6 @@ pub async fn reconcile(
         // clusters still to reach. Only a hub's first moments take this path.
         return Ok(Action::requeue(SYNC_RECHECK));
     }
-    ctx.state.note_module(&module);
     let invalid = ctx.state.invalid(&module);
     let view = ctx.state.module_view(&module);
     let Some(outcome) = decide_outcome(&ctx, &module, invalid, view).await? else {
