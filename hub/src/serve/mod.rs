@@ -14,6 +14,7 @@ pub mod outbound;
 pub mod preflight;
 pub mod signing;
 pub mod sync_service;
+mod watches;
 pub mod webhook;
 pub mod webhook_configuration;
 
@@ -21,7 +22,7 @@ use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::{StreamExt, TryStreamExt};
+use futures::StreamExt;
 use k8s_openapi::api::apps::v1::ControllerRevision;
 use k8s_openapi::api::core::v1::Secret;
 use kmm_api::{ManagedClusterModule, PreflightValidation};
@@ -49,6 +50,7 @@ use self::fleet_view::{FleetView, Stores};
 use self::leadership::{Election, LeaderElection, LeadershipError};
 use self::metrics::Metrics;
 use self::sync_service::SyncService;
+use self::watches::{Seen, reflected, wait_synced, watch_into};
 use self::webhook::WebhookError;
 use crate::build::BuildJobs;
 use crate::fleet::cluster_view::{managed_cluster_resource, trim_managed_cluster};
@@ -430,49 +432,6 @@ pub async fn run(
     Ok(())
 }
 
-/// Whether a watched object was created or changed, or deleted.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Seen {
-    Applied,
-    Deleted,
-}
-
-/// A watch keeping `writer`'s store current.
-fn reflected<K>(
-    writer: reflector::store::Writer<K>,
-    stream: impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send,
-) -> impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send
-where
-    K: kube::Resource + Clone + std::fmt::Debug + Send + Sync + 'static,
-    K::DynamicType: Clone + Eq + std::hash::Hash,
-{
-    reflector::reflector(writer, stream).default_backoff()
-}
-
-/// Hands every created, changed or deleted object of a reflected watch to `changed`;
-/// after a (re-)list, when changes may have been missed, everything is recomputed.
-async fn watch_into<K>(
-    state: Arc<FleetView>,
-    events: impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send,
-    what: &'static str,
-    changed: impl Fn(&FleetView, &K, Seen),
-) where
-    K: kube::Resource + Clone + std::fmt::Debug + Send + Sync + 'static,
-    K::DynamicType: Clone + Eq + std::hash::Hash,
-{
-    let mut events = std::pin::pin!(events);
-    loop {
-        match events.try_next().await {
-            Ok(Some(watcher::Event::InitApply(_) | watcher::Event::Init)) => {}
-            Ok(Some(watcher::Event::InitDone)) => state.recompute_all(),
-            Ok(Some(watcher::Event::Apply(object))) => changed(&state, &object, Seen::Applied),
-            Ok(Some(watcher::Event::Delete(object))) => changed(&state, &object, Seen::Deleted),
-            Ok(None) => return,
-            Err(error) => tracing::warn!(what, %error, "watch failed; retrying"),
-        }
-    }
-}
-
 /// Counts every run of the module controller by its result. A failed reconciliation
 /// was logged by the error policy; anything else failing (a watch, the queue) is logged
 /// here: a broken watch must not be silent.
@@ -539,37 +498,5 @@ fn touched_modules(
 async fn sleep_until(at: Option<Instant>) {
     if let Some(at) = at {
         tokio::time::sleep_until(at.into()).await;
-    }
-}
-
-async fn wait_synced(stores: Stores, state: Arc<FleetView>, health: Health) {
-    let ready = async {
-        ready(&stores.modules).await?;
-        ready(&stores.clusters).await?;
-        ready(&stores.secrets).await?;
-        ready(&stores.revisions).await?;
-        ready(&stores.decisions).await
-    };
-    if ready.await.is_ok() {
-        tracing::info!("caches synced; intents may go out");
-        state.set_synced();
-        health.set_note(None);
-        health.set_ready(true);
-    }
-}
-
-/// Waits until a store has listed once. A store's readiness wakes only its latest waiter
-/// (the controller also waits on the modules' store), so the wait is re-polled.
-async fn ready<K>(store: &reflector::Store<K>) -> Result<(), reflector::store::WriterDropped>
-where
-    K: kube::Resource + Clone + 'static,
-    K::DynamicType: Clone + Eq + std::hash::Hash,
-{
-    loop {
-        if let Ok(result) =
-            tokio::time::timeout(Duration::from_millis(200), store.wait_until_ready()).await
-        {
-            return result;
-        }
     }
 }
