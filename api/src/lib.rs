@@ -15,6 +15,8 @@ mod preflight_validation;
 mod rollout;
 mod schema;
 mod status;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 
 pub use crd::{
     CRD_PATH, PREFLIGHT_CRD_PATH, managed_cluster_module_crd_yaml, preflight_validation_crd_yaml,

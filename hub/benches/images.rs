@@ -21,6 +21,7 @@ use anyhow::{Context, Result, ensure};
 use futures::StreamExt;
 use k8s_openapi::jiff::Timestamp;
 use kmm_api::ManagedClusterModule;
+use kmm_api::testing::ModuleBuilder;
 use kmm_e2e::registry_server::RegistryServer;
 use kmm_hub::images::status::image_statuses;
 use kmm_hub::images::{ImageKey, ImageRecord, Next, Observation, module_needs, record};
@@ -118,23 +119,22 @@ fn module(made: bool) -> Result<ManagedClusterModule> {
             ],
         });
     }
-    Ok(serde_json::from_value(json!({
-        "apiVersion": "hub.kmm.sigs.x-k8s.io/v1beta1",
-        "kind": "ManagedClusterModule",
-        "metadata": {"name": "acme-nic", "uid": "0b5d5f3e-7c1e-4b8e-9a51-3f0c1d2e4a6b"},
-        "spec": {
-            "spokeNamespace": "acme-drivers",
-            "selector": {"env": "prod"},
-            "imageRepoSecret": {"name": "acme-pull"},
-            "moduleSpec": {
-                "selector": {"kubernetes.io/os": "linux"},
-                "moduleLoader": {"container": {
-                    "modprobe": {"moduleName": "acme_nic"},
-                    "kernelMappings": [mapping],
-                }},
-            },
-        },
-    }))?)
+    Ok(ModuleBuilder::new("acme-nic")
+        .uid("0b5d5f3e-7c1e-4b8e-9a51-3f0c1d2e4a6b")
+        .without("/metadata/generation")
+        .spoke_namespace("acme-drivers")
+        .selector(&[("env", "prod")])
+        .with("/spec/imageRepoSecret", json!({"name": "acme-pull"}))
+        .with(
+            "/spec/moduleSpec/selector",
+            json!({"kubernetes.io/os": "linux"}),
+        )
+        .with(
+            "/spec/moduleSpec/moduleLoader/container/modprobe/moduleName",
+            "acme_nic",
+        )
+        .kernel_mappings(json!([mapping]))
+        .build())
 }
 
 /// `count` kernels, one image each.

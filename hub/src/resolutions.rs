@@ -141,15 +141,18 @@ fn identity<'a>(name: &'a str, module: &'a ManagedClusterModule) -> ModuleIdenti
 
 #[cfg(test)]
 mod tests {
+    use kmm_api::testing::ModuleBuilder;
+
     use super::*;
 
     fn mcm(generation: i64, mapping: &str) -> ManagedClusterModule {
-        let doc = format!(
-            "apiVersion: hub.kmm.sigs.x-k8s.io/v1beta1\nkind: ManagedClusterModule\n\
-             metadata: {{name: hello, uid: u1, generation: {generation}}}\n\
-             spec:\n  spokeNamespace: drivers\n  selector: {{}}\n  moduleSpec:\n    selector: {{}}\n    moduleLoader:\n      container:\n        modprobe: {{moduleName: hello}}\n        kernelMappings: [{mapping}]\n"
-        );
-        serde_yaml_ng::from_str(&doc).expect("test MCM parses")
+        let mapping: serde_json::Value =
+            serde_yaml_ng::from_str(mapping).expect("the test's mapping is YAML");
+        ModuleBuilder::new("hello")
+            .uid("u1")
+            .generation(generation)
+            .kernel_mappings(serde_json::json!([mapping]))
+            .build()
     }
 
     fn kernels(list: &[&str]) -> BTreeSet<String> {

@@ -2,25 +2,21 @@ use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionReview};
 use serde_json::{Value, json};
 
+use kmm_api::testing::ModuleBuilder;
+
 use super::*;
 
 fn module(image: &str) -> Value {
-    json!({
-        "apiVersion": "hub.kmm.sigs.x-k8s.io/v1beta1",
-        "kind": "ManagedClusterModule",
-        "metadata": {"name": "kmm-hello"},
-        "spec": {
-            "spokeNamespace": "kmm-demo",
-            "selector": {"kmm.fleet/demo": "true"},
-            "moduleSpec": {
-                "selector": {},
-                "moduleLoader": {"container": {
-                    "modprobe": {"moduleName": "kmm_hello"},
-                    "kernelMappings": [{"regexp": "^.+$", "containerImage": image}],
-                }},
-            },
-        },
-    })
+    ModuleBuilder::new("kmm-hello")
+        .without("/metadata/generation")
+        .spoke_namespace("kmm-demo")
+        .selector(&[("kmm.fleet/demo", "true")])
+        .with(
+            "/spec/moduleSpec/moduleLoader/container/modprobe/moduleName",
+            "kmm_hello",
+        )
+        .kernel_mappings(json!([{"regexp": "^.+$", "containerImage": image}]))
+        .json()
 }
 
 const GOOD: &str = "registry.example.com/kmm-hello:${KERNEL_FULL_VERSION}";

@@ -69,25 +69,29 @@ pub fn cluster_modules<'a>(
 
 #[cfg(test)]
 mod tests {
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
     use kmm_proto::v1::{
         ModuleKey, ModuleNodeKey, ModuleNodeStatus, ModuleState, NodeStatusReport,
     };
 
+    use kmm_api::testing::ModuleBuilder;
+
     use super::*;
 
-    fn mcm(name: &str, selector: &str) -> ManagedClusterModule {
-        let doc = format!(
-            "apiVersion: hub.kmm.sigs.x-k8s.io/v1beta1\nkind: ManagedClusterModule\n\
-             metadata: {{name: {name}, finalizers: ['{FINALIZER}']}}\n\
-             spec:\n  spokeNamespace: drivers\n  selector: {selector}\n  moduleSpec:\n    selector: {{}}\n    moduleLoader:\n      container:\n        modprobe: {{moduleName: {name}}}\n        kernelMappings: [{{literal: '6.1', containerImage: 'r/x:1'}}]\n"
-        );
-        serde_yaml_ng::from_str(&doc).expect("test MCM parses")
+    /// A guarded module selecting the clusters labelled `fleet: <fleet>` (all: `None`).
+    fn module(name: &str, fleet: Option<&str>) -> ModuleBuilder {
+        let selector: Vec<(&str, &str)> = fleet.map(|f| ("fleet", f)).into_iter().collect();
+        ModuleBuilder::new(name)
+            .without("/metadata/generation")
+            .finalizers(&[FINALIZER])
+            .selector(&selector)
     }
 
-    fn deleting(mut module: ManagedClusterModule) -> ManagedClusterModule {
-        module.metadata.deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
-        module
+    fn mcm(name: &str, fleet: Option<&str>) -> ManagedClusterModule {
+        module(name, fleet).build()
+    }
+
+    fn deleting(name: &str, fleet: Option<&str>) -> ManagedClusterModule {
+        module(name, fleet).deleting().build()
     }
 
     fn reported(entries: &[(&str, ModuleState)]) -> NodeStatuses {
@@ -140,9 +144,9 @@ mod tests {
 
     #[test]
     fn selected_modules_load_and_unselected_unreported_ones_are_absent() {
-        let a = mcm("a", "{fleet: a}");
-        let b = mcm("b", "{fleet: b}");
-        let all = mcm("all", "{}");
+        let a = mcm("a", Some("a"));
+        let b = mcm("b", Some("b"));
+        let all = mcm("all", None);
         assert_eq!(
             plan(&[&a, &b, &all], Some(&labels()), &NodeStatuses::default()),
             [("a".to_string(), false), ("all".to_string(), false)]
@@ -151,7 +155,7 @@ mod tests {
 
     #[test]
     fn a_module_naming_placements_selects_only_clusters_one_of_them_decided() {
-        let mut gpu = mcm("gpu", "{fleet: a}");
+        let mut gpu = mcm("gpu", Some("a"));
         let placement = kmm_api::PlacementRef {
             namespace: "fleet".into(),
             name: "gpu".into(),
@@ -177,7 +181,7 @@ mod tests {
 
     #[test]
     fn a_module_not_yet_guarded_by_the_finalizer_goes_nowhere() {
-        let mut fresh = mcm("fresh", "{fleet: a}");
+        let mut fresh = mcm("fresh", Some("a"));
         fresh.metadata.finalizers = None;
         assert!(plan(&[&fresh], Some(&labels()), &NodeStatuses::default()).is_empty());
         assert!(
@@ -192,7 +196,7 @@ mod tests {
 
     #[test]
     fn a_missing_managed_cluster_is_selected_by_nothing() {
-        let all = mcm("all", "{}");
+        let all = mcm("all", None);
         assert!(plan(&[&all], None, &NodeStatuses::default()).is_empty());
         assert_eq!(
             plan(&[&all], None, &reported(&[("all", ModuleState::Loaded)])),
@@ -202,7 +206,7 @@ mod tests {
 
     #[test]
     fn deselection_unloads_until_every_node_confirms() {
-        let b = mcm("b", "{fleet: b}");
+        let b = mcm("b", Some("b"));
         for state in [
             ModuleState::Loaded,
             ModuleState::Pending,
@@ -227,8 +231,8 @@ mod tests {
 
     #[test]
     fn deletion_unloads_where_selected_or_still_reported() {
-        let a = deleting(mcm("a", "{fleet: a}"));
-        let b = deleting(mcm("b", "{fleet: b}"));
+        let a = deleting("a", Some("a"));
+        let b = deleting("b", Some("b"));
         let none = NodeStatuses::default();
         assert_eq!(
             plan(&[&a, &b], Some(&labels()), &none),

@@ -49,6 +49,8 @@ mod tests {
 
     use k8s_openapi::ByteString;
 
+    use kmm_api::testing::ModuleBuilder;
+
     use super::*;
 
     fn secret(name: &str, key: &str) -> Arc<Secret> {
@@ -62,23 +64,12 @@ mod tests {
     }
 
     fn module(secret: Option<&str>) -> ManagedClusterModule {
-        let mut doc = serde_json::json!({
-            "apiVersion": "hub.kmm.sigs.x-k8s.io/v1beta1",
-            "kind": "ManagedClusterModule",
-            "metadata": {"name": "m"},
-            "spec": {
-                "spokeNamespace": "kmm",
-                "selector": {},
-                "moduleSpec": {"selector": {}, "moduleLoader": {"container": {
-                    "modprobe": {"moduleName": "m"},
-                    "kernelMappings": [{"regexp": ".*", "containerImage": "r/m:1"}],
-                }}},
-            },
-        });
-        if let Some(name) = secret {
-            doc["spec"]["moduleSpec"]["imageRepoSecret"] = serde_json::json!({"name": name});
+        let module = ModuleBuilder::new("m");
+        match secret {
+            Some(name) => module.with("/spec/moduleSpec/imageRepoSecret/name", name),
+            None => module,
         }
-        serde_json::from_value(doc).unwrap()
+        .build()
     }
 
     #[test]

@@ -100,28 +100,24 @@ impl ServedKernels {
 mod tests {
     use std::collections::BTreeMap;
 
+    use kmm_api::testing::ModuleBuilder;
+
     use super::*;
     use crate::fleet::assignment::FINALIZER;
     use crate::fleet::placements::Placed;
 
     fn mcm(name: &str, generation: i64, env: &str) -> Arc<ManagedClusterModule> {
         Arc::new(
-            serde_json::from_value(serde_json::json!({
-                "apiVersion": "hub.kmm.sigs.x-k8s.io/v1beta1",
-                "kind": "ManagedClusterModule",
-                "metadata": {"name": name, "uid": name, "generation": generation,
-                             "finalizers": [FINALIZER]},
-                "spec": {
-                    "spokeNamespace": "drivers",
-                    "selector": {"env": env},
-                    "moduleSpec": {"selector": {}, "moduleLoader": {"container": {
-                        "modprobe": {"moduleName": name},
-                        "kernelMappings": [{"regexp": ".*",
-                                            "containerImage": format!("r/{name}:$KERNEL_FULL_VERSION")}],
-                    }}},
-                },
-            }))
-            .unwrap(),
+            ModuleBuilder::new(name)
+                .uid(name)
+                .generation(generation)
+                .finalizers(&[FINALIZER])
+                .selector(&[("env", env)])
+                .kernel_mappings(serde_json::json!([{
+                    "regexp": ".*",
+                    "containerImage": format!("r/{name}:$KERNEL_FULL_VERSION"),
+                }]))
+                .build(),
         )
     }
 

@@ -231,15 +231,16 @@ mod tests {
     use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
     use kmm_proto::v1::pull_credential::Content;
 
+    use kmm_api::testing::ModuleBuilder;
+
     use super::*;
 
     fn mcm(name: &str, yaml_module_spec: &str) -> ManagedClusterModule {
-        let doc = format!(
-            "apiVersion: hub.kmm.sigs.x-k8s.io/v1beta1\nkind: ManagedClusterModule\n\
-             metadata: {{name: {name}, generation: 4}}\n\
-             spec:\n  spokeNamespace: drivers\n  selector: {{fleet: a}}\n  moduleSpec:\n{yaml_module_spec}"
-        );
-        serde_yaml_ng::from_str(&doc).expect("test MCM parses")
+        ModuleBuilder::new(name)
+            .generation(4)
+            .selector(&[("fleet", "a")])
+            .module_spec_yaml(yaml_module_spec)
+            .build()
     }
 
     const HELLO: &str = r#"    selector: {role: worker}

@@ -149,38 +149,29 @@ impl<'m> ModuleViewBuilder<'m> {
 
 #[cfg(test)]
 mod tests {
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
     use kmm_proto::v1::{
         ModuleKey, ModuleNodeKey, ModuleNodeStatus, ModuleState, NodeStatusReport,
     };
 
+    use kmm_api::testing::ModuleBuilder;
+
     use super::*;
     use crate::fleet::deletion::Leftover;
 
-    fn mcm(device_plugin: bool) -> ManagedClusterModule {
-        let mut doc = serde_json::json!({
-            "apiVersion": "hub.kmm.sigs.x-k8s.io/v1beta1",
-            "kind": "ManagedClusterModule",
-            "metadata": {"name": "hello", "generation": 2},
-            "spec": {
-                "spokeNamespace": "drivers",
-                "selector": {},
-                "moduleSpec": {"selector": {}, "moduleLoader": {"container": {
-                    "modprobe": {"moduleName": "hello"},
-                    "kernelMappings": [{"literal": "6.1", "containerImage": "r/x:1"}],
-                }}},
-            },
-        });
+    fn module(device_plugin: bool) -> ModuleBuilder {
+        let module = ModuleBuilder::new("hello").generation(2);
         if device_plugin {
-            doc["spec"]["moduleSpec"]["devicePlugin"] =
-                serde_json::json!({"container": {"image": "r/plugin:1"}});
+            module.with(
+                "/spec/moduleSpec/devicePlugin/container/image",
+                "r/plugin:1",
+            )
+        } else {
+            module
         }
-        serde_json::from_value(doc).unwrap()
     }
 
-    fn deleting(mut module: ManagedClusterModule) -> ManagedClusterModule {
-        module.metadata.deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
-        module
+    fn mcm(device_plugin: bool) -> ManagedClusterModule {
+        module(device_plugin).build()
     }
 
     fn reported(nodes: &[(&str, ModuleState)]) -> NodeStatuses {
@@ -257,7 +248,7 @@ mod tests {
 
     #[test]
     fn a_deletion_waits_on_every_node_not_unloaded_and_on_selected_clusters_never_heard() {
-        let module = deleting(mcm(false));
+        let module = module(false).deleting().build();
         let loaded = reported(&[("n1", ModuleState::Loaded), ("n2", ModuleState::Unloaded)]);
         let unheard = NodeStatuses::default();
         let mut builder = ModuleViewBuilder::new(&module);

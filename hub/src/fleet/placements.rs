@@ -120,6 +120,8 @@ pub fn wave(module: &ManagedClusterModule, placed: &Placed) -> Option<Wave> {
 mod tests {
     use serde_json::json;
 
+    use kmm_api::testing::ModuleBuilder;
+
     use super::*;
 
     fn decision(namespace: &str, labels: serde_json::Value, clusters: &[&str]) -> DynamicObject {
@@ -143,13 +145,7 @@ mod tests {
     }
 
     fn module(refs: Option<Vec<PlacementRef>>) -> ManagedClusterModule {
-        let mut module: ManagedClusterModule = serde_json::from_value(json!({
-            "apiVersion": "hub.kmm.sigs.x-k8s.io/v1beta1",
-            "kind": "ManagedClusterModule",
-            "metadata": {"name": "m"},
-            "spec": {"spokeNamespace": "drivers", "selector": {}, "moduleSpec": {"selector": {}}},
-        }))
-        .unwrap();
+        let mut module = ModuleBuilder::new("m").build();
         module.spec.placement_refs = refs;
         module
     }

@@ -177,6 +177,8 @@ pub fn preflight_statuses(
 
 #[cfg(test)]
 mod tests {
+    use kmm_api::testing::ModuleBuilder;
+
     use super::*;
     use crate::images::Next;
     use crate::resolutions::Resolutions;
@@ -184,24 +186,15 @@ mod tests {
     const KERNEL: &str = "6.1.0-9-amd64";
 
     fn mcm() -> ManagedClusterModule {
-        let doc = r#"
-apiVersion: hub.kmm.sigs.x-k8s.io/v1beta1
-kind: ManagedClusterModule
-metadata: {name: hello, uid: u-1}
-spec:
-  spokeNamespace: drivers
-  selector: {}
-  moduleSpec:
-    selector: {}
-    moduleLoader:
-      container:
-        modprobe: {moduleName: hello}
-        kernelMappings:
-          - regexp: '^6\.1\.'
-            containerImage: 'r.example/hello:${KERNEL_FULL_VERSION}'
-            build: {dockerfileConfigMap: {name: dockerfile}}
-"#;
-        serde_yaml_ng::from_str(doc).expect("test MCM parses")
+        ModuleBuilder::new("hello")
+            .uid("u-1")
+            .without("/metadata/generation")
+            .kernel_mappings(serde_json::json!([{
+                "regexp": "^6\\.1\\.",
+                "containerImage": "r.example/hello:${KERNEL_FULL_VERSION}",
+                "build": {"dockerfileConfigMap": {"name": "dockerfile"}},
+            }]))
+            .build()
     }
 
     fn record(need: &ImageNeed, state: ImageState, reason: &str) -> ImageRecord {

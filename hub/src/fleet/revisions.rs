@@ -156,15 +156,18 @@ impl Revisions {
 
 #[cfg(test)]
 mod tests {
+    use kmm_api::testing::ModuleBuilder;
+
     use super::*;
 
     fn mcm(generation: i64, image: &str) -> ManagedClusterModule {
-        let doc = format!(
-            "apiVersion: hub.kmm.sigs.x-k8s.io/v1beta1\nkind: ManagedClusterModule\n\
-             metadata: {{name: hello, uid: u1, generation: {generation}, resourceVersion: '{generation}'}}\n\
-             spec:\n  spokeNamespace: drivers\n  selector: {{env: prod}}\n  moduleSpec:\n    selector: {{}}\n    moduleLoader:\n      container:\n        modprobe: {{moduleName: hello}}\n        kernelMappings: [{{literal: '6.1', containerImage: '{image}'}}]\n"
-        );
-        serde_yaml_ng::from_str(&doc).expect("test MCM parses")
+        ModuleBuilder::new("hello")
+            .uid("u1")
+            .generation(generation)
+            .resource_version(&generation.to_string())
+            .selector(&[("env", "prod")])
+            .kernel_mappings(serde_json::json!([{"literal": "6.1", "containerImage": image}]))
+            .build()
     }
 
     #[test]

@@ -91,28 +91,23 @@ pub fn at_revisions(
 mod tests {
     use std::collections::BTreeMap;
 
+    use kmm_api::testing::ModuleBuilder;
+
     use super::*;
     use crate::fleet::placements::Placed;
     use crate::fleet::revisions::{controller_revision, revision_of};
 
     fn mcm(image: &str, progressive: bool) -> ManagedClusterModule {
-        let mut doc = serde_json::json!({
-            "apiVersion": "hub.kmm.sigs.x-k8s.io/v1beta1",
-            "kind": "ManagedClusterModule",
-            "metadata": {"name": "hello", "uid": "u1", "generation": 1, "resourceVersion": "1"},
-            "spec": {
-                "spokeNamespace": "drivers",
-                "selector": {},
-                "moduleSpec": {"selector": {}, "moduleLoader": {"container": {
-                    "modprobe": {"moduleName": "hello"},
-                    "kernelMappings": [{"literal": "6.1", "containerImage": image}],
-                }}},
-            },
-        });
+        let module = ModuleBuilder::new("hello")
+            .uid("u1")
+            .resource_version("1")
+            .kernel_mappings(serde_json::json!([{"literal": "6.1", "containerImage": image}]));
         if progressive {
-            doc["spec"]["rolloutStrategy"] = serde_json::json!({"type": "Progressive"});
+            module.with("/spec/rolloutStrategy/type", "Progressive")
+        } else {
+            module
         }
-        serde_json::from_value(doc).unwrap()
+        .build()
     }
 
     /// `module` with a rollout record (clusters sorted, as records keep them): clusters

@@ -167,6 +167,8 @@ pub fn unsigned_image_name(image: &str, namespace: &str, module: &str) -> String
 
 #[cfg(test)]
 mod tests {
+    use kmm_api::testing::ModuleBuilder;
+
     use super::*;
     use crate::resolutions::Resolutions;
 
@@ -183,12 +185,11 @@ mod tests {
     }
 
     fn mcm(module_spec: &str) -> ManagedClusterModule {
-        let doc = format!(
-            "apiVersion: hub.kmm.sigs.x-k8s.io/v1beta1\nkind: ManagedClusterModule\n\
-             metadata: {{name: hello, uid: u-1}}\n\
-             spec:\n  spokeNamespace: drivers\n  selector: {{}}\n  moduleSpec:\n{module_spec}"
-        );
-        serde_yaml_ng::from_str(&doc).expect("test MCM parses")
+        ModuleBuilder::new("hello")
+            .uid("u-1")
+            .without("/metadata/generation")
+            .module_spec_yaml(module_spec)
+            .build()
     }
 
     fn kernels(list: &[&str]) -> BTreeSet<String> {

@@ -5,6 +5,7 @@
 
 use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
 use kmm_api::ManagedClusterModule;
+use kmm_api::testing::ModuleBuilder;
 use kube::api::{ApiResource, DeleteParams, DynamicObject, PostParams};
 use kube::{Api, Client};
 use serde_json::{Value, json};
@@ -202,13 +203,14 @@ fn invalid_specs() -> Vec<(&'static str, Breakage, String)> {
 }
 
 fn module(name: &str, hub_label: &str, spec: Value) -> Value {
-    json!({
-        "apiVersion": "hub.kmm.sigs.x-k8s.io/v1beta1",
-        "kind": "ManagedClusterModule",
-        "metadata": {"name": name, "labels": {"test.kmm.sigs.x-k8s.io/hub": hub_label}},
+    ModuleBuilder::new(name)
+        .without("/metadata/generation")
+        .labels(&[("test.kmm.sigs.x-k8s.io/hub", hub_label)])
+        .spoke_namespace("kmm-test")
         // Selecting no cluster: a deletion needs no unload.
-        "spec": {"spokeNamespace": "kmm-test", "selector": no_cluster(), "moduleSpec": spec},
-    })
+        .with("/spec/selector", no_cluster())
+        .module_spec(spec)
+        .json()
 }
 
 /// Creates the object as written: some rows break the types themselves.

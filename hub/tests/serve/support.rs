@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Secret;
 use kmm_api::ManagedClusterModule;
+use kmm_api::testing::ModuleBuilder;
 use kmm_e2e::fixture::{Fleet, TempNamespace, wait_until};
 use kmm_hub::serve::leadership::LeaderElection;
 use kmm_hub::serve::{self, Listeners, ServeError, Settings, ca, metrics::Metrics};
@@ -281,21 +282,16 @@ impl TestHub {
         spec: serde_json::Value,
         more: serde_json::Value,
     ) -> ManagedClusterModule {
-        let mut object = json!({
-            "apiVersion": "hub.kmm.sigs.x-k8s.io/v1beta1",
-            "kind": "ManagedClusterModule",
-            "metadata": {"name": name, "labels": {HUB_LABEL: self.namespace}},
-            "spec": {
-                "spokeNamespace": "kmm-test",
-                "selector": {self.cluster_label(): "yes"},
-                "moduleSpec": spec,
-            },
-        });
+        let mut object = ModuleBuilder::new(name)
+            .without("/metadata/generation")
+            .labels(&[(HUB_LABEL, &self.namespace)])
+            .spoke_namespace("kmm-test")
+            .selector(&[(&self.cluster_label(), "yes")])
+            .module_spec(spec);
         for (field, value) in more.as_object().into_iter().flatten() {
-            object["spec"][field] = value.clone();
+            object = object.with(&format!("/spec/{field}"), value.clone());
         }
-        let module: ManagedClusterModule =
-            serde_json::from_value(object).expect("a valid test module");
+        let module = object.build();
         self.modules()
             .create(&PostParams::default(), &module)
             .await

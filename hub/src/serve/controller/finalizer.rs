@@ -96,24 +96,13 @@ pub async fn set(
 
 #[cfg(test)]
 mod tests {
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-    use k8s_openapi::jiff::Timestamp;
+    use kmm_api::testing::ModuleBuilder;
 
     use super::*;
 
     fn module(finalizers: &[&str], deleting: bool) -> ManagedClusterModule {
-        let mut module: ManagedClusterModule = serde_json::from_value(json!({
-            "apiVersion": "hub.kmm.sigs.x-k8s.io/v1beta1",
-            "kind": "ManagedClusterModule",
-            "metadata": {"name": "m"},
-            "spec": {"spokeNamespace": "kmm", "selector": {}, "moduleSpec": {"selector": {}}},
-        }))
-        .unwrap();
-        module.metadata.finalizers = Some(finalizers.iter().map(|f| (*f).to_owned()).collect());
-        if deleting {
-            module.metadata.deletion_timestamp = Some(Time(Timestamp::UNIX_EPOCH));
-        }
-        module
+        let module = ModuleBuilder::new("m").finalizers(finalizers);
+        if deleting { module.deleting() } else { module }.build()
     }
 
     #[test]

@@ -10,6 +10,7 @@ use http_body_util::BodyExt;
 use k8s_openapi::api::apps::v1::ControllerRevision;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
+use kmm_api::testing::ModuleBuilder;
 use kube::client::Body;
 use kube::core::DynamicObject;
 use kube::runtime::events::{Recorder, Reporter};
@@ -30,27 +31,21 @@ const MODULES: &str = "/apis/hub.kmm.sigs.x-k8s.io/v1beta1/managedclustermodules
 
 /// A module as the watch would give it.
 fn module(finalizers: &[&str], deleting: bool) -> Arc<ManagedClusterModule> {
-    let mut module: ManagedClusterModule = serde_json::from_value(json!({
-        "apiVersion": "hub.kmm.sigs.x-k8s.io/v1beta1",
-        "kind": "ManagedClusterModule",
-        "metadata": {
-            "name": "hello", "uid": "u1", "generation": 1, "resourceVersion": "7",
-            "finalizers": finalizers,
-        },
-        "spec": {
-            "spokeNamespace": "drivers",
-            "selector": {"env": "prod"},
-            "moduleSpec": {"selector": {}, "moduleLoader": {"container": {
-                "modprobe": {"moduleName": "hello"},
-                "kernelMappings": [{"literal": "6.1", "containerImage": "r/hello:1"}],
-            }}},
-        },
-    }))
-    .unwrap();
-    if deleting {
-        module.metadata.deletion_timestamp = Some(Time(Timestamp::now()));
-    }
-    Arc::new(module)
+    let module = ModuleBuilder::new("hello")
+        .uid("u1")
+        .resource_version("7")
+        .finalizers(finalizers)
+        .selector(&[("env", "prod")]);
+    let module = if deleting {
+        // Just now: the unload timeout counts from it.
+        module.with(
+            "/metadata/deletionTimestamp",
+            Time(Timestamp::now()).0.to_string(),
+        )
+    } else {
+        module
+    };
+    Arc::new(module.build())
 }
 
 /// A fleet of `clusters` (each selected by the module), its view synced, and the
