@@ -1,5 +1,7 @@
 use std::io;
 
+use kmm_extract::LayerError;
+
 /// Why a module or an image's files could not be signed. Paths are the image paths as
 /// listed in `filesToSign` (or, for a layer's own entries, as the layer names them).
 #[derive(Debug, thiserror::Error)]
@@ -57,5 +59,24 @@ impl SignError {
     /// to OpenSSL or a local failure.
     pub fn is_input_fault(&self) -> bool {
         !matches!(self, Self::Crypto { .. } | Self::Write(_))
+    }
+}
+
+impl From<LayerError> for SignError {
+    fn from(error: LayerError) -> Self {
+        match error {
+            LayerError::Corrupt { layer, source } => Self::CorruptLayer { layer, source },
+            LayerError::TooLarge { layer, limit } => Self::LayerTooLarge { layer, limit },
+            LayerError::AbsolutePath { layer, path } => Self::UnsafeEntry {
+                layer,
+                entry: path,
+                reason: "has an absolute path",
+            },
+            LayerError::ParentTraversal { layer, path } => Self::UnsafeEntry {
+                layer,
+                entry: path,
+                reason: "contains `..`",
+            },
+        }
     }
 }

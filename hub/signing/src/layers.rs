@@ -18,14 +18,17 @@
 //! listed path resolves to it when it is read. Only a link to the file itself that a
 //! later entry adds, under another name, escapes both, and it is reported
 //! ([`SignError::LinkedAfterWrite`]), naming the path to list instead.
+//!
+//! The layers are read through `kmm_extract::walk`, the node agent's own: it decodes
+//! each layer and refuses entries with absolute or `..` paths.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsStr;
-use std::io::{self, Read, Write};
+use std::io::{Read, Write};
 use std::os::unix::ffi::OsStrExt;
 
 use flate2::write::GzEncoder;
-use kmm_extract::{Bounded, Layer};
+use kmm_extract::{Entry, Layer};
 
 use crate::SigningKey;
 use crate::module::{HashAlgorithm, SignError, sign_module};
@@ -107,9 +110,7 @@ pub fn sign_files_in_layers<R: Read>(
 ) -> Result<SignedLayer, SignError> {
     let listed = listed_paths(files_to_sign)?;
     let mut image = Image::new(&listed, limits);
-    for (index, layer) in layers.into_iter().enumerate() {
-        image.layer(index, layer)?;
-    }
+    kmm_extract::walk(layers, limits.max_layer_bytes, |entry| image.entry(entry))?;
 
     // Each real file once, whichever listed paths lead to it.
     let mut files = Vec::with_capacity(listed.len());
@@ -297,34 +298,8 @@ impl<'a> Image<'a> {
         }
     }
 
-    fn layer<R: Read>(&mut self, layer: usize, source: Layer<R>) -> Result<(), SignError> {
-        let corrupt = |source| SignError::CorruptLayer { layer, source };
-        let limit = self.limits.max_layer_bytes;
-        let reader = source.compression.decoder(source.reader).map_err(corrupt)?;
-        let (bounded, exceeded) = Bounded::new(reader, limit);
-        let result = self.read_entries(layer, bounded);
-        if exceeded.get() {
-            return Err(SignError::LayerTooLarge { layer, limit });
-        }
-        result
-    }
-
-    fn read_entries<R: Read>(&mut self, layer: usize, reader: R) -> Result<(), SignError> {
-        let corrupt = |source| SignError::CorruptLayer { layer, source };
-        let mut archive = tar::Archive::new(reader);
-        for entry in archive.entries().map_err(corrupt)? {
-            let entry = entry.map_err(corrupt)?;
-            self.entry(layer, entry)?;
-        }
-        Ok(())
-    }
-
-    fn entry<R: Read>(
-        &mut self,
-        layer: usize,
-        mut entry: tar::Entry<'_, R>,
-    ) -> Result<(), SignError> {
-        let kind = entry.header().entry_type();
+    fn entry(&mut self, mut entry: Entry<'_, '_>) -> Result<(), SignError> {
+        let kind = entry.kind();
         if kind == tar::EntryType::XGlobalHeader {
             return Ok(());
         }
@@ -334,29 +309,18 @@ impl<'a> Image<'a> {
                 limit: self.limits.max_entries,
             });
         }
-        let raw = entry.path_bytes().into_owned();
-        let unsafe_entry = |reason| SignError::UnsafeEntry {
-            layer,
-            entry: String::from_utf8_lossy(&raw).into_owned(),
-            reason,
-        };
-        if raw.starts_with(b"/") {
-            return Err(unsafe_entry("has an absolute path"));
-        }
-        let mut components: Vec<&[u8]> = Vec::new();
-        for component in raw.split(|&b| b == b'/') {
-            match component {
-                b"" | b"." => {}
-                b".." => return Err(unsafe_entry("contains `..`")),
-                name => components.push(name),
-            }
-        }
-        let Some((&name, parent)) = components.split_last() else {
+        let layer = entry.layer();
+        let entry_path = entry.path()?;
+        let Some((name, parent)) = entry_path.components().split_last() else {
             return Ok(()); // "./": the root itself
         };
         let parent = self
             .resolve(parent, true)
-            .ok_or_else(|| unsafe_entry("lies under a link loop"))?;
+            .ok_or_else(|| SignError::UnsafeEntry {
+                layer,
+                entry: entry_path.to_string(),
+                reason: "lies under a link loop",
+            })?;
 
         if name == OPAQUE_WHITEOUT {
             // Hides everything earlier layers put below the directory.
@@ -385,19 +349,10 @@ impl<'a> Image<'a> {
                 Kind::Dir
             }
             tar::EntryType::Regular | tar::EntryType::Continuous => Kind::File {
-                mode: entry
-                    .header()
-                    .mode()
-                    .map_err(|source| SignError::CorruptLayer { layer, source })?,
+                mode: entry.mode()?,
                 data: None,
             },
-            tar::EntryType::Symlink => {
-                let target = entry
-                    .link_name_bytes()
-                    .map(|t| t.into_owned())
-                    .unwrap_or_default();
-                Kind::Symlink(target)
-            }
+            tar::EntryType::Symlink => Kind::Symlink(entry.link_name()),
             tar::EntryType::Link => Kind::HardLink,
             _ => Kind::Other,
         };
@@ -416,7 +371,7 @@ impl<'a> Image<'a> {
         }
         self.nodes.insert(path.clone(), Node { kind, layer });
         if is_file && self.keep(&path, name) {
-            let data = self.read(layer, &path, &mut entry)?;
+            let data = self.read(&path, &mut entry)?;
             if let Some(Node {
                 kind: Kind::File { data: slot, .. },
                 ..
@@ -444,12 +399,7 @@ impl<'a> Image<'a> {
         self.resolved.as_ref().is_some_and(|r| r.contains(path))
     }
 
-    fn read<R: Read>(
-        &mut self,
-        layer: usize,
-        path: &[u8],
-        entry: &mut tar::Entry<'_, R>,
-    ) -> Result<Vec<u8>, SignError> {
+    fn read(&mut self, path: &[u8], entry: &mut Entry<'_, '_>) -> Result<Vec<u8>, SignError> {
         let size = entry.size();
         if size > self.limits.max_file_bytes {
             return Err(SignError::FileTooLarge {
@@ -465,18 +415,7 @@ impl<'a> Image<'a> {
             });
         }
         let mut data = Vec::with_capacity(size as usize);
-        let corrupt = |source| SignError::CorruptLayer { layer, source };
-        entry.read_to_end(&mut data).map_err(corrupt)?;
-        if data.len() as u64 != size {
-            return Err(corrupt(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                format!(
-                    "{}: {} of {size} bytes",
-                    String::from_utf8_lossy(path),
-                    data.len()
-                ),
-            )));
-        }
+        entry.copy_to(&String::from_utf8_lossy(path), &mut data)?;
         Ok(data)
     }
 

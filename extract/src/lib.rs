@@ -1,5 +1,10 @@
 //! Extraction of kmod image layers that is safe against hostile images.
 //!
+//! - `layers.rs`: a layer's decoding (plain, gzip or zstd, named by its media type) and
+//!   [`walk`], the one walk over its tar entries, which refuses absolute and `..`
+//!   paths; the hub's signer (`kmm-signing`) reads layers through it too.
+//! - `lib.rs`: extraction of the module and firmware directories ([`extract_image`]).
+//!
 //! Only entries under `<dirName>/lib/modules/<kernel>/` and under the firmware path
 //! are written; everything else in the image is skipped without being written. The
 //! whole image is refused, with an error that names the layer and the entry, when an
@@ -23,6 +28,8 @@
 //! The caller extracts into a fresh directory and discards it on error; see
 //! [`extract_image`], which does exactly that.
 
+mod layers;
+
 use std::collections::BTreeMap;
 use std::ffi::{OsStr, OsString};
 use std::fs;
@@ -31,37 +38,8 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
 
-/// How a layer blob is compressed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Compression {
-    None,
-    Gzip,
-    Zstd,
-}
-
-impl Compression {
-    /// The compression of an OCI or Docker layer media type.
-    pub fn from_media_type(media_type: &str) -> Result<Self, ExtractError> {
-        match media_type {
-            "application/vnd.oci.image.layer.v1.tar"
-            | "application/vnd.docker.image.rootfs.diff.tar" => Ok(Self::None),
-            "application/vnd.oci.image.layer.v1.tar+gzip"
-            | "application/vnd.docker.image.rootfs.diff.tar.gzip" => Ok(Self::Gzip),
-            "application/vnd.oci.image.layer.v1.tar+zstd"
-            | "application/vnd.docker.image.rootfs.diff.tar.zstd" => Ok(Self::Zstd),
-            other => Err(ExtractError::UnsupportedMediaType(other.to_string())),
-        }
-    }
-
-    /// `reader` decompressed: the layer's tar stream.
-    pub fn decoder<'a, R: Read + 'a>(self, reader: R) -> io::Result<Box<dyn Read + 'a>> {
-        Ok(match self {
-            Self::None => Box::new(reader),
-            Self::Gzip => Box::new(flate2::read::GzDecoder::new(reader)),
-            Self::Zstd => Box::new(zstd::stream::read::Decoder::new(reader)?),
-        })
-    }
-}
+use layers::archive_components;
+pub use layers::{Compression, Entry, EntryPath, Layer, LayerError, walk};
 
 /// Size limits applied while extracting.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -231,6 +209,17 @@ impl ExtractError {
     }
 }
 
+impl From<LayerError> for ExtractError {
+    fn from(error: LayerError) -> Self {
+        match error {
+            LayerError::Corrupt { layer, source } => Self::Corrupt { layer, source },
+            LayerError::TooLarge { layer, limit } => Self::LayerTooLarge { layer, limit },
+            LayerError::AbsolutePath { layer, path } => Self::AbsolutePath { layer, path },
+            LayerError::ParentTraversal { layer, path } => Self::ParentTraversal { layer, path },
+        }
+    }
+}
+
 /// What was extracted.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Report {
@@ -240,13 +229,6 @@ pub struct Report {
     pub bytes: u64,
     /// Entries skipped because they lie outside the extracted directories.
     pub skipped: u64,
-}
-
-/// One layer: its compression and its bytes.
-#[derive(Debug)]
-pub struct Layer<R> {
-    pub compression: Compression,
-    pub reader: R,
 }
 
 /// Extracts `layers` (bottom first) into `dest`, which must not exist; on error `dest`
@@ -285,9 +267,9 @@ pub fn extract_into<R: Read>(
         report: Report::default(),
         entries: 0,
     };
-    for (index, layer) in layers.into_iter().enumerate() {
-        extractor.layer(index, layer)?;
-    }
+    layers::walk(layers, limits.max_layer_read_bytes, |entry| {
+        extractor.entry(entry)
+    })?;
     Ok(extractor.report)
 }
 
@@ -329,6 +311,10 @@ fn display(rel: &[OsString]) -> String {
     joined.display().to_string()
 }
 
+fn os_string(bytes: &[u8]) -> OsString {
+    OsStr::from_bytes(bytes).to_os_string()
+}
+
 fn io_err(action: &'static str, path: PathBuf) -> impl FnOnce(io::Error) -> ExtractError {
     move |source| ExtractError::Io {
         action,
@@ -338,48 +324,11 @@ fn io_err(action: &'static str, path: PathBuf) -> impl FnOnce(io::Error) -> Extr
 }
 
 impl Extractor {
-    fn layer<R: Read>(&mut self, index: usize, layer: Layer<R>) -> Result<(), ExtractError> {
-        let reader =
-            layer
-                .compression
-                .decoder(layer.reader)
-                .map_err(|source| ExtractError::Corrupt {
-                    layer: index,
-                    source,
-                })?;
-        self.tar(index, reader)
-    }
-
-    fn tar<R: Read>(&mut self, layer: usize, reader: R) -> Result<(), ExtractError> {
-        let limit = self.limits.max_layer_read_bytes;
-        let (reader, exceeded) = Bounded::new(reader, limit);
-        let result = self.tar_entries(layer, reader);
-        if exceeded.get() {
-            return Err(ExtractError::LayerTooLarge { layer, limit });
-        }
-        result
-    }
-
-    fn tar_entries<R: Read>(&mut self, layer: usize, reader: R) -> Result<(), ExtractError> {
-        let corrupt = |source| ExtractError::Corrupt { layer, source };
-        let mut archive = tar::Archive::new(reader);
-        let entries = archive.entries().map_err(corrupt)?;
-        for entry in entries {
-            let entry = entry.map_err(corrupt)?;
-            self.entry(layer, entry)?;
-        }
-        Ok(())
-    }
-
-    fn entry<R: Read>(
-        &mut self,
-        layer: usize,
-        mut entry: tar::Entry<'_, R>,
-    ) -> Result<(), ExtractError> {
-        let corrupt = |source| ExtractError::Corrupt { layer, source };
-        let raw = entry.path().map_err(corrupt)?.into_owned();
-        let shown = raw.display().to_string();
-        let rel = archive_components(&raw).map_err(|kind| kind.error(layer, &shown))?;
+    fn entry(&mut self, mut entry: Entry<'_, '_>) -> Result<(), ExtractError> {
+        let layer = entry.layer();
+        let path = entry.path()?;
+        let shown = path.to_string();
+        let rel: Rel = path.components().iter().map(|c| os_string(c)).collect();
         let Some(name) = rel.last().cloned() else {
             return Ok(()); // "./": the root itself
         };
@@ -401,7 +350,7 @@ impl Extractor {
             return Ok(());
         }
 
-        let kind = entry.header().entry_type();
+        let kind = entry.kind();
         if !self.within_allowed(&rel) {
             // Directories leading to the allowed ones are created on demand; anything
             // else outside them is not extracted at all.
@@ -415,29 +364,20 @@ impl Extractor {
                 self.make_dir(layer, &real, &shown)
             }
             tar::EntryType::Regular | tar::EntryType::Continuous => {
-                let size = entry.size();
-                self.check_size(layer, &shown, size)?;
+                self.check_size(layer, &shown, entry.size())?;
                 let real = self.resolve_parent(layer, &rel, &shown)?;
-                let mode = entry.header().mode().map_err(corrupt)?;
-                self.write_file(layer, &real, &shown, &mut entry, size, mode)
+                let mode = entry.mode()?;
+                self.write_file(layer, &real, &shown, &mut entry, mode)
             }
             tar::EntryType::Symlink => {
-                let target = entry
-                    .link_name()
-                    .map_err(corrupt)?
-                    .map(|t| t.into_owned())
-                    .unwrap_or_default();
+                let target = os_string(&entry.link_name());
                 let real = self.resolve_parent(layer, &rel, &shown)?;
-                self.symlink(layer, &real, &shown, &target)
+                self.symlink(layer, &real, &shown, Path::new(&target))
             }
             tar::EntryType::Link => {
-                let target = entry
-                    .link_name()
-                    .map_err(corrupt)?
-                    .map(|t| t.into_owned())
-                    .unwrap_or_default();
+                let target = os_string(&entry.link_name());
                 let real = self.resolve_parent(layer, &rel, &shown)?;
-                self.hard_link(layer, &real, &shown, &target)
+                self.hard_link(layer, &real, &shown, Path::new(&target))
             }
             other => Err(ExtractError::UnsupportedEntry {
                 layer,
@@ -649,8 +589,7 @@ impl Extractor {
         layer: usize,
         real: &[OsString],
         shown: &str,
-        data: &mut impl Read,
-        size: u64,
+        entry: &mut Entry<'_, '_>,
         mode: u32,
     ) -> Result<(), ExtractError> {
         self.make_parents(layer, real, shown)?;
@@ -663,22 +602,12 @@ impl Extractor {
             .mode(0o600)
             .open(&path)
             .map_err(io_err("creating", path.clone()))?;
-        let written = io::copy(&mut data.take(size), &mut file)
-            .map_err(|source| ExtractError::Corrupt { layer, source })?;
-        if written != size {
-            return Err(ExtractError::Corrupt {
-                layer,
-                source: io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    format!("{shown}: {written} of {size} bytes"),
-                ),
-            });
-        }
+        entry.copy_to(shown, &mut file)?;
         // Keep the permission bits only: never set-user-ID, set-group-ID or sticky.
         let mode = (mode & 0o755) | 0o400;
         fs::set_permissions(&path, fs::Permissions::from_mode(mode))
             .map_err(io_err("setting permissions of", path))?;
-        self.record_file(layer, real, size);
+        self.record_file(layer, real, entry.size());
         Ok(())
     }
 
@@ -770,7 +699,11 @@ impl Extractor {
             target: target.display().to_string(),
         };
         // Hard-link names are archive paths: relative to the root, never absolute.
-        let target_rel = archive_components(target).map_err(|_| escape())?;
+        let target_rel: Rel = archive_components(target.as_os_str().as_bytes())
+            .map_err(|_| escape())?
+            .iter()
+            .map(|c| os_string(c))
+            .collect();
         let resolved = self
             .resolve(layer, &target_rel, true, shown)?
             .ok_or_else(escape)?;
@@ -824,80 +757,6 @@ impl Extractor {
         }
         Ok(())
     }
-}
-
-/// Fails reads past a limit, and says so in the flag [`Bounded::new`] returns: a bound
-/// on the work a decompression bomb can cause, told apart from a corrupt stream.
-#[derive(Debug)]
-pub struct Bounded<R> {
-    inner: R,
-    remaining: u64,
-    exceeded: std::rc::Rc<std::cell::Cell<bool>>,
-}
-
-impl<R> Bounded<R> {
-    /// `inner`, failing reads past `limit` bytes; the flag turns true when one did.
-    pub fn new(inner: R, limit: u64) -> (Self, std::rc::Rc<std::cell::Cell<bool>>) {
-        let exceeded = std::rc::Rc::new(std::cell::Cell::new(false));
-        let bounded = Self {
-            inner,
-            remaining: limit,
-            exceeded: exceeded.clone(),
-        };
-        (bounded, exceeded)
-    }
-}
-
-impl<R: Read> Read for Bounded<R> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        if self.remaining == 0 {
-            // One more byte would exceed the limit: look without consuming meaningfully.
-            let mut probe = [0u8; 1];
-            return match self.inner.read(&mut probe)? {
-                0 => Ok(0),
-                _ => {
-                    self.exceeded.set(true);
-                    Err(io::Error::other("layer read limit exceeded"))
-                }
-            };
-        }
-        let max = usize::try_from(self.remaining)
-            .unwrap_or(usize::MAX)
-            .min(buf.len());
-        let n = self.inner.read(&mut buf[..max])?;
-        self.remaining -= n as u64;
-        Ok(n)
-    }
-}
-
-#[derive(Debug)]
-enum PathFault {
-    Absolute,
-    Parent,
-}
-
-impl PathFault {
-    fn error(self, layer: usize, path: &str) -> ExtractError {
-        let path = path.to_string();
-        match self {
-            Self::Absolute => ExtractError::AbsolutePath { layer, path },
-            Self::Parent => ExtractError::ParentTraversal { layer, path },
-        }
-    }
-}
-
-/// An archive path as relative components; absolute paths and `..` are faults.
-fn archive_components(path: &Path) -> Result<Rel, PathFault> {
-    let mut out = Vec::new();
-    for component in path.components() {
-        match component {
-            Component::RootDir | Component::Prefix(_) => return Err(PathFault::Absolute),
-            Component::ParentDir => return Err(PathFault::Parent),
-            Component::CurDir => {}
-            Component::Normal(name) => out.push(name.to_os_string()),
-        }
-    }
-    Ok(out)
 }
 
 #[cfg(test)]
