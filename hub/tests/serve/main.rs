@@ -18,6 +18,7 @@ use std::time::Duration;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::api::events::v1::Event;
+use kmm_api::ocm::MANAGED_CLUSTER;
 use kmm_proto::v1::{ModuleState, kernel_target::Target, pull_credential::Content};
 use kmm_runtime::pki::{CertificateAuthority, Leaf};
 use kube::Api;
@@ -733,8 +734,8 @@ async fn a_cluster_no_longer_accepted_loses_its_stream_at_once() {
     let cluster = format!("deny-{}", namespace.name.rsplit('-').next().unwrap_or("x"));
     let clusters = kmm_e2e::fleet::managed_clusters(&fleet.hub);
     let object: kube::core::DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "cluster.open-cluster-management.io/v1",
-        "kind": "ManagedCluster",
+        "apiVersion": MANAGED_CLUSTER.api_version(),
+        "kind": MANAGED_CLUSTER.kind,
         "metadata": { "name": cluster, "labels": { hub.cluster_label(): "yes" } },
         "spec": { "hubAcceptsClient": true },
     }))
