@@ -1,5 +1,6 @@
 //! The kmm-fleet hub API (`hub.kmm.sigs.x-k8s.io/v1beta1`): `ManagedClusterModule`, and
-//! `PreflightValidation`.
+//! `PreflightValidation`; and, in [`ocm`], the Open Cluster Management kinds and labels
+//! kmm-fleet works with.
 //!
 //! Wire-compatible with upstream Kernel Module Management: `spec.moduleSpec` is upstream's
 //! `Module` spec, field for field; kmm-fleet only adds fields, never renames them.
@@ -9,6 +10,7 @@ pub mod labels;
 mod managed_cluster_module;
 mod module_spec;
 mod node_upgrade;
+pub mod ocm;
 mod percent;
 mod placement_ref;
 mod preflight_validation;

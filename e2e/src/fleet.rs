@@ -41,7 +41,7 @@ pub use control_plane::{apply_crd, client_for};
 use network::{MAX_REAL_NODES, Network};
 pub use nodes::node_ready;
 use ocm::ocm_crds;
-pub use ocm::{CLUSTER_SET_LABEL, condition_true, managed_clusters};
+pub use ocm::{condition_true, managed_clusters};
 use simulated_nodes::simulated_nodes_of;
 pub use simulated_nodes::{KERNEL_LABEL, KWOK_NODE_ANNOTATION};
 use state::recorded_processes;

@@ -14,14 +14,12 @@ use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
 use k8s_openapi::api::core::v1::{Namespace, Secret};
+use kmm_api::ocm::{self, ADD_ON_TEMPLATE, CLUSTER_MANAGEMENT_ADD_ON, MANIFEST_WORK};
 use kmm_e2e::fixture::{Fleet, wait_until};
 use kmm_e2e::fleet::kmm::{self as fleet_kmm, ADDON, CLIENT_CERT_SECRET, SPOKE_NAMESPACE};
 use kmm_e2e::toolchain::Toolchain;
 use kmm_e2e::versions::Versions;
-use kube::api::{
-    ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams,
-    PostParams,
-};
+use kube::api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::{Value, json};
 use support::*;
@@ -40,12 +38,8 @@ fn toolchain() -> Result<Toolchain> {
     )?)
 }
 
-fn addon_api(hub: &Client, kind: &str, plural: &str) -> Api<DynamicObject> {
-    let gvk = GroupVersionKind::gvk("addon.open-cluster-management.io", "v1alpha1", kind);
-    Api::all_with(
-        hub.clone(),
-        &ApiResource::from_gvk_with_plural(&gvk, plural),
-    )
+fn addon_api(hub: &Client, resource: ocm::Resource) -> Api<DynamicObject> {
+    Api::all_with(hub.clone(), &resource.api_resource())
 }
 
 fn condition<'a>(object: &'a Value, type_: &str) -> Option<&'a Value> {
@@ -108,12 +102,8 @@ async fn ocm_deploys_kmm_signs_its_certificate_and_reports_it_available() -> Res
     let client = fleet.spoke(&spoke)?;
     fleet_kmm::wait_proxy_ready(client, WAIT).await?;
 
-    let gvk = GroupVersionKind::gvk("work.open-cluster-management.io", "v1", "ManifestWork");
-    let works: Api<DynamicObject> = Api::namespaced_with(
-        fleet.hub.clone(),
-        &spoke,
-        &ApiResource::from_gvk_with_plural(&gvk, "manifestworks"),
-    );
+    let works: Api<DynamicObject> =
+        Api::namespaced_with(fleet.hub.clone(), &spoke, &MANIFEST_WORK.api_resource());
     let work = works.get("addon-kmm-deploy-0").await?;
     for type_ in ["Applied", "Available"] {
         ensure!(
@@ -403,13 +393,13 @@ async fn enabling_a_cluster_loads_the_modules_waiting_for_it() -> Result<()> {
 
 /// Points the ClusterManagementAddOn at the AddOnTemplate `template`.
 async fn use_template(hub: &Client, template: &str) -> Result<()> {
-    let cmas = addon_api(hub, "ClusterManagementAddOn", "clustermanagementaddons");
+    let cmas = addon_api(hub, CLUSTER_MANAGEMENT_ADD_ON);
     let mut cma = cmas.get(ADDON).await?;
     let configs = cma.data["spec"]["supportedConfigs"]
         .as_array_mut()
         .context("supportedConfigs")?;
     for config in configs {
-        if config["resource"] == "addontemplates" {
+        if config["resource"] == ADD_ON_TEMPLATE.plural {
             config["defaultConfig"] = json!({ "name": template });
         }
     }
@@ -482,7 +472,7 @@ async fn a_new_template_version_rolls_the_proxy_and_agents_without_unloading() -
     let client = fleet.spoke(&spoke)?;
     let (id, name, targets) = loaded_module(&fleet, &spoke, "upgrade").await?;
 
-    let templates = addon_api(&fleet.hub, "AddOnTemplate", "addontemplates");
+    let templates = addon_api(&fleet.hub, ADD_ON_TEMPLATE);
     let current = templates.get("kmm-0.1.0").await?;
     let old_tag = serde_json::to_string(&current.data)?
         .split("kmm-node-agent:")
@@ -504,8 +494,8 @@ async fn a_new_template_version_rolls_the_proxy_and_agents_without_unloading() -
         .create(
             &PostParams::default(),
             &serde_json::from_value(json!({
-                "apiVersion": "addon.open-cluster-management.io/v1alpha1",
-                "kind": "AddOnTemplate",
+                "apiVersion": ADD_ON_TEMPLATE.api_version(),
+                "kind": ADD_ON_TEMPLATE.kind,
                 "metadata": next["metadata"],
                 "spec": next["spec"],
             }))?,

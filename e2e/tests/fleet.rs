@@ -9,6 +9,10 @@ use std::time::Duration;
 use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
+use kmm_api::ocm::{
+    self, ADD_ON_TEMPLATE, CLUSTER_MANAGEMENT_ADD_ON, MANAGED_CLUSTER_ADD_ON,
+    MANAGED_CLUSTER_SET_BINDING, MANIFEST_WORK, PLACEMENT, PLACEMENT_DECISION, PLACEMENT_LABEL,
+};
 use kmm_e2e::fixture::{Fleet, TempNamespace, wait_until};
 use kmm_e2e::fleet::nodes::NODE_TYPE_LABEL;
 use kmm_e2e::fleet::{
@@ -182,15 +186,11 @@ async fn a_manifestwork_lands_on_its_spoke_and_reports_status_feedback() -> Resu
     let names = fleet.spoke_names();
     let (target, other) = (&names[0], &names[1]);
     let namespace = unique("kmm-e2e-work");
-    let gvk = GroupVersionKind::gvk("work.open-cluster-management.io", "v1", "ManifestWork");
-    let works: Api<DynamicObject> = Api::namespaced_with(
-        fleet.hub.clone(),
-        target,
-        &ApiResource::from_gvk_with_plural(&gvk, "manifestworks"),
-    );
+    let works: Api<DynamicObject> =
+        Api::namespaced_with(fleet.hub.clone(), target, &MANIFEST_WORK.api_resource());
     let work: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "work.open-cluster-management.io/v1",
-        "kind": "ManifestWork",
+        "apiVersion": MANIFEST_WORK.api_version(),
+        "kind": MANIFEST_WORK.kind,
         "metadata": { "name": namespace },
         "spec": {
             "workload": { "manifests": [
@@ -399,21 +399,18 @@ async fn the_generated_mcm_crd_is_structural_and_an_mcm_round_trips() -> Result<
 async fn the_addon_apis_convert_between_versions_through_the_webhook() -> Result<()> {
     let fleet = Fleet::get().await?;
     let name = unique("kmm-e2e-addon");
-    let resource = |version: &str| {
-        let gvk = GroupVersionKind::gvk(
-            "addon.open-cluster-management.io",
-            version,
-            "ClusterManagementAddOn",
-        );
-        Api::<DynamicObject>::all_with(
-            fleet.hub.clone(),
-            &ApiResource::from_gvk_with_plural(&gvk, "clustermanagementaddons"),
-        )
+    let in_version = |version| ocm::Resource {
+        version,
+        ..CLUSTER_MANAGEMENT_ADD_ON
     };
-    let (v1alpha1, v1beta1) = (resource("v1alpha1"), resource("v1beta1"));
+    let (alpha, beta) = (in_version("v1alpha1"), in_version("v1beta1"));
+    let api = |resource: ocm::Resource| {
+        Api::<DynamicObject>::all_with(fleet.hub.clone(), &resource.api_resource())
+    };
+    let (v1alpha1, v1beta1) = (api(alpha), api(beta));
     let addon: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "addon.open-cluster-management.io/v1alpha1",
-        "kind": "ClusterManagementAddOn",
+        "apiVersion": alpha.api_version(),
+        "kind": alpha.kind,
         "metadata": { "name": name },
         "spec": {
             "addOnMeta": { "displayName": "e2e conversion probe" },
@@ -429,7 +426,7 @@ async fn the_addon_apis_convert_between_versions_through_the_webhook() -> Result
     v1alpha1.delete(&name, &DeleteParams::default()).await?;
     ensure!(
         converted.types.as_ref().map(|t| t.api_version.as_str())
-            == Some("addon.open-cluster-management.io/v1beta1"),
+            == Some(beta.api_version().as_str()),
         "not converted: {:?}",
         converted.types
     );
@@ -445,39 +442,28 @@ async fn the_addon_apis_convert_between_versions_through_the_webhook() -> Result
 async fn a_placement_selects_every_spoke() -> Result<()> {
     let fleet = Fleet::get().await?;
     let ns = TempNamespace::create(&fleet.hub, "kmm-e2e-placement").await?;
-    let api = |group: &str, version: &str, kind: &str, plural: &str| {
-        let gvk = GroupVersionKind::gvk(group, version, kind);
-        Api::<DynamicObject>::namespaced_with(
-            fleet.hub.clone(),
-            &ns.name,
-            &ApiResource::from_gvk_with_plural(&gvk, plural),
-        )
+    let api = |resource: ocm::Resource| {
+        Api::<DynamicObject>::namespaced_with(fleet.hub.clone(), &ns.name, &resource.api_resource())
     };
-    let group = "cluster.open-cluster-management.io";
-    let bindings = api(
-        group,
-        "v1beta2",
-        "ManagedClusterSetBinding",
-        "managedclustersetbindings",
-    );
+    let bindings = api(MANAGED_CLUSTER_SET_BINDING);
     let binding: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": format!("{group}/v1beta2"),
-        "kind": "ManagedClusterSetBinding",
+        "apiVersion": MANAGED_CLUSTER_SET_BINDING.api_version(),
+        "kind": MANAGED_CLUSTER_SET_BINDING.kind,
         "metadata": { "name": "global" },
         "spec": { "clusterSet": "global" },
     }))?;
     bindings.create(&PostParams::default(), &binding).await?;
-    let placements = api(group, "v1beta1", "Placement", "placements");
+    let placements = api(PLACEMENT);
     let placement: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": format!("{group}/v1beta1"),
-        "kind": "Placement",
+        "apiVersion": PLACEMENT.api_version(),
+        "kind": PLACEMENT.kind,
         "metadata": { "name": "all" },
         "spec": { "clusterSets": ["global"] },
     }))?;
     placements
         .create(&PostParams::default(), &placement)
         .await?;
-    let decisions = api(group, "v1beta1", "PlacementDecision", "placementdecisions");
+    let decisions = api(PLACEMENT_DECISION);
     let mut expected = fleet.spoke_names();
     expected.sort();
     let chosen = wait_until("a PlacementDecision naming every spoke", WAIT, || {
@@ -485,10 +471,7 @@ async fn a_placement_selects_every_spoke() -> Result<()> {
         let expected = expected.clone();
         async move {
             let list = decisions
-                .list(
-                    &kube::api::ListParams::default()
-                        .labels("cluster.open-cluster-management.io/placement=all"),
-                )
+                .list(&kube::api::ListParams::default().labels(&format!("{PLACEMENT_LABEL}=all")))
                 .await
                 .map_err(|e| e.to_string())?;
             let mut chosen: Vec<String> = list
@@ -522,18 +505,14 @@ async fn clusteradm_addon_enable_deploys_an_addon_template_to_the_chosen_spoke()
     let names = fleet.spoke_names();
     let (target, other) = (&names[0], &names[1]);
     let name = unique("e2e-probe");
-    let addon_api = |kind: &str, plural: &str| {
-        let gvk = GroupVersionKind::gvk("addon.open-cluster-management.io", "v1alpha1", kind);
-        Api::<DynamicObject>::all_with(
-            fleet.hub.clone(),
-            &ApiResource::from_gvk_with_plural(&gvk, plural),
-        )
+    let addon_api = |resource: ocm::Resource| {
+        Api::<DynamicObject>::all_with(fleet.hub.clone(), &resource.api_resource())
     };
-    let templates = addon_api("AddOnTemplate", "addontemplates");
-    let cmas = addon_api("ClusterManagementAddOn", "clustermanagementaddons");
+    let templates = addon_api(ADD_ON_TEMPLATE);
+    let cmas = addon_api(CLUSTER_MANAGEMENT_ADD_ON);
     let template: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "addon.open-cluster-management.io/v1alpha1",
-        "kind": "AddOnTemplate",
+        "apiVersion": ADD_ON_TEMPLATE.api_version(),
+        "kind": ADD_ON_TEMPLATE.kind,
         "metadata": { "name": name },
         "spec": {
             "addonName": name,
@@ -547,8 +526,8 @@ async fn clusteradm_addon_enable_deploys_an_addon_template_to_the_chosen_spoke()
     }))?;
     templates.create(&PostParams::default(), &template).await?;
     let cma: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "addon.open-cluster-management.io/v1alpha1",
-        "kind": "ClusterManagementAddOn",
+        "apiVersion": CLUSTER_MANAGEMENT_ADD_ON.api_version(),
+        "kind": CLUSTER_MANAGEMENT_ADD_ON.kind,
         "metadata": {
             "name": name,
             "annotations": { "addon.open-cluster-management.io/lifecycle": "addon-manager" },
@@ -556,8 +535,8 @@ async fn clusteradm_addon_enable_deploys_an_addon_template_to_the_chosen_spoke()
         "spec": {
             "addOnMeta": { "displayName": "e2e probe" },
             "supportedConfigs": [{
-                "group": "addon.open-cluster-management.io",
-                "resource": "addontemplates",
+                "group": ADD_ON_TEMPLATE.group,
+                "resource": ADD_ON_TEMPLATE.plural,
                 "defaultConfig": { "name": name },
             }],
             "installStrategy": { "type": "Manual" },
@@ -614,15 +593,10 @@ async fn clusteradm_addon_enable_deploys_an_addon_template_to_the_chosen_spoke()
         },
     )
     .await?;
-    let gvk = GroupVersionKind::gvk(
-        "addon.open-cluster-management.io",
-        "v1alpha1",
-        "ManagedClusterAddOn",
-    );
     let mcas: Api<DynamicObject> = Api::namespaced_with(
         fleet.hub.clone(),
         target,
-        &ApiResource::from_gvk_with_plural(&gvk, "managedclusteraddons"),
+        &MANAGED_CLUSTER_ADD_ON.api_resource(),
     );
     wait_until("the ManagedClusterAddOn to be Available", WAIT, || {
         let mcas = mcas.clone();

@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use kmm_api::{ManagedClusterModule, MaxUnavailable, PlacementRef};
+use kmm_api::{ManagedClusterModule, MaxUnavailable, PlacementRef, ocm};
 use kmm_resolver::{FieldError, ModuleIdentity, validate};
 use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, Operation};
@@ -147,7 +147,7 @@ fn placement_problems(
         } else {
             match placements.get(placement) {
                 Some(Lookup::Missing) => {
-                    "no such Placement (cluster.open-cluster-management.io/v1beta1)".to_owned()
+                    format!("no such Placement ({})", ocm::PLACEMENT.api_version())
                 }
                 Some(Lookup::Failed(why)) => format!("the Placement cannot be looked up: {why}"),
                 Some(Lookup::Exists) | None => continue,

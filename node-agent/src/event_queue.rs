@@ -124,6 +124,10 @@ impl Drop for EventReceiver {
 
 #[cfg(test)]
 mod tests {
+    use std::pin::{Pin, pin};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::task::{Context, Poll, Wake, Waker};
+
     use super::*;
     use crate::control::{EventAction, Outcome};
 
@@ -169,20 +173,51 @@ mod tests {
         assert_eq!(first.key, "m10", "the oldest modules' events went first");
     }
 
-    #[tokio::test]
-    async fn a_receiver_waits_for_the_next_event_and_ends_with_the_senders() {
+    /// A waker that remembers being woken. Awaiting in a test polls again anyway; in the
+    /// agent only the wake brings a parked receiver back.
+    #[derive(Default)]
+    struct Woken(AtomicBool);
+
+    impl Wake for Woken {
+        fn wake(self: Arc<Self>) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    impl Woken {
+        fn poll<F: Future>(self: &Arc<Self>, future: Pin<&mut F>) -> Poll<F::Output> {
+            let waker = Waker::from(self.clone());
+            future.poll(&mut Context::from_waker(&waker))
+        }
+
+        fn take(&self) -> bool {
+            self.0.swap(false, Ordering::SeqCst)
+        }
+    }
+
+    #[test]
+    fn a_waiting_receiver_is_woken_by_a_send_and_by_the_senders_going() {
         let (tx, mut rx) = event_queue();
         let other = tx.clone();
-        let waiter = tokio::spawn(async move {
-            let first = rx.recv().await;
-            let end = rx.recv().await;
-            (first, end)
-        });
-        other.send(event("a", Outcome::Success)).unwrap();
-        drop((tx, other));
-        let (first, end) = waiter.await.unwrap();
-        assert_eq!(first, Some(event("a", Outcome::Success)));
-        assert_eq!(end, None);
+        let woken = Arc::new(Woken::default());
+        {
+            let mut next = pin!(rx.recv());
+            assert!(woken.poll(next.as_mut()).is_pending(), "nothing sent yet");
+            other.send(event("a", Outcome::Success)).unwrap();
+            assert!(woken.take(), "the send wakes the waiting receiver");
+            assert_eq!(
+                woken.poll(next.as_mut()),
+                Poll::Ready(Some(event("a", Outcome::Success)))
+            );
+        }
+        let mut end = pin!(rx.recv());
+        assert!(woken.poll(end.as_mut()).is_pending());
+        drop(tx);
+        assert!(woken.take(), "a sender going wakes the receiver");
+        assert!(woken.poll(end.as_mut()).is_pending(), "one sender is left");
+        drop(other);
+        assert!(woken.take(), "the last sender going wakes the receiver");
+        assert_eq!(woken.poll(end.as_mut()), Poll::Ready(None));
     }
 
     #[test]

@@ -21,10 +21,9 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{Pod, Secret, ServiceAccount};
+use kmm_api::ocm::MANAGED_CLUSTER_ADD_ON;
 use kmm_runtime::pki::CertificateAuthority;
-use kube::api::{
-    ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, PostParams,
-};
+use kube::api::{DeleteParams, DynamicObject, ListParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -458,16 +457,7 @@ fn clusteradm_addon(
 
 /// The ManagedClusterAddOns on the hub, in `cluster`'s namespace.
 pub fn addons(hub: &Client, cluster: &str) -> Api<DynamicObject> {
-    let gvk = GroupVersionKind::gvk(
-        "addon.open-cluster-management.io",
-        "v1alpha1",
-        "ManagedClusterAddOn",
-    );
-    Api::namespaced_with(
-        hub.clone(),
-        cluster,
-        &ApiResource::from_gvk_with_plural(&gvk, "managedclusteraddons"),
-    )
+    Api::namespaced_with(hub.clone(), cluster, &MANAGED_CLUSTER_ADD_ON.api_resource())
 }
 
 /// Waits until the add-on on `cluster` is Available on the hub (OCM's health check: the

@@ -8,7 +8,8 @@ use base64::Engine as _;
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::ServiceAccount;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
-use kube::api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams};
+use kmm_api::ocm::{CLUSTER_SET_LABEL, MANAGED_CLUSTER};
+use kube::api::{DynamicObject, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::{Value, json};
 
@@ -35,8 +36,6 @@ const SPOKE_CRDS: &[&str] = &[
     "clusterclaims.cluster.open-cluster-management.io",
     "appliedmanifestworks.work.open-cluster-management.io",
 ];
-/// ManagedCluster label naming its ManagedClusterSet.
-pub const CLUSTER_SET_LABEL: &str = "cluster.open-cluster-management.io/clusterset";
 
 impl Starting {
     /// The OCM hub controllers; returns the bootstrap kubeconfig for klusterlet agents.
@@ -368,11 +367,7 @@ pub(super) fn crd_name(crd: &Value) -> &str {
 
 /// `ManagedCluster`s on the hub, as dynamic objects.
 pub fn managed_clusters(hub: &Client) -> Api<DynamicObject> {
-    let gvk = GroupVersionKind::gvk("cluster.open-cluster-management.io", "v1", "ManagedCluster");
-    Api::all_with(
-        hub.clone(),
-        &ApiResource::from_gvk_with_plural(&gvk, "managedclusters"),
-    )
+    Api::all_with(hub.clone(), &MANAGED_CLUSTER.api_resource())
 }
 
 /// Whether `status.conditions` of a dynamic object has `type` with status True.

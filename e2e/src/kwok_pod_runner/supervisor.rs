@@ -809,26 +809,72 @@ mod tests {
 
     const S: Duration = Duration::from_secs(1);
 
+    /// Every `[running, finished, ready, due]`.
+    fn every_container() -> impl Iterator<Item = [bool; 4]> {
+        (0..16).map(|bits: u8| [0, 1, 2, 3].map(|i| bits & (1 << i) != 0))
+    }
+
+    /// Whether the container runs once `action` is carried out: what the node ends up
+    /// with, whatever way `action` chose.
+    fn runs_after(running: bool, action: Action) -> bool {
+        match action {
+            Action::Kill => false,
+            Action::Start => true,
+            Action::Wait => running,
+        }
+    }
+
     #[test]
     fn a_powered_off_node_kills_and_starts_nothing() {
-        for running in [false, true] {
-            for finished in [false, true] {
-                for ready in [false, true] {
-                    for due in [false, true] {
-                        let off = action(true, running, finished, ready, due);
-                        let expected = if running { Action::Kill } else { Action::Wait };
-                        assert_eq!(off, expected, "{running} {finished} {ready} {due}");
-                        let on = action(false, running, finished, ready, due);
-                        let expected = if !running && !finished && ready && due {
-                            Action::Start
-                        } else {
-                            Action::Wait
-                        };
-                        assert_eq!(on, expected, "{running} {finished} {ready} {due}");
-                    }
-                }
-            }
+        for [running, finished, ready, due] in every_container() {
+            let chosen = action(true, running, finished, ready, due);
+            let case =
+                format!("{chosen:?} running {running} finished {finished} ready {ready} due {due}");
+            assert!(!runs_after(running, chosen), "still runs: {case}");
+            assert_eq!(
+                chosen == Action::Kill,
+                running,
+                "kills only what runs: {case}"
+            );
         }
+    }
+
+    #[test]
+    fn a_powered_node_starts_a_stopped_container_when_ready_due_and_not_finished() {
+        let on = |running, finished, ready, due| action(false, running, finished, ready, due);
+        assert_eq!(
+            on(false, false, true, true),
+            Action::Start,
+            "stopped, ready and due"
+        );
+        assert_eq!(on(true, false, true, true), Action::Wait, "already running");
+        assert_eq!(
+            on(false, false, true, false),
+            Action::Wait,
+            "its backoff is not over"
+        );
+        assert_eq!(
+            on(false, false, false, true),
+            Action::Wait,
+            "its pod is not ready"
+        );
+        assert_eq!(
+            on(false, true, true, true),
+            Action::Wait,
+            "its restart policy ended it"
+        );
+        let chosen: Vec<Action> = every_container()
+            .map(|[running, finished, ready, due]| on(running, finished, ready, due))
+            .collect();
+        assert!(
+            !chosen.contains(&Action::Kill),
+            "nothing is killed: {chosen:?}"
+        );
+        assert_eq!(
+            chosen.iter().filter(|a| **a == Action::Start).count(),
+            1,
+            "one combination of the 16 starts: {chosen:?}"
+        );
     }
 
     #[test]

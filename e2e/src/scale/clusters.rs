@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Namespace;
+use kmm_api::ocm::MANAGED_CLUSTER;
 use kube::api::{DeleteParams, DynamicObject, ListParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
@@ -34,8 +35,8 @@ pub async fn create(hub: &Client, run: &str, count: usize) -> Result<Vec<String>
     for_each(&names, |name| {
         let api = api.clone();
         let object: Result<DynamicObject, _> = serde_json::from_value(json!({
-            "apiVersion": "cluster.open-cluster-management.io/v1",
-            "kind": "ManagedCluster",
+            "apiVersion": MANAGED_CLUSTER.api_version(),
+            "kind": MANAGED_CLUSTER.kind,
             "metadata": { "name": name, "labels": { RUN_LABEL: run } },
             "spec": { "hubAcceptsClient": true },
         }));

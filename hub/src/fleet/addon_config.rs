@@ -8,14 +8,11 @@ use std::fmt;
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
+use kmm_api::ocm::ADD_ON_DEPLOYMENT_CONFIG as ADC;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-/// API group of OCM's add-on resources.
-pub const GROUP: &str = "addon.open-cluster-management.io";
-/// Resource (plural) of AddOnDeploymentConfigs in config references.
-pub const ADC_RESOURCE: &str = "addondeploymentconfigs";
 /// Prefix of the variables holding the hub's CA bundle: `HUB_CA_BUNDLE_1`,
 /// `HUB_CA_BUNDLE_2`, ... Concatenated in order they are the base64 of the CA certificate
 /// PEM.
@@ -92,7 +89,7 @@ pub struct ConfigRef {
 impl ConfigRef {
     /// The ADC this references, if it references one.
     fn deployment_config(&self) -> Option<ConfigName> {
-        if self.group != GROUP || self.resource != ADC_RESOURCE {
+        if self.group != ADC.group || self.resource != ADC.plural {
             return None;
         }
         let desired = self.desired_config.as_ref().filter(|d| d.is_complete());
@@ -133,7 +130,7 @@ impl ManagementAddOnSpec {
     fn default_config(&self) -> Option<ConfigName> {
         self.supported_configs
             .iter()
-            .filter(|c| c.group == GROUP && c.resource == ADC_RESOURCE)
+            .filter(|c| c.group == ADC.group && c.resource == ADC.plural)
             .find_map(|c| c.default_config.clone())
             .filter(ConfigName::is_complete)
     }
@@ -301,19 +298,20 @@ pub fn config_problem<'a>(
 mod tests {
     use std::collections::BTreeMap;
 
+    use kmm_api::ocm::ADD_ON_TEMPLATE as TEMPLATE;
     use serde_json::json;
 
     use super::*;
 
     fn adc_ref(namespace: &str, name: &str) -> serde_json::Value {
-        json!({"group": GROUP, "resource": ADC_RESOURCE, "namespace": namespace, "name": name})
+        json!({"group": ADC.group, "resource": ADC.plural, "namespace": namespace, "name": name})
     }
 
     fn management(default: Option<(&str, &str)>) -> ManagementAddOnSpec {
-        let mut supported = vec![json!({"group": GROUP, "resource": "addontemplates",
+        let mut supported = vec![json!({"group": TEMPLATE.group, "resource": TEMPLATE.plural,
             "defaultConfig": {"name": "kmm-template"}})];
         if let Some((namespace, name)) = default {
-            supported.push(json!({"group": GROUP, "resource": ADC_RESOURCE,
+            supported.push(json!({"group": ADC.group, "resource": ADC.plural,
                 "defaultConfig": {"namespace": namespace, "name": name}}));
         }
         parse(&json!({"supportedConfigs": supported, "installStrategy": {"type": "Manual"}}))
@@ -339,10 +337,10 @@ mod tests {
         ]}));
         let spec: AddOnSpec = parse(&json!({"configs": [
             adc_ref("spoke1", "own"),
-            {"group": GROUP, "resource": "addontemplates", "name": "t"},
+            {"group": TEMPLATE.group, "resource": TEMPLATE.plural, "name": "t"},
         ]}));
         let status: AddOnStatus = parse(&json!({"configReferences": [{
-            "group": GROUP, "resource": ADC_RESOURCE, "namespace": "old", "name": "old",
+            "group": ADC.group, "resource": ADC.plural, "namespace": "old", "name": "old",
             "desiredConfig": {"namespace": "spoke1", "name": "own", "specHash": "h"},
             "lastObservedGeneration": 1,
         }]}));
@@ -359,8 +357,8 @@ mod tests {
     #[test]
     fn incomplete_or_foreign_references_are_ignored() {
         let spec: AddOnSpec = parse(&json!({"configs": [
-            {"group": GROUP, "resource": ADC_RESOURCE, "name": "no-namespace"},
-            {"group": "other.example", "resource": ADC_RESOURCE, "namespace": "a", "name": "b"},
+            {"group": ADC.group, "resource": ADC.plural, "name": "no-namespace"},
+            {"group": "other.example", "resource": ADC.plural, "namespace": "a", "name": "b"},
         ]}));
         let status = AddOnStatus::default();
         assert!(used_configs(None, [(&spec, &status)]).is_empty());
@@ -372,7 +370,7 @@ mod tests {
         let cma = management(Some(("kmm", "defaults")));
         let own: AddOnSpec = parse(&json!({"configs": [adc_ref("spoke1", "own")]}));
         let resolved: AddOnStatus = parse(&json!({"configReferences": [
-            {"group": GROUP, "resource": "addontemplates", "name": "t"},
+            {"group": TEMPLATE.group, "resource": TEMPLATE.plural, "name": "t"},
             adc_ref("kmm", "first"),
             adc_ref("kmm", "second"),
         ]}));

@@ -4,35 +4,19 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use kmm_api::ocm::{self, DECISION_GROUP_INDEX_LABEL, DECISION_GROUP_NAME_LABEL};
 use kmm_api::{ManagedClusterModule, PlacementRef};
 use kube::ResourceExt;
-use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
+use kube::core::{ApiResource, DynamicObject};
 
 use super::rollout::Wave;
 
-/// On every PlacementDecision: the Placement that made it.
-pub const PLACEMENT_LABEL: &str = "cluster.open-cluster-management.io/placement";
-/// On every PlacementDecision: the index of its decision group.
-pub const GROUP_INDEX_LABEL: &str = "cluster.open-cluster-management.io/decision-group-index";
-/// On a PlacementDecision of a named decision group: the group's name.
-pub const GROUP_NAME_LABEL: &str = "cluster.open-cluster-management.io/decision-group-name";
+// The serve runtime names the decisions' label and resource through this module.
+pub use kmm_api::ocm::PLACEMENT_LABEL;
 
-const GROUP: &str = "cluster.open-cluster-management.io";
-
-/// `cluster.open-cluster-management.io/v1beta1` `Placement`.
-pub fn placement_resource() -> ApiResource {
-    ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk(GROUP, "v1beta1", "Placement"),
-        "placements",
-    )
-}
-
-/// `cluster.open-cluster-management.io/v1beta1` `PlacementDecision`.
+/// [`ocm::PLACEMENT_DECISION`], to watch.
 pub fn placement_decision_resource() -> ApiResource {
-    ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk(GROUP, "v1beta1", "PlacementDecision"),
-        "placementdecisions",
-    )
+    ocm::PLACEMENT_DECISION.api_resource()
 }
 
 /// A decision group of one Placement.
@@ -64,10 +48,13 @@ pub fn decided<'a>(
         };
         let group = DecisionGroup {
             index: labels
-                .get(GROUP_INDEX_LABEL)
+                .get(DECISION_GROUP_INDEX_LABEL)
                 .and_then(|i| i.parse().ok())
                 .unwrap_or_default(),
-            name: labels.get(GROUP_NAME_LABEL).cloned().unwrap_or_default(),
+            name: labels
+                .get(DECISION_GROUP_NAME_LABEL)
+                .cloned()
+                .unwrap_or_default(),
         };
         let clusters = decision.data["status"]["decisions"].as_array();
         for cluster in clusters.into_iter().flatten() {
@@ -126,8 +113,8 @@ mod tests {
 
     fn decision(namespace: &str, labels: serde_json::Value, clusters: &[&str]) -> DynamicObject {
         serde_json::from_value(json!({
-            "apiVersion": "cluster.open-cluster-management.io/v1beta1",
-            "kind": "PlacementDecision",
+            "apiVersion": ocm::PLACEMENT_DECISION.api_version(),
+            "kind": ocm::PLACEMENT_DECISION.kind,
             "metadata": {"name": "d", "namespace": namespace, "labels": labels},
             "status": {"decisions": clusters
                 .iter()
@@ -155,12 +142,12 @@ mod tests {
         let decisions = [
             decision(
                 "fleet",
-                json!({PLACEMENT_LABEL: "gpu", GROUP_INDEX_LABEL: "0", GROUP_NAME_LABEL: "canary"}),
+                json!({PLACEMENT_LABEL: "gpu", DECISION_GROUP_INDEX_LABEL: "0", DECISION_GROUP_NAME_LABEL: "canary"}),
                 &["spoke1"],
             ),
             decision(
                 "fleet",
-                json!({PLACEMENT_LABEL: "gpu", GROUP_INDEX_LABEL: "1"}),
+                json!({PLACEMENT_LABEL: "gpu", DECISION_GROUP_INDEX_LABEL: "1"}),
                 &["spoke2", "spoke3"],
             ),
             decision("fleet", json!({PLACEMENT_LABEL: "all"}), &["spoke2"]),
@@ -183,7 +170,7 @@ mod tests {
     fn a_module_without_placements_is_placed_everywhere_one_with_them_only_where_decided() {
         let placed = decided(&[decision(
             "fleet",
-            json!({PLACEMENT_LABEL: "gpu", GROUP_INDEX_LABEL: "2"}),
+            json!({PLACEMENT_LABEL: "gpu", DECISION_GROUP_INDEX_LABEL: "2"}),
             &["spoke1"],
         )]);
         let nowhere = Placed::new();

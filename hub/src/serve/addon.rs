@@ -14,8 +14,9 @@ use std::time::Duration;
 use futures::TryStreamExt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
+use kmm_api::ocm::{ADD_ON_DEPLOYMENT_CONFIG, CLUSTER_MANAGEMENT_ADD_ON, MANAGED_CLUSTER_ADD_ON};
 use kube::api::{Patch, PatchParams};
-use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
+use kube::core::{ApiResource, DynamicObject};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
@@ -24,7 +25,7 @@ use thiserror::Error;
 use tokio::sync::{Notify, watch};
 
 use crate::fleet::addon_config::{
-    AddOnSpec, AddOnStatus, ConfigName, DeploymentConfigSpec, GROUP, ManagementAddOnSpec, Variable,
+    AddOnSpec, AddOnStatus, ConfigName, DeploymentConfigSpec, ManagementAddOnSpec, Variable,
     ca_bundle_variables, config_problem, effective_config, lacks, parse, used_configs,
 };
 use crate::fleet::addon_status::{DEGRADED, degraded_condition, is_current, session};
@@ -32,7 +33,6 @@ use crate::fleet::addon_status::{DEGRADED, degraded_condition, is_current, sessi
 use super::controller::FIELD_MANAGER;
 use super::fleet_view::Connections;
 
-const VERSION: &str = "v1alpha1";
 /// Changes arriving together make one pass.
 const DEBOUNCE: Duration = Duration::from_millis(200);
 /// Level-based safety net: a pass at least this often.
@@ -43,25 +43,6 @@ const RETRY: Duration = Duration::from_secs(1);
 /// connected disconnected: after a failover the proxies take a moment to reconnect, and
 /// their add-ons should not all flap to degraded.
 const RECONNECT_GRACE: Duration = Duration::from_secs(10);
-
-fn resource(kind: &str, plural: &str) -> ApiResource {
-    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(GROUP, VERSION, kind), plural)
-}
-
-/// `ClusterManagementAddOn` (cluster-scoped).
-pub fn cluster_management_add_on_resource() -> ApiResource {
-    resource("ClusterManagementAddOn", "clustermanagementaddons")
-}
-
-/// `ManagedClusterAddOn` (in each cluster's namespace).
-pub fn managed_cluster_add_on_resource() -> ApiResource {
-    resource("ManagedClusterAddOn", "managedclusteraddons")
-}
-
-/// `AddOnDeploymentConfig` (namespaced).
-pub fn add_on_deployment_config_resource() -> ApiResource {
-    resource("AddOnDeploymentConfig", "addondeploymentconfigs")
-}
 
 #[derive(Debug, Error)]
 enum WriteError {
@@ -147,7 +128,7 @@ pub async fn run(
 ) {
     let changed = Arc::new(Notify::new());
     let by_name = || watcher::Config::default().fields(&format!("metadata.name={addon}"));
-    let cma_resource = cluster_management_add_on_resource();
+    let cma_resource = CLUSTER_MANAGEMENT_ADD_ON.api_resource();
     let (management, management_watch) = Watched::new(
         Api::all_with(client.clone(), &cma_resource),
         by_name(),
@@ -155,7 +136,7 @@ pub async fn run(
         changed.clone(),
         "ClusterManagementAddOn",
     );
-    let mca_resource = managed_cluster_add_on_resource();
+    let mca_resource = MANAGED_CLUSTER_ADD_ON.api_resource();
     let (addons, addons_watch) = Watched::new(
         Api::all_with(client.clone(), &mca_resource),
         by_name(),
@@ -163,7 +144,7 @@ pub async fn run(
         changed.clone(),
         "ManagedClusterAddOns",
     );
-    let adc_resource = add_on_deployment_config_resource();
+    let adc_resource = ADD_ON_DEPLOYMENT_CONFIG.api_resource();
     let (configs, configs_watch) = Watched::new(
         Api::all_with(client.clone(), &adc_resource),
         watcher::Config::default(),
@@ -351,11 +332,11 @@ impl Publisher {
         let api: Api<DynamicObject> = Api::namespaced_with(
             self.client.clone(),
             &namespace,
-            &add_on_deployment_config_resource(),
+            &ADD_ON_DEPLOYMENT_CONFIG.api_resource(),
         );
         let patch = json!({
-            "apiVersion": format!("{GROUP}/{VERSION}"),
-            "kind": "AddOnDeploymentConfig",
+            "apiVersion": ADD_ON_DEPLOYMENT_CONFIG.api_version(),
+            "kind": ADD_ON_DEPLOYMENT_CONFIG.kind,
             "metadata": {"name": adc.name_any(), "namespace": namespace, "uid": adc.uid()},
             "spec": {"customizedVariables": bundle},
         });
@@ -379,11 +360,11 @@ impl Publisher {
         let api: Api<DynamicObject> = Api::namespaced_with(
             self.client.clone(),
             &namespace,
-            &managed_cluster_add_on_resource(),
+            &MANAGED_CLUSTER_ADD_ON.api_resource(),
         );
         let patch = json!({
-            "apiVersion": format!("{GROUP}/{VERSION}"),
-            "kind": "ManagedClusterAddOn",
+            "apiVersion": MANAGED_CLUSTER_ADD_ON.api_version(),
+            "kind": MANAGED_CLUSTER_ADD_ON.kind,
             "metadata": {"name": mca.name_any(), "namespace": namespace, "uid": mca.uid()},
             "status": {"conditions": [condition]},
         });

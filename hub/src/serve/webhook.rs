@@ -16,6 +16,7 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use kmm_api::PlacementRef;
+use kmm_api::ocm;
 use kmm_runtime::serving::{self, ServingCertificate};
 use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview};
@@ -26,7 +27,6 @@ use tokio_rustls::TlsAcceptor;
 
 use super::metrics::Metrics;
 use crate::admission::{Lookup, VALIDATE_PATH, placements_to_check, review};
-use crate::fleet::placements::placement_resource;
 
 /// The apiserver sends at most 3 MiB objects; a review wraps one or two of them.
 const MAX_BODY: usize = 8 * 1024 * 1024;
@@ -155,7 +155,7 @@ async fn handle(
 }
 
 async fn look_up(client: &Client, wanted: Vec<PlacementRef>) -> BTreeMap<PlacementRef, Lookup> {
-    let resource = placement_resource();
+    let resource = ocm::PLACEMENT.api_resource();
     let mut found = BTreeMap::new();
     for placement in wanted {
         let api: Api<DynamicObject> =

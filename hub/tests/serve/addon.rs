@@ -11,11 +11,8 @@ use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
+use kmm_api::ocm::{ADD_ON_DEPLOYMENT_CONFIG, CLUSTER_MANAGEMENT_ADD_ON, MANAGED_CLUSTER_ADD_ON};
 use kmm_e2e::fixture::{Fleet, TempNamespace, wait_until};
-use kmm_hub::serve::addon::{
-    add_on_deployment_config_resource, cluster_management_add_on_resource,
-    managed_cluster_add_on_resource,
-};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::core::DynamicObject;
 use kube::{Api, ResourceExt};
@@ -25,7 +22,6 @@ use crate::support::*;
 
 const CLUSTER: &str = "spoke1";
 const CONFIG: &str = "defaults";
-const GROUP_VERSION: &str = "addon.open-cluster-management.io/v1alpha1";
 /// How soon a session opening or closing shows in the condition.
 const PROMPT: Duration = Duration::from_secs(5);
 
@@ -51,11 +47,14 @@ impl AddOn {
         let configs = Api::namespaced_with(
             client.clone(),
             &namespace.name,
-            &add_on_deployment_config_resource(),
+            &ADD_ON_DEPLOYMENT_CONFIG.api_resource(),
         );
-        let addons =
-            Api::namespaced_with(client.clone(), CLUSTER, &managed_cluster_add_on_resource());
-        let managements = Api::all_with(client.clone(), &cluster_management_add_on_resource());
+        let addons = Api::namespaced_with(
+            client.clone(),
+            CLUSTER,
+            &MANAGED_CLUSTER_ADD_ON.api_resource(),
+        );
+        let managements = Api::all_with(client.clone(), &CLUSTER_MANAGEMENT_ADD_ON.api_resource());
         let object = |value: Value| -> DynamicObject {
             serde_json::from_value(value).expect("a valid object")
         };
@@ -63,8 +62,8 @@ impl AddOn {
             .create(
                 &PostParams::default(),
                 &object(json!({
-                    "apiVersion": GROUP_VERSION,
-                    "kind": "AddOnDeploymentConfig",
+                    "apiVersion": ADD_ON_DEPLOYMENT_CONFIG.api_version(),
+                    "kind": ADD_ON_DEPLOYMENT_CONFIG.kind,
                     "metadata": {"name": CONFIG, "namespace": namespace.name},
                     "spec": {"customizedVariables": variables},
                 })),
@@ -75,14 +74,14 @@ impl AddOn {
             .create(
                 &PostParams::default(),
                 &object(json!({
-                    "apiVersion": GROUP_VERSION,
-                    "kind": "ClusterManagementAddOn",
+                    "apiVersion": CLUSTER_MANAGEMENT_ADD_ON.api_version(),
+                    "kind": CLUSTER_MANAGEMENT_ADD_ON.kind,
                     "metadata": {"name": name},
                     "spec": {
                         "addOnMeta": {"displayName": "kmm-hub test add-on"},
                         "supportedConfigs": [{
-                            "group": "addon.open-cluster-management.io",
-                            "resource": "addondeploymentconfigs",
+                            "group": ADD_ON_DEPLOYMENT_CONFIG.group,
+                            "resource": ADD_ON_DEPLOYMENT_CONFIG.plural,
                             "defaultConfig": {"name": CONFIG, "namespace": namespace.name},
                         }],
                         "installStrategy": {"type": "Manual"},
@@ -95,8 +94,8 @@ impl AddOn {
             .create(
                 &PostParams::default(),
                 &object(json!({
-                    "apiVersion": GROUP_VERSION,
-                    "kind": "ManagedClusterAddOn",
+                    "apiVersion": MANAGED_CLUSTER_ADD_ON.api_version(),
+                    "kind": MANAGED_CLUSTER_ADD_ON.kind,
                     "metadata": {"name": name, "namespace": CLUSTER},
                     "spec": {},
                 })),
@@ -198,8 +197,8 @@ impl AddOn {
     /// Applies `variables` as a user would, with a field manager of their own.
     async fn user_applies(&self, variables: Value) {
         let patch = json!({
-            "apiVersion": GROUP_VERSION,
-            "kind": "AddOnDeploymentConfig",
+            "apiVersion": ADD_ON_DEPLOYMENT_CONFIG.api_version(),
+            "kind": ADD_ON_DEPLOYMENT_CONFIG.kind,
             "metadata": {"name": CONFIG, "namespace": self.namespace.name},
             "spec": {"customizedVariables": variables},
         });
@@ -328,8 +327,8 @@ async fn a_missing_hub_address_degrades_the_add_on_naming_the_config_and_variabl
     let addon = AddOn::start(&fleet, json!([variable("LOG_LEVEL", "info")])).await;
     // A condition of someone else's, which the hub's must leave alone.
     let other = json!({
-        "apiVersion": GROUP_VERSION,
-        "kind": "ManagedClusterAddOn",
+        "apiVersion": MANAGED_CLUSTER_ADD_ON.api_version(),
+        "kind": MANAGED_CLUSTER_ADD_ON.kind,
         "metadata": {"name": addon.name, "namespace": CLUSTER},
         "status": {"conditions": [{
             "type": "KmmHubTestOther", "status": "True", "reason": "Test", "message": "kept",

@@ -18,6 +18,7 @@ use std::time::Duration;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::api::events::v1::Event;
+use kmm_api::ocm::MANAGED_CLUSTER;
 use kmm_proto::v1::{ModuleState, kernel_target::Target, pull_credential::Content};
 use kmm_runtime::pki::{CertificateAuthority, Leaf};
 use kube::Api;
@@ -441,21 +442,47 @@ async fn status_reports_become_counts_failures_and_events() {
     })
     .await;
     let events: Api<Event> = Api::all(fleet.hub.clone());
-    let reasons = kmm_e2e::fixture::wait_until("Events for hello-d", WAIT, || async {
+    let recorded = kmm_e2e::fixture::wait_until("Events for hello-d", WAIT, || async {
         let list = events
             .list(&ListParams::default().fields("regarding.name=hello-d"))
             .await
             .map_err(|e| e.to_string())?;
-        let reasons: Vec<String> = list.items.iter().filter_map(|e| e.reason.clone()).collect();
-        if reasons.iter().any(|r| r == "LoadFailed") && reasons.iter().any(|r| r == "Converged") {
-            Ok(reasons)
+        let reasons: Vec<&str> = list
+            .items
+            .iter()
+            .filter_map(|e| e.reason.as_deref())
+            .collect();
+        if reasons.contains(&"LoadFailed") && reasons.contains(&"Converged") {
+            Ok(list.items)
         } else {
             Err(format!("{reasons:?}"))
         }
     })
     .await
     .unwrap_or_else(|e| panic!("{e}"));
-    assert!(!reasons.is_empty());
+    // The wait saw both reasons; what each Event says is the test.
+    let event = |reason: &str| {
+        let event = recorded
+            .iter()
+            .find(|e| e.reason.as_deref() == Some(reason))
+            .expect("waited for");
+        (
+            event.type_.as_deref(),
+            event.note.as_deref().unwrap_or_default(),
+        )
+    };
+    let (type_, note) = event("LoadFailed");
+    assert_eq!(type_, Some("Warning"), "{note}");
+    assert!(
+        note.contains("node spoke1-node2") && note.contains("modprobe: LoadFailed on spoke1-node2"),
+        "the failure's Event names the node and its error: {note}"
+    );
+    let (type_, note) = event("Converged");
+    assert_eq!(type_, Some("Normal"), "{note}");
+    assert!(
+        note.contains("1 converged") && note.contains("3 loaded, 0 failed"),
+        "the convergence's Event gives the counts: {note}"
+    );
     hub.clean_up(namespace, &["hello-d"], &["spoke1"]).await;
 }
 
@@ -733,8 +760,8 @@ async fn a_cluster_no_longer_accepted_loses_its_stream_at_once() {
     let cluster = format!("deny-{}", namespace.name.rsplit('-').next().unwrap_or("x"));
     let clusters = kmm_e2e::fleet::managed_clusters(&fleet.hub);
     let object: kube::core::DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "cluster.open-cluster-management.io/v1",
-        "kind": "ManagedCluster",
+        "apiVersion": MANAGED_CLUSTER.api_version(),
+        "kind": MANAGED_CLUSTER.kind,
         "metadata": { "name": cluster, "labels": { hub.cluster_label(): "yes" } },
         "spec": { "hubAcceptsClient": true },
     }))

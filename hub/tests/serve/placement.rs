@@ -2,22 +2,16 @@
 //! PlacementDecisions choose the module's clusters, and their decision groups are the
 //! waves of a `ProgressivePerGroup` rollout.
 
+use kmm_api::ocm::{MANAGED_CLUSTER_SET_BINDING, PLACEMENT};
 use kmm_proto::v1::ModuleState;
 use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
-use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
+use kube::core::DynamicObject;
 use serde_json::json;
 
 use super::support::*;
 
 const NAME: &str = "hello-placed";
-
-fn resource(version: &str, kind: &str, plural: &str) -> ApiResource {
-    ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk("cluster.open-cluster-management.io", version, kind),
-        plural,
-    )
-}
 
 async fn create(api: &Api<DynamicObject>, object: serde_json::Value) {
     let object: DynamicObject = serde_json::from_value(object).expect("an OCM object");
@@ -54,32 +48,25 @@ async fn placement_decision_groups_are_waves_and_decisions_choose_the_clusters()
     let bindings: Api<DynamicObject> = Api::namespaced_with(
         hub.client.clone(),
         &ns,
-        &resource(
-            "v1beta2",
-            "ManagedClusterSetBinding",
-            "managedclustersetbindings",
-        ),
+        &MANAGED_CLUSTER_SET_BINDING.api_resource(),
     );
     create(
         &bindings,
         json!({
-            "apiVersion": "cluster.open-cluster-management.io/v1beta2",
-            "kind": "ManagedClusterSetBinding",
+            "apiVersion": MANAGED_CLUSTER_SET_BINDING.api_version(),
+            "kind": MANAGED_CLUSTER_SET_BINDING.kind,
             "metadata": {"name": "default"},
             "spec": {"clusterSet": "default"},
         }),
     )
     .await;
-    let placements: Api<DynamicObject> = Api::namespaced_with(
-        hub.client.clone(),
-        &ns,
-        &resource("v1beta1", "Placement", "placements"),
-    );
+    let placements: Api<DynamicObject> =
+        Api::namespaced_with(hub.client.clone(), &ns, &PLACEMENT.api_resource());
     create(
         &placements,
         json!({
-            "apiVersion": "cluster.open-cluster-management.io/v1beta1",
-            "kind": "Placement",
+            "apiVersion": PLACEMENT.api_version(),
+            "kind": PLACEMENT.kind,
             "metadata": {"name": "waves"},
             "spec": {
                 "clusterSets": ["default"],
