@@ -4,16 +4,10 @@
 use std::collections::BTreeMap;
 
 use kube::ResourceExt;
-use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
+use kube::core::DynamicObject;
 
 use super::assignment::ClusterFacts;
 use super::placements::Placed;
-
-/// `cluster.open-cluster-management.io/v1` `ManagedCluster`.
-pub fn managed_cluster_resource() -> ApiResource {
-    let gvk = GroupVersionKind::gvk("cluster.open-cluster-management.io", "v1", "ManagedCluster");
-    ApiResource::from_gvk_with_plural(&gvk, "managedclusters")
-}
 
 /// Strips a ManagedCluster down to what [`ClusterView`] reads of it (name, labels,
 /// `spec.hubAcceptsClient`) before a store keeps it: a real cluster's status (claims,

@@ -4,20 +4,12 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use kmm_api::ocm::{self, DECISION_GROUP_INDEX_LABEL, DECISION_GROUP_NAME_LABEL};
+use kmm_api::ocm::{DECISION_GROUP_INDEX_LABEL, DECISION_GROUP_NAME_LABEL, PLACEMENT_LABEL};
 use kmm_api::{ManagedClusterModule, PlacementRef};
 use kube::ResourceExt;
-use kube::core::{ApiResource, DynamicObject};
+use kube::core::DynamicObject;
 
 use super::rollout::Wave;
-
-// The serve runtime names the decisions' label and resource through this module.
-pub use kmm_api::ocm::PLACEMENT_LABEL;
-
-/// [`ocm::PLACEMENT_DECISION`], to watch.
-pub fn placement_decision_resource() -> ApiResource {
-    ocm::PLACEMENT_DECISION.api_resource()
-}
 
 /// A decision group of one Placement.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -108,6 +100,8 @@ mod tests {
     use serde_json::json;
 
     use kmm_api::testing::ModuleBuilder;
+
+    use kmm_api::ocm;
 
     use super::*;
 

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::ControllerRevision;
 use k8s_openapi::api::core::v1::Secret;
-use kmm_api::{ManagedClusterModule, PreflightValidation};
+use kmm_api::{ManagedClusterModule, PreflightValidation, ocm};
 use kmm_proto::limits;
 use kmm_proto::v1::hub_server::HubServer;
 use kmm_runtime::health::Health;
@@ -53,9 +53,8 @@ use self::sync_service::SyncService;
 use self::watches::{Seen, reflected, wait_synced, watch_into};
 use self::webhook::WebhookError;
 use crate::build::BuildJobs;
-use crate::fleet::cluster_view::{managed_cluster_resource, trim_managed_cluster};
+use crate::fleet::cluster_view::trim_managed_cluster;
 use crate::fleet::pacer::Pacer;
-use crate::fleet::placements::{self, placement_decision_resource};
 use crate::fleet::revisions;
 
 /// Everything `serve` needs besides its clients and listeners.
@@ -222,12 +221,12 @@ pub async fn run(
         .subscribe()
         .expect("a shared store has subscribers");
     let controller = Controller::for_shared_stream(module_events, module_store.clone());
-    let cluster_resource = managed_cluster_resource();
+    let cluster_resource = ocm::MANAGED_CLUSTER.api_resource();
     let clusters_writer = reflector::store::Writer::<DynamicObject>::new(cluster_resource.clone());
     let secrets_writer = reflector::store::Writer::<Secret>::default();
     let revisions_writer = reflector::store::Writer::<ControllerRevision>::default();
     let preflights_writer = reflector::store::Writer::<PreflightValidation>::default();
-    let decision_resource = placement_decision_resource();
+    let decision_resource = ocm::PLACEMENT_DECISION.api_resource();
     let decisions_writer =
         reflector::store::Writer::<DynamicObject>::new(decision_resource.clone());
     let stores = Stores {
@@ -302,7 +301,7 @@ pub async fn run(
             decisions_writer,
             watcher(
                 decisions_api,
-                watcher::Config::default().labels(placements::PLACEMENT_LABEL),
+                watcher::Config::default().labels(ocm::PLACEMENT_LABEL),
             )
             .modify(|decision| decision.metadata.managed_fields = None),
         ),

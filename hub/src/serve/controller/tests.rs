@@ -21,9 +21,8 @@ use serde_json::{Value, json};
 use tower_test::mock::{Handle, SendResponse};
 
 use super::*;
-use crate::fleet::cluster_view::managed_cluster_resource;
-use crate::fleet::placements::placement_decision_resource;
 use crate::serve::fleet_view::Stores;
+use kmm_api::ocm;
 
 type ApiServer = Handle<Request<Body>, Response<Body>>;
 
@@ -60,7 +59,7 @@ struct Harness {
 fn harness(clusters: &[&str], unload_timeout: Duration) -> Harness {
     let (service, server) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
     let client = Client::new(service, "default");
-    let mut cluster_writer = Writer::<DynamicObject>::new(managed_cluster_resource());
+    let mut cluster_writer = Writer::<DynamicObject>::new(ocm::MANAGED_CLUSTER.api_resource());
     for name in clusters {
         let cluster: DynamicObject = serde_json::from_value(json!({
             "apiVersion": "cluster.open-cluster-management.io/v1",
@@ -77,7 +76,7 @@ fn harness(clusters: &[&str], unload_timeout: Duration) -> Harness {
         secrets: Writer::default().as_reader(),
         revisions: Writer::default().as_reader(),
         preflights: Writer::default().as_reader(),
-        decisions: Writer::<DynamicObject>::new(placement_decision_resource()).as_reader(),
+        decisions: Writer::<DynamicObject>::new(ocm::PLACEMENT_DECISION.api_resource()).as_reader(),
     };
     let state = Arc::new(FleetView::new(stores, Metrics::default()));
     state.set_synced();

@@ -7,14 +7,14 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use k8s_openapi::api::apps::v1::ControllerRevision;
 use k8s_openapi::api::core::v1::Secret;
-use kmm_api::{ManagedClusterModule, PreflightValidation};
+use kmm_api::{ManagedClusterModule, PreflightValidation, ocm};
 use kmm_proto::v1::PullCredential;
 use kube::ResourceExt;
 use kube::core::{ApiResource, DynamicObject};
 use kube::runtime::reflector::{ObjectRef, Store};
 
 use crate::fleet::assignment::{ClusterFacts, is_deleting, is_selected};
-use crate::fleet::cluster_view::{ClusterView, managed_cluster_resource};
+use crate::fleet::cluster_view::ClusterView;
 use crate::fleet::credentials;
 use crate::fleet::placements::{Placed, decided, wave};
 use crate::fleet::revisions::MODULE_LABEL;
@@ -67,7 +67,7 @@ impl FleetIndex {
     pub fn new(stores: Stores) -> Self {
         Self {
             stores,
-            cluster_resource: managed_cluster_resource(),
+            cluster_resource: ocm::MANAGED_CLUSTER.api_resource(),
             views: Mutex::default(),
             placed: RwLock::default(),
             modules: Mutex::default(),

@@ -111,19 +111,19 @@ mod tests {
     use kube::runtime::reflector::store::{Writer, store};
 
     use super::*;
-    use crate::fleet::cluster_view::managed_cluster_resource;
-    use crate::fleet::placements::placement_decision_resource;
     use crate::serve::outbound::{Outbound, OutboundSender};
     use crate::serve::sync_service::ClusterStreams;
+    use kmm_api::ocm;
 
     fn view() -> FleetView {
         let stores = Stores {
             modules: store().0,
-            clusters: Writer::<DynamicObject>::new(managed_cluster_resource()).as_reader(),
+            clusters: Writer::<DynamicObject>::new(ocm::MANAGED_CLUSTER.api_resource()).as_reader(),
             secrets: store().0,
             revisions: store().0,
             preflights: store().0,
-            decisions: Writer::<DynamicObject>::new(placement_decision_resource()).as_reader(),
+            decisions: Writer::<DynamicObject>::new(ocm::PLACEMENT_DECISION.api_resource())
+                .as_reader(),
         };
         FleetView::new(stores, Metrics::default())
     }
