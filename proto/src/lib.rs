@@ -28,6 +28,10 @@ pub mod limits {
     pub const AGENT_MESSAGE: usize = 1 << 20;
     /// Proxy to agent (`AgentInstruction`): one node's desired modules.
     pub const AGENT_INSTRUCTION: usize = 16 << 20;
+    /// The highest intent revision a peer may name. Revisions grow by one per snapshot a
+    /// cluster is sent: at one a millisecond this lasts 285,000 years, so a peer naming
+    /// more is broken or hostile, and the hub's next revision can never overflow.
+    pub const MAX_INTENT_REVISION: u64 = 1 << 53;
 }
 
 /// A node status report cut into parts of at most `max_bytes` of entries each (at least

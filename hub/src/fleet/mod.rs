@@ -18,6 +18,7 @@ pub mod outbox;
 pub mod pacer;
 pub mod placements;
 pub mod preflight;
+pub mod proxy_hello;
 pub mod readiness;
 pub mod revisions;
 pub mod rollout;

@@ -37,7 +37,9 @@ impl Outbox {
             return None;
         }
         if !unchanged || self.applied > last_revision || last_revision == 0 {
-            content.revision = last_revision.max(self.applied) + 1;
+            // Saturating: a hello's revision is bounded (`MAX_INTENT_REVISION`), but a
+            // wrap to 0 would make every later report count as up to date.
+            content.revision = last_revision.max(self.applied).saturating_add(1);
         }
         let mut generations = BTreeMap::new();
         for intent in &content.modules {
@@ -69,6 +71,14 @@ impl Outbox {
         self.generations
             .get(&(namespace.to_owned(), name.to_owned()))
             .is_some_and(|&(sent, revision)| Some(sent) == generation && acked >= revision)
+    }
+
+    /// What a report's intent revision may acknowledge: no more than the proxy can have
+    /// applied, i.e. the newest revision sent, or the one its hello named. A report naming
+    /// a later one would count snapshots it never had as applied.
+    pub fn acknowledged(&self, reported: u64) -> u64 {
+        let newest = self.last.as_ref().map_or(0, |s| s.revision);
+        reported.min(newest.max(self.applied))
     }
 
     /// The last snapshot sent, if any.
@@ -194,5 +204,34 @@ mod tests {
         // A module left out of the snapshot is reflected no more.
         outbox.offer(with_generation(&["b"], 2)).unwrap();
         assert!(!outbox.reflects("drivers", "a", Some(2), 4));
+    }
+
+    #[test]
+    fn a_hello_at_the_top_revision_never_wraps_to_zero() {
+        let mut outbox = Outbox::default();
+        outbox.new_stream(u64::MAX);
+        let sent = outbox
+            .offer(snapshot(&["a"]))
+            .expect("the first snapshot goes out");
+        assert_eq!(
+            sent.revision,
+            u64::MAX,
+            "saturates rather than wrapping to 0"
+        );
+    }
+
+    #[test]
+    fn a_report_acknowledges_no_revision_the_proxy_was_not_sent() {
+        let mut outbox = Outbox::default();
+        outbox.new_stream(7);
+        assert_eq!(
+            outbox.acknowledged(u64::MAX),
+            7,
+            "the hello's revision at most"
+        );
+        let sent = outbox.offer(snapshot(&["a"])).unwrap();
+        assert_eq!(sent.revision, 8);
+        assert_eq!(outbox.acknowledged(u64::MAX), 8);
+        assert_eq!(outbox.acknowledged(5), 5);
     }
 }

@@ -19,6 +19,7 @@ use tonic::{Code, Request, Response, Status, Streaming};
 use x509_parser::prelude::{FromDer, X509Certificate};
 
 use crate::fleet::cluster_identity::ClusterIdentity;
+use crate::fleet::proxy_hello;
 use crate::fleet::shared_snapshot::SharedSnapshot;
 
 use super::fleet_view::SessionId;
@@ -166,6 +167,9 @@ async fn serve_stream(
             );
         }
     };
+    if let Err(why) = proxy_hello::check(&hello) {
+        return refuse(Code::InvalidArgument, why);
+    }
     let mut synced = state.synced();
     tokio::select! {
         synced = synced.wait_for(|synced| *synced) => if synced.is_err() {

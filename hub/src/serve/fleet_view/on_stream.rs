@@ -135,6 +135,7 @@ impl ClusterStreams for FleetView {
             Err(refused) => return refuse_report(cluster, &session, &refused),
         };
         session.statuses_known |= full;
+        let acked = session.outbox.acknowledged(acked);
         let newly_acked = acked > session.acked_revision;
         session.acked_revision = session.acked_revision.max(acked);
         // Only a confirmed unload (the module leaves the snapshot) or a module the
