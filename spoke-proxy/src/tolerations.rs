@@ -34,11 +34,14 @@ const BUILT_IN: &[&str] = &[
     "node.kubernetes.io/pid-pressure",
 ];
 
-/// Taints Kubernetes itself sets from a node's conditions, and cordoning. They say what
-/// the node is going through, not what a user wants: they may hold back a new load, but
-/// never unload a module already there (a node that is briefly NotReady or unreachable
-/// keeps its driver). Only a user's change unloads.
-const NODE_CONDITION: &[&str] = &[
+/// Taints that say what a node is going through, not what a user wants: those Kubernetes
+/// sets from a node's conditions and cordoning, and those the common node lifecycle tools
+/// set while they drain, replace or shut a node down (the cluster autoscaler, Karpenter,
+/// cloud providers' node controllers, Cluster API, the non-graceful shutdown an admin
+/// declares). They may hold back a new load, but never unload a module already there: a
+/// node that is briefly NotReady, or being drained for deletion, keeps its driver until
+/// it is gone. Only a user's change unloads.
+const NODE_LIFECYCLE: &[&str] = &[
     "node.kubernetes.io/not-ready",
     "node.kubernetes.io/unreachable",
     "node.kubernetes.io/network-unavailable",
@@ -46,6 +49,13 @@ const NODE_CONDITION: &[&str] = &[
     "node.kubernetes.io/disk-pressure",
     "node.kubernetes.io/memory-pressure",
     "node.kubernetes.io/pid-pressure",
+    "node.kubernetes.io/out-of-service",
+    "node.cloudprovider.kubernetes.io/shutdown",
+    "node.cloudprovider.kubernetes.io/uninitialized",
+    "ToBeDeletedByClusterAutoscaler",
+    "karpenter.sh/disrupted",
+    "karpenter.sh/disruption",
+    "node.cluster.x-k8s.io/uninitialized",
 ];
 
 /// What a node's taints mean for one module.
@@ -53,8 +63,8 @@ const NODE_CONDITION: &[&str] = &[
 pub enum TaintVerdict<'a> {
     /// Nothing keeps the module off the node.
     Allowed,
-    /// Only Kubernetes' own condition taints: no new load starts, a module already on
-    /// the node stays.
+    /// Only condition and lifecycle taints: no new load starts, a module already on the
+    /// node stays.
     HoldsNewLoads(&'a Taint),
     /// A `NoSchedule` or `NoExecute` taint of a user's that no toleration tolerates
     /// (`PreferNoSchedule` never counts, as upstream KMM): the module leaves the node.
@@ -71,7 +81,7 @@ pub fn verdict<'a>(tolerations: &[Toleration], taints: &'a [Taint]) -> TaintVerd
     let (mut user, mut condition) = (None, None);
     for taint in untolerated.by_ref() {
         let key = taint.key.as_str();
-        if !NODE_CONDITION.contains(&key) {
+        if !NODE_LIFECYCLE.contains(&key) {
             user = user.or(Some(taint));
         } else if !(taint.effect == "NoSchedule" && BUILT_IN.contains(&key)) {
             condition = condition.or(Some(taint));
@@ -118,7 +128,7 @@ mod tests {
 
     #[test]
     fn kubernetes_condition_taints_hold_new_loads_whatever_their_effect() {
-        for key in NODE_CONDITION {
+        for key in NODE_LIFECYCLE {
             for effect in ["NoSchedule", "NoExecute"] {
                 let taints = [taint(key, "", effect)];
                 if effect == "NoSchedule" && BUILT_IN.contains(key) {
@@ -265,5 +275,31 @@ mod tests {
         let everything = [tol("", "Exists", "", "")];
         assert_eq!(verdict(&everything, &taints), TaintVerdict::Allowed);
         assert_eq!(verdict(&[], &[]), TaintVerdict::Allowed);
+    }
+
+    #[test]
+    fn drains_and_shutdowns_of_lifecycle_tools_never_unload() {
+        for key in [
+            "ToBeDeletedByClusterAutoscaler",
+            "karpenter.sh/disrupted",
+            "karpenter.sh/disruption",
+            "node.cloudprovider.kubernetes.io/shutdown",
+            "node.kubernetes.io/out-of-service",
+        ] {
+            for effect in ["NoSchedule", "NoExecute"] {
+                let taints = [taint(key, "", effect)];
+                assert_eq!(
+                    verdict(&[], &taints),
+                    TaintVerdict::HoldsNewLoads(&taints[0]),
+                    "{key}:{effect}"
+                );
+            }
+        }
+        // A user's own taint beside them still decides.
+        let taints = [
+            taint("ToBeDeletedByClusterAutoscaler", "", "NoSchedule"),
+            taint("team", "gpu", "NoSchedule"),
+        ];
+        assert_eq!(verdict(&[], &taints), TaintVerdict::Excludes(&taints[1]));
     }
 }
