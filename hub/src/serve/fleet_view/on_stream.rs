@@ -56,6 +56,11 @@ impl ClusterStreams for FleetView {
         if let (Some(why), Some((_, stream))) = (self.sessions.ending_reason(), &session.stream) {
             stream.end(tonic::Code::Unavailable, why);
         }
+        // Likewise for a denial: one that came between the service's check and now found
+        // no stream to end.
+        if self.is_synced() && !self.index.cluster_view(cluster).is_some_and(|v| v.accepted) {
+            self.deny(cluster, &session);
+        }
         self.sessions.opened(cluster);
         self.connection_changed(cluster, &session);
         id

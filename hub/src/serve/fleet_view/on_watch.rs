@@ -11,7 +11,7 @@ use crate::fleet::revisions::MODULE_LABEL;
 
 use super::index::ViewChange;
 use super::sessions::ClusterSession;
-use super::{FleetView, lock};
+use super::{FleetView, gauge, lock};
 
 impl FleetView {
     /// A ManagedClusterModule was reconciled: recompute the clusters it concerns when what
@@ -45,13 +45,27 @@ impl FleetView {
         let Some(ViewChange { before, now }) = self.index.remember_view(cluster) else {
             return;
         };
-        let selection_changed = self.index.selection_changed(before.as_ref(), now.as_ref());
+        let mut selection_changed = self.index.selection_changed(before.as_ref(), now.as_ref());
         if let Some(session) = self.sessions.get(cluster) {
             let mut session = lock(&session);
             if now.as_ref().is_none_or(|v| !v.accepted) {
                 self.deny(cluster, &session);
             } else {
                 self.recompute(cluster, &mut session);
+            }
+            if now.is_none() {
+                // The cluster is gone from the fleet: nothing it last reported can be
+                // confirmed any more, so it holds no deletion.
+                selection_changed.extend(session.carried().map(str::to_owned));
+                if session.stream.take().is_some() {
+                    // Its stream, ended above, finds no session to close.
+                    self.sessions.closed(cluster);
+                    self.metrics
+                        .connected_clusters
+                        .set(gauge(self.sessions.open_count()));
+                }
+                drop(session);
+                self.sessions.remove(cluster);
             }
         }
         if !selection_changed.is_empty() {
@@ -129,7 +143,7 @@ impl FleetView {
     }
 
     /// Ends the stream of a cluster the hub no longer accepts.
-    fn deny(&self, cluster: &str, session: &ClusterSession) {
+    pub(super) fn deny(&self, cluster: &str, session: &ClusterSession) {
         if let Some((_, stream)) = &session.stream {
             tracing::warn!(
                 cluster,

@@ -215,6 +215,14 @@ impl Sessions {
             .collect()
     }
 
+    /// Forgets a cluster's session (its ManagedCluster is gone).
+    pub fn remove(&self, cluster: &str) {
+        self.clusters
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(cluster);
+    }
+
     pub fn next_id(&self) -> SessionId {
         self.next_id.fetch_add(1, Ordering::Relaxed)
     }

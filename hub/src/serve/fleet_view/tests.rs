@@ -1,0 +1,184 @@
+//! The fleet view over stores a test writes, and sessions it opens.
+
+use kmm_api::testing::ModuleBuilder;
+use kmm_api::{ManagedClusterModule, ocm};
+use kmm_proto::v1::{ModuleKey, ModuleNodeKey, ModuleNodeStatus, ModuleState, NodeStatusReport};
+use kube::core::DynamicObject;
+use kube::runtime::reflector::store::{Writer, store};
+use kube::runtime::watcher;
+
+use super::*;
+use crate::fleet::assignment::FINALIZER;
+use crate::serve::outbound::{Outbound, OutboundSender};
+use crate::serve::sync_service::ClusterStreams;
+
+fn view() -> FleetView {
+    let stores = Stores {
+        modules: store().0,
+        clusters: Writer::<DynamicObject>::new(ocm::MANAGED_CLUSTER.api_resource()).as_reader(),
+        secrets: store().0,
+        revisions: store().0,
+        preflights: store().0,
+        decisions: Writer::<DynamicObject>::new(ocm::PLACEMENT_DECISION.api_resource()).as_reader(),
+    };
+    FleetView::new(stores, Metrics::default())
+}
+
+#[test]
+fn connections_follow_the_current_stream_of_each_cluster() {
+    let view = view();
+    let mut connections = view.connections();
+    let first = view.open_session("spoke1", 0, OutboundSender::default());
+    assert!(connections.has_changed().unwrap());
+    assert!(connections.borrow_and_update().open.contains("spoke1"));
+    let second = view.open_session("spoke1", 0, OutboundSender::default());
+    // The replaced stream's end leaves the cluster connected.
+    view.close_session("spoke1", first);
+    assert!(!connections.has_changed().unwrap());
+    view.close_session("spoke1", second);
+    let now = connections.borrow_and_update().clone();
+    assert!(now.open.is_empty());
+    assert!(now.closed_at.contains_key("spoke1"));
+    view.open_session("spoke1", 0, OutboundSender::default());
+    let again = connections.borrow_and_update().clone();
+    assert!(again.open.contains("spoke1"));
+    assert!(again.closed_at.is_empty(), "open again: no longer closed");
+}
+
+#[test]
+fn streams_end_when_the_hub_stops_even_those_opened_after() {
+    let view = view();
+    let before = OutboundSender::default();
+    let ended_before = before.subscribe();
+    view.open_session("spoke1", 0, before);
+    view.end_streams("the hub is shutting down");
+    let after = OutboundSender::default();
+    let ended_after = after.subscribe();
+    view.open_session("spoke2", 0, after);
+    let shutdown = Outbound::End(tonic::Code::Unavailable, "the hub is shutting down".into());
+    assert_eq!(*ended_before.borrow(), shutdown);
+    assert_eq!(*ended_after.borrow(), shutdown);
+    assert_eq!(
+        *ClusterStreams::ending(&view).borrow(),
+        Some("the hub is shutting down".to_owned())
+    );
+}
+
+/// A synced fleet view over stores the test writes.
+struct Fleet {
+    view: FleetView,
+    modules: Writer<ManagedClusterModule>,
+    clusters: Writer<DynamicObject>,
+}
+
+impl Fleet {
+    fn new() -> Self {
+        let modules = Writer::<ManagedClusterModule>::default();
+        let clusters = Writer::<DynamicObject>::new(ocm::MANAGED_CLUSTER.api_resource());
+        let stores = Stores {
+            modules: modules.as_reader(),
+            clusters: clusters.as_reader(),
+            secrets: store().0,
+            revisions: store().0,
+            preflights: store().0,
+            decisions: Writer::<DynamicObject>::new(ocm::PLACEMENT_DECISION.api_resource())
+                .as_reader(),
+        };
+        let view = FleetView::new(stores, Metrics::default());
+        view.set_synced();
+        Self {
+            view,
+            modules,
+            clusters,
+        }
+    }
+
+    fn managed_cluster(name: &str) -> DynamicObject {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "cluster.open-cluster-management.io/v1",
+            "kind": "ManagedCluster",
+            "metadata": {"name": name, "labels": {"env": "prod"}},
+            "spec": {"hubAcceptsClient": true},
+        }))
+        .unwrap()
+    }
+
+    fn add_cluster(&mut self, name: &str) {
+        let cluster = Self::managed_cluster(name);
+        self.clusters
+            .apply_watcher_event(&watcher::Event::Apply(cluster));
+        self.view.cluster_changed(name);
+    }
+
+    fn delete_cluster(&mut self, name: &str) {
+        let cluster = Self::managed_cluster(name);
+        self.clusters
+            .apply_watcher_event(&watcher::Event::Delete(cluster));
+        self.view.cluster_changed(name);
+    }
+
+    fn add_module(&mut self, module: ManagedClusterModule) {
+        self.modules
+            .apply_watcher_event(&watcher::Event::Apply(module.clone()));
+        self.view.note_module(&module);
+    }
+}
+
+fn loaded_on(node: &str) -> NodeStatusReport {
+    NodeStatusReport {
+        full: true,
+        statuses: vec![ModuleNodeStatus {
+            key: Some(ModuleNodeKey {
+                module: Some(ModuleKey {
+                    namespace: "drivers".into(),
+                    name: "hello".into(),
+                }),
+                node: node.into(),
+            }),
+            state: ModuleState::Loaded.into(),
+            ..ModuleNodeStatus::default()
+        }],
+        ..NodeStatusReport::default()
+    }
+}
+
+#[test]
+fn a_stream_of_a_cluster_not_accepted_ends_even_when_its_denial_came_first() {
+    let fleet = Fleet::new();
+    // The service's early check passed; the ManagedCluster went before the stream was
+    // registered, and its denial found nothing to end.
+    let outbound = OutboundSender::default();
+    let ended = outbound.subscribe();
+    fleet.view.open_session("spoke9", 0, outbound);
+    assert!(
+        matches!(
+            &*ended.borrow(),
+            Outbound::End(tonic::Code::PermissionDenied, _)
+        ),
+        "{:?}",
+        *ended.borrow()
+    );
+}
+
+#[test]
+fn a_deleted_managed_cluster_holds_no_later_deletion() {
+    let mut fleet = Fleet::new();
+    fleet.add_cluster("spoke1");
+    let module = ModuleBuilder::new("hello")
+        .finalizers(&[FINALIZER])
+        .selector(&[("env", "prod")]);
+    fleet.add_module(module.clone().build());
+    let id = fleet
+        .view
+        .open_session("spoke1", 0, OutboundSender::default());
+    fleet.view.status("spoke1", id, loaded_on("n1"));
+    fleet.delete_cluster("spoke1");
+    let deleting = module.deleting().build();
+    fleet.add_module(deleting.clone());
+    let view = fleet.view.module_view(&deleting);
+    assert!(
+        view.leftovers.is_empty(),
+        "a cluster that no longer exists is waited for: {}",
+        view.leftovers
+    );
+}
