@@ -43,6 +43,7 @@ use tokio_util::task::AbortOnDropHandle;
 use tonic::transport::Server;
 
 use self::ca::{CaError, RenewingCertificate};
+use self::controller::deletion_clock::DeletionClock;
 use self::controller::status_writer::StatusPacer;
 use self::controller::{Context, ReconcileError};
 use self::events::EventPublisher;
@@ -347,6 +348,7 @@ pub async fn run(
         unload_timeout: settings.unload_timeout,
         metrics: metrics.clone(),
         status_pacer: StatusPacer::default(),
+        deletion_clock: DeletionClock::default(),
     });
     let results = metrics.clone();
     let reconciler = controller

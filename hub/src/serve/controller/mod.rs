@@ -5,6 +5,7 @@
 //! (counts, failure sample, `Ready`) is written by server-side apply; transitions become
 //! Events.
 
+pub mod deletion_clock;
 mod error;
 pub mod finalizer;
 mod rollout;
@@ -23,6 +24,7 @@ use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::{Api, ResourceExt};
 
+use self::deletion_clock::DeletionClock;
 pub use self::error::ReconcileError;
 pub use self::finalizer::FINALIZER;
 use self::finalizer::Guard;
@@ -62,6 +64,7 @@ pub struct Context {
     pub unload_timeout: Duration,
     pub metrics: Metrics,
     pub status_pacer: StatusPacer,
+    pub deletion_clock: DeletionClock,
 }
 
 impl std::fmt::Debug for Context {
@@ -202,13 +205,8 @@ async fn decide_outcome(
         ctx.metrics.observe_rollout(&name, &rollout.counts);
     }
     if deleting {
-        let since = module
-            .metadata
-            .deletion_timestamp
-            .as_ref()
-            .map_or(Timestamp::now(), |t| t.0);
-        let elapsed =
-            Duration::try_from(Timestamp::now().duration_since(since)).unwrap_or_default();
+        let uid = module.uid().unwrap_or_else(|| name.clone());
+        let elapsed = ctx.deletion_clock.elapsed(&uid, Instant::now());
         match decide(leftovers, elapsed, ctx.unload_timeout) {
             Deletion::Complete => {
                 tracing::info!("unload confirmed everywhere; releasing the finalizer");
@@ -311,5 +309,7 @@ async fn release(ctx: &Context, module: &ManagedClusterModule) -> Result<(), Rec
     .await?;
     ctx.state.forget_module(module);
     ctx.metrics.forget_rollout(&module.name_any());
+    ctx.deletion_clock
+        .forget(&module.uid().unwrap_or_else(|| module.name_any()));
     Ok(())
 }

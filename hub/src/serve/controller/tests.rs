@@ -96,6 +96,7 @@ fn harness(clusters: &[&str], unload_timeout: Duration) -> Harness {
         unload_timeout,
         metrics: Metrics::default(),
         status_pacer: StatusPacer::default(),
+        deletion_clock: DeletionClock::default(),
     });
     Harness {
         ctx,
@@ -369,4 +370,42 @@ async fn a_deletion_with_nothing_loaded_is_announced_and_released_at_once() {
         Action::await_change()
     );
     assert_quiet(&mut server);
+}
+
+#[tokio::test]
+async fn an_apiserver_clock_ahead_of_the_hub_releases_nothing_early() {
+    // The apiserver stamped the deletion ten minutes before the hub's now: the unload
+    // timeout (a minute) counts from when the hub first saw it.
+    let Harness {
+        ctx, mut server, ..
+    } = harness(&["spoke1"], Duration::from_secs(60));
+    let skewed = Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(600);
+    let module = ModuleBuilder::new("hello")
+        .uid("u1")
+        .resource_version("7")
+        .finalizers(&[FINALIZER])
+        .selector(&[("env", "prod")])
+        .with("/metadata/deletionTimestamp", skewed.to_string())
+        .build();
+    let stored = serde_json::to_value(&module).unwrap();
+    let reconciling = tokio::spawn(reconcile(Arc::new(module), ctx));
+    let (method, path, body, respond) = next(&mut server).await;
+    assert_eq!(
+        (method, path.as_str()),
+        (Method::PATCH, &*format!("{MODULES}/hello/status")),
+        "the finalizer is not released: {body}"
+    );
+    let message = body["status"]["conditions"][0]["message"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        message.contains("waiting for the unload on: spoke1"),
+        "{message}"
+    );
+    answer(respond, StatusCode::OK, &stored);
+    let (_, reason, _) = expect_event(&mut server).await;
+    assert_ne!(reason, "UnloadTimedOut");
+    let action = reconciling.await.unwrap().expect("waiting");
+    assert_eq!(action, Action::requeue(UNLOAD_RECHECK));
 }
