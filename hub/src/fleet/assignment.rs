@@ -48,11 +48,14 @@ pub fn is_deleting(module: &ManagedClusterModule) -> bool {
     module.metadata.deletion_timestamp.is_some()
 }
 
-/// The modules of one cluster's snapshot.
+/// The modules of one cluster's snapshot. `unconfirmed` says whether the cluster has yet
+/// to confirm a module's unload (see `Outbox::unload_unconfirmed`): such a module stays,
+/// to be unloaded, whatever the statuses say.
 pub fn cluster_modules<'a>(
     modules: &[&'a ManagedClusterModule],
     cluster: Option<ClusterFacts<'_>>,
     reported: &NodeStatuses,
+    unconfirmed: &dyn Fn(&str, &str) -> bool,
 ) -> Vec<ModuleInput<'a>> {
     modules
         .iter()
@@ -60,7 +63,8 @@ pub fn cluster_modules<'a>(
         .filter_map(|&module| {
             let selected = is_selected(module, cluster);
             let name = module.metadata.name.as_deref().unwrap_or_default();
-            let lingering = reported.lingers(&module.spec.spoke_namespace, name);
+            let namespace = module.spec.spoke_namespace.as_str();
+            let lingering = reported.lingers(namespace, name) || unconfirmed(namespace, name);
             let unload = is_deleting(module) || !selected;
             (selected || lingering).then_some(ModuleInput { module, unload })
         })
@@ -132,7 +136,7 @@ mod tests {
             labels,
             placed: &placed,
         });
-        cluster_modules(modules, cluster, statuses)
+        cluster_modules(modules, cluster, statuses, &|_, _| false)
             .iter()
             .map(|input| (input.module.metadata.name.clone().unwrap(), input.unload))
             .collect()

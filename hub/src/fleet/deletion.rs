@@ -21,7 +21,7 @@ impl fmt::Display for Leftover {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.node {
             Some(node) => write!(f, "{}/{}", self.cluster, node),
-            None => write!(f, "{} (no status reported)", self.cluster),
+            None => write!(f, "{} (unload not reported)", self.cluster),
         }
     }
 }
@@ -38,21 +38,19 @@ pub struct Leftovers {
 
 impl Leftovers {
     /// Counts one cluster: each node that still reports the module in a state other than
-    /// UNLOADED, or the cluster itself when it is selected and its proxy has not sent a
-    /// full status report since the hub started (then "no node reports the module"
-    /// proves nothing).
+    /// UNLOADED, or the cluster itself when none does but its statuses prove nothing
+    /// (`unconfirmed`: see `fleet::module_view`).
     pub fn add<'a>(
         &mut self,
         cluster: &str,
-        selected: bool,
-        statuses_known: bool,
+        unconfirmed: bool,
         not_unloaded: impl IntoIterator<Item = &'a str>,
     ) {
         let before = self.total;
         for node in not_unloaded {
             self.push(cluster, Some(node));
         }
-        if self.total == before && selected && !statuses_known {
+        if self.total == before && unconfirmed {
             self.push(cluster, None);
         }
     }
@@ -133,30 +131,30 @@ mod tests {
 
     const MINUTE: Duration = Duration::from_secs(60);
 
-    fn leftovers(clusters: &[(&str, bool, bool, &[&str])]) -> Leftovers {
+    fn leftovers(clusters: &[(&str, bool, &[&str])]) -> Leftovers {
         let mut leftovers = Leftovers::default();
-        for (cluster, selected, known, nodes) in clusters {
-            leftovers.add(cluster, *selected, *known, nodes.iter().copied());
+        for (cluster, unconfirmed, nodes) in clusters {
+            leftovers.add(cluster, *unconfirmed, nodes.iter().copied());
         }
         leftovers
     }
 
     #[test]
     fn confirmed_everywhere_completes() {
-        let left = leftovers(&[("a", true, true, &[]), ("b", false, false, &[])]);
+        let left = leftovers(&[("a", false, &[]), ("b", false, &[])]);
         assert_eq!(decide(left, Duration::ZERO, MINUTE), Deletion::Complete);
     }
 
     #[test]
     fn unconfirmed_nodes_and_silent_selected_clusters_wait() {
         let left = leftovers(&[
-            ("b", true, true, &["n2", "n1"]),
-            ("a", true, false, &[]),
-            ("c", false, true, &["n9"]),
+            ("b", false, &["n2", "n1"]),
+            ("a", true, &[]),
+            ("c", true, &["n9"]),
         ]);
         assert_eq!(
             left.first().map(Leftover::to_string).collect::<Vec<_>>(),
-            ["a (no status reported)", "b/n1", "b/n2", "c/n9"]
+            ["a (unload not reported)", "b/n1", "b/n2", "c/n9"]
         );
         assert!(
             matches!(decide(left.clone(), MINUTE / 2, MINUTE), Deletion::Waiting(l) if l.len() == 4)
@@ -172,7 +170,7 @@ mod tests {
         let nodes: Vec<String> = (0..100).rev().map(|n| format!("n{n:03}")).collect();
         let mut left = Leftovers::default();
         for cluster in ["c", "a", "b"] {
-            left.add(cluster, true, true, nodes.iter().map(String::as_str));
+            left.add(cluster, false, nodes.iter().map(String::as_str));
         }
         assert_eq!(left.len(), 300);
         let shown: Vec<String> = left.first().map(Leftover::to_string).collect();
@@ -187,7 +185,7 @@ mod tests {
 
     #[test]
     fn descriptions_name_each_shown_one() {
-        let left = leftovers(&[("a", true, true, &["n1", "n2", "n3"])]);
+        let left = leftovers(&[("a", false, &["n1", "n2", "n3"])]);
         assert_eq!(left.to_string(), "a/n1, a/n2, a/n3");
         assert_eq!(Leftovers::default().to_string(), "");
     }

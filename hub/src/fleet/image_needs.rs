@@ -35,7 +35,8 @@ impl ServedKernels {
         kernels: &BTreeSet<String>,
     ) {
         let refs: Vec<&ManagedClusterModule> = modules.iter().map(AsRef::as_ref).collect();
-        for input in cluster_modules(&refs, facts, statuses) {
+        // Modules only waiting for an unload's confirmation are unloads: they need no image.
+        for input in cluster_modules(&refs, facts, statuses, &|_, _| false) {
             if input.unload {
                 continue;
             }

@@ -40,6 +40,9 @@ pub struct ClusterSight<'a> {
     pub statuses: &'a NodeStatuses,
     /// Whether a full status report arrived since the hub started.
     pub statuses_known: bool,
+    /// Whether the cluster was sent the module's unload and has not reported since
+    /// applying it: its statuses prove nothing about the module.
+    pub unload_unconfirmed: bool,
     /// The module's device plugin Pods there: (desired, available).
     pub device_plugin: Option<(u32, u32)>,
 }
@@ -103,18 +106,18 @@ impl<'m> ModuleViewBuilder<'m> {
         }
         if self.deleting {
             match sight {
-                None => self.leftovers.add(cluster, true, false, []),
+                None => self.leftovers.add(cluster, true, []),
                 Some(sight) => self.leftovers.add(
                     cluster,
-                    true,
-                    sight.statuses_known,
+                    !sight.statuses_known || sight.unload_unconfirmed,
                     sight.statuses.not_unloaded(namespace, &self.name),
                 ),
             }
         }
     }
 
-    /// A cluster the module does not select (counted only while it is being deleted).
+    /// A cluster the module does not select (counted only while it is being deleted): a
+    /// connected one that has not reported since the hub started may still run it.
     pub fn unselected(&mut self, cluster: &str, sight: ClusterSight<'_>) {
         if !self.deleting {
             return;
@@ -122,8 +125,7 @@ impl<'m> ModuleViewBuilder<'m> {
         let namespace = self.module.spec.spoke_namespace.as_str();
         self.leftovers.add(
             cluster,
-            false,
-            sight.statuses_known,
+            (sight.connected && !sight.statuses_known) || sight.unload_unconfirmed,
             sight.statuses.not_unloaded(namespace, &self.name),
         );
     }
@@ -209,6 +211,7 @@ mod tests {
             kernels: &[],
             statuses,
             statuses_known: known,
+            unload_unconfirmed: false,
             device_plugin: Some((2, 1)),
         }
     }
@@ -258,9 +261,15 @@ mod tests {
         builder.selected("b", None, Some(sight(&unheard, false)));
         // Selected and never connected.
         builder.selected("c", None, None);
-        // Not selected: only its nodes still reporting the module count.
+        // Not selected: its nodes still reporting the module count, and, connected but
+        // not reported since the hub started, the cluster itself.
         builder.unselected("d", sight(&loaded, true));
         builder.unselected("e", sight(&unheard, false));
+        let gone = ClusterSight {
+            connected: false,
+            ..sight(&unheard, false)
+        };
+        builder.unselected("f", gone);
         let view = builder.finish(Vec::new());
         assert_eq!(
             leftovers(&view),
@@ -269,6 +278,7 @@ mod tests {
                 ("b".to_owned(), None),
                 ("c".to_owned(), None),
                 ("d".to_owned(), Some("n1".to_owned())),
+                ("e".to_owned(), None),
             ]
         );
     }
@@ -289,5 +299,26 @@ mod tests {
         let plugins = view.status.device_plugins.expect("a plugin module counts");
         assert_eq!((plugins.desired, plugins.available), (4, 2));
         assert_eq!(view.status.images, [image]);
+    }
+
+    #[test]
+    fn no_status_confirms_an_unload_reported_before_it_was_applied() {
+        // A restarted proxy's first report is empty: no node reports the module. Made
+        // before the unload was applied, it confirms nothing, selected or not.
+        let module = module(false).deleting().build();
+        let empty = NodeStatuses::default();
+        let restarted = ClusterSight {
+            unload_unconfirmed: true,
+            ..sight(&empty, true)
+        };
+        let mut builder = ModuleViewBuilder::new(&module);
+        builder.selected("a", None, Some(restarted));
+        builder.unselected("b", restarted);
+        builder.unselected("c", sight(&empty, true));
+        let view = builder.finish(Vec::new());
+        assert_eq!(
+            leftovers(&view),
+            [("a".to_owned(), None), ("b".to_owned(), None)]
+        );
     }
 }

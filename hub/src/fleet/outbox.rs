@@ -18,6 +18,9 @@ pub struct Outbox {
     /// Per module (namespace, name) in the last snapshot: the generation it carries and
     /// the revision of the first snapshot that carried that generation.
     generations: BTreeMap<(String, String), (i64, u64)>,
+    /// Per module the last snapshot unloads: the revision of the first snapshot that
+    /// unloaded it. Only a report made with that revision applied can confirm the unload.
+    unloads: BTreeMap<(String, String), u64>,
 }
 
 impl Outbox {
@@ -42,6 +45,7 @@ impl Outbox {
             content.revision = last_revision.max(self.applied).saturating_add(1);
         }
         let mut generations = BTreeMap::new();
+        let mut unloads = BTreeMap::new();
         for intent in &content.modules {
             let Some(key) = &intent.key else { continue };
             let id = (key.namespace.clone(), key.name.clone());
@@ -49,9 +53,14 @@ impl Outbox {
                 Some(&(generation, revision)) if generation == intent.generation => revision,
                 _ => content.revision,
             };
+            if intent.unload {
+                let since = self.unloads.get(&id).copied().unwrap_or(content.revision);
+                unloads.insert(id.clone(), since);
+            }
             generations.insert(id, (intent.generation, first));
         }
         self.generations = generations;
+        self.unloads = unloads;
         let content = Arc::new(content);
         self.last = Some(content.clone());
         self.delivered_on_stream = true;
@@ -71,6 +80,21 @@ impl Outbox {
         self.generations
             .get(&(namespace.to_owned(), name.to_owned()))
             .is_some_and(|&(sent, revision)| Some(sent) == generation && acked >= revision)
+    }
+
+    /// Whether the last snapshot unloads the module and no report made with that unload
+    /// applied (`acked`) arrived yet: until one does, no status (nor the absence of one)
+    /// confirms the unload. A restarted proxy's first report, made before it had any
+    /// intents, is one such.
+    pub fn unload_unconfirmed(&self, namespace: &str, name: &str, acked: u64) -> bool {
+        self.unloads
+            .get(&(namespace.to_owned(), name.to_owned()))
+            .is_some_and(|&since| acked < since)
+    }
+
+    /// Whether the last snapshot unloads any module.
+    pub fn unloads(&self) -> bool {
+        !self.unloads.is_empty()
     }
 
     /// What a report's intent revision may acknowledge: no more than the proxy can have
@@ -233,5 +257,38 @@ mod tests {
         assert_eq!(sent.revision, 8);
         assert_eq!(outbox.acknowledged(u64::MAX), 8);
         assert_eq!(outbox.acknowledged(5), 5);
+    }
+
+    #[test]
+    fn an_unload_is_confirmed_only_by_a_report_made_with_it_applied() {
+        let unloading = |names: &[&str]| {
+            let mut content = snapshot(names);
+            for intent in &mut content.modules {
+                let mut unload = intent.as_ref().clone();
+                unload.unload = true;
+                *intent = std::sync::Arc::new(unload);
+            }
+            content
+        };
+        let mut outbox = Outbox::default();
+        outbox.new_stream(0);
+        outbox.offer(snapshot(&["a"])).unwrap();
+        assert!(!outbox.unloads());
+        let sent = outbox.offer(unloading(&["a"])).unwrap();
+        assert_eq!(sent.revision, 2);
+        assert!(outbox.unload_unconfirmed("drivers", "a", 1));
+        assert!(
+            outbox.unload_unconfirmed("drivers", "a", 0),
+            "a restarted proxy's report"
+        );
+        assert!(!outbox.unload_unconfirmed("drivers", "a", 2));
+        // Resent on a new stream, the unload keeps the revision it was first sent with.
+        outbox.new_stream(0);
+        outbox.offer(unloading(&["a"])).unwrap();
+        assert!(!outbox.unload_unconfirmed("drivers", "a", 2));
+        assert!(outbox.unloads());
+        // Once it leaves the snapshot, nothing is pending.
+        outbox.offer(snapshot(&[])).unwrap();
+        assert!(!outbox.unload_unconfirmed("drivers", "a", 0));
     }
 }

@@ -143,14 +143,16 @@ impl ClusterStreams for FleetView {
         let acked = session.outbox.acknowledged(acked);
         let newly_acked = acked > session.acked_revision;
         session.acked_revision = session.acked_revision.max(acked);
-        // Only a confirmed unload (the module leaves the snapshot) or a module the
+        // Only a confirmed unload (the module leaves the snapshot: its statuses changed,
+        // or the report is the first made with the unload applied) or a module the
         // snapshot does not carry yet (still loaded somewhere: it must be unloaded) can
         // change what the cluster must run.
-        let snapshot_may_change = changed.iter().any(|(namespace, name)| {
-            session
-                .carried_intent(namespace, name)
-                .is_none_or(|m| m.unload)
-        });
+        let snapshot_may_change = (newly_acked && session.outbox.unloads())
+            || changed.iter().any(|(namespace, name)| {
+                session
+                    .carried_intent(namespace, name)
+                    .is_none_or(|m| m.unload)
+            });
         if snapshot_may_change {
             self.recompute(cluster, &mut session);
         }

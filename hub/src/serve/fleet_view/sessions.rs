@@ -56,7 +56,9 @@ impl ClusterSession {
 
     /// Makes `outbound` the current stream; returns the stream it replaces. What the old
     /// stream reported of kernels and unfinished reports goes with it; its node statuses
-    /// stay until the new one reports.
+    /// stay until the new one reports, and so does the revision they were made with: the
+    /// revision a hello claims counts only once a report made with it arrives (were the
+    /// report of that revision lost, the old statuses would count for it).
     pub fn start(
         &mut self,
         id: SessionId,
@@ -65,7 +67,6 @@ impl ClusterSession {
     ) -> Option<OutboundSender> {
         let replaced = self.stream.replace((id, outbound)).map(|(_, old)| old);
         self.outbox.new_stream(applied_revision);
-        self.acked_revision = applied_revision;
         self.kernels = None;
         self.inventory_revision = 0;
         self.statuses.forget_partial();
@@ -152,6 +153,11 @@ impl ClusterSession {
                 .unwrap_or_default(),
             statuses: &self.statuses,
             statuses_known: self.statuses_known,
+            unload_unconfirmed: self.outbox.unload_unconfirmed(
+                namespace,
+                name,
+                self.acked_revision,
+            ),
             device_plugin: self
                 .device_plugins
                 .get(&(namespace.to_owned(), name.to_owned()))
@@ -355,9 +361,13 @@ mod tests {
         let mut session = ClusterSession::default();
         assert!(session.start(1, 0, OutboundSender::default()).is_none());
         assert!(session.current(1));
+        session.acked_revision = 3;
         assert!(session.start(2, 5, OutboundSender::default()).is_some());
         assert!(!session.current(1));
         assert!(session.current(2));
-        assert_eq!(session.acked_revision, 5);
+        assert_eq!(
+            session.acked_revision, 3,
+            "the hello's revision counts only once a report made with it arrives"
+        );
     }
 }

@@ -71,7 +71,12 @@ impl FleetView {
         let facts = view.as_ref().map(ClusterView::facts);
         let modules = self.served_modules(&self.index.modules(), cluster, facts);
         let refs: Vec<&ManagedClusterModule> = modules.iter().map(AsRef::as_ref).collect();
-        let inputs = cluster_modules(&refs, facts, &session.statuses);
+        let unconfirmed = |namespace: &str, name: &str| {
+            session
+                .outbox
+                .unload_unconfirmed(namespace, name, session.acked_revision)
+        };
+        let inputs = cluster_modules(&refs, facts, &session.statuses, &unconfirmed);
         let credentials = self.index.credentials(inputs.iter().map(|i| i.module));
         let intents = cluster_intents(
             &inputs,

@@ -1,14 +1,19 @@
 //! The fleet view over stores a test writes, and sessions it opens.
 
+use k8s_openapi::jiff::Timestamp;
 use kmm_api::testing::ModuleBuilder;
 use kmm_api::{ManagedClusterModule, ocm};
-use kmm_proto::v1::{ModuleKey, ModuleNodeKey, ModuleNodeStatus, ModuleState, NodeStatusReport};
+use kmm_proto::v1::{
+    Kernel, KernelInventory, ModuleKey, ModuleNodeKey, ModuleNodeStatus, ModuleState,
+    NodeStatusReport,
+};
 use kube::core::DynamicObject;
 use kube::runtime::reflector::store::{Writer, store};
 use kube::runtime::watcher;
 
 use super::*;
 use crate::fleet::assignment::FINALIZER;
+use crate::images::ImageRecord;
 use crate::serve::outbound::{Outbound, OutboundSender};
 use crate::serve::sync_service::ClusterStreams;
 
@@ -124,6 +129,53 @@ impl Fleet {
     }
 }
 
+/// The revision and the module's unload flag of the last snapshot sent on `stream`.
+fn last_sent(stream: &tokio::sync::watch::Receiver<Outbound>) -> Option<(u64, Option<bool>)> {
+    match &*stream.borrow() {
+        Outbound::Snapshot(snapshot) => Some((
+            snapshot.revision,
+            snapshot
+                .modules
+                .iter()
+                .find(|m| m.key.as_ref().is_some_and(|k| k.name == "hello"))
+                .map(|m| m.unload),
+        )),
+        _ => None,
+    }
+}
+
+/// Connects `cluster` running kernel 6.1, the module's image checked: returns the stream
+/// and what it receives.
+fn connect(
+    fleet: &Fleet,
+    cluster: &str,
+    applied: u64,
+) -> (SessionId, tokio::sync::watch::Receiver<Outbound>) {
+    let outbound = OutboundSender::default();
+    let sent = outbound.subscribe();
+    let id = fleet.view.open_session(cluster, applied, outbound);
+    let kernels = KernelInventory {
+        revision: 1,
+        kernels: vec![Kernel {
+            release: "6.1".into(),
+            ..Kernel::default()
+        }],
+    };
+    fleet.view.inventory(cluster, id, kernels);
+    check_images(fleet);
+    (id, sent)
+}
+
+/// The image worker's part: every image needed is found.
+fn check_images(fleet: &Fleet) {
+    for (key, need) in fleet.view.image_needs() {
+        if fleet.view.image(&key).is_none() {
+            let record = ImageRecord::seeded(&need, "sha256:0123".into(), Timestamp::now());
+            fleet.view.set_image(key, record);
+        }
+    }
+}
+
 fn loaded_on(node: &str) -> NodeStatusReport {
     NodeStatusReport {
         full: true,
@@ -180,5 +232,95 @@ fn a_deleted_managed_cluster_holds_no_later_deletion() {
         view.leftovers.is_empty(),
         "a cluster that no longer exists is waited for: {}",
         view.leftovers
+    );
+}
+
+#[test]
+fn a_restarted_proxys_first_report_confirms_no_unload() {
+    let mut fleet = Fleet::new();
+    fleet.add_cluster("spoke1");
+    let module = ModuleBuilder::new("hello")
+        .uid("u1")
+        .finalizers(&[FINALIZER])
+        .selector(&[("env", "prod")]);
+    fleet.add_module(module.clone().build());
+    let (id, sent) = connect(&fleet, "spoke1", 0);
+    let (loaded_at, unload) = last_sent(&sent).expect("the module is sent");
+    assert_eq!(unload, Some(false));
+    let loaded = NodeStatusReport {
+        intent_revision: loaded_at,
+        ..loaded_on("n1")
+    };
+    fleet.view.status("spoke1", id, loaded);
+
+    let deleting = module.deleting().build();
+    fleet.add_module(deleting.clone());
+    let (unload_at, unload) = last_sent(&sent).expect("the unload is sent");
+    assert_eq!(unload, Some(true));
+    assert!(unload_at > loaded_at);
+
+    // The proxy restarts before acting on it: its first report knows no intents.
+    fleet.view.close_session("spoke1", id);
+    let (id, resent) = connect(&fleet, "spoke1", 0);
+    fleet.view.status(
+        "spoke1",
+        id,
+        NodeStatusReport {
+            full: true,
+            ..NodeStatusReport::default()
+        },
+    );
+    let view = fleet.view.module_view(&deleting);
+    assert_eq!(view.leftovers.to_string(), "spoke1 (unload not reported)");
+    assert_eq!(
+        last_sent(&resent),
+        Some((unload_at, Some(true))),
+        "the unload stays"
+    );
+
+    // A report made with the unload applied confirms it, and the module leaves.
+    fleet.view.status(
+        "spoke1",
+        id,
+        NodeStatusReport {
+            full: true,
+            intent_revision: unload_at,
+            ..NodeStatusReport::default()
+        },
+    );
+    assert!(fleet.view.module_view(&deleting).leftovers.is_empty());
+}
+
+#[test]
+fn a_reconnect_counts_as_converged_only_once_a_report_of_the_new_revision_arrives() {
+    let mut fleet = Fleet::new();
+    fleet.add_cluster("spoke1");
+    let v1 = ModuleBuilder::new("hello")
+        .uid("u1")
+        .finalizers(&[FINALIZER])
+        .selector(&[("env", "prod")]);
+    fleet.add_module(v1.clone().build());
+    let (id, sent) = connect(&fleet, "spoke1", 0);
+    let (revision, _) = last_sent(&sent).unwrap();
+    let report = NodeStatusReport {
+        intent_revision: revision,
+        ..loaded_on("n1")
+    };
+    fleet.view.status("spoke1", id, report);
+    let v2 = v1.generation(2).kernel_mappings(serde_json::json!([
+        {"literal": "6.1", "containerImage": "r.example/hello:2"},
+    ]));
+    fleet.add_module(v2.clone().build());
+    check_images(&fleet);
+    let (v2_at, _) = last_sent(&sent).unwrap();
+    assert!(v2_at > revision);
+    // The report of v2 is lost; the proxy reconnects claiming it applied v2.
+    fleet.view.close_session("spoke1", id);
+    connect(&fleet, "spoke1", v2_at);
+    let view = fleet.view.module_view(&v2.build());
+    assert_eq!(
+        view.status.clusters.converged, 0,
+        "v1's Loaded must not count for v2: {:?}",
+        view.status.clusters
     );
 }
