@@ -61,17 +61,23 @@ pub fn review(
     let Some(object) = &request.object else {
         return deny(
             response,
+            &request.name,
             vec![problem("", None, "the request carries no object")],
         );
     };
+    let name = object.metadata.name.as_deref().unwrap_or(&request.name);
+    // Before parsing: an object stored before a rule existed, even one the types no
+    // longer read, must still have its finalizer released.
+    if request.operation == Operation::Update && is_exempt(object, request) {
+        return response;
+    }
     let module = match parse(object) {
         Ok(module) => module,
-        Err(problem) => return deny(response, vec![problem]),
+        Err(problem) => return deny(response, name, vec![problem]),
     };
     if request.operation == Operation::Update && !needs_validation(&module, request) {
         return response;
     }
-    let name = module.metadata.name.as_deref().unwrap_or(&request.name);
     let mut problems = validate(
         &module.spec.module_spec,
         ModuleIdentity {
@@ -89,7 +95,7 @@ pub fn review(
     if problems.is_empty() {
         response
     } else {
-        deny(response, problems)
+        deny(response, name, problems)
     }
 }
 
@@ -168,16 +174,22 @@ fn placement_problems(
     problems
 }
 
-/// An update that leaves the spec as it was (finalizers, labels, annotations) or that
-/// belongs to a deletion is never refused: an object stored before a rule existed must
-/// still be labelled, and its finalizer released.
+/// An update that belongs to a deletion, or leaves the stored spec exactly as it was
+/// (finalizers, labels, annotations), is never refused: an object stored before a rule
+/// existed must still be labelled, and its finalizer released.
+fn is_exempt(object: &DynamicObject, request: &AdmissionRequest<DynamicObject>) -> bool {
+    object.metadata.deletion_timestamp.is_some()
+        || request
+            .old_object
+            .as_ref()
+            .is_some_and(|old| old.data.get("spec") == object.data.get("spec"))
+}
+
+/// Whether an update changes the spec as the types read it.
 fn needs_validation(
     module: &ManagedClusterModule,
     request: &AdmissionRequest<DynamicObject>,
 ) -> bool {
-    if module.metadata.deletion_timestamp.is_some() {
-        return false;
-    }
     let old = request.old_object.as_ref().and_then(|old| parse(old).ok());
     old.is_none_or(|old| old.spec != module.spec)
 }
@@ -200,8 +212,9 @@ fn problem(field: &str, value: Option<&str>, message: &str) -> FieldError {
 }
 
 /// Refuses with status 422 Invalid: the message lists every problem (it is what
-/// `kubectl apply` prints), and the causes carry them field by field.
-fn deny(response: AdmissionResponse, problems: Vec<FieldError>) -> AdmissionResponse {
+/// `kubectl apply` prints), and the causes carry them field by field; the details name
+/// the object, which `kubectl` shows (`The managedclustermodules "<name>" is invalid`).
+fn deny(response: AdmissionResponse, name: &str, problems: Vec<FieldError>) -> AdmissionResponse {
     let lines: Vec<String> = problems.iter().map(ToString::to_string).collect();
     let message = format!(
         "ManagedClusterModule is invalid ({} problem{}): {}",
@@ -214,7 +227,7 @@ fn deny(response: AdmissionResponse, problems: Vec<FieldError>) -> AdmissionResp
     response.result.code = 422;
     response.result.reason = "Invalid".to_owned();
     response.result.details = Some(StatusDetails {
-        name: String::new(),
+        name: name.to_owned(),
         group: "hub.kmm.sigs.x-k8s.io".to_owned(),
         kind: "managedclustermodules".to_owned(),
         uid: String::new(),

@@ -307,3 +307,29 @@ fn decision_groups_without_placements_are_refused_by_field() {
         assert!(response.allowed, "{:?}", response.result);
     }
 }
+
+#[test]
+fn a_module_the_types_cannot_read_can_still_be_released_once_deleted() {
+    // Stored before a change of the types, it no longer parses.
+    let mut unreadable = module(GOOD);
+    unreadable["spec"]["selector"] = json!(["not", "a", "map"]);
+    let mut released = unreadable.clone();
+    released["metadata"]["deletionTimestamp"] = json!("2026-11-23T12:00:00Z");
+    released["metadata"]["finalizers"] = json!([]);
+    assert!(decide(&request("UPDATE", Some(released), Some(unreadable.clone()))).allowed);
+    // Labelled without a spec change, likewise.
+    let mut labelled = unreadable.clone();
+    labelled["metadata"]["labels"] = json!({"team": "a"});
+    assert!(decide(&request("UPDATE", Some(labelled), Some(unreadable))).allowed);
+}
+
+#[test]
+fn a_refusal_names_the_object() {
+    let response = decide(&request(
+        "CREATE",
+        Some(module("registry.example.com/no-tag")),
+        None,
+    ));
+    assert!(!response.allowed);
+    assert_eq!(response.result.details.expect("details").name, "kmm-hello");
+}
