@@ -143,8 +143,7 @@ impl ClusterState {
         if old == Some(&node) {
             return false;
         }
-        let kernel_changed =
-            old.is_none_or(|o| o.kernel != node.kernel || o.os_image != node.os_image);
+        let kernel_changed = old.is_none_or(|o| o.kernel != node.kernel);
         let name = node.name.clone();
         self.nodes.insert(name.clone(), node);
         if kernel_changed {
@@ -669,7 +668,6 @@ mod tests {
             name: name.into(),
             uid: format!("uid-{name}"),
             kernel: kernel.into(),
-            os_image: "Debian".into(),
             boot_id: "boot".into(),
             labels: [("role".to_string(), role.to_string())].into(),
             taints: vec![],
@@ -797,7 +795,7 @@ mod tests {
         assert_eq!(s.desired_modules("a"), DesiredModules::default());
         assert!(statuses(&s).is_empty());
         assert_eq!(s.inventory().kernels.len(), 1);
-        assert_eq!(s.inventory().kernels[0].node_count, 2);
+        assert_eq!(s.inventory().kernels[0].release, "6.1");
         assert_eq!(s.inventory().revision, 1001);
         assert_eq!(s.applied_intent_revision(), 0);
     }
@@ -1252,7 +1250,25 @@ mod tests {
         assert_eq!(s.node_count(), 1);
         assert_eq!(s.desired_modules("a"), DesiredModules::default());
         assert!(statuses(&s).is_empty());
-        assert_eq!(s.inventory().kernels[0].node_count, 1);
+    }
+
+    #[test]
+    fn node_churn_on_known_kernels_leaves_the_inventory_alone() {
+        let mut s = cluster();
+        let before = s.inventory();
+        assert!(s.upsert_node(node("c", "6.1", "worker")));
+        assert!(s.remove_node("a"));
+        assert!(s.upsert_node(node("b", "6.1", "worker")));
+        assert_eq!(
+            s.inventory(),
+            before,
+            "no kernel came or went: nothing to send"
+        );
+        s.upsert_node(node("c", "6.2", "worker"));
+        let after = s.inventory();
+        assert_eq!(after.revision, before.revision + 1);
+        let releases: Vec<&str> = after.kernels.iter().map(|k| k.release.as_str()).collect();
+        assert_eq!(releases, ["6.1", "6.2"]);
     }
 
     #[test]

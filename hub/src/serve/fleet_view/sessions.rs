@@ -281,7 +281,6 @@ mod tests {
                 .iter()
                 .map(|k| Kernel {
                     release: (*k).to_owned(),
-                    ..Kernel::default()
                 })
                 .collect(),
         }
