@@ -575,9 +575,13 @@ impl ClusterState {
         let (Some(snapshot), Some(facts)) = (&self.intents, self.nodes.get(name)) else {
             return;
         };
+        // A hello from another boot than the kubelet reports is stale (the node rebooted
+        // and its agent has not said hello since): its kernel says nothing of this boot,
+        // and a reboot into a new kernel must not show as a mismatch meanwhile.
         let agent_kernel = self
             .agents
             .get(name)
+            .filter(|view| !view.boot_id.is_empty() && view.boot_id == facts.boot_id)
             .map_or("", |view| view.kernel_release.as_str());
         let mut placements = BTreeMap::new();
         let mut modules = Vec::new();
@@ -1138,6 +1142,24 @@ mod tests {
         );
         assert_eq!(st.kernel, "6.1", "the kubelet's, as for every status");
         assert_eq!(s.label_patch("a"), None, "no ready label");
+    }
+
+    #[test]
+    fn a_hello_from_before_a_reboot_is_no_mismatch() {
+        let mut s = cluster();
+        s.set_intents(snapshot(1, vec![intent("m", "v1")]));
+        // The agent said hello on the old kernel; the node then rebooted into 6.1, which
+        // the kubelet already reports, before the agent says hello again.
+        let mut stale = hello_running("a", "6.0", &[]);
+        stale.boot_id = "the boot before".into();
+        s.agent_hello("a", &stale);
+        assert_eq!(
+            s.desired_modules("a").modules.len(),
+            1,
+            "loads as the kubelet says"
+        );
+        let st = &statuses(&s)[&(id("m"), "a".to_string())];
+        assert_ne!(st.reason, "KernelMismatch");
     }
 
     #[test]
