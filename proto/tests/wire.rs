@@ -2,8 +2,9 @@
 //! must never change. These golden encodings fail if one does.
 
 use kmm_proto::v1::{
-    AgentHello, IntentSnapshot, KernelTarget, LoadedModule, Modprobe, ModuleIntent, ModuleKey,
-    ModuleLoad, PullCredential, kernel_target::Target, pull_credential::Content,
+    AgentHello, IntentSnapshot, Kernel, KernelInventory, KernelTarget, LoadedModule, Modprobe,
+    ModuleIntent, ModuleKey, ModuleLoad, PullCredential, kernel_target::Target,
+    pull_credential::Content,
 };
 use prost::Message;
 
@@ -80,4 +81,26 @@ fn agent_hello_encoding_is_stable() {
         "0a016e1201621a016b2201762a0f0a070a026e7312016d1201311a0164"
     );
     assert_eq!(AgentHello::decode(bytes.as_slice()).unwrap(), hello);
+}
+
+#[test]
+fn kernel_inventory_encoding_is_stable_and_reads_older_proxies() {
+    let inventory = KernelInventory {
+        revision: 5,
+        kernels: vec![Kernel {
+            release: "6.1".into(),
+        }],
+    };
+    let bytes = inventory.encode_to_vec();
+    // revision 5; kernels[0]: release.
+    assert_eq!(hex(&bytes), "080512050a03362e31");
+    // An older proxy also sent the kernels' OS image (field 2) and node count (field 3),
+    // numbers now reserved: the hub reads such an inventory as the same kernels.
+    let older = [
+        0x08, 0x05, 0x12, 0x0a, 0x0a, 0x03, b'6', b'.', b'1', 0x12, 0x01, b'D', 0x18, 0x03,
+    ];
+    assert_eq!(
+        KernelInventory::decode(older.as_slice()).unwrap(),
+        inventory
+    );
 }

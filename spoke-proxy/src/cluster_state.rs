@@ -21,7 +21,7 @@ use crate::module_id::ModuleId;
 use crate::node_facts::NodeFacts;
 use crate::node_status::{NodeStatuses, StatusKey, assess, to_status};
 use crate::node_upgrade::{self, Hold};
-use crate::placement::{Held, Placement, place};
+use crate::placement::{Held, Placement, check_agent_kernel, place};
 
 /// One node's current work.
 #[derive(Clone, Default)]
@@ -143,8 +143,7 @@ impl ClusterState {
         if old == Some(&node) {
             return false;
         }
-        let kernel_changed =
-            old.is_none_or(|o| o.kernel != node.kernel || o.os_image != node.os_image);
+        let kernel_changed = old.is_none_or(|o| o.kernel != node.kernel);
         let name = node.name.clone();
         self.nodes.insert(name.clone(), node);
         if kernel_changed {
@@ -576,12 +575,21 @@ impl ClusterState {
         let (Some(snapshot), Some(facts)) = (&self.intents, self.nodes.get(name)) else {
             return;
         };
+        // A hello from another boot than the kubelet reports is stale (the node rebooted
+        // and its agent has not said hello since): its kernel says nothing of this boot,
+        // and a reboot into a new kernel must not show as a mismatch meanwhile.
+        let agent_kernel = self
+            .agents
+            .get(name)
+            .filter(|view| !view.boot_id.is_empty() && view.boot_id == facts.boot_id)
+            .map_or("", |view| view.kernel_release.as_str());
         let mut placements = BTreeMap::new();
         let mut modules = Vec::new();
         for intent in &snapshot.modules {
             let id = ModuleId::from_key(intent.key.as_ref());
             let key = (id.clone(), name.to_owned());
-            let placement = match place(intent, facts, self.may_have.contains(&key)) {
+            let placement = place(intent, facts, self.may_have.contains(&key));
+            let placement = match check_agent_kernel(placement, &facts.kernel, agent_kernel) {
                 Placement::Load(load) => self
                     .held(name, &id, intent, &load, facts)
                     .map_or(Placement::Load(load), |held| {
@@ -669,7 +677,6 @@ mod tests {
             name: name.into(),
             uid: format!("uid-{name}"),
             kernel: kernel.into(),
-            os_image: "Debian".into(),
             boot_id: "boot".into(),
             labels: [("role".to_string(), role.to_string())].into(),
             taints: vec![],
@@ -732,11 +739,16 @@ mod tests {
         }
     }
 
+    /// The hello of an agent running the kernel every test node's kubelet reports first.
     fn hello(node: &str, loaded: &[(&str, &str)]) -> AgentHello {
+        hello_running(node, "6.1", loaded)
+    }
+
+    fn hello_running(node: &str, kernel: &str, loaded: &[(&str, &str)]) -> AgentHello {
         AgentHello {
             node_name: node.into(),
             boot_id: "boot".into(),
-            kernel_release: "6.1".into(),
+            kernel_release: kernel.into(),
             agent_version: "test".into(),
             loaded: loaded
                 .iter()
@@ -797,7 +809,7 @@ mod tests {
         assert_eq!(s.desired_modules("a"), DesiredModules::default());
         assert!(statuses(&s).is_empty());
         assert_eq!(s.inventory().kernels.len(), 1);
-        assert_eq!(s.inventory().kernels[0].node_count, 2);
+        assert_eq!(s.inventory().kernels[0].release, "6.1");
         assert_eq!(s.inventory().revision, 1001);
         assert_eq!(s.applied_intent_revision(), 0);
     }
@@ -1114,6 +1126,116 @@ mod tests {
     }
 
     #[test]
+    fn an_agent_on_another_kernel_gets_nothing_loaded_and_is_reported() {
+        let mut s = cluster();
+        s.set_intents(snapshot(1, vec![intent("m", "v1")]));
+        // Loaded before: a mismatch leaves it as it is, never unloads it.
+        s.agent_hello("a", &hello_running("a", "6.2", &[("m", "v1")]));
+        assert!(s.desired_modules("a").modules.is_empty());
+        let st = &statuses(&s)[&(id("m"), "a".to_string())];
+        assert_eq!(ModuleState::try_from(st.state), Ok(ModuleState::Failed));
+        assert_eq!(st.reason, "KernelMismatch");
+        assert!(
+            st.message.contains("\"6.1\"") && st.message.contains("\"6.2\""),
+            "{}",
+            st.message
+        );
+        assert_eq!(st.kernel, "6.1", "the kubelet's, as for every status");
+        assert_eq!(s.label_patch("a"), None, "no ready label");
+    }
+
+    #[test]
+    fn a_hello_from_before_a_reboot_is_no_mismatch() {
+        let mut s = cluster();
+        s.set_intents(snapshot(1, vec![intent("m", "v1")]));
+        // The agent said hello on the old kernel; the node then rebooted into 6.1, which
+        // the kubelet already reports, before the agent says hello again.
+        let mut stale = hello_running("a", "6.0", &[]);
+        stale.boot_id = "the boot before".into();
+        s.agent_hello("a", &stale);
+        assert_eq!(
+            s.desired_modules("a").modules.len(),
+            1,
+            "loads as the kubelet says"
+        );
+        let st = &statuses(&s)[&(id("m"), "a".to_string())];
+        assert_ne!(st.reason, "KernelMismatch");
+    }
+
+    #[test]
+    fn agreement_after_a_kernel_mismatch_loads_again() {
+        let mut s = cluster();
+        s.set_intents(snapshot(1, vec![intent("m", "v1")]));
+        s.agent_hello("a", &hello_running("a", "6.2", &[]));
+        assert!(s.desired_modules("a").modules.is_empty());
+
+        // The kubelet catches up with the kernel the agent runs.
+        s.upsert_node(node("a", "6.2", "worker"));
+        let desired = s.desired_modules("a");
+        assert_eq!(desired.modules.len(), 1);
+        assert_eq!(
+            desired.modules[0].load.as_ref().unwrap().image,
+            "reg/m:6.2-v1"
+        );
+        assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Pending));
+
+        // The kubelet moves on alone, then the agent follows.
+        s.upsert_node(node("a", "6.1", "worker"));
+        assert!(s.desired_modules("a").modules.is_empty());
+        s.agent_hello("a", &hello("a", &[]));
+        let desired = s.desired_modules("a");
+        assert_eq!(
+            desired.modules[0].load.as_ref().unwrap().image,
+            "reg/m:6.1-v1"
+        );
+        s.agent_event(
+            "a",
+            &event("m", Action::Load, Outcome::Succeeded, desired.revision),
+        );
+        assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Loaded));
+        let patch = s.label_patch("a").expect("the ready labels");
+        assert_eq!(
+            patch["metadata"]["labels"]["kmm.node.kubernetes.io/ns.m.ready"],
+            ""
+        );
+    }
+
+    #[test]
+    fn an_unload_still_reaches_an_agent_on_another_kernel() {
+        let mut s = cluster();
+        s.set_intents(snapshot(1, vec![intent("m", "v1")]));
+        s.agent_hello("a", &hello_running("a", "6.2", &[("m", "v1")]));
+        let mut gone = intent("m", "v1");
+        gone.unload = true;
+        s.set_intents(snapshot(2, vec![gone]));
+        let desired = s.desired_modules("a");
+        assert_eq!(desired.modules.len(), 1);
+        assert!(desired.modules[0].unload);
+        assert!(desired.modules[0].load.is_none());
+        s.agent_event(
+            "a",
+            &event("m", Action::Unload, Outcome::Succeeded, desired.revision),
+        );
+        assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Unloaded));
+    }
+
+    #[test]
+    fn an_agent_that_names_no_kernel_follows_the_kubelet() {
+        let mut s = cluster();
+        s.set_intents(snapshot(1, vec![intent("m", "v1")]));
+        s.agent_hello("a", &hello_running("a", "", &[]));
+        let desired = s.desired_modules("a");
+        assert_eq!(desired.modules.len(), 1);
+        assert_eq!(
+            desired.modules[0].load.as_ref().unwrap().image,
+            "reg/m:6.1-v1"
+        );
+        let st = &statuses(&s)[&(id("m"), "a".to_string())];
+        assert_eq!(ModuleState::try_from(st.state), Ok(ModuleState::Pending));
+        assert_eq!(st.reason, "");
+    }
+
+    #[test]
     fn failed_load_reports_the_agents_error() {
         let mut s = cluster();
         s.set_intents(snapshot(1, vec![intent("m", "v1")]));
@@ -1252,7 +1374,25 @@ mod tests {
         assert_eq!(s.node_count(), 1);
         assert_eq!(s.desired_modules("a"), DesiredModules::default());
         assert!(statuses(&s).is_empty());
-        assert_eq!(s.inventory().kernels[0].node_count, 1);
+    }
+
+    #[test]
+    fn node_churn_on_known_kernels_leaves_the_inventory_alone() {
+        let mut s = cluster();
+        let before = s.inventory();
+        assert!(s.upsert_node(node("c", "6.1", "worker")));
+        assert!(s.remove_node("a"));
+        assert!(s.upsert_node(node("b", "6.1", "worker")));
+        assert_eq!(
+            s.inventory(),
+            before,
+            "no kernel came or went: nothing to send"
+        );
+        s.upsert_node(node("c", "6.2", "worker"));
+        let after = s.inventory();
+        assert_eq!(after.revision, before.revision + 1);
+        let releases: Vec<&str> = after.kernels.iter().map(|k| k.release.as_str()).collect();
+        assert_eq!(releases, ["6.1", "6.2"]);
     }
 
     #[test]

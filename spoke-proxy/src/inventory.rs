@@ -1,8 +1,7 @@
-//! The cluster's kernel inventory for the hub: distinct kernel releases, how many nodes
-//! run each and their most common OS image, revisioned so a late duplicate is
-//! recognised. Pure.
+//! The cluster's kernel inventory for the hub: its distinct kernel releases, revisioned
+//! so a late duplicate is recognised. Pure.
 
-use std::collections::BTreeMap;
+use std::collections::BTreeSet;
 
 use kmm_proto::v1::{Kernel, KernelInventory};
 
@@ -11,33 +10,14 @@ use crate::node_facts::NodeFacts;
 /// Distinct kernels of `nodes`, sorted by release. Nodes whose kubelet has not reported
 /// a kernel yet are left out: there is nothing to resolve for them.
 pub fn kernels<'a>(nodes: impl IntoIterator<Item = &'a NodeFacts>) -> Vec<Kernel> {
-    let mut by_kernel: BTreeMap<&str, BTreeMap<&str, u32>> = BTreeMap::new();
-    for node in nodes {
-        if node.kernel.is_empty() {
-            continue;
-        }
-        *by_kernel
-            .entry(&node.kernel)
-            .or_default()
-            .entry(&node.os_image)
-            .or_default() += 1;
-    }
-    by_kernel
+    nodes
         .into_iter()
-        .map(|(release, images)| {
-            // Ties go to the first image in lexical order, so the answer is stable.
-            let (os_image, _) = images.iter().fold(("", 0), |best, (image, count)| {
-                if *count > best.1 {
-                    (*image, *count)
-                } else {
-                    best
-                }
-            });
-            Kernel {
-                release: release.to_owned(),
-                os_image: os_image.to_owned(),
-                node_count: images.values().sum(),
-            }
+        .map(|node| node.kernel.as_str())
+        .filter(|kernel| !kernel.is_empty())
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .map(|release| Kernel {
+            release: release.to_owned(),
         })
         .collect()
 }
@@ -81,45 +61,27 @@ impl Inventory {
 mod tests {
     use super::*;
 
-    fn node(name: &str, kernel: &str, os: &str) -> NodeFacts {
+    fn node(name: &str, kernel: &str) -> NodeFacts {
         NodeFacts {
             name: name.into(),
             kernel: kernel.into(),
-            os_image: os.into(),
             ..Default::default()
         }
     }
 
-    #[test]
-    fn counts_distinct_kernels_with_most_common_os_image() {
-        let nodes = [
-            node("a", "6.1", "Debian 12"),
-            node("b", "6.1", "Debian 12"),
-            node("c", "6.1", "Debian 12 custom"),
-            node("d", "5.14", "RHEL 9"),
-            node("e", "", "unknown yet"),
-        ];
-        assert_eq!(
-            kernels(&nodes),
-            vec![
-                Kernel {
-                    release: "5.14".into(),
-                    os_image: "RHEL 9".into(),
-                    node_count: 1
-                },
-                Kernel {
-                    release: "6.1".into(),
-                    os_image: "Debian 12".into(),
-                    node_count: 3
-                },
-            ]
-        );
+    fn releases(kernels: &[Kernel]) -> Vec<&str> {
+        kernels.iter().map(|k| k.release.as_str()).collect()
     }
 
     #[test]
-    fn ties_pick_the_lexically_first_image() {
-        let nodes = [node("a", "6.1", "Zeta"), node("b", "6.1", "Alpha")];
-        assert_eq!(kernels(&nodes)[0].os_image, "Alpha");
+    fn lists_each_reported_kernel_once_sorted() {
+        let nodes = [
+            node("a", "6.1"),
+            node("b", "6.1"),
+            node("c", "5.14"),
+            node("d", ""),
+        ];
+        assert_eq!(releases(&kernels(&nodes)), ["5.14", "6.1"]);
         assert!(kernels(&[]).is_empty());
     }
 
@@ -128,13 +90,17 @@ mod tests {
         let mut inventory = Inventory::new(100);
         assert_eq!(inventory.message().revision, 100);
         assert!(!inventory.update(Vec::new()), "empty to empty is no change");
-        let one = kernels(&[node("a", "6.1", "D")]);
+        let one = kernels(&[node("a", "6.1")]);
         assert!(inventory.update(one.clone()));
         assert_eq!(inventory.message().revision, 101);
         assert!(!inventory.update(one));
+        assert!(
+            !inventory.update(kernels(&[node("a", "6.1"), node("b", "6.1")])),
+            "another node on a known kernel changes nothing"
+        );
         assert_eq!(inventory.message().revision, 101);
-        assert!(inventory.update(kernels(&[node("a", "6.2", "D")])));
+        assert!(inventory.update(kernels(&[node("a", "6.2")])));
         assert_eq!(inventory.message().revision, 102);
-        assert_eq!(inventory.message().kernels[0].release, "6.2");
+        assert_eq!(releases(&inventory.message().kernels), ["6.2"]);
     }
 }

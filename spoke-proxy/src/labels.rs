@@ -58,6 +58,9 @@ pub fn label_intent(
                 && !matches!(held.hold, Hold::DevicePluginStopping { .. }),
         }),
         (_, Some(_), None) => Some(LabelIntent::Remove),
+        // Nothing is sent to a node whose agent runs another kernel: what it runs stays,
+        // and so do its labels, device plugin's included.
+        (Placement::KernelMismatch { .. }, _, Some(_)) => None,
         // The version it is to run, not proven for the current intent yet (an agent
         // reconnecting, say): nothing changes for the plugin either.
         (Placement::Load(load), Some(_), Some(p)) if p.version == load.version => None,
@@ -208,6 +211,30 @@ mod tests {
                 false
             ),
             Some(LabelIntent::Remove)
+        );
+    }
+
+    #[test]
+    fn a_kernel_mismatch_sets_nothing_and_leaves_what_runs_labelled() {
+        let mismatch = Placement::KernelMismatch {
+            kubelet: "6.1".into(),
+            agent: "6.2".into(),
+        };
+        let failed = assessment(ModuleState::Failed, "");
+        assert_eq!(
+            label_intent(&mismatch, Some(&failed), Some(&loaded_view()), &id(), true),
+            None
+        );
+        assert_eq!(
+            label_intent(
+                &mismatch,
+                Some(&failed),
+                Some(&AgentView::default()),
+                &id(),
+                false
+            ),
+            Some(LabelIntent::Remove),
+            "proven not loaded"
         );
     }
 

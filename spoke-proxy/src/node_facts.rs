@@ -19,7 +19,6 @@ pub struct NodeFacts {
     pub uid: String,
     /// `status.nodeInfo.kernelVersion`; empty until the kubelet reports it.
     pub kernel: String,
-    pub os_image: String,
     pub boot_id: String,
     pub labels: BTreeMap<String, String>,
     pub taints: Vec<Taint>,
@@ -34,7 +33,6 @@ impl NodeFacts {
             name,
             uid: node.metadata.uid.clone().unwrap_or_default(),
             kernel: info.map(|i| i.kernel_version.clone()).unwrap_or_default(),
-            os_image: info.map(|i| i.os_image.clone()).unwrap_or_default(),
             boot_id: info.map(|i| i.boot_id.clone()).unwrap_or_default(),
             labels: node.metadata.labels.clone().unwrap_or_default(),
             taints: node
@@ -63,7 +61,7 @@ mod tests {
     use kube::api::ObjectMeta;
 
     #[test]
-    fn reads_kernel_os_labels_and_taints() {
+    fn reads_kernel_labels_and_taints() {
         let node = Node {
             metadata: ObjectMeta {
                 name: Some("n1".into()),
@@ -83,7 +81,6 @@ mod tests {
             status: Some(NodeStatus {
                 node_info: Some(NodeSystemInfo {
                     kernel_version: "6.1.0-13-amd64".into(),
-                    os_image: "Debian GNU/Linux 12 (bookworm)".into(),
                     boot_id: "boot".into(),
                     ..Default::default()
                 }),
@@ -94,7 +91,6 @@ mod tests {
         assert_eq!(facts.name, "n1");
         assert_eq!(facts.uid, "u1");
         assert_eq!(facts.kernel, "6.1.0-13-amd64");
-        assert_eq!(facts.os_image, "Debian GNU/Linux 12 (bookworm)");
         assert_eq!(facts.boot_id, "boot");
         assert_eq!(facts.labels.get("a").map(String::as_str), Some("b"));
         assert_eq!(

@@ -14,6 +14,8 @@ use crate::placement::Placement;
 pub const REASON_LOAD_FAILED: &str = "LoadFailed";
 /// Reason for an unload the agent reported failed (the module stays loaded).
 pub const REASON_UNLOAD_FAILED: &str = "UnloadFailed";
+/// Reason for a node whose agent runs another kernel than its kubelet reports.
+pub const REASON_KERNEL_MISMATCH: &str = "KernelMismatch";
 
 /// One module's state on one node.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -69,6 +71,15 @@ pub fn assess(
             ModuleState::Pending,
             "",
             format!("no image resolved yet for kernel {kernel:?}"),
+        ),
+        // Not loaded, and it will not be until someone looks at the node: a failure.
+        Placement::KernelMismatch { kubelet, agent } => Assessment::new(
+            ModuleState::Failed,
+            REASON_KERNEL_MISMATCH,
+            format!(
+                "the kubelet reports kernel {kubelet:?} but the node agent runs {agent:?}: \
+                 nothing is loaded until they agree"
+            ),
         ),
         Placement::Load(load) => {
             let current = proof.filter(|p| {
@@ -366,6 +377,22 @@ mod tests {
         let a = assess(&Placement::AwaitingKernel, None, &id(), "6.9", 1).unwrap();
         assert_eq!(a.state, ModuleState::Pending);
         assert!(a.message.contains("6.9"));
+    }
+
+    #[test]
+    fn kernel_mismatch_is_failed_and_names_both_kernels() {
+        let p = Placement::KernelMismatch {
+            kubelet: "6.1".into(),
+            agent: "6.2".into(),
+        };
+        let a = assess(&p, Some(&AgentView::default()), &id(), "6.1", 1).unwrap();
+        assert_eq!(a.state, ModuleState::Failed);
+        assert_eq!(a.reason, REASON_KERNEL_MISMATCH);
+        assert!(
+            a.message.contains("\"6.1\"") && a.message.contains("\"6.2\""),
+            "{}",
+            a.message
+        );
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! Which intent applies to one node: node selector, tolerations against the node's
-//! taints, then the kernel target for the node's kernel. Pure.
+//! taints, then the kernel target for the node's kernel, provided its agent runs that
+//! kernel too. Pure.
 
 use std::collections::HashMap;
 
@@ -18,6 +19,10 @@ pub enum Placement {
     Unresolved(Unresolved),
     /// The node is selected but the hub has not resolved its kernel (yet).
     AwaitingKernel,
+    /// The node is selected and its kernel resolved, but its agent runs another kernel
+    /// than the kubelet reports: the image resolved for the kubelet's may not fit the
+    /// running one, so nothing is loaded until they agree (and nothing is unloaded).
+    KernelMismatch { kubelet: String, agent: String },
     /// The module must leave the node: the hub asked for it, or the node is no longer
     /// selected while the module may still be on it.
     Unload,
@@ -46,7 +51,11 @@ impl Placement {
     pub fn is_selected(&self) -> bool {
         matches!(
             self,
-            Self::Load(_) | Self::Unresolved(_) | Self::AwaitingKernel | Self::Held(_)
+            Self::Load(_)
+                | Self::Unresolved(_)
+                | Self::AwaitingKernel
+                | Self::KernelMismatch { .. }
+                | Self::Held(_)
         )
     }
 }
@@ -95,6 +104,26 @@ pub fn place(intent: &ModuleIntent, node: &NodeFacts, may_have_it: bool) -> Plac
         Some(Target::Load(load)) => Placement::Load(Box::new(load.clone())),
         Some(Target::Unresolved(unresolved)) => Placement::Unresolved(unresolved.clone()),
         None => Placement::AwaitingKernel,
+    }
+}
+
+/// `placement` on a node whose agent said it runs `agent_kernel` (empty when it has not
+/// said hello, or did not say): a load resolved for the kubelet's `kubelet_kernel` becomes
+/// [`Placement::KernelMismatch`] when the two differ. The kubelet's kernel decides what
+/// is resolved; the agent's only stops a load that may not fit.
+pub fn check_agent_kernel(
+    placement: Placement,
+    kubelet_kernel: &str,
+    agent_kernel: &str,
+) -> Placement {
+    match placement {
+        Placement::Load(_) if !agent_kernel.is_empty() && agent_kernel != kubelet_kernel => {
+            Placement::KernelMismatch {
+                kubelet: kubelet_kernel.to_owned(),
+                agent: agent_kernel.to_owned(),
+            }
+        }
+        other => other,
     }
 }
 
@@ -279,5 +308,43 @@ mod tests {
         other.labels.clear();
         assert_eq!(place(&gone, &other, false), Placement::Unload);
         assert!(!Placement::Unload.is_selected());
+    }
+
+    #[test]
+    fn a_load_waits_for_the_agent_to_run_the_kubelets_kernel() {
+        let resolved = place(&intent(), &node("6.1"), false);
+        assert_eq!(
+            check_agent_kernel(resolved.clone(), "6.1", "6.2"),
+            Placement::KernelMismatch {
+                kubelet: "6.1".into(),
+                agent: "6.2".into()
+            }
+        );
+        assert!(check_agent_kernel(resolved.clone(), "6.1", "6.2").is_selected());
+        assert_eq!(
+            check_agent_kernel(resolved.clone(), "6.1", "6.1"),
+            resolved,
+            "they agree"
+        );
+        assert_eq!(
+            check_agent_kernel(resolved.clone(), "6.1", ""),
+            resolved,
+            "no hello, or an agent that did not say: the kubelet's kernel, as it is"
+        );
+    }
+
+    #[test]
+    fn only_a_load_is_stopped_by_another_agent_kernel() {
+        for placement in [
+            Placement::Unload,
+            Placement::NotApplicable,
+            Placement::AwaitingKernel,
+            place(&intent(), &node("5.14"), false),
+        ] {
+            assert_eq!(
+                check_agent_kernel(placement.clone(), "6.1", "6.2"),
+                placement
+            );
+        }
     }
 }

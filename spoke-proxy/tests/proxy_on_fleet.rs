@@ -4,7 +4,7 @@
 
 mod support;
 
-use std::collections::BTreeMap;
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use anyhow::{Result, bail, ensure};
@@ -227,22 +227,16 @@ async fn inventory_and_agents_bound_to_their_own_node() -> Result<()> {
     let proxy_message::Message::Inventory(inventory) = stream.next().await? else {
         bail!("second message is not KernelInventory");
     };
-    let mut expected: BTreeMap<String, u32> = BTreeMap::new();
-    for i in 0..spoke.nodes.len() {
-        *expected.entry(spoke.kernel(i)).or_default() += 1;
-    }
-    let got: BTreeMap<String, u32> = inventory
+    let distinct: BTreeSet<String> = (0..spoke.nodes.len()).map(|i| spoke.kernel(i)).collect();
+    let expected: Vec<String> = distinct.into_iter().collect();
+    let got: Vec<String> = inventory
         .kernels
         .iter()
-        .map(|k| (k.release.clone(), k.node_count))
+        .map(|k| k.release.clone())
         .collect();
     ensure!(
         got == expected,
-        "inventory {got:?} != nodes' kernels {expected:?}"
-    );
-    ensure!(
-        inventory.kernels.iter().all(|k| !k.os_image.is_empty()),
-        "os images missing: {inventory:?}"
+        "inventory {got:?} != the nodes' distinct kernels, sorted {expected:?}"
     );
     let proxy_message::Message::Status(full) = stream.next().await? else {
         bail!("third message is not NodeStatusReport");

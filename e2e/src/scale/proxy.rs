@@ -43,7 +43,6 @@ const RECONNECT_INITIAL: Duration = Duration::from_millis(500);
 const RECONNECT_MAX: Duration = Duration::from_secs(30);
 /// The real proxy's bounds on the TLS handshake and on the hub answering the stream.
 const HANDSHAKE: Duration = Duration::from_secs(10);
-const OS_IMAGE: &str = "Debian GNU/Linux 12 (bookworm)";
 
 /// Kernel `k` of wave `wave` (0 at the start, one more per upgrade).
 pub fn kernel(wave: u32, k: usize) -> String {
@@ -281,18 +280,13 @@ impl ClusterSim {
     }
 
     fn inventory(&self) -> KernelInventory {
-        let mut counts: BTreeMap<&str, u32> = BTreeMap::new();
-        for node in &self.nodes {
-            *counts.entry(&node.kernel).or_default() += 1;
-        }
+        let releases: BTreeSet<&str> = self.nodes.iter().map(|n| n.kernel.as_str()).collect();
         KernelInventory {
             revision: self.inventory_revision,
-            kernels: counts
+            kernels: releases
                 .into_iter()
-                .map(|(release, node_count)| Kernel {
+                .map(|release| Kernel {
                     release: release.to_owned(),
-                    os_image: OS_IMAGE.to_owned(),
-                    node_count,
                 })
                 .collect(),
         }

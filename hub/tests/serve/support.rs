@@ -423,8 +423,6 @@ impl Proxy {
                 .iter()
                 .map(|k| Kernel {
                     release: (*k).into(),
-                    os_image: "Debian GNU/Linux 12 (bookworm)".into(),
-                    node_count: 1,
                 })
                 .collect(),
         });

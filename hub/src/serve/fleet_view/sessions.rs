@@ -295,7 +295,6 @@ mod tests {
                 .iter()
                 .map(|k| Kernel {
                     release: (*k).to_owned(),
-                    ..Kernel::default()
                 })
                 .collect(),
         }
