@@ -19,7 +19,6 @@ pub mod images;
 pub mod kmod;
 mod pki;
 mod process;
-pub mod registry_server;
 pub mod scale;
 pub mod toolchain;
 pub mod versions;
@@ -54,6 +53,8 @@ pub enum Error {
     Pki(#[from] rcgen::Error),
     #[error("OCI registry: {0}")]
     Oci(#[from] oci_client::errors::OciDistributionError),
+    #[error(transparent)]
+    Registry(#[from] kmm_registry_fixture::Error),
     #[error("{0}")]
     Invalid(String),
 }
