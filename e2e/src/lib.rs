@@ -8,7 +8,6 @@
 //! * [`fleet`] starts, inspects and stops the environment (`cargo xtask env ...`).
 //! * [`fixture`] attaches tests to a running environment (or starts one).
 //! * [`images`] builds kmm-fleet's container images and their bases (`cargo xtask images`).
-//! * [`kwok_pod_runner`] runs the pods KWOK only pretends to run (`kwok-pod-runner`).
 //! * [`scale`] puts a real kmm-hub in front of thousands of simulated clusters.
 //! * [`watched`] keeps a kind's objects current by a watch and waits on them.
 
@@ -18,10 +17,8 @@ pub mod fleet;
 pub mod guest;
 pub mod images;
 pub mod kmod;
-pub mod kwok_pod_runner;
 mod pki;
 mod process;
-pub mod registry_server;
 pub mod scale;
 pub mod toolchain;
 pub mod versions;
@@ -56,6 +53,8 @@ pub enum Error {
     Pki(#[from] rcgen::Error),
     #[error("OCI registry: {0}")]
     Oci(#[from] oci_client::errors::OciDistributionError),
+    #[error(transparent)]
+    Registry(#[from] kmm_registry_fixture::Error),
     #[error("{0}")]
     Invalid(String),
 }

@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use kmm_e2e::images::{self, Built, Image, Options, SOURCE, VERSION};
-use kmm_e2e::registry_server::RegistryServer;
+use kmm_registry_fixture::RegistryServer;
 
 const MIB: u64 = 1024 * 1024;
 /// Issue 10's goals.

@@ -18,7 +18,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kmm_e2e::fixture::{Fleet, wait_until};
 use kmm_e2e::guest::module_signing::TestKey;
 use kmm_e2e::kmod;
-use kmm_e2e::registry_server::RegistryServer;
+use kmm_registry_fixture::RegistryServer;
 use kube::api::{DeleteParams, DynamicObject, ListParams, LogParams, PostParams};
 use kube::discovery::{Discovery, verbs};
 use kube::{Api, Client};

@@ -22,11 +22,11 @@ use futures::StreamExt;
 use k8s_openapi::jiff::Timestamp;
 use kmm_api::ManagedClusterModule;
 use kmm_api::testing::ModuleBuilder;
-use kmm_e2e::registry_server::RegistryServer;
 use kmm_hub::images::status::image_statuses;
 use kmm_hub::images::{ImageKey, ImageRecord, Next, Observation, module_needs, record};
 use kmm_hub::resolutions::Resolutions;
 use kmm_registry::{PullSecret, RegistryTls};
+use kmm_registry_fixture::RegistryServer;
 use serde_json::json;
 
 #[global_allocator]

@@ -219,7 +219,7 @@ pub fn build_kmm() -> Result<()> {
             "-p",
             "kmm-node-agent",
             "-p",
-            "kmm-e2e",
+            "kmm-kwok-pod-runner",
         ])
         .current_dir(root)
         .status()

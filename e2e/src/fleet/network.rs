@@ -12,9 +12,10 @@
 
 use crate::process::run;
 use std::net::Ipv4Addr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
+use kmm_kwok_pod_runner::{NETNS_DIR, netns_path};
 use serde::{Deserialize, Serialize};
 
 use super::{Starting, wait_for};
@@ -27,8 +28,6 @@ pub const MAX_REAL_NODES: usize = 8;
 pub const SERVICE_CIDR: &str = "10.0.0.0/24";
 /// All pod subnets of all fleets: what kube-proxy treats as cluster traffic.
 pub const POD_RANGE: &str = "198.19.0.0/16";
-/// Where `ip netns` keeps network namespaces.
-const NETNS_DIR: &str = "/run/netns";
 
 /// The fleet's node network, derived from its base port alone, so that `down` finds
 /// everything of a fleet even when its state is lost.
@@ -214,11 +213,6 @@ impl Network {
         }
         Ok(())
     }
-}
-
-/// `/run/netns/<name>`, the file `nsenter --net=` takes.
-pub fn netns_path(name: &str) -> PathBuf {
-    Path::new(NETNS_DIR).join(name)
 }
 
 fn link_exists(name: &str) -> bool {

@@ -24,12 +24,13 @@ use std::process::Command;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
+use kmm_kwok_pod_runner::netns_path;
 use kube::Api;
 use kube::api::{DeleteParams, LogParams, PostParams};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use super::network::{NodeAddress, POD_RANGE, netns_path};
+use super::network::{NodeAddress, POD_RANGE};
 use super::{
     APISERVER, ControlPlane, Credentials, Starting, http_get_plain, wait_for, write_kubeconfig,
 };

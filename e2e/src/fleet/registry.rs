@@ -1,17 +1,19 @@
 //! The fleet's OCI registry: on loopback for the host, forwarded to the bridge for the
 //! real nodes, holding the nodes' own images and the sample kmod images.
 
+use kmm_registry_fixture::{registry_binary, registry_config};
+
 use super::control_plane::{LOOPBACK, http_get_plain};
 use super::{Starting, nodes, wait_for};
-use crate::{Result, kmod};
+use crate::Result;
 
 impl Starting {
     /// The registry, its forwarder to the bridge, and the real nodes' images.
     pub(super) async fn registry(&mut self) -> Result<()> {
         let port = self.ports.registry();
         let dir = self.dir.join("registry");
-        let config = kmod::registry_config(&dir, port)?;
-        let program = kmod::registry_binary()?;
+        let config = registry_config(&dir, port)?;
+        let program = registry_binary()?;
         let registry = self.start_program(
             "registry",
             &program,

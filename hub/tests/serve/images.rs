@@ -1,5 +1,5 @@
 //! The hub's image checks and signing against real registries of the test's own
-//! (`kmm_e2e::registry_server`): what the registry answers becomes the image's state in
+//! (`kmm_registry_fixture::RegistryServer`): what the registry answers becomes the image's state in
 //! status and the reason nodes get instead of an image, a pin survives the tag moving
 //! and a hub restart, and bad signing input is named in status with nothing pushed.
 
@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
 use kmm_api::ImageStatus;
-use kmm_e2e::registry_server::RegistryServer;
 use kmm_proto::v1::kernel_target::Target;
+use kmm_registry_fixture::RegistryServer;
 use kube::Api;
 use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
 use rcgen::{CertificateParams, KeyPair, PKCS_RSA_SHA256, RsaKeySize};

@@ -1,6 +1,6 @@
 //! `kmm-node-agent check-image` as a vendor runs it: exit codes and messages.
 
-use kmm_e2e::registry_server::docker_config_json;
+use kmm_registry_fixture::docker_config_json;
 use std::process::Command;
 
 use crate::support::*;

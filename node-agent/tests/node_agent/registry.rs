@@ -2,11 +2,11 @@
 
 use std::time::SystemTime;
 
-use kmm_e2e::registry_server::docker_config_json;
 use kmm_node_agent::desired::{PullSecret, RegistryTls};
 use kmm_node_agent::image::cache::Cache;
 use kmm_node_agent::image::pull::{PullError, PullRequest};
 use kmm_node_agent::image::{FetchRequest, ImageError, ImageStore, Limits};
+use kmm_registry_fixture::docker_config_json;
 
 use crate::support::*;
 

@@ -11,7 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use kmm_e2e::registry_server::RegistryServer;
+use kmm_registry_fixture::RegistryServer;
 use oci_client::client::{Config, ImageLayer};
 use oci_client::manifest::{IMAGE_CONFIG_MEDIA_TYPE, OciImageManifest};
 use oci_client::secrets::RegistryAuth;
@@ -265,7 +265,7 @@ pub fn zstd_layer(tar: &[u8]) -> PushLayer {
     }
 }
 
-/// A running `docker-registry` (kmm-e2e's), stopped on drop.
+/// A running `docker-registry` (kmm-registry-fixture's), stopped on drop.
 pub struct Registry {
     server: RegistryServer,
     /// `127.0.0.1:<port>`
@@ -286,7 +286,7 @@ impl Registry {
         Self::of(RegistryServer::tls_with_auth(user, password))
     }
 
-    fn of(server: kmm_e2e::Result<RegistryServer>) -> Self {
+    fn of(server: kmm_registry_fixture::Result<RegistryServer>) -> Self {
         kernel(); // packages installed
         let server = server.unwrap_or_else(|e| panic!("starting a registry: {e}"));
         Self {

@@ -1,12 +1,12 @@
 //! `kwok-pod-runner`: runs the selected pods of a cluster's KWOK nodes as host
-//! processes (see `kmm_e2e::kwok_pod_runner`).
+//! processes (see the `kmm_kwok_pod_runner` library).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Parser;
-use kmm_e2e::kwok_pod_runner::{self, Config, Exec, split_assignment};
+use kmm_kwok_pod_runner::{Config, Exec, split_assignment};
 use kmm_runtime::cli::LoggingArgs;
 
 /// A stand-in kubelet for KWOK nodes: runs each selected pod bound to a KWOK node as
@@ -78,7 +78,7 @@ fn main() -> anyhow::Result<()> {
         .context("starting the async runtime")?
         .block_on(async {
             let shutdown = kmm_runtime::shutdown::on_signal();
-            kwok_pod_runner::run(config, shutdown.cancelled_owned()).await
+            kmm_kwok_pod_runner::run(config, shutdown.cancelled_owned()).await
         })?;
     Ok(())
 }

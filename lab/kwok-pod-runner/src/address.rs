@@ -13,8 +13,7 @@ use std::net::IpAddr;
 use std::process::Command;
 use std::sync::Mutex;
 
-use crate::Result;
-use crate::process::run;
+use crate::{Error, IoContext, Result};
 
 /// The runner's interface in the real node's network namespace.
 #[derive(Debug)]
@@ -69,8 +68,25 @@ impl Addresses {
     }
 
     fn ip(&self, args: &[&str]) -> Result<()> {
-        run(Command::new("ip").args(["-n", &self.netns]).args(args)).map(drop)
+        run(Command::new("ip").args(["-n", &self.netns]).args(args))
     }
+}
+
+/// Runs `cmd` to completion; an error carrying its standard error if it failed.
+fn run(cmd: &mut Command) -> Result<()> {
+    let describe = format!("{cmd:?}");
+    let out = cmd.output().context(|| format!("running {describe}"))?;
+    if !out.status.success() {
+        return Err(Error::Command {
+            command: describe,
+            status: format!(
+                "{}: {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        });
+    }
+    Ok(())
 }
 
 fn host_prefix(ip: IpAddr) -> String {

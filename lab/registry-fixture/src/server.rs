@@ -24,7 +24,7 @@ use oci_client::{Client, Reference};
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
-use crate::{Error, IoContext, Result, kmod};
+use crate::{Error, IoContext, Result, registry_binary};
 
 const LOOPBACK: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
 
@@ -78,7 +78,7 @@ impl RegistryServer {
         let output = std::fs::File::create(&log)
             .and_then(|file| Ok((file.try_clone()?, file)))
             .context(|| format!("creating {}", log.display()))?;
-        let child = Command::new(kmod::registry_binary()?)
+        let child = Command::new(registry_binary()?)
             .arg("serve")
             .arg(&config)
             .stdout(output.0)

@@ -1,4 +1,19 @@
-//! `kwok-pod-runner`: a stand-in kubelet for a spoke's KWOK nodes.
+//! `kwok-pod-runner`: a stand-in kubelet for a spoke's KWOK nodes (the binary is
+//! `src/main.rs`; the local fleet starts one per spoke).
+//!
+//! * [`selection`] which pods are the runner's, and how long a stopping one may take.
+//! * [`supervisor`] one pod's life: inputs, files, processes, restarts, power.
+//! * [`volumes`] a pod's volumes as host directories and files.
+//! * [`tokens`] the projected service account tokens, requested and renewed.
+//! * [`container`] a container's process: program, arguments, environment.
+//! * [`fields`] Downward API field values.
+//! * [`service_env`] the Service link variables a kubelet sets.
+//! * [`expansion`] `$(VAR)` expansion.
+//! * [`paths`] mount paths rewritten to the host paths standing for them.
+//! * [`child`] starting a process in the real node's network namespace.
+//! * [`address`] pod IPs on the runner's interface in that namespace.
+//! * [`files`] atomic file replacement.
+//! * [`status`] the runner's view, `status.json`.
 //!
 //! KWOK makes simulated nodes look Ready and marks the pods bound to them Running with
 //! an IP from its range, but runs nothing. The runner makes the selected pods on those
@@ -105,13 +120,14 @@ mod volumes;
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
+use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Api, ResourceExt};
+use kube::{Api, Client, ResourceExt};
 use tokio::sync::Notify;
 use tokio::task::{self, JoinSet};
 use tokio_stream::StreamExt;
@@ -119,7 +135,48 @@ use tokio_stream::StreamExt;
 pub use child::Exec;
 pub use status::{ContainerStatus, State, Status};
 
-use crate::{Error, IoContext, Result};
+/// Why the runner failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("`{command}` failed ({status})")]
+    Command { command: String, status: String },
+    #[error("kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("kubeconfig: {0}")]
+    Kubeconfig(#[from] kube::config::KubeconfigError),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Attach a description to an I/O error.
+trait IoContext<T> {
+    fn context(self, context: impl FnOnce() -> String) -> Result<T>;
+}
+
+impl<T> IoContext<T> for std::io::Result<T> {
+    fn context(self, context: impl FnOnce() -> String) -> Result<T> {
+        self.map_err(|source| Error::Io {
+            context: context(),
+            source,
+        })
+    }
+}
+
+/// Where `ip netns` keeps network namespaces.
+pub const NETNS_DIR: &str = "/run/netns";
+
+/// `/run/netns/<name>`, the file `nsenter --net=` takes.
+pub fn netns_path(name: &str) -> PathBuf {
+    Path::new(NETNS_DIR).join(name)
+}
 
 /// The power switch's file name in a node's directory.
 pub const POWERED_OFF: &str = "powered-off";
@@ -160,7 +217,7 @@ pub fn split_assignment(text: &str) -> Result<(String, String)> {
 /// Serves the cluster until `shutdown` resolves, then stops every pod (SIGTERM, grace,
 /// SIGKILL), removes its interface and exits.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<()> {
-    let netns = crate::fleet::network::netns_path(&config.netns);
+    let netns = netns_path(&config.netns);
     if !netns.exists() {
         return Err(Error::Invalid(format!(
             "network namespace {} does not exist",
@@ -178,7 +235,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     for dir in [&config.root, &config.logs] {
         std::fs::create_dir_all(dir).context(|| format!("creating {}", dir.display()))?;
     }
-    let client = crate::fleet::client_for(&config.kubeconfig).await?;
+    let client = client_for(&config.kubeconfig).await?;
     let addresses = address::Addresses::create(&config.netns, &config.address_interface)?;
 
     let changed = Arc::new(Notify::new());
@@ -265,6 +322,13 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         runner.finished(done);
     }
     finish(&ctx, watches)
+}
+
+/// A client authenticated as `kubeconfig` says.
+async fn client_for(kubeconfig: &Path) -> Result<Client> {
+    let kc = Kubeconfig::read_from(kubeconfig)?;
+    let config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?;
+    Ok(Client::try_from(config)?)
 }
 
 /// After every pod stopped: the last status, no interface left behind.
