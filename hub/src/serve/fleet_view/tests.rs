@@ -158,7 +158,6 @@ fn connect(
         revision: 1,
         kernels: vec![Kernel {
             release: "6.1".into(),
-            ..Kernel::default()
         }],
     };
     fleet.view.inventory(cluster, id, kernels);
