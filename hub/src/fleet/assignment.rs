@@ -73,9 +73,7 @@ pub fn cluster_modules<'a>(
 
 #[cfg(test)]
 mod tests {
-    use kmm_proto::v1::{
-        ModuleKey, ModuleNodeKey, ModuleNodeStatus, ModuleState, NodeStatusReport,
-    };
+    use kmm_proto::v1::ModuleState;
 
     use kmm_api::testing::ModuleBuilder;
 
@@ -99,31 +97,8 @@ mod tests {
     }
 
     fn reported(entries: &[(&str, ModuleState)]) -> NodeStatuses {
-        let mut statuses = NodeStatuses::default();
-        statuses
-            .apply(
-                NodeStatusReport {
-                    full: true,
-                    statuses: entries
-                        .iter()
-                        .map(|(name, state)| ModuleNodeStatus {
-                            key: Some(ModuleNodeKey {
-                                module: Some(ModuleKey {
-                                    namespace: "drivers".into(),
-                                    name: (*name).into(),
-                                }),
-                                node: "n1".into(),
-                            }),
-                            state: (*state).into(),
-                            ..ModuleNodeStatus::default()
-                        })
-                        .collect(),
-                    ..NodeStatusReport::default()
-                },
-                |_, _| true,
-            )
-            .unwrap();
-        statuses
+        let on_n1: Vec<_> = entries.iter().map(|&(m, state)| (m, "n1", state)).collect();
+        NodeStatuses::reported(&on_n1)
     }
 
     fn plan(

@@ -151,9 +151,7 @@ impl<'m> ModuleViewBuilder<'m> {
 
 #[cfg(test)]
 mod tests {
-    use kmm_proto::v1::{
-        ModuleKey, ModuleNodeKey, ModuleNodeStatus, ModuleState, NodeStatusReport,
-    };
+    use kmm_proto::v1::ModuleState;
 
     use kmm_api::testing::ModuleBuilder;
 
@@ -177,31 +175,11 @@ mod tests {
     }
 
     fn reported(nodes: &[(&str, ModuleState)]) -> NodeStatuses {
-        let mut statuses = NodeStatuses::default();
-        statuses
-            .apply(
-                NodeStatusReport {
-                    full: true,
-                    statuses: nodes
-                        .iter()
-                        .map(|(node, state)| ModuleNodeStatus {
-                            key: Some(ModuleNodeKey {
-                                module: Some(ModuleKey {
-                                    namespace: "drivers".into(),
-                                    name: "hello".into(),
-                                }),
-                                node: (*node).into(),
-                            }),
-                            state: (*state).into(),
-                            ..ModuleNodeStatus::default()
-                        })
-                        .collect(),
-                    ..NodeStatusReport::default()
-                },
-                |_, _| true,
-            )
-            .unwrap();
-        statuses
+        let of_hello: Vec<_> = nodes
+            .iter()
+            .map(|&(n, state)| ("hello", n, state))
+            .collect();
+        NodeStatuses::reported(&of_hello)
     }
 
     fn sight(statuses: &NodeStatuses, known: bool) -> ClusterSight<'_> {

@@ -278,6 +278,17 @@ impl NodeStatuses {
             .changed)
     }
 
+    /// The statuses of one full report of (module, node, state) entries, modules in
+    /// namespace `drivers`.
+    #[cfg(test)]
+    pub(crate) fn reported(entries: &[(&str, &str, ModuleState)]) -> Self {
+        let mut statuses = Self::default();
+        statuses
+            .apply(full_report(entries), |_, _| true)
+            .expect("within bounds");
+        statuses
+    }
+
     /// Forgets a report whose parts were still arriving (its stream ended).
     pub fn forget_partial(&mut self) {
         self.receiving = None;
@@ -402,6 +413,30 @@ impl NodeStatuses {
         self.module(namespace, name)
             .iter()
             .any(|status| status.state != ModuleState::Unloaded)
+    }
+}
+
+/// A full report of (module, node, state) entries, modules in namespace `drivers`.
+#[cfg(test)]
+pub(crate) fn full_report(entries: &[(&str, &str, ModuleState)]) -> NodeStatusReport {
+    use kmm_proto::v1::ModuleNodeKey;
+    NodeStatusReport {
+        full: true,
+        statuses: entries
+            .iter()
+            .map(|(module, node, state)| ModuleNodeStatus {
+                key: Some(ModuleNodeKey {
+                    module: Some(ModuleKey {
+                        namespace: "drivers".into(),
+                        name: (*module).into(),
+                    }),
+                    node: (*node).into(),
+                }),
+                state: (*state).into(),
+                ..ModuleNodeStatus::default()
+            })
+            .collect(),
+        ..NodeStatusReport::default()
     }
 }
 

@@ -14,9 +14,9 @@ use super::sessions::ClusterSession;
 use super::{FleetView, gauge, lock};
 
 impl FleetView {
-    /// A ManagedClusterModule was reconciled: recompute the clusters it concerns when what
-    /// snapshots depend on (generation, deletion, rollout assignment) changed since last
-    /// time.
+    /// A ManagedClusterModule was created or changed (its watch): recompute the clusters it
+    /// concerns when what snapshots depend on (generation, deletion, rollout assignment)
+    /// changed since last time.
     pub fn note_module(&self, module: &ManagedClusterModule) {
         if !self.index.note(module) {
             return;

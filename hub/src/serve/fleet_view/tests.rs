@@ -3,16 +3,14 @@
 use k8s_openapi::jiff::Timestamp;
 use kmm_api::testing::ModuleBuilder;
 use kmm_api::{ManagedClusterModule, ocm};
-use kmm_proto::v1::{
-    Kernel, KernelInventory, ModuleKey, ModuleNodeKey, ModuleNodeStatus, ModuleState,
-    NodeStatusReport,
-};
+use kmm_proto::v1::{Kernel, KernelInventory, ModuleState, NodeStatusReport};
 use kube::core::DynamicObject;
 use kube::runtime::reflector::store::{Writer, store};
 use kube::runtime::watcher;
 
 use super::*;
 use crate::fleet::assignment::FINALIZER;
+use crate::fleet::node_statuses::full_report;
 use crate::images::ImageRecord;
 use crate::serve::outbound::{Outbound, OutboundSender};
 use crate::serve::sync_service::ClusterStreams;
@@ -176,21 +174,7 @@ fn check_images(fleet: &Fleet) {
 }
 
 fn loaded_on(node: &str) -> NodeStatusReport {
-    NodeStatusReport {
-        full: true,
-        statuses: vec![ModuleNodeStatus {
-            key: Some(ModuleNodeKey {
-                module: Some(ModuleKey {
-                    namespace: "drivers".into(),
-                    name: "hello".into(),
-                }),
-                node: node.into(),
-            }),
-            state: ModuleState::Loaded.into(),
-            ..ModuleNodeStatus::default()
-        }],
-        ..NodeStatusReport::default()
-    }
+    full_report(&[("hello", node, ModuleState::Loaded)])
 }
 
 #[test]
