@@ -40,7 +40,7 @@ pub use rollout::{
     RolloutStrategy, RolloutType, Share, parse_duration,
 };
 pub use status::{
-    ClusterCounts, ClusterDevicePlugins, DevicePluginCounts, FailureSample, ImageStatus,
-    KernelCounts, MAX_FAILURE_SAMPLES, MAX_IMAGE_KERNELS, MAX_IMAGE_STATUSES,
+    ClusterCounts, ClusterDevicePlugins, DevicePluginCounts, FailureSample, HeldCluster,
+    ImageStatus, KernelCounts, MAX_FAILURE_SAMPLES, MAX_IMAGE_KERNELS, MAX_IMAGE_STATUSES,
     ManagedClusterModuleStatus, NodeCounts,
 };

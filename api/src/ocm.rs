@@ -24,6 +24,13 @@ pub const DECISION_GROUP_INDEX_LABEL: &str =
 pub const DECISION_GROUP_NAME_LABEL: &str =
     "cluster.open-cluster-management.io/decision-group-name";
 
+/// A ManagedCluster taint set by OCM's registration when the cluster's agent lease lapsed
+/// (its `ManagedClusterConditionAvailable` is `Unknown`).
+pub const UNREACHABLE_TAINT: &str = "cluster.open-cluster-management.io/unreachable";
+/// A ManagedCluster taint set by OCM's registration when the cluster reports itself
+/// unavailable (`ManagedClusterConditionAvailable` is `False`).
+pub const UNAVAILABLE_TAINT: &str = "cluster.open-cluster-management.io/unavailable";
+
 /// An OCM kind in the version kmm-fleet uses. Static rather than an [`ApiResource`] (which
 /// owns its strings) so that it can be a constant and its parts compared against.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

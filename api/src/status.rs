@@ -32,6 +32,13 @@ pub struct ManagedClusterModuleStatus {
     #[serde(default)]
     pub kernels: KernelCounts,
 
+    /// Clusters kept running the module although no Placement of it decides them any
+    /// more, for a reason that is not a request (see `clusters.held`); at most 10, by
+    /// cluster name.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 10))]
+    pub held: Vec<HeldCluster>,
+
     /// A bounded sample of failures, newest first.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 10))]
@@ -86,6 +93,25 @@ pub struct ClusterCounts {
     pub connected: i32,
     /// Selected clusters on which every matching node runs the desired module version.
     pub converged: i32,
+    /// Clusters that still run the module although its Placements no longer decide them,
+    /// because OCM lost sight of them rather than because anyone asked (`held` says why).
+    /// They are counted in `selected` too.
+    #[serde(default)]
+    pub held: i32,
+}
+
+/// A cluster kept running a module that its Placements no longer decide.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct HeldCluster {
+    /// Managed cluster name.
+    pub cluster: String,
+    /// The Placement (`namespace/name`) that no longer decides it.
+    pub placement: String,
+    /// `ClusterUnreachable`, `PlacementWithoutDecisions` or `DecisionsChanging`.
+    pub reason: String,
+    /// What happened and what would unload it.
+    pub message: String,
 }
 
 /// Nodes by state.

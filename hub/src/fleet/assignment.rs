@@ -3,23 +3,51 @@
 //! A selected module is loaded; a module being deleted is unloaded wherever it is selected
 //! or still reported; a cluster no longer selected unloads the module while any of its
 //! nodes still reports it not unloaded, after which the module leaves the snapshot (absent
-//! means forgotten, never unloaded). A module goes nowhere until it carries the hub's
-//! finalizer: loading one whose deletion the hub could miss would leave it loaded forever.
+//! means forgotten, never unloaded). A cluster its Placements dropped for a reason that is
+//! not a request is held: it keeps what it runs, and gets nothing new (see
+//! `placements::held`). A module goes nowhere until it carries the hub's finalizer:
+//! loading one whose deletion the hub could miss would leave it loaded forever.
 
 use std::collections::BTreeMap;
 
-use kmm_api::ManagedClusterModule;
+use kmm_api::{ManagedClusterModule, PlacementRef};
 
 use super::intents::{ModuleInput, selects};
 use super::node_statuses::NodeStatuses;
-use super::placements::{Placed, is_placed};
+use super::placements::{Excuses, HoldReason, Placed, held, is_placed};
 
-/// What a module's selection of a ManagedCluster reads: its labels, and the Placements
-/// that decided it.
+/// What a module's selection of a ManagedCluster reads: its labels, the Placements that
+/// decided it, and what excuses the others' silence.
 #[derive(Clone, Copy, Debug)]
 pub struct ClusterFacts<'a> {
     pub labels: &'a BTreeMap<String, String>,
     pub placed: &'a Placed,
+    pub excuses: &'a Excuses,
+}
+
+/// How a module stands towards a cluster.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Selection {
+    Selected,
+    /// Its Placements no longer decide the cluster, for a reason that is not a request:
+    /// what runs there stays, nothing new is loaded.
+    Held(PlacementRef, HoldReason),
+    Unselected,
+}
+
+/// How a ManagedClusterModule stands towards a cluster (`None`: the ManagedCluster does
+/// not exist, so nothing selects it).
+pub fn selection(module: &ManagedClusterModule, cluster: Option<ClusterFacts<'_>>) -> Selection {
+    let Some(c) = cluster.filter(|c| selects(&module.spec.selector, c.labels)) else {
+        return Selection::Unselected;
+    };
+    if is_placed(module, c.placed) {
+        return Selection::Selected;
+    }
+    match held(module, c.placed, c.excuses) {
+        Some((placement, reason)) => Selection::Held(placement, reason),
+        None => Selection::Unselected,
+    }
 }
 
 /// Held by every ManagedClusterModule the hub acts on, until its unload is confirmed or
@@ -40,7 +68,7 @@ pub fn is_guarded(module: &ManagedClusterModule) -> bool {
 /// selector and, when the module names Placements, one of them decided it (`None`: the
 /// ManagedCluster does not exist, so nothing selects it).
 pub fn is_selected(module: &ManagedClusterModule, cluster: Option<ClusterFacts<'_>>) -> bool {
-    cluster.is_some_and(|c| selects(&module.spec.selector, c.labels) && is_placed(module, c.placed))
+    selection(module, cluster) == Selection::Selected
 }
 
 /// Whether the module is being deleted.
@@ -61,11 +89,12 @@ pub fn cluster_modules<'a>(
         .iter()
         .filter(|module| is_guarded(module))
         .filter_map(|&module| {
-            let selected = is_selected(module, cluster);
+            let selection = selection(module, cluster);
+            let selected = selection == Selection::Selected;
             let name = module.metadata.name.as_deref().unwrap_or_default();
             let namespace = module.spec.spoke_namespace.as_str();
             let lingering = reported.lingers(namespace, name) || unconfirmed(namespace, name);
-            let unload = is_deleting(module) || !selected;
+            let unload = is_deleting(module) || selection == Selection::Unselected;
             (selected || lingering).then_some(ModuleInput { module, unload })
         })
         .collect()
@@ -107,9 +136,11 @@ mod tests {
         statuses: &NodeStatuses,
     ) -> Vec<(String, bool)> {
         let placed = Placed::new();
+        let excuses = Excuses::default();
         let cluster = labels.map(|labels| ClusterFacts {
             labels,
             placed: &placed,
+            excuses: &excuses,
         });
         cluster_modules(modules, cluster, statuses, &|_, _| false)
             .iter()
@@ -143,10 +174,12 @@ mod tests {
         let labels = labels();
         let undecided = Placed::new();
         let decided = Placed::from([(placement, Default::default())]);
+        let excuses = Excuses::default();
         let facts = |placed| {
             Some(ClusterFacts {
                 labels: &labels,
                 placed,
+                excuses: &excuses,
             })
         };
         assert!(!is_selected(&gpu, facts(&undecided)));
@@ -234,5 +267,118 @@ mod tests {
             ),
             [("b".to_string(), true)]
         );
+    }
+
+    /// A module placed by Placement `fleet/gpu`, on a cluster labelled `fleet: a` that
+    /// the Placement no longer decides, with `excuses`.
+    fn plan_undecided(excuses: &Excuses, statuses: &NodeStatuses) -> Vec<(String, bool)> {
+        let mut gpu = mcm("gpu", Some("a"));
+        gpu.spec.placement_refs = Some(vec![gpu_placement()]);
+        let labels = labels();
+        let placed = Placed::new();
+        let facts = ClusterFacts {
+            labels: &labels,
+            placed: &placed,
+            excuses,
+        };
+        cluster_modules(&[&gpu], Some(facts), statuses, &|_, _| false)
+            .iter()
+            .map(|input| (input.module.metadata.name.clone().unwrap(), input.unload))
+            .collect()
+    }
+
+    fn gpu_placement() -> PlacementRef {
+        PlacementRef {
+            namespace: "fleet".into(),
+            name: "gpu".into(),
+        }
+    }
+
+    fn deciding_gpu() -> std::sync::Arc<std::collections::BTreeSet<PlacementRef>> {
+        std::sync::Arc::new([gpu_placement()].into())
+    }
+
+    #[test]
+    fn ocm_losing_sight_of_a_cluster_holds_what_runs_there() {
+        let loaded = reported(&[("gpu", ModuleState::Loaded)]);
+        let unreachable = Excuses {
+            unreachable: true,
+            deciding: deciding_gpu(),
+            ..Excuses::default()
+        };
+        let placement_gone = Excuses::default();
+        let moving = Excuses {
+            recently_left: [gpu_placement()].into(),
+            deciding: deciding_gpu(),
+            ..Excuses::default()
+        };
+        for (excuses, why) in [
+            (&unreachable, "tainted unreachable"),
+            (&placement_gone, "the Placement decides nothing"),
+            (&moving, "left the decisions moments ago"),
+        ] {
+            assert_eq!(
+                plan_undecided(excuses, &loaded),
+                [("gpu".to_string(), false)],
+                "{why}: kept loaded, not unloaded"
+            );
+            assert!(
+                plan_undecided(excuses, &NodeStatuses::default()).is_empty(),
+                "{why}: nothing new is loaded where the module does not run"
+            );
+        }
+    }
+
+    #[test]
+    fn a_placement_that_still_decides_others_and_settled_unloads_the_cluster_it_dropped() {
+        let settled = Excuses {
+            deciding: deciding_gpu(),
+            ..Excuses::default()
+        };
+        assert_eq!(
+            plan_undecided(&settled, &reported(&[("gpu", ModuleState::Loaded)])),
+            [("gpu".to_string(), true)]
+        );
+    }
+
+    #[test]
+    fn a_held_cluster_whose_labels_no_longer_match_unloads() {
+        let mut gpu = mcm("gpu", Some("b"));
+        gpu.spec.placement_refs = Some(vec![gpu_placement()]);
+        let labels = labels();
+        let placed = Placed::new();
+        let excuses = Excuses {
+            unreachable: true,
+            ..Excuses::default()
+        };
+        let facts = ClusterFacts {
+            labels: &labels,
+            placed: &placed,
+            excuses: &excuses,
+        };
+        assert_eq!(selection(&gpu, Some(facts)), Selection::Unselected);
+        let loaded = reported(&[("gpu", ModuleState::Loaded)]);
+        let inputs = cluster_modules(&[&gpu], Some(facts), &loaded, &|_, _| false);
+        assert!(inputs[0].unload, "a label change is a request");
+    }
+
+    #[test]
+    fn a_held_module_being_deleted_unloads() {
+        let mut gpu = module("gpu", Some("a")).deleting().build();
+        gpu.spec.placement_refs = Some(vec![gpu_placement()]);
+        let labels = labels();
+        let placed = Placed::new();
+        let excuses = Excuses {
+            unreachable: true,
+            ..Excuses::default()
+        };
+        let facts = ClusterFacts {
+            labels: &labels,
+            placed: &placed,
+            excuses: &excuses,
+        };
+        let loaded = reported(&[("gpu", ModuleState::Loaded)]);
+        let inputs = cluster_modules(&[&gpu], Some(facts), &loaded, &|_, _| false);
+        assert!(inputs[0].unload);
     }
 }

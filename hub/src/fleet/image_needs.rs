@@ -140,6 +140,7 @@ mod tests {
         let facts = Some(ClusterFacts {
             labels: &prod,
             placed: &placed,
+            excuses: &Default::default(),
         });
         let modules = [mcm("a", 1, "prod"), mcm("b", 1, "test")];
         let mut served = ServedKernels::default();

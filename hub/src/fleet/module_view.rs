@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use kmm_api::{ImageStatus, ManagedClusterModule, ManagedClusterModuleStatus};
+use kmm_api::{ImageStatus, ManagedClusterModule, ManagedClusterModuleStatus, PlacementRef};
 use kmm_proto::v1::KernelTarget;
 use kube::ResourceExt;
 
@@ -13,6 +13,7 @@ use super::assignment::is_deleting;
 use super::deletion::Leftovers;
 use super::device_plugins::counts as device_plugin_counts;
 use super::node_statuses::NodeStatuses;
+use super::placements::HoldReason;
 use super::rollout::{Observation, Wave};
 use super::status::{ClusterReport, StatusTally};
 
@@ -81,6 +82,22 @@ impl<'m> ModuleViewBuilder<'m> {
     /// A selected cluster, moving in `wave`; `sight` is `None` when no proxy of the
     /// cluster ever connected to this hub.
     pub fn selected(&mut self, cluster: &str, wave: Option<Wave>, sight: Option<ClusterSight<'_>>) {
+        self.count(cluster, wave, sight);
+    }
+
+    /// A cluster the module's Placements no longer decide but that keeps running it
+    /// (see `placements::held`): counted as selected, and listed with its reason.
+    pub fn held(
+        &mut self,
+        cluster: &str,
+        (placement, reason): &(PlacementRef, HoldReason),
+        sight: ClusterSight<'_>,
+    ) {
+        self.tally.hold(cluster, placement, *reason);
+        self.count(cluster, None, Some(sight));
+    }
+
+    fn count(&mut self, cluster: &str, wave: Option<Wave>, sight: Option<ClusterSight<'_>>) {
         let namespace = self.module.spec.spoke_namespace.as_str();
         let report = match &sight {
             None => ClusterReport {

@@ -1,8 +1,16 @@
 //! Which clusters Open Cluster Management's Placements decided, and in which decision
 //! group: read from their PlacementDecisions, whose labels name the Placement and the
 //! group. Pure.
+//!
+//! A cluster that drops out of a Placement's decisions is not always deselected: OCM also
+//! drops a cluster whose agent's lease lapsed (it taints it unreachable), empties the
+//! decisions of a deleted Placement, and briefly loses a cluster while it re-splits a large
+//! Placement's decisions. Those are OCM losing sight of a cluster, not a request, so a
+//! module already there is held ([`held`]) rather than unloaded.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use kmm_api::ocm::{DECISION_GROUP_INDEX_LABEL, DECISION_GROUP_NAME_LABEL, PLACEMENT_LABEL};
 use kmm_api::{ManagedClusterModule, PlacementRef};
@@ -21,6 +29,170 @@ pub struct DecisionGroup {
 
 /// The Placements that decided one cluster, each with the group it put the cluster in.
 pub type Placed = BTreeMap<PlacementRef, DecisionGroup>;
+
+/// How long a cluster that left a Placement's decisions without an excuse OCM shows keeps
+/// its modules: longer than OCM takes to move a cluster between the decisions of one
+/// Placement, short enough that a Placement narrowed on purpose unloads within a minute.
+pub const DECISIONS_SETTLE: Duration = Duration::from_secs(30);
+
+/// Why a cluster a module's Placements no longer decide still runs the module.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HoldReason {
+    /// OCM tainted the cluster unreachable or unavailable: its agent's lease lapsed, which
+    /// says nothing about the nodes or kmm's own stream.
+    ClusterUnreachable,
+    /// The Placement decides no cluster at all: it was deleted, or its decisions emptied.
+    PlacementWithoutDecisions,
+    /// The cluster left the Placement's decisions less than [`DECISIONS_SETTLE`] ago.
+    DecisionsChanging,
+}
+
+impl HoldReason {
+    /// The reason as status spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::ClusterUnreachable => "ClusterUnreachable",
+            Self::PlacementWithoutDecisions => "PlacementWithoutDecisions",
+            Self::DecisionsChanging => "DecisionsChanging",
+        }
+    }
+
+    /// What happened, and what would unload the module.
+    pub fn message(self, placement: &PlacementRef) -> String {
+        let why = match self {
+            Self::ClusterUnreachable => {
+                "OCM tainted the cluster unreachable or unavailable (its agent's lease lapsed)"
+                    .to_owned()
+            }
+            Self::PlacementWithoutDecisions => {
+                format!(
+                    "Placement {placement} decides no cluster (deleted, or its decisions emptied)"
+                )
+            }
+            Self::DecisionsChanging => format!(
+                "the cluster left Placement {placement}'s decisions less than {}s ago",
+                DECISIONS_SETTLE.as_secs()
+            ),
+        };
+        format!(
+            "{why}; the module stays loaded. Narrow or delete the ManagedClusterModule, or \
+             change the cluster's labels, to unload it"
+        )
+    }
+}
+
+/// What makes a Placement's silence about one cluster OCM's rather than a request.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Excuses {
+    /// OCM tainted the cluster unreachable or unavailable.
+    pub unreachable: bool,
+    /// Placements that decided the cluster until less than [`DECISIONS_SETTLE`] ago.
+    pub recently_left: BTreeSet<PlacementRef>,
+    /// Every Placement that decides at least one cluster.
+    pub deciding: Arc<BTreeSet<PlacementRef>>,
+}
+
+/// When a module with Placements, none of which decides the cluster, still holds it: the
+/// first of its Placements with an excuse, and the excuse. `None` for a module without
+/// Placements or one they decide.
+pub fn held(
+    module: &ManagedClusterModule,
+    placed: &Placed,
+    excuses: &Excuses,
+) -> Option<(PlacementRef, HoldReason)> {
+    let refs = module.spec.placement_refs.as_ref()?;
+    if refs.iter().any(|r| placed.contains_key(r)) {
+        return None;
+    }
+    refs.iter().find_map(|placement| {
+        let reason = if excuses.unreachable {
+            HoldReason::ClusterUnreachable
+        } else if !excuses.deciding.contains(placement) {
+            HoldReason::PlacementWithoutDecisions
+        } else if excuses.recently_left.contains(placement) {
+            HoldReason::DecisionsChanging
+        } else {
+            return None;
+        };
+        Some((placement.clone(), reason))
+    })
+}
+
+/// When clusters left Placements' decisions, kept for [`DECISIONS_SETTLE`]. Only what the
+/// hub saw since it started: after a restart, a cluster that is not decided has no
+/// departure to excuse it.
+#[derive(Debug, Default)]
+pub struct Departures {
+    left: HashMap<String, BTreeMap<PlacementRef, Instant>>,
+}
+
+impl Departures {
+    /// Notes the decisions changing from `before` to `now` at `at`; returns the clusters
+    /// whose recent departures changed.
+    pub fn note(
+        &mut self,
+        before: &HashMap<String, Placed>,
+        now: &HashMap<String, Placed>,
+        at: Instant,
+    ) -> Vec<String> {
+        let nowhere = Placed::new();
+        let mut changed = Vec::new();
+        for (cluster, was) in before {
+            let is = now.get(cluster).unwrap_or(&nowhere);
+            let gone: Vec<_> = was.keys().filter(|p| !is.contains_key(*p)).collect();
+            if gone.is_empty() {
+                continue;
+            }
+            let left = self.left.entry(cluster.clone()).or_default();
+            for placement in gone {
+                left.insert(placement.clone(), at);
+            }
+            changed.push(cluster.clone());
+        }
+        for (cluster, is) in now {
+            let Some(left) = self.left.get_mut(cluster) else {
+                continue;
+            };
+            let before = left.len();
+            left.retain(|placement, _| !is.contains_key(placement));
+            if left.len() != before && !changed.contains(cluster) {
+                changed.push(cluster.clone());
+            }
+            if left.is_empty() {
+                self.left.remove(cluster);
+            }
+        }
+        changed
+    }
+
+    /// Forgets the departures [`DECISIONS_SETTLE`] old at `at`; returns the clusters that
+    /// lost one.
+    pub fn expire(&mut self, at: Instant) -> Vec<String> {
+        let mut changed = Vec::new();
+        self.left.retain(|cluster, left| {
+            let before = left.len();
+            left.retain(|_, since| at.saturating_duration_since(*since) < DECISIONS_SETTLE);
+            if left.len() != before {
+                changed.push(cluster.clone());
+            }
+            !left.is_empty()
+        });
+        changed
+    }
+
+    /// The Placements the cluster left less than [`DECISIONS_SETTLE`] ago.
+    pub fn recently_left(&self, cluster: &str) -> BTreeSet<PlacementRef> {
+        self.left
+            .get(cluster)
+            .map(|left| left.keys().cloned().collect())
+            .unwrap_or_default()
+    }
+}
+
+/// The Placements that decide at least one cluster.
+pub fn deciding(placed: &HashMap<String, Placed>) -> BTreeSet<PlacementRef> {
+    placed.values().flat_map(|p| p.keys().cloned()).collect()
+}
 
 /// Per cluster, what the PlacementDecisions say. A decision without the placement label
 /// is not a Placement's and is ignored; a cluster a Placement decided twice keeps the
@@ -179,5 +351,80 @@ mod tests {
         let wave = wave(&gpu, &placed["spoke1"]).unwrap();
         assert_eq!((wave.placement, wave.index), (1, 2));
         assert_eq!(wave.label, "fleet/gpu/2");
+    }
+
+    #[test]
+    fn a_departure_is_remembered_until_it_settles_and_forgotten_on_return() {
+        let gpu = placement("fleet", "gpu");
+        let both = HashMap::from([
+            (
+                "spoke1".to_owned(),
+                Placed::from([(gpu.clone(), DecisionGroup::default())]),
+            ),
+            (
+                "spoke2".to_owned(),
+                Placed::from([(gpu.clone(), DecisionGroup::default())]),
+            ),
+        ]);
+        let one = HashMap::from([("spoke2".to_owned(), both["spoke2"].clone())]);
+        let start = Instant::now();
+        let mut departures = Departures::default();
+        assert!(departures.note(&HashMap::new(), &both, start).is_empty());
+        assert_eq!(departures.note(&both, &one, start), ["spoke1"]);
+        assert_eq!(departures.recently_left("spoke1"), [gpu.clone()].into());
+        assert!(departures.recently_left("spoke2").is_empty());
+        assert!(departures.expire(start + DECISIONS_SETTLE / 2).is_empty());
+        assert_eq!(departures.expire(start + DECISIONS_SETTLE), ["spoke1"]);
+        assert!(departures.recently_left("spoke1").is_empty());
+
+        departures.note(&both, &one, start);
+        assert_eq!(
+            departures.note(&one, &both, start),
+            ["spoke1"],
+            "back again"
+        );
+        assert!(departures.recently_left("spoke1").is_empty());
+        assert!(departures.expire(start + DECISIONS_SETTLE).is_empty());
+    }
+
+    #[test]
+    fn a_hold_needs_an_excuse_and_names_the_first_placement_with_one() {
+        let gpu = placement("fleet", "gpu");
+        let other = placement("fleet", "other");
+        let module = module(Some(vec![other.clone(), gpu.clone()]));
+        let deciding = Arc::new(BTreeSet::from([gpu.clone(), other.clone()]));
+        let none = Excuses {
+            deciding: deciding.clone(),
+            ..Excuses::default()
+        };
+        assert_eq!(held(&module, &Placed::new(), &none), None);
+        let moving = Excuses {
+            recently_left: [gpu.clone()].into(),
+            deciding: deciding.clone(),
+            ..Excuses::default()
+        };
+        assert_eq!(
+            held(&module, &Placed::new(), &moving),
+            Some((gpu.clone(), HoldReason::DecisionsChanging))
+        );
+        let decided = Placed::from([(other.clone(), DecisionGroup::default())]);
+        assert_eq!(held(&module, &decided, &moving), None, "placed, not held");
+        let unreachable = Excuses {
+            unreachable: true,
+            ..none
+        };
+        assert_eq!(
+            held(&module, &Placed::new(), &unreachable),
+            Some((other, HoldReason::ClusterUnreachable))
+        );
+        assert_eq!(
+            held(&super::tests::module(None), &Placed::new(), &unreachable),
+            None
+        );
+        assert!(
+            HoldReason::DecisionsChanging
+                .message(&gpu)
+                .contains("fleet/gpu")
+        );
     }
 }

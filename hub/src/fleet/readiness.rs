@@ -150,6 +150,7 @@ mod tests {
                 selected,
                 connected,
                 converged,
+                held: 0,
             },
             nodes: NodeCounts {
                 matching: 4,

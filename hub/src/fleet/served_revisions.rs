@@ -12,7 +12,7 @@ use k8s_openapi::api::apps::v1::ControllerRevision;
 use kmm_api::{ManagedClusterModule, RolloutType};
 use kube::ResourceExt;
 
-use super::assignment::{ClusterFacts, is_deleting, is_selected};
+use super::assignment::{ClusterFacts, Selection, is_deleting, selection};
 use super::revisions::{Missing, Revisions, object_name};
 use super::rollout::{Assigned, assigned};
 
@@ -62,7 +62,11 @@ pub fn at_revisions(
     modules
         .iter()
         .filter_map(|module| {
-            if !is_progressive(module) || is_deleting(module) || !is_selected(module, facts) {
+            // A held cluster keeps the revision it was assigned, like a selected one.
+            if !is_progressive(module)
+                || is_deleting(module)
+                || selection(module, facts) == Selection::Unselected
+            {
                 return Some(module.clone());
             }
             let current = revisions.current(module);
@@ -156,6 +160,7 @@ mod tests {
         let facts = Some(ClusterFacts {
             labels: &labels,
             placed: &placed,
+            excuses: &Default::default(),
         });
         let mut revisions = Revisions::default();
         let stored = |object: &str| (object == kept.name_any()).then(|| kept.clone());
@@ -200,6 +205,7 @@ mod tests {
         let facts = Some(ClusterFacts {
             labels: &labels,
             placed: &placed,
+            excuses: &Default::default(),
         });
         let fresh = Arc::new(mcm("r/x:1", true));
         let plain = Arc::new(mcm("r/x:1", false));

@@ -4,12 +4,13 @@
 use std::collections::BTreeSet;
 
 use kmm_api::{
-    ClusterCounts, FailureSample, KernelCounts, MAX_FAILURE_SAMPLES, ManagedClusterModuleStatus,
-    NodeCounts,
+    ClusterCounts, FailureSample, HeldCluster, KernelCounts, MAX_FAILURE_SAMPLES,
+    ManagedClusterModuleStatus, NodeCounts, PlacementRef,
 };
 use kmm_proto::v1::{KernelTarget, ModuleState, kernel_target::Target};
 
 use super::node_statuses::NodeStatus;
+use super::placements::HoldReason;
 use super::rollout::Observation;
 
 /// What one selected cluster says about one module.
@@ -49,9 +50,30 @@ pub struct StatusTally {
     unresolved: BTreeSet<String>,
     /// The smallest failures by (cluster, node, kernel), at most [`MAX_FAILURE_SAMPLES`].
     failures: Vec<FailureSample>,
+    /// The held clusters with the smallest names, at most [`MAX_FAILURE_SAMPLES`].
+    held: Vec<HeldCluster>,
 }
 
 impl StatusTally {
+    /// Notes that a counted cluster is held (see `placements::held`).
+    pub fn hold(&mut self, cluster: &str, placement: &PlacementRef, reason: HoldReason) {
+        self.clusters.held += 1;
+        self.held.push(HeldCluster {
+            cluster: cluster.to_owned(),
+            placement: placement.to_string(),
+            reason: reason.as_str().to_owned(),
+            message: reason.message(placement),
+        });
+        if self.held.len() > 4 * MAX_FAILURE_SAMPLES {
+            self.trim_held();
+        }
+    }
+
+    fn trim_held(&mut self) {
+        self.held.sort_by(|a, b| a.cluster.cmp(&b.cluster));
+        self.held.truncate(MAX_FAILURE_SAMPLES);
+    }
+
     /// Counts one cluster, and says what it shows for a rollout.
     pub fn add(&mut self, report: &ClusterReport<'_>) -> Observation {
         self.clusters.selected += 1;
@@ -119,6 +141,7 @@ impl StatusTally {
 
     pub fn finish(mut self, generation: Option<i64>) -> ManagedClusterModuleStatus {
         self.trim_failures();
+        self.trim_held();
         ManagedClusterModuleStatus {
             observed_generation: generation,
             clusters: self.clusters,
@@ -127,6 +150,7 @@ impl StatusTally {
                 resolved: count(self.resolved.len()),
                 unresolved: count(self.unresolved.len()),
             },
+            held: self.held,
             failures: self.failures,
             images: Vec::new(),
             rollout: None,
@@ -219,7 +243,8 @@ mod tests {
             ClusterCounts {
                 selected: 3,
                 connected: 2,
-                converged: 1
+                converged: 1,
+                held: 0,
             }
         );
         assert_eq!(

@@ -315,6 +315,7 @@ pub async fn run(
         stores.preflights.clone(),
     )));
     tokio::spawn(wait_synced(stores.clone(), state.clone(), health.clone()));
+    let departures = AbortOnDropHandle::new(tokio::spawn(settle_departures(state.clone())));
     let addon = AbortOnDropHandle::new(tokio::spawn(addon::run(
         client.clone(),
         settings.addon_name.clone(),
@@ -417,6 +418,7 @@ pub async fn run(
         preflights,
         decisions,
         preflight_writer,
+        departures,
         addon,
         image_worker,
         background,
@@ -431,6 +433,17 @@ pub async fn run(
         return Err(ServeError::LeadershipLost);
     }
     Ok(())
+}
+
+/// Looks again, about every second, at the clusters whose departure from a Placement's
+/// decisions has settled: from then on it is meant, and unloads.
+async fn settle_departures(state: Arc<FleetView>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        state.settle_departures(std::time::Instant::now());
+    }
 }
 
 /// Counts every run of the module controller by its result. A failed reconciliation

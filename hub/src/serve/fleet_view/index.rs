@@ -4,19 +4,20 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, RwLock};
+use std::time::Instant;
 
 use k8s_openapi::api::apps::v1::ControllerRevision;
 use k8s_openapi::api::core::v1::Secret;
-use kmm_api::{ManagedClusterModule, PreflightValidation, ocm};
+use kmm_api::{ManagedClusterModule, PlacementRef, PreflightValidation, ocm};
 use kmm_proto::v1::PullCredential;
 use kube::ResourceExt;
 use kube::core::{ApiResource, DynamicObject};
 use kube::runtime::reflector::{ObjectRef, Store};
 
-use crate::fleet::assignment::{ClusterFacts, is_deleting, is_selected};
-use crate::fleet::cluster_view::ClusterView;
+use crate::fleet::assignment::{ClusterFacts, Selection, is_deleting, is_selected, selection};
+use crate::fleet::cluster_view::{ClusterView, is_unreachable};
 use crate::fleet::credentials;
-use crate::fleet::placements::{Placed, decided, wave};
+use crate::fleet::placements::{Departures, Excuses, HoldReason, Placed, decided, deciding, wave};
 use crate::fleet::revisions::MODULE_LABEL;
 use crate::fleet::rollout::Wave;
 use crate::fleet::served_revisions::assignment_key;
@@ -60,8 +61,16 @@ pub struct FleetIndex {
     views: Mutex<HashMap<String, ClusterView>>,
     /// Per cluster, the Placements that decided it, from the PlacementDecisions.
     placed: RwLock<HashMap<String, Placed>>,
+    /// The Placements that decide at least one cluster.
+    deciding: RwLock<Arc<BTreeSet<PlacementRef>>>,
+    /// When clusters recently left Placements' decisions.
+    departures: Mutex<Departures>,
     modules: Mutex<ModuleBook>,
 }
+
+/// A cluster a module selects or holds: the wave its rollout moves it in, and why it is
+/// held (`None`: selected).
+pub type ClusterPick = (Option<Wave>, Option<(PlacementRef, HoldReason)>);
 
 impl FleetIndex {
     pub fn new(stores: Stores) -> Self {
@@ -70,6 +79,8 @@ impl FleetIndex {
             cluster_resource: ocm::MANAGED_CLUSTER.api_resource(),
             views: Mutex::default(),
             placed: RwLock::default(),
+            deciding: RwLock::default(),
+            departures: Mutex::default(),
             modules: Mutex::default(),
         }
     }
@@ -84,10 +95,19 @@ impl FleetIndex {
             .get(cluster)
             .cloned()
             .unwrap_or_default();
+        let excuses = Excuses {
+            unreachable: false,
+            recently_left: lock(&self.departures).recently_left(cluster),
+            deciding: self
+                .deciding
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone(),
+        };
         self.stores
             .clusters
             .get(&reference)
-            .map(|mc| ClusterView::of(&mc, placed))
+            .map(|mc| ClusterView::of(&mc, placed, excuses))
     }
 
     /// Remembers the cluster's view as it is now; `None` when it did not change since
@@ -132,19 +152,37 @@ impl FleetIndex {
                     .cloned(),
             )
             .collect();
+        lock(&self.departures).note(&placed, &now, Instant::now());
+        *self
+            .deciding
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(deciding(&now));
         *placed = now;
         changed
     }
 
-    /// Each cluster the module selects, with the wave its rollout moves it in.
+    /// Forgets departures from Placements' decisions that are old enough to be meant;
+    /// returns the clusters that lost one.
+    pub fn expire_departures(&self, now: Instant) -> Vec<String> {
+        lock(&self.departures).expire(now)
+    }
+
+    /// Each cluster the module selects or holds, with the wave its rollout moves it in
+    /// and why it is held.
     pub fn selected_clusters(
         &self,
         module: &ManagedClusterModule,
-    ) -> BTreeMap<String, Option<Wave>> {
+    ) -> BTreeMap<String, ClusterPick> {
         let placed = self
             .placed
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let departures = lock(&self.departures);
+        let deciding = self
+            .deciding
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
         let nowhere = Placed::new();
         self.stores
             .clusters
@@ -153,11 +191,22 @@ impl FleetIndex {
             .filter_map(|c| {
                 let name = c.name_any();
                 let placed = placed.get(&name).unwrap_or(&nowhere);
+                let excuses = Excuses {
+                    unreachable: is_unreachable(c),
+                    recently_left: departures.recently_left(&name),
+                    deciding: deciding.clone(),
+                };
                 let facts = ClusterFacts {
                     labels: c.labels(),
                     placed,
+                    excuses: &excuses,
                 };
-                is_selected(module, Some(facts)).then(|| (name, wave(module, placed)))
+                let hold = match selection(module, Some(facts)) {
+                    Selection::Selected => None,
+                    Selection::Held(placement, reason) => Some((placement, reason)),
+                    Selection::Unselected => return None,
+                };
+                Some((name, (wave(module, placed), hold)))
             })
             .collect()
     }
@@ -184,8 +233,8 @@ impl FleetIndex {
             .state()
             .iter()
             .filter(|m| {
-                is_selected(m, before.map(ClusterView::facts))
-                    != is_selected(m, now.map(ClusterView::facts))
+                selection(m, before.map(ClusterView::facts))
+                    != selection(m, now.map(ClusterView::facts))
             })
             .map(|m| m.name_any())
             .collect()

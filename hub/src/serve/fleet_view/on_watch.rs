@@ -2,6 +2,7 @@
 //! can change and touches the modules whose status it can change.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use k8s_openapi::api::apps::v1::ControllerRevision;
 use kmm_api::ManagedClusterModule;
@@ -81,6 +82,17 @@ impl FleetView {
             return;
         }
         for cluster in self.index.index_placements() {
+            self.cluster_changed(&cluster);
+        }
+    }
+
+    /// Clusters that left a Placement's decisions long enough ago (see
+    /// `placements::DECISIONS_SETTLE`) are looked at again: their departure is meant now.
+    pub fn settle_departures(&self, now: Instant) {
+        if !self.is_synced() {
+            return;
+        }
+        for cluster in self.index.expire_departures(now) {
             self.cluster_changed(&cluster);
         }
     }

@@ -25,16 +25,22 @@ impl FleetView {
         let generation = module.metadata.generation;
         let selected = self.index.selected_clusters(module);
         let mut view = ModuleViewBuilder::new(module);
-        for (cluster, wave) in &selected {
-            match self.sessions.get(cluster) {
-                None => view.selected(cluster, wave.clone(), None),
-                Some(session) => {
-                    let session = lock(&session);
-                    view.selected(
-                        cluster,
-                        wave.clone(),
-                        Some(session.sight(namespace, &name, generation)),
-                    );
+        for (cluster, (wave, hold)) in &selected {
+            let session = self.sessions.get(cluster);
+            let session = session.as_ref().map(|s| lock(s));
+            let sight = session
+                .as_ref()
+                .map(|s| s.sight(namespace, &name, generation));
+            match (hold, sight) {
+                (None, sight) => view.selected(cluster, wave.clone(), sight),
+                // Held only where the module still runs.
+                (Some(hold), Some(sight)) if sight.statuses.lingers(namespace, &name) => {
+                    view.held(cluster, hold, sight);
+                }
+                (Some(_), sight) => {
+                    if let Some(sight) = sight {
+                        view.unselected(cluster, sight);
+                    }
                 }
             }
         }

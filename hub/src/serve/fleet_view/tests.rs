@@ -72,20 +72,21 @@ struct Fleet {
     view: FleetView,
     modules: Writer<ManagedClusterModule>,
     clusters: Writer<DynamicObject>,
+    decisions: Writer<DynamicObject>,
 }
 
 impl Fleet {
     fn new() -> Self {
         let modules = Writer::<ManagedClusterModule>::default();
         let clusters = Writer::<DynamicObject>::new(ocm::MANAGED_CLUSTER.api_resource());
+        let decisions = Writer::<DynamicObject>::new(ocm::PLACEMENT_DECISION.api_resource());
         let stores = Stores {
             modules: modules.as_reader(),
             clusters: clusters.as_reader(),
             secrets: store().0,
             revisions: store().0,
             preflights: store().0,
-            decisions: Writer::<DynamicObject>::new(ocm::PLACEMENT_DECISION.api_resource())
-                .as_reader(),
+            decisions: decisions.as_reader(),
         };
         let view = FleetView::new(stores, Metrics::default());
         view.set_synced();
@@ -93,7 +94,41 @@ impl Fleet {
             view,
             modules,
             clusters,
+            decisions,
         }
+    }
+
+    /// Placement `fleet/gpu`'s one PlacementDecision now lists `clusters`.
+    fn decide(&mut self, clusters: &[&str]) {
+        let decision = serde_json::from_value(serde_json::json!({
+            "apiVersion": ocm::PLACEMENT_DECISION.api_version(),
+            "kind": ocm::PLACEMENT_DECISION.kind,
+            "metadata": {
+                "name": "gpu-decision-1",
+                "namespace": "fleet",
+                "labels": {(ocm::PLACEMENT_LABEL): "gpu"},
+            },
+            "status": {"decisions": clusters
+                .iter()
+                .map(|c| serde_json::json!({"clusterName": c, "reason": ""}))
+                .collect::<Vec<_>>()},
+        }))
+        .unwrap();
+        self.decisions
+            .apply_watcher_event(&watcher::Event::Apply(decision));
+        self.view.decisions_changed();
+    }
+
+    /// OCM taints the cluster unreachable (its agent's lease lapsed), or clears it.
+    fn set_unreachable(&mut self, name: &str, unreachable: bool) {
+        let mut cluster = Self::managed_cluster(name);
+        if unreachable {
+            cluster.data["spec"]["taints"] = serde_json::json!([{"key": ocm::UNREACHABLE_TAINT}]);
+        }
+        crate::fleet::cluster_view::trim_managed_cluster(&mut cluster);
+        self.clusters
+            .apply_watcher_event(&watcher::Event::Apply(cluster));
+        self.view.cluster_changed(name);
     }
 
     fn managed_cluster(name: &str) -> DynamicObject {
@@ -305,5 +340,110 @@ fn a_reconnect_counts_as_converged_only_once_a_report_of_the_new_revision_arrive
         view.status.clusters.converged, 0,
         "v1's Loaded must not count for v2: {:?}",
         view.status.clusters
+    );
+}
+
+/// A module placed by Placement `fleet/gpu`, loaded on spoke1 and acknowledged.
+fn placed_and_loaded(
+    fleet: &mut Fleet,
+) -> (ManagedClusterModule, tokio::sync::watch::Receiver<Outbound>) {
+    fleet.add_cluster("spoke1");
+    fleet.add_cluster("spoke2");
+    fleet.decide(&["spoke1", "spoke2"]);
+    let mut module = ModuleBuilder::new("hello")
+        .finalizers(&[FINALIZER])
+        .selector(&[("env", "prod")])
+        .build();
+    module.spec.placement_refs = Some(vec![kmm_api::PlacementRef {
+        namespace: "fleet".into(),
+        name: "gpu".into(),
+    }]);
+    fleet.add_module(module.clone());
+    let (id, sent) = connect(fleet, "spoke1", 0);
+    let (revision, unload) = last_sent(&sent).expect("the module is sent");
+    assert_eq!(unload, Some(false));
+    let loaded = NodeStatusReport {
+        intent_revision: revision,
+        ..loaded_on("n1")
+    };
+    fleet.view.status("spoke1", id, loaded);
+    (module, sent)
+}
+
+fn held(fleet: &Fleet, module: &ManagedClusterModule) -> Vec<(String, String)> {
+    let status = fleet.view.module_view(module).status;
+    assert_eq!(status.clusters.held as usize, status.held.len());
+    status
+        .held
+        .into_iter()
+        .map(|h| (h.cluster, h.reason))
+        .collect()
+}
+
+#[test]
+fn a_cluster_ocm_drops_for_a_lapsed_lease_keeps_its_module_until_the_drop_is_meant() {
+    let mut fleet = Fleet::new();
+    let (module, sent) = placed_and_loaded(&mut fleet);
+
+    // OCM taints spoke1 unreachable and, moments later, drops it from the decisions.
+    fleet.set_unreachable("spoke1", true);
+    fleet.decide(&["spoke2"]);
+    assert_eq!(
+        last_sent(&sent).map(|(_, unload)| unload),
+        Some(Some(false))
+    );
+    assert_eq!(
+        held(&fleet, &module),
+        [("spoke1".to_owned(), "ClusterUnreachable".to_owned())]
+    );
+
+    // The lease is renewed: the taint goes before OCM decides spoke1 again.
+    fleet.set_unreachable("spoke1", false);
+    assert_eq!(
+        last_sent(&sent).map(|(_, unload)| unload),
+        Some(Some(false))
+    );
+    assert_eq!(
+        held(&fleet, &module),
+        [("spoke1".to_owned(), "DecisionsChanging".to_owned())]
+    );
+    fleet.decide(&["spoke1", "spoke2"]);
+    assert!(held(&fleet, &module).is_empty());
+    assert_eq!(
+        last_sent(&sent).map(|(_, unload)| unload),
+        Some(Some(false))
+    );
+
+    // A Placement that drops spoke1 for good (it still decides spoke2): the unload
+    // follows once the departure settled, not before.
+    fleet.decide(&["spoke2"]);
+    let later = std::time::Instant::now();
+    fleet.view.settle_departures(later);
+    assert_eq!(
+        last_sent(&sent).map(|(_, unload)| unload),
+        Some(Some(false))
+    );
+    fleet
+        .view
+        .settle_departures(later + crate::fleet::placements::DECISIONS_SETTLE);
+    assert_eq!(last_sent(&sent).map(|(_, unload)| unload), Some(Some(true)));
+    assert!(held(&fleet, &module).is_empty());
+}
+
+#[test]
+fn a_placement_that_decides_nothing_any_more_holds_its_clusters() {
+    let mut fleet = Fleet::new();
+    let (module, sent) = placed_and_loaded(&mut fleet);
+    fleet.decide(&[]);
+    fleet
+        .view
+        .settle_departures(std::time::Instant::now() + crate::fleet::placements::DECISIONS_SETTLE);
+    assert_eq!(
+        last_sent(&sent).map(|(_, unload)| unload),
+        Some(Some(false))
+    );
+    assert_eq!(
+        held(&fleet, &module),
+        [("spoke1".to_owned(), "PlacementWithoutDecisions".to_owned())]
     );
 }
