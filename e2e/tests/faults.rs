@@ -2,7 +2,8 @@
 //! and labelled through each fault, sampled the whole time: the registry down during a
 //! load, the hub's kube-apiserver restarted, etcd restarted, the leading hub and a proxy
 //! killed mid-change, a spoke cut off from the hub's network (its processes running)
-//! until both sides notice. After each fault a change made during or right after it
+//! until both sides notice, the spoke's OCM agent stalled until its lease lapses and OCM
+//! drops it from a Placement's decisions. After each fault a change made during or right after it
 //! converges; its recovery time is printed. No agent unloads anything throughout.
 
 mod support;
@@ -14,11 +15,13 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::core::v1::Node;
 use kmm_api::labels::ready_label;
+use kmm_api::ocm::{MANAGED_CLUSTER_SET_BINDING, PLACEMENT, PLACEMENT_DECISION, UNREACHABLE_TAINT};
 use kmm_e2e::fixture::{Fleet, wait_until};
 use kmm_e2e::fleet;
 use kmm_e2e::fleet::hub_install;
 use kmm_e2e::fleet::kmm::{self as fleet_kmm, Agent};
 use kmm_e2e::fleet::nodes::RealNode;
+use kube::core::DynamicObject;
 use kube::{Api, Client, ResourceExt};
 use serde_json::Value;
 use support::*;
@@ -158,6 +161,20 @@ async fn the_fleet_converges_after_each_fault_and_never_unloads_or_mislabels() -
     recoveries.push(("spoke partitioned from the hub", healed.elapsed()));
     started.push(next);
 
+    // OCM loses sight of the spoke: its agent stalls, its lease lapses, OCM's registration
+    // taints it unreachable and OCM's placement controller drops it from the decisions of
+    // the Placement that placed a module there. The module stays loaded and labelled, and
+    // its status says the cluster is held; once the agent resumes, OCM decides the
+    // cluster again and the hold ends.
+    let lost = OcmSightLoss::place(&fleet, &spoke, &node).await?;
+    let stall = lost.stall(&fleet).await?;
+    lost.wait_held(&fleet, "ClusterUnreachable").await?;
+    stall.resume(&fleet).await?;
+    let resumed = Instant::now();
+    lost.wait_held(&fleet, "").await?;
+    recoveries.push(("spoke's OCM agent lease lapsed", resumed.elapsed()));
+    lost.clean_up(&fleet).await?;
+
     let samples = sampler.stop().await?;
     for (fault, took) in &recoveries {
         eprintln!("fault: {fault}: recovered in {:.1}s", took.as_secs_f64());
@@ -244,6 +261,259 @@ impl Started {
         label_node(fleet.spoke(cluster)?, node, &self.id, false).await?;
         label_cluster(&fleet.hub, cluster, &self.id, false).await?;
         Ok(())
+    }
+}
+
+/// A module placed on one node of a spoke by a Placement of its own.
+struct OcmSightLoss {
+    module: Started,
+    namespace: String,
+}
+
+impl OcmSightLoss {
+    const PLACEMENT: &str = "fault-ocm";
+
+    /// Places a module on `node` through a Placement choosing clusters by a label only
+    /// `spoke` carries, and waits until the node is labelled.
+    async fn place(fleet: &Fleet, spoke: &str, node: &str) -> Result<Self> {
+        let id = "kmm-e2e.dev/fault-ocm".to_owned();
+        let name = unique("fault-ocm");
+        let namespace = unique("fault-ocm");
+        let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(fleet.hub.clone());
+        namespaces
+            .create(
+                &Default::default(),
+                &serde_json::from_value(serde_json::json!({"metadata": {"name": namespace}}))?,
+            )
+            .await?;
+        for (resource, object) in [
+            (
+                MANAGED_CLUSTER_SET_BINDING,
+                serde_json::json!({
+                    "metadata": {"name": "default"},
+                    "spec": {"clusterSet": "default"},
+                }),
+            ),
+            (
+                PLACEMENT,
+                serde_json::json!({
+                    "metadata": {"name": Self::PLACEMENT},
+                    "spec": {
+                        "clusterSets": ["default"],
+                        "predicates": [{"requiredClusterSelector": {
+                            "labelSelector": {"matchLabels": {&id: "yes"}}}}],
+                    },
+                }),
+            ),
+        ] {
+            let mut object: DynamicObject = serde_json::from_value(object)?;
+            object.types = Some(kube::core::TypeMeta {
+                api_version: resource.api_version(),
+                kind: resource.kind.to_owned(),
+            });
+            Api::<DynamicObject>::namespaced_with(
+                fleet.hub.clone(),
+                &namespace,
+                &resource.api_resource(),
+            )
+            .create(&Default::default(), &object)
+            .await?;
+        }
+        label_cluster(&fleet.hub, spoke, &id, true).await?;
+        label_node(fleet.spoke(spoke)?, node, &id, true).await?;
+        let mut placed = module(&name, &id, sample_mapping(fleet))?;
+        placed.spec.placement_refs = Some(vec![kmm_api::PlacementRef {
+            namespace: namespace.clone(),
+            name: Self::PLACEMENT.to_owned(),
+        }]);
+        create(&fleet.hub, &placed).await?;
+        let module = Started {
+            name,
+            id,
+            target: (spoke.to_owned(), node.to_owned()),
+        };
+        module.converged(fleet).await?;
+        Ok(Self { module, namespace })
+    }
+
+    /// Stalls the spoke's OCM agent (SIGSTOP) with a lease short enough to lapse in
+    /// seconds, and waits until OCM's placement controller dropped the spoke.
+    async fn stall(&self, fleet: &Fleet) -> Result<Stalled> {
+        let spoke = &self.module.target.0;
+        let clusters = fleet::managed_clusters(&fleet.hub);
+        let lease = clusters.get(spoke).await?.data["spec"]["leaseDurationSeconds"].clone();
+        let short = serde_json::json!({"spec": {"leaseDurationSeconds": 4}});
+        clusters
+            .patch(spoke, &Default::default(), &kube::api::Patch::Merge(&short))
+            .await?;
+        let agent = fleet
+            .state
+            .processes
+            .iter()
+            .find(|p| p.name == format!("{spoke}/ocm-agent"))
+            .context("the spoke's OCM agent")?;
+        // The agent renews at the new, shorter period before it stops (two renewals a
+        // short period apart): the lapse then takes 5 periods, not 5 minutes.
+        let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+            Api::namespaced(fleet.hub.clone(), spoke);
+        let previous = std::sync::Mutex::new(None);
+        wait_until(
+            "the agent to renew at the short period",
+            RECOVERY,
+            || async {
+                let lease = leases
+                    .get("managed-cluster-lease")
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let renewed = lease.spec.and_then(|s| s.renew_time).ok_or("no renewal")?.0;
+                let before = previous.lock().unwrap().replace(renewed);
+                match before {
+                    Some(before) if before != renewed => {
+                        let gap = renewed.duration_since(before);
+                        (gap.as_secs() <= 6)
+                            .then_some(())
+                            .ok_or_else(|| format!("renewed {gap:?} apart"))
+                    }
+                    _ => Err("no second renewal yet".to_owned()),
+                }
+            },
+        )
+        .await?;
+        let stalled = Stalled {
+            pid: nix::unistd::Pid::from_raw(agent.pid),
+            spoke: spoke.clone(),
+            lease,
+            resumed: false,
+        };
+        nix::sys::signal::kill(stalled.pid, nix::sys::signal::Signal::SIGSTOP)?;
+        let decisions = Api::<DynamicObject>::namespaced_with(
+            fleet.hub.clone(),
+            &self.namespace,
+            &PLACEMENT_DECISION.api_resource(),
+        );
+        wait_until("OCM to drop the stalled spoke", RECOVERY, || async {
+            let cluster = clusters.get(spoke).await.map_err(|e| e.to_string())?;
+            let tainted = cluster.data["spec"]["taints"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|t| t["key"] == UNREACHABLE_TAINT);
+            let decided = decided(&decisions).await?;
+            (tainted && !decided.contains(spoke))
+                .then_some(())
+                .ok_or_else(|| format!("tainted: {tainted}, decided: {decided:?}"))
+        })
+        .await?;
+        Ok(stalled)
+    }
+
+    /// Waits until the module's status holds exactly its spoke for `reason`, or holds
+    /// nothing (`reason` empty), with its node still labelled throughout.
+    async fn wait_held(&self, fleet: &Fleet, reason: &str) -> Result<()> {
+        let (spoke, node) = &self.module.target;
+        wait_until(&format!("held: {reason:?}"), RECOVERY, || async {
+            let status = status(&fleet.hub, &self.module.name)
+                .await
+                .map_err(|e| format!("{e:#}"))?;
+            let held: Vec<(String, String)> = status["held"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|h| {
+                    let field = |f: &str| h[f].as_str().unwrap_or_default().to_owned();
+                    (field("cluster"), field("reason"))
+                })
+                .collect();
+            let expected = if reason.is_empty() {
+                vec![]
+            } else {
+                vec![(spoke.clone(), reason.to_owned())]
+            };
+            (held == expected)
+                .then_some(())
+                .ok_or_else(|| format!("{held:?}"))
+        })
+        .await?;
+        let now = labelled(fleet, &self.module.name).await?;
+        ensure!(
+            now.contains_key(&(spoke.clone(), node.clone())),
+            "{node} lost its label while OCM lost sight of {spoke}: {now:?}"
+        );
+        Ok(())
+    }
+
+    async fn clean_up(self, fleet: &Fleet) -> Result<()> {
+        self.module.clean_up(fleet).await?;
+        let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(fleet.hub.clone());
+        namespaces
+            .delete(&self.namespace, &Default::default())
+            .await?;
+        Ok(())
+    }
+}
+
+/// Which clusters a namespace's PlacementDecisions list.
+async fn decided(decisions: &Api<DynamicObject>) -> Result<Vec<String>, String> {
+    let list = decisions
+        .list(&Default::default())
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(list
+        .items
+        .iter()
+        .flat_map(|d| {
+            d.data["status"]["decisions"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .filter_map(|d| d["clusterName"].as_str().map(str::to_owned))
+        .collect())
+}
+
+/// A spoke's OCM agent stopped by SIGSTOP; resumed (and its lease restored) on drop if
+/// the test fails first.
+struct Stalled {
+    pid: nix::unistd::Pid,
+    spoke: String,
+    lease: Value,
+    resumed: bool,
+}
+
+impl Stalled {
+    /// Resumes the agent, restores its lease period and waits until OCM decides the
+    /// spoke again.
+    async fn resume(mut self, fleet: &Fleet) -> Result<()> {
+        self.resumed = true;
+        nix::sys::signal::kill(self.pid, nix::sys::signal::Signal::SIGCONT)?;
+        let clusters = fleet::managed_clusters(&fleet.hub);
+        let lease = serde_json::json!({"spec": {"leaseDurationSeconds": self.lease}});
+        clusters
+            .patch(
+                &self.spoke,
+                &Default::default(),
+                &kube::api::Patch::Merge(&lease),
+            )
+            .await?;
+        wait_until("OCM to see the spoke again", RECOVERY, || async {
+            let cluster = clusters.get(&self.spoke).await.map_err(|e| e.to_string())?;
+            let taints = &cluster.data["spec"]["taints"];
+            taints
+                .as_array()
+                .is_none_or(|t| t.iter().all(|t| t["key"] != UNREACHABLE_TAINT))
+                .then_some(())
+                .ok_or_else(|| taints.to_string())
+        })
+        .await?;
+        Ok(())
+    }
+}
+
+impl Drop for Stalled {
+    fn drop(&mut self) {
+        if !self.resumed {
+            let _ = nix::sys::signal::kill(self.pid, nix::sys::signal::Signal::SIGCONT);
+        }
     }
 }
 

@@ -32,8 +32,8 @@ pub type Placed = BTreeMap<PlacementRef, DecisionGroup>;
 
 /// How long a cluster that left a Placement's decisions without an excuse OCM shows keeps
 /// its modules: longer than OCM takes to move a cluster between the decisions of one
-/// Placement, short enough that a Placement narrowed on purpose unloads within a minute.
-pub const DECISIONS_SETTLE: Duration = Duration::from_secs(30);
+/// Placement, short enough that a Placement narrowed on purpose unloads soon after.
+pub const DECISIONS_SETTLE: Duration = Duration::from_secs(15);
 
 /// Why a cluster a module's Placements no longer decide still runs the module.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
