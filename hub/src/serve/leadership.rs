@@ -4,17 +4,28 @@
 //!
 //! The leader also labels its own Pod `hub.kmm.sigs.x-k8s.io/role=leader`: the proxies'
 //! Service selects on it, so spoke proxies only ever reach the replica that serves them.
+//!
+//! The lease library keeps retrying a renewal that fails and never reports a loss, so a
+//! leader cut from its apiserver would keep leading after a standby took over. The
+//! leader therefore watches its own renewals: when none is seen by the renew deadline
+//! (two thirds of the lease duration after the last one, which is before any standby may
+//! take the expired Lease), it counts as lost and the hub stops serving, writing and
+//! building.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Patch, PatchParams};
+use kube::runtime::watcher;
 use kube::{Api, Client};
 use kube_lease_manager::{LeaseManagerBuilder, LeaseManagerError};
 use serde_json::json;
 use thiserror::Error;
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 /// Label on hub Pods naming their current role.
 pub const ROLE_LABEL: &str = "hub.kmm.sigs.x-k8s.io/role";
@@ -55,6 +66,47 @@ pub struct Election {
     is_leader: watch::Receiver<bool>,
     task: tokio::task::JoinHandle<Result<kube_lease_manager::LeaseManager, LeaseManagerError>>,
     pod: Option<PodRole>,
+    /// When this replica's last renewal was seen, once it leads.
+    renewals: Option<RenewalWatch>,
+    lease: Api<Lease>,
+    settings: LeaderElection,
+}
+
+/// This replica's renewals of the Lease as a watch sees them.
+#[derive(Debug)]
+struct RenewalWatch {
+    seen: watch::Receiver<Instant>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for RenewalWatch {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// How long a leader may go without a renewal seen before it stops: two thirds of the
+/// lease duration. Renewals come every third of it, so two may fail in a row; a standby
+/// takes the Lease only a full duration after the last renewal.
+pub fn renew_deadline(duration: Duration) -> Duration {
+    duration * 2 / 3
+}
+
+/// Resolves once no renewal was seen for `deadline`: each renewal moves the deadline on.
+pub async fn renewals_stop(mut seen: watch::Receiver<Instant>, deadline: Duration) {
+    loop {
+        let last = *seen.borrow_and_update();
+        tokio::select! {
+            () = tokio::time::sleep_until(last + deadline) => return,
+            changed = seen.changed() => {
+                if changed.is_err() {
+                    // No watch any more: nothing will move the deadline on.
+                    tokio::time::sleep_until(last + deadline).await;
+                    return;
+                }
+            }
+        }
+    }
 }
 
 impl Election {
@@ -89,24 +141,49 @@ impl Election {
             is_leader,
             task,
             pod,
+            renewals: None,
+            lease: Api::namespaced(client.clone(), namespace),
+            settings: settings.clone(),
         })
     }
 
-    /// Waits until this replica leads; labels its Pod leader.
+    /// Waits until this replica leads; labels its Pod leader and starts watching its
+    /// renewals.
     pub async fn won(&mut self) -> Result<(), LeadershipError> {
         // A closed channel means the manager ended; `lost` reports why.
         let _ = self.is_leader.wait_for(|leads| *leads).await;
+        self.renewals = Some(watch_renewals(
+            self.lease.clone(),
+            &self.settings.lease,
+            &self.settings.identity,
+        ));
         if let Some(pod) = &self.pod {
             pod.set("leader").await?;
         }
         Ok(())
     }
 
-    /// Resolves when this replica no longer leads.
+    /// Resolves when this replica no longer leads: another holds the Lease, or no
+    /// renewal of its own was seen by the renew deadline.
     pub fn lost(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
         let mut is_leader = self.is_leader.clone();
+        let seen = self.renewals.as_ref().map(|r| r.seen.clone());
+        let deadline = renew_deadline(self.settings.duration);
         async move {
-            let _ = is_leader.wait_for(|leads| !*leads).await;
+            let stopped = async {
+                match seen {
+                    Some(seen) => renewals_stop(seen, deadline).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = is_leader.wait_for(|leads| !*leads) => {}
+                () = stopped => tracing::error!(
+                    deadline = ?deadline,
+                    "no renewal of the leader Lease seen by the renew deadline (apiserver \
+                     unreachable?); stepping down before a standby may take over"
+                ),
+            }
         }
     }
 
@@ -117,7 +194,10 @@ impl Election {
             is_leader,
             task,
             pod,
+            renewals,
+            ..
         } = self;
+        drop(renewals);
         drop(is_leader);
         match tokio::time::timeout(Duration::from_secs(5), task).await {
             Ok(Ok(Ok(_))) => tracing::info!("released the leader Lease"),
@@ -131,6 +211,37 @@ impl Election {
             tracing::debug!(%error, "cannot label the Pod standby");
         }
     }
+}
+
+/// Watches the Lease and notes each renewal by `identity` (a new `renewTime` while it
+/// holds it), starting from now: winning is a renewal.
+fn watch_renewals(leases: Api<Lease>, lease: &str, identity: &str) -> RenewalWatch {
+    let (noted, seen) = watch::channel(Instant::now());
+    let config = watcher::Config::default().fields(&format!("metadata.name={lease}"));
+    let identity = identity.to_owned();
+    let task = tokio::spawn(async move {
+        let mut last = None;
+        let mut events = std::pin::pin!(watcher(leases, config));
+        while let Some(event) = events.next().await {
+            let lease = match event {
+                Ok(watcher::Event::Apply(lease) | watcher::Event::InitApply(lease)) => lease,
+                Ok(_) => continue,
+                Err(error) => {
+                    tracing::debug!(%error, "watching the leader Lease");
+                    continue;
+                }
+            };
+            let Some(spec) = lease.spec else { continue };
+            if spec.holder_identity.as_deref() == Some(identity.as_str())
+                && spec.renew_time.is_some()
+                && spec.renew_time != last
+            {
+                last = spec.renew_time;
+                noted.send_replace(Instant::now());
+            }
+        }
+    });
+    RenewalWatch { seen, task }
 }
 
 #[derive(Debug)]
@@ -151,5 +262,44 @@ impl PodRole {
                 role,
                 source,
             })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_leader_whose_renewals_stop_steps_down_by_the_renew_deadline() {
+        let duration = Duration::from_secs(15);
+        let deadline = renew_deadline(duration);
+        let (renewed, seen) = watch::channel(Instant::now());
+        let start = Instant::now();
+        let stops = tokio::spawn(renewals_stop(seen, deadline));
+        // Renewals every third of the duration keep it leading well past the deadline.
+        for _ in 0..6 {
+            tokio::time::sleep(duration / 3).await;
+            assert!(!stops.is_finished());
+            renewed.send_replace(Instant::now());
+        }
+        let last = Instant::now();
+        stops.await.unwrap();
+        let stepped_down = Instant::now();
+        assert_eq!(stepped_down - last, deadline);
+        assert!(
+            stepped_down - last < duration,
+            "before a standby may take over"
+        );
+        assert!(stepped_down - start > duration * 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_renewal_watch_that_ends_still_steps_down_by_the_deadline() {
+        let deadline = renew_deadline(Duration::from_secs(9));
+        let (renewed, seen) = watch::channel(Instant::now());
+        let start = Instant::now();
+        drop(renewed);
+        renewals_stop(seen, deadline).await;
+        assert_eq!(Instant::now() - start, deadline);
     }
 }
