@@ -58,6 +58,15 @@ pub fn label_intent(
                 && !matches!(held.hold, Hold::DevicePluginStopping { .. }),
         }),
         (_, Some(_), None) => Some(LabelIntent::Remove),
+        // No image can be given to the node for now (not found, its pull Secret missing
+        // while it rotates, no target for its kernel yet): nothing is sent, so what it runs
+        // keeps running, labelled, its device plugin too; its status says why.
+        (Placement::Unresolved(_) | Placement::AwaitingKernel, Some(_), Some(p)) => {
+            Some(LabelIntent::Set {
+                version: p.version.clone(),
+                device_plugin: has_device_plugin,
+            })
+        }
         // Nothing is sent to a node whose agent runs another kernel: what it runs stays,
         // and so do its labels, device plugin's included.
         (Placement::KernelMismatch { .. }, _, Some(_)) => None,
@@ -161,6 +170,29 @@ mod tests {
             label_intent(&load, Some(&pending), None, &id(), false),
             None
         );
+    }
+
+    #[test]
+    fn a_loaded_node_whose_image_is_unavailable_for_now_keeps_its_labels_and_device_plugin() {
+        let unresolved = Placement::Unresolved(kmm_proto::v1::Unresolved {
+            reason: "PullSecretNotFound".into(),
+            message: "Secret \"pull\" not found".into(),
+        });
+        for placement in [unresolved, Placement::AwaitingKernel] {
+            assert_eq!(
+                label_intent(&placement, None, Some(&loaded_view()), &id(), true),
+                Some(LabelIntent::Set {
+                    version: "v0".into(),
+                    device_plugin: true,
+                }),
+                "{placement:?}"
+            );
+            assert_eq!(
+                label_intent(&placement, None, Some(&AgentView::default()), &id(), true),
+                Some(LabelIntent::Remove),
+                "{placement:?}: a node proven without it loses its labels"
+            );
+        }
     }
 
     #[test]
