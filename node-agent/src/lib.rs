@@ -20,5 +20,6 @@ pub mod proxy_connection;
 pub mod proxy_messages;
 pub mod readiness;
 pub mod reconcile;
+pub mod shared_modules;
 pub mod signature;
 pub mod state;

@@ -20,6 +20,7 @@ use crate::image::{FetchRequest, ImageStore};
 use crate::kernel::{Kernel, KernelError};
 use crate::modprobe::{self, ToolError};
 use crate::plan::{self, Action, normalize_module_name};
+use crate::shared_modules::{InUse, Kept, Removal, needed, plan_removal};
 use crate::signature;
 use crate::state::{ModuleRecord, State, StateError, StateStore};
 
@@ -37,6 +38,8 @@ pub enum StepError {
         "the image has no {dir_name}/lib/modules/{kernel}: it holds no modules for this node's kernel"
     )]
     NoModulesForKernel { dir_name: String, kernel: String },
+    #[error(transparent)]
+    InUse(#[from] InUse),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -367,10 +370,18 @@ impl Reconciler {
         let kernel = self.kernel.clone();
         let firmware_dir = self.firmware_dir.clone();
         let job = record.clone();
-        let result =
-            tokio::task::spawn_blocking(move || unload(kernel.as_ref(), &job, &firmware_dir))
-                .await
-                .expect("unload does not panic");
+        let others: Vec<(String, Vec<String>)> = self
+            .state
+            .modules
+            .values()
+            .filter(|r| r.key != record.key)
+            .map(|r| (r.key.clone(), r.loaded.clone()))
+            .collect();
+        let result = tokio::task::spawn_blocking(move || {
+            unload(kernel.as_ref(), &job, &others, &firmware_dir)
+        })
+        .await
+        .expect("unload does not panic");
         let mut event = AgentEvent {
             key: record.key.clone(),
             version: record.version.clone(),
@@ -384,7 +395,15 @@ impl Reconciler {
             revision,
         };
         match result {
-            Ok(()) => {
+            Ok(kept) => {
+                for Kept { module, needed_by } in kept {
+                    tracing::warn!(
+                        module = record.key,
+                        kernel_module = module,
+                        needed_by = needed_by.join(", "),
+                        "kernel module left loaded: other modules served on this node need it"
+                    );
+                }
                 self.state.modules.remove(&record.key);
                 if let Err(e) = self.save() {
                     event.outcome =
@@ -480,12 +499,15 @@ impl LoadJob {
 }
 
 /// Unloads in reverse load order (skipping what is already gone), then removes the
-/// firmware files that were installed.
+/// firmware files that were installed. A kernel module that `others` (every other served
+/// module's key and the modules it loaded) still need stays: returned, to be reported.
 fn unload(
     kernel: &dyn Kernel,
     record: &ModuleRecord,
+    others: &[(String, Vec<String>)],
     firmware_dir: &Path,
-) -> Result<(), StepError> {
+) -> Result<Vec<Kept>, StepError> {
+    let mut kept = vec![];
     let settings = &record.modprobe;
     let root = record
         .module_dir
@@ -504,6 +526,11 @@ fn unload(
     {
         let command = modprobe::unload_command(settings, &record.module_dir, &root, "");
         kernel.modprobe(&command)?;
+    } else if let Some(removal) = shared_removal(kernel, record, others)? {
+        for module in &removal.remove {
+            kernel.remove_module(module)?;
+        }
+        kept = removal.kept;
     } else {
         let loaded = kernel.loaded_modules()?;
         for module in record.loaded.iter().rev() {
@@ -519,5 +546,23 @@ fn unload(
         }
     }
     firmware::remove(&record.firmware_files, firmware_dir)?;
-    Ok(())
+    Ok(kept)
+}
+
+/// The removals that unload `record` without touching what `others` need, when they
+/// share a kernel module with it (see `shared_modules`).
+fn shared_removal(
+    kernel: &dyn Kernel,
+    record: &ModuleRecord,
+    others: &[(String, Vec<String>)],
+) -> Result<Option<Removal>, StepError> {
+    if others.is_empty() {
+        return Ok(None);
+    }
+    let users = kernel.module_users()?;
+    let needs: Vec<(String, BTreeSet<String>)> = others
+        .iter()
+        .map(|(key, named)| (key.clone(), needed(&users, named)))
+        .collect();
+    Ok(plan_removal(&users, &record.loaded, &needs).transpose()?)
 }

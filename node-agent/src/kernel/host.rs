@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use super::{Kernel, KernelError, io_err, parse_proc_modules};
 use crate::modprobe::{ModprobeCommand, run_tool};
+use crate::shared_modules::{Users, parse_users};
 
 /// The node's own kernel. `proc` and `sys` are normally `/proc` and `/sys` (the agent
 /// runs with the host's mounted there).
@@ -55,6 +56,15 @@ impl Kernel for HostKernel {
 
     fn remove_in_tree(&self, module: &str) -> Result<(), KernelError> {
         run_tool("modprobe", &["-r".into(), module.into()])?;
+        Ok(())
+    }
+
+    fn module_users(&self) -> Result<Users, KernelError> {
+        Ok(parse_users(&self.read(&self.proc.join("modules"))?))
+    }
+
+    fn remove_module(&self, module: &str) -> Result<(), KernelError> {
+        run_tool("rmmod", &[module.into()])?;
         Ok(())
     }
 

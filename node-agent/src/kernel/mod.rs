@@ -8,6 +8,7 @@ use std::fmt::Debug;
 use std::path::{Path, PathBuf};
 
 use crate::modprobe::{ModprobeCommand, ToolError};
+use crate::shared_modules::Users;
 
 pub mod host;
 pub mod simulated;
@@ -56,6 +57,10 @@ pub trait Kernel: Debug + Send + Sync {
     fn modprobe(&self, command: &ModprobeCommand) -> Result<(), KernelError>;
     /// Removes an in-tree module (`modprobe -r <name>` against the node's own modules).
     fn remove_in_tree(&self, module: &str) -> Result<(), KernelError>;
+    /// Every loaded module that an unload may remove, and the modules using each.
+    fn module_users(&self) -> Result<Users, KernelError>;
+    /// Removes one loaded module and none of its dependencies (`rmmod <name>`).
+    fn remove_module(&self, module: &str) -> Result<(), KernelError>;
     /// The directory the kernel loads firmware from (besides its built-in defaults);
     /// written to `/sys/module/firmware_class/parameters/path`.
     fn set_firmware_class_path(&self, dir: &Path) -> Result<(), KernelError>;

@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use super::{HostKernel, Kernel, KernelError, io_err};
 use crate::modprobe::{ModprobeCommand, modinfo, parse_command, resolve_with_dry_run};
 use crate::plan::normalize_module_name;
+use crate::shared_modules::Users;
 
 /// One simulated loaded module.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -308,6 +309,29 @@ impl Kernel for SimulatedKernel {
             )));
         };
         self.load(dir, module, &parsed.parameters)
+    }
+
+    /// In-tree modules are left out: like this backend's `modprobe -r`, an unload never
+    /// takes them as dependencies.
+    fn module_users(&self) -> Result<Users, KernelError> {
+        let modules = self.all()?;
+        let mut users: Users = modules
+            .iter()
+            .filter(|m| !m.in_tree)
+            .map(|m| (m.name.clone(), Default::default()))
+            .collect();
+        for module in &modules {
+            for dependency in &module.depends {
+                if let Some(by) = users.get_mut(dependency) {
+                    by.insert(module.name.clone());
+                }
+            }
+        }
+        Ok(users)
+    }
+
+    fn remove_module(&self, module: &str) -> Result<(), KernelError> {
+        self.unload(module, false)
     }
 
     fn remove_in_tree(&self, module: &str) -> Result<(), KernelError> {

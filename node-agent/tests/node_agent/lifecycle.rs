@@ -494,3 +494,56 @@ async fn a_version_change_waits_for_the_old_version_to_unload() {
     );
     assert_eq!(std::fs::read(&firmware).unwrap(), b"firmware v2");
 }
+
+/// A second module loading, by name, the kernel module the first one's depends on.
+fn second(image: String) -> DesiredModule {
+    let mut second = desired(image, "1");
+    second.key = "kmm-ops/second".into();
+    second.modprobe.module_name = Some(MODULE.into());
+    second.modprobe.firmware_path = None;
+    second
+}
+
+/// Two served modules share `kmm_hello` (one loads it by name, the other loads
+/// `kmm_hello_dep`, which depends on it): either unload completes without taking it from
+/// the other, in either order.
+#[tokio::test]
+async fn an_unload_never_takes_a_kernel_module_another_served_module_needs() {
+    let k = kernel();
+    let registry = Registry::plain();
+    registry
+        .push_sample("samples/hello:v1", &Sample::good(k))
+        .await;
+    let first = desired(registry.image("samples/hello:v1"), "1");
+    let second = second(registry.image("samples/hello:v1"));
+    for (unloaded, stays, left) in [
+        (&second, &first, vec![MODULE, DEP_MODULE]),
+        (&first, &second, vec![MODULE]),
+    ] {
+        let node = Node::new(k);
+        let mut agent = node.agent();
+        assert_success(
+            &agent
+                .reconcile(&load(&[first.clone(), second.clone()]))
+                .await,
+            &[EventAction::Load, EventAction::Load],
+        );
+        let events = agent
+            .reconcile(&DesiredSnapshot {
+                revision: 2,
+                modules: vec![stays.clone()],
+                unload: vec![unloaded.key.clone()],
+            })
+            .await;
+        assert_success(&events, &[EventAction::Unload]);
+        assert_eq!(node.loaded(), left, "after unloading {}", unloaded.key);
+        assert!(
+            agent
+                .reconcile(&load(std::slice::from_ref(stays)))
+                .await
+                .is_empty(),
+            "{} still runs as loaded",
+            stays.key
+        );
+    }
+}
