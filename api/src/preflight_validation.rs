@@ -36,8 +36,12 @@ use serde::{Deserialize, Serialize};
 )]
 #[serde(rename_all = "camelCase")]
 pub struct PreflightValidationSpec {
-    /// The kernel release nodes would run, as `uname -r` prints it.
-    #[schemars(length(min = 1, max = 256))]
+    /// The kernel release nodes would run, as `uname -r` prints it (`6.1.0-13-amd64`,
+    /// `5.14.0-427.el9.x86_64`): digits, a dot, digits, then letters, digits and `._+~-`.
+    #[schemars(
+        length(min = 3, max = 64),
+        regex(pattern = r"^[0-9]+\.[0-9]+[0-9A-Za-z._+~-]*$")
+    )]
     pub kernel_version: String,
 
     /// Build and sign the images that kernel needs and push them now, so that they exist

@@ -37,6 +37,39 @@ fn status_failure_samples_are_bounded() {
 }
 
 #[test]
+fn a_preflight_kernel_version_must_read_as_uname_r_prints_it() {
+    let crd: Value = serde_yaml_ng::from_str(&preflight_validation_crd_yaml()).unwrap();
+    let field = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+        ["kernelVersion"];
+    let pattern = regex::Regex::new(field["pattern"].as_str().unwrap()).unwrap();
+    let (min, max) = (
+        field["minLength"].as_u64().unwrap(),
+        field["maxLength"].as_u64().unwrap(),
+    );
+    let admitted = |v: &str| pattern.is_match(v) && (min..=max).contains(&(v.len() as u64));
+    for good in [
+        "6.1.0-13-amd64",
+        "5.14.0-427.el9.x86_64",
+        "4.18.0-513.5.1.el8_9.x86_64",
+        "6.8.0-1010-azure",
+        "6.6.30+rpt-rpi-v8",
+    ] {
+        assert!(admitted(good), "{good}");
+    }
+    for bad in [
+        "",
+        "latest",
+        "6",
+        "6.1.0 amd64",
+        "../6.1",
+        "6.1.0-13-amd64\n",
+        &"6.1".repeat(30),
+    ] {
+        assert!(!admitted(bad), "{bad:?}");
+    }
+}
+
+#[test]
 fn crd_is_cluster_scoped_with_short_name() {
     let crd: Value = serde_yaml_ng::from_str(&managed_cluster_module_crd_yaml()).unwrap();
     assert_eq!(crd["spec"]["scope"], "Cluster");

@@ -92,11 +92,92 @@ pub fn review(
     problems.extend(node_upgrade_problem(&module));
     problems.extend(rollout_problems(&module));
     problems.extend(placement_problems(&module, placements));
+    problems.extend(version_switch_problem(&module, request));
     if problems.is_empty() {
-        response
+        with_warnings(response, ignored_fields(&module))
     } else {
         deny(response, name, problems)
     }
+}
+
+/// Fields stored for upstream compatibility that do nothing here: each gets a warning
+/// (which `kubectl` prints) naming the field and what happens instead.
+fn ignored_fields(module: &ManagedClusterModule) -> Vec<String> {
+    let spec = &module.spec.module_spec;
+    let mut warnings = Vec::new();
+    if spec.dra.is_some() {
+        warnings
+            .push("spec.moduleSpec.dra has no effect: kmm-fleet deploys no DRA driver".to_owned());
+    }
+    let Some(loader) = &spec.module_loader else {
+        return warnings;
+    };
+    if loader.service_account_name.is_some() {
+        warnings.push(
+            "spec.moduleSpec.moduleLoader.serviceAccountName has no effect: no user Pod \
+             loads modules, the node agent does"
+                .to_owned(),
+        );
+    }
+    let container = &loader.container;
+    let builds = std::iter::once((
+        "spec.moduleSpec.moduleLoader.container".to_owned(),
+        &container.build,
+    ))
+    .chain(container.kernel_mappings.iter().enumerate().map(|(i, m)| {
+        (
+            format!("spec.moduleSpec.moduleLoader.container.kernelMappings[{i}]"),
+            &m.build,
+        )
+    }));
+    for (path, build) in builds {
+        if build.as_ref().is_some_and(|b| b.kaniko_params.is_some()) {
+            warnings.push(format!(
+                "{path}.build.kanikoParams has no effect: the hub builds with buildah in its \
+                 build Jobs"
+            ));
+        }
+    }
+    warnings
+}
+
+fn with_warnings(mut response: AdmissionResponse, warnings: Vec<String>) -> AdmissionResponse {
+    if !warnings.is_empty() {
+        response.warnings = Some(warnings);
+    }
+    response
+}
+
+/// As upstream: `version` may not switch between empty and set on an update. Set, nodes
+/// move between versions in order (old unloaded, then new loaded); empty, an image change
+/// reloads in place; switching would leave no rule for the nodes in between.
+fn version_switch_problem(
+    module: &ManagedClusterModule,
+    request: &AdmissionRequest<DynamicObject>,
+) -> Option<FieldError> {
+    let version = |m: &ManagedClusterModule| {
+        m.spec
+            .module_spec
+            .module_loader
+            .as_ref()
+            .and_then(|l| l.container.version.clone())
+            .filter(|v| !v.is_empty())
+    };
+    let old = request.old_object.as_ref().and_then(|o| parse(o).ok())?;
+    let (before, now) = (version(&old), version(module));
+    if before.is_some() == now.is_some() {
+        return None;
+    }
+    Some(problem(
+        "spec.moduleSpec.moduleLoader.container.version",
+        Some(now.as_deref().unwrap_or("")),
+        &format!(
+            "cannot change from {} to {} on an update (as upstream KMM): delete the module \
+             and create it again to switch between versioned and unversioned updates",
+            before.map_or_else(|| "empty".to_owned(), |v| format!("{v:?}")),
+            if now.is_some() { "set" } else { "empty" }
+        ),
+    ))
 }
 
 fn node_upgrade_problem(module: &ManagedClusterModule) -> Option<FieldError> {

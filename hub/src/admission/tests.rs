@@ -333,3 +333,72 @@ fn a_refusal_names_the_object() {
     assert!(!response.allowed);
     assert_eq!(response.result.details.expect("details").name, "kmm-hello");
 }
+
+fn with_version(version: Option<&str>) -> Value {
+    let mut object = module(GOOD);
+    if let Some(version) = version {
+        object["spec"]["moduleSpec"]["moduleLoader"]["container"]["version"] = json!(version);
+    }
+    object
+}
+
+#[test]
+fn an_update_may_not_switch_version_between_empty_and_set() {
+    for (old, new) in [(None, Some("1")), (Some("1"), None), (Some("1"), Some(""))] {
+        let response = decide(&request(
+            "UPDATE",
+            Some(with_version(new)),
+            Some(with_version(old)),
+        ));
+        assert!(!response.allowed, "{old:?} -> {new:?}");
+        let causes = response.result.details.unwrap().causes;
+        assert_eq!(
+            causes[0].field, "spec.moduleSpec.moduleLoader.container.version",
+            "{old:?} -> {new:?}"
+        );
+    }
+    for (old, new) in [(Some("1"), Some("2")), (None, None)] {
+        let mut object = with_version(new);
+        object["spec"]["selector"] = json!({"changed": "yes"});
+        let response = decide(&request("UPDATE", Some(object), Some(with_version(old))));
+        assert!(
+            response.allowed,
+            "{old:?} -> {new:?}: {:?}",
+            response.result
+        );
+    }
+    let created = decide(&request("CREATE", Some(with_version(Some("1"))), None));
+    assert!(created.allowed);
+}
+
+#[test]
+fn fields_that_do_nothing_here_are_allowed_with_a_warning_naming_them() {
+    let mut object = module(GOOD);
+    let spec = &mut object["spec"]["moduleSpec"];
+    spec["dra"] = json!({"driver": "x"});
+    spec["moduleLoader"]["serviceAccountName"] = json!("loader");
+    spec["moduleLoader"]["container"]["kernelMappings"][0]["build"] = json!({
+        "dockerfileConfigMap": {"name": "dockerfile"},
+        "kanikoParams": {"tag": "v1"},
+    });
+    let response = decide(&request("CREATE", Some(object), None));
+    assert!(response.allowed, "{:?}", response.result);
+    let warnings = response.warnings.unwrap_or_default();
+    let fields: Vec<&str> = warnings
+        .iter()
+        .map(|w| w.split_once(' ').unwrap().0)
+        .collect();
+    assert_eq!(
+        fields,
+        [
+            "spec.moduleSpec.dra",
+            "spec.moduleSpec.moduleLoader.serviceAccountName",
+            "spec.moduleSpec.moduleLoader.container.kernelMappings[0].build.kanikoParams",
+        ]
+    );
+    assert!(
+        decide(&request("CREATE", Some(module(GOOD)), None))
+            .warnings
+            .is_none()
+    );
+}
