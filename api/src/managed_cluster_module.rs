@@ -59,6 +59,13 @@ use crate::{ManagedClusterModuleStatus, ModuleSpec, NodeUpgrade, PlacementRef, R
         json_path = ".status.nodes.failed"
     ),
     printcolumn(
+        name = "Skipped",
+        type_ = "integer",
+        description = "Nodes no kernel mapping applies to",
+        json_path = ".status.nodes.skipped",
+        priority = 1
+    ),
+    printcolumn(
         name = "Rollout",
         type_ = "string",
         description = "Where the rollout of the latest spec stands",

@@ -124,6 +124,10 @@ pub struct NodeCounts {
     pub loaded: i32,
     /// Matching nodes where loading failed or no image resolves for their kernel.
     pub failed: i32,
+    /// Nodes the module does not apply to: no kernel mapping matches their kernel (as
+    /// upstream, they are skipped; not counted in `matching`, never waited for).
+    #[serde(default)]
+    pub skipped: i32,
 }
 
 /// Kernel releases by resolution outcome.

@@ -1112,13 +1112,13 @@ mod tests {
     }
 
     #[test]
-    fn unresolved_kernel_is_failed_and_never_labelled() {
+    fn a_kernel_no_mapping_matches_is_skipped_and_never_labelled() {
         let mut s = cluster();
         s.upsert_node(node("a", "5.14", "worker"));
         s.set_intents(snapshot(1, vec![intent("m", "v1")]));
         assert!(s.desired_modules("a").modules.is_empty());
         let st = &statuses(&s)[&(id("m"), "a".to_string())];
-        assert_eq!(st.state, ModuleState::Failed as i32);
+        assert_eq!(st.state, ModuleState::Skipped as i32);
         assert_eq!(st.reason, "NoKernelMapping");
         assert_eq!(st.kernel, "5.14");
         s.agent_hello("a", &hello("a", &[]));

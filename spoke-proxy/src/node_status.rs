@@ -67,6 +67,11 @@ pub fn assess(
             &unresolved.reason,
             unresolved.message.clone(),
         ),
+        Placement::Skipped(unresolved) => Assessment::new(
+            ModuleState::Skipped,
+            &unresolved.reason,
+            unresolved.message.clone(),
+        ),
         Placement::AwaitingKernel => Assessment::new(
             ModuleState::Pending,
             "",

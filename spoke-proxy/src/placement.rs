@@ -30,7 +30,12 @@ pub enum Placement {
     NotApplicable,
     /// The node runs another version and keeps it until its turn (ordered upgrade).
     Held(Box<Held>),
+    /// No kernel mapping matches the node's kernel: the module does not apply there.
+    Skipped(Unresolved),
 }
+
+/// The reason the hub gives a kernel no mapping of the module matches.
+pub const NO_KERNEL_MAPPING: &str = "NoKernelMapping";
 
 /// A node kept at the version it runs while the module moves to another.
 #[derive(Clone, Debug, PartialEq)]
@@ -102,6 +107,15 @@ pub fn place(intent: &ModuleIntent, node: &NodeFacts, may_have_it: bool) -> Plac
         .and_then(|k| k.target.as_ref())
     {
         Some(Target::Load(load)) => Placement::Load(Box::new(load.clone())),
+        // Like a node the selector leaves out: skipped, and unloaded first when the module
+        // may be there (its mappings changed).
+        Some(Target::Unresolved(unresolved)) if unresolved.reason == NO_KERNEL_MAPPING => {
+            if may_have_it {
+                Placement::Unload
+            } else {
+                Placement::Skipped(unresolved.clone())
+            }
+        }
         Some(Target::Unresolved(unresolved)) => Placement::Unresolved(unresolved.clone()),
         None => Placement::AwaitingKernel,
     }
@@ -191,6 +205,16 @@ mod tests {
     }
 
     #[test]
+    fn a_kernel_no_mapping_matches_is_skipped_and_unloaded_first_if_the_module_may_be_there() {
+        let Placement::Skipped(why) = place(&intent(), &node("5.14"), false) else {
+            panic!("skipped")
+        };
+        assert_eq!(why.reason, NO_KERNEL_MAPPING);
+        assert!(!Placement::Skipped(why).is_selected());
+        assert_eq!(place(&intent(), &node("5.14"), true), Placement::Unload);
+    }
+
+    #[test]
     fn kernel_change_switches_the_image() {
         assert_eq!(
             place(&intent(), &node("6.2"), true),
@@ -200,11 +224,16 @@ mod tests {
 
     #[test]
     fn unresolved_kernel_carries_the_hubs_reason() {
-        let Placement::Unresolved(u) = place(&intent(), &node("5.14"), false) else {
+        let mut intent = intent();
+        intent.kernels[2].target = Some(Target::Unresolved(Unresolved {
+            reason: "ImageNotFound".into(),
+            message: "reg/m:5.14: manifest unknown".into(),
+        }));
+        let Placement::Unresolved(u) = place(&intent, &node("5.14"), false) else {
             panic!("expected unresolved");
         };
-        assert_eq!(u.reason, "NoKernelMapping");
-        assert_eq!(u.message, "no mapping matches 5.14");
+        assert_eq!(u.reason, "ImageNotFound");
+        assert_eq!(u.message, "reg/m:5.14: manifest unknown");
     }
 
     #[test]

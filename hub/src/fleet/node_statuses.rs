@@ -55,6 +55,12 @@ pub struct Detail {
 }
 
 impl NodeStatus {
+    /// Whether the module may be loaded on the node: a node proven without it (unloaded)
+    /// or that it does not apply to (skipped, the proxy unloads first) holds nothing.
+    pub fn may_be_loaded(&self) -> bool {
+        !matches!(self.state, ModuleState::Unloaded | ModuleState::Skipped)
+    }
+
     /// The reported status, what it shares taken from `strings`.
     fn from_report(status: ModuleNodeStatus, node: &str, strings: &mut Strings) -> Self {
         let detail = (!status.reason.is_empty() || !status.message.is_empty()).then(|| {
@@ -400,11 +406,12 @@ impl NodeStatuses {
             .map_or(&[], Vec::as_slice)
     }
 
-    /// Nodes on which the module may still be loaded: any reported state but UNLOADED.
+    /// Nodes on which the module may still be loaded: any reported state but UNLOADED or
+    /// SKIPPED.
     pub fn not_unloaded(&self, namespace: &str, name: &str) -> impl Iterator<Item = &str> {
         self.module(namespace, name)
             .iter()
-            .filter(|status| status.state != ModuleState::Unloaded)
+            .filter(|status| status.may_be_loaded())
             .map(|status| &*status.node.name)
     }
 
@@ -412,7 +419,7 @@ impl NodeStatuses {
     pub fn lingers(&self, namespace: &str, name: &str) -> bool {
         self.module(namespace, name)
             .iter()
-            .any(|status| status.state != ModuleState::Unloaded)
+            .any(NodeStatus::may_be_loaded)
     }
 }
 

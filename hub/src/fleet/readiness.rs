@@ -156,6 +156,7 @@ mod tests {
                 matching: 4,
                 loaded: 2,
                 failed: failed.len() as i32,
+                skipped: 0,
             },
             failures: failed
                 .iter()

@@ -102,6 +102,10 @@ impl StatusTally {
                     });
                 }
                 ModuleState::Pending => {}
+                ModuleState::Skipped => {
+                    self.nodes.skipped += 1;
+                    continue;
+                }
                 ModuleState::Unloaded | ModuleState::Unspecified => continue,
             }
             matching += 1;
@@ -252,7 +256,8 @@ mod tests {
             NodeCounts {
                 matching: 5,
                 loaded: 3,
-                failed: 1
+                failed: 1,
+                skipped: 0,
             }
         );
         assert_eq!(
@@ -265,6 +270,32 @@ mod tests {
         assert_eq!(status.failures.len(), 1);
         assert_eq!(status.failures[0].node.as_deref(), Some("b2"));
         assert_eq!(status.failures[0].reason, "LoadFailed");
+    }
+
+    #[test]
+    fn nodes_no_mapping_applies_to_are_counted_apart_and_never_waited_for() {
+        let kernels = targets();
+        let nodes = [
+            node("a1", ModuleState::Loaded, ""),
+            node("a2", ModuleState::Skipped, "NoKernelMapping"),
+        ];
+        let status = module_status(
+            Some(1),
+            &[ClusterReport {
+                cluster: "mixed",
+                connected: true,
+                reflects_generation: true,
+                kernels: &kernels,
+                nodes: &nodes,
+            }],
+        );
+        assert_eq!((status.nodes.matching, status.nodes.loaded), (1, 1));
+        assert_eq!(status.nodes.skipped, 1);
+        assert_eq!(
+            status.clusters.converged, 1,
+            "the skipped node is not waited for"
+        );
+        assert!(status.failures.is_empty());
     }
 
     #[test]
