@@ -55,6 +55,20 @@ pub struct ManagedClusterModuleStatus {
     /// The device plugin's Pods (`spec.moduleSpec.devicePlugin`) on the selected clusters.
     pub device_plugins: Option<DevicePluginCounts>,
 
+    /// Upstream KMM-Hub's counter, kept for tools written against it: the selected
+    /// clusters (upstream counts the ManifestWorks it wants, one per cluster).
+    #[serde(default)]
+    pub number_desired: i32,
+
+    /// Upstream's counter: the selected clusters on which every matching node runs the
+    /// module (upstream counts applied ManifestWorks, which says less).
+    #[serde(default)]
+    pub number_applied: i32,
+
+    /// Upstream's counter: the selected clusters with at least one failed node.
+    #[serde(default)]
+    pub number_degraded: i32,
+
     /// Standard conditions summarising the counts (`Ready`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,

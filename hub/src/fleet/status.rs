@@ -52,6 +52,8 @@ pub struct StatusTally {
     failures: Vec<FailureSample>,
     /// The held clusters with the smallest names, at most [`MAX_FAILURE_SAMPLES`].
     held: Vec<HeldCluster>,
+    /// Clusters with a failed node.
+    degraded: i32,
 }
 
 impl StatusTally {
@@ -119,6 +121,9 @@ impl StatusTally {
         if converged {
             self.clusters.converged += 1;
         }
+        if failure.is_some() {
+            self.degraded += 1;
+        }
         for target in report.kernels {
             match target.target {
                 Some(Target::Load(_)) => self.resolved.insert(target.kernel.clone()),
@@ -146,6 +151,7 @@ impl StatusTally {
     pub fn finish(mut self, generation: Option<i64>) -> ManagedClusterModuleStatus {
         self.trim_failures();
         self.trim_held();
+        let (selected, converged) = (self.clusters.selected, self.clusters.converged);
         ManagedClusterModuleStatus {
             observed_generation: generation,
             clusters: self.clusters,
@@ -155,6 +161,9 @@ impl StatusTally {
                 unresolved: count(self.unresolved.len()),
             },
             held: self.held,
+            number_desired: selected,
+            number_applied: converged,
+            number_degraded: self.degraded,
             failures: self.failures,
             images: Vec::new(),
             rollout: None,
@@ -270,6 +279,15 @@ mod tests {
         assert_eq!(status.failures.len(), 1);
         assert_eq!(status.failures[0].node.as_deref(), Some("b2"));
         assert_eq!(status.failures[0].reason, "LoadFailed");
+        assert_eq!(
+            (
+                status.number_desired,
+                status.number_applied,
+                status.number_degraded
+            ),
+            (3, 1, 1),
+            "upstream's counters: selected, converged, with a failed node"
+        );
     }
 
     #[test]
