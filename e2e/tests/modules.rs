@@ -134,6 +134,14 @@ async fn a_node_whose_kernel_has_no_mapping_is_skipped_and_not_labelled() -> Res
         "a skipped node is no failure: {status}"
     );
     ensure!(
+        (
+            &status["numberDesired"],
+            &status["numberApplied"],
+            &status["numberDegraded"]
+        ) == (&json!(1), &json!(1), &json!(0)),
+        "upstream's counters: {status}"
+    );
+    ensure!(
         labelled(&fleet, &name).await?.len() == 1,
         "only the mapped node is labelled"
     );
