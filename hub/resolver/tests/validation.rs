@@ -51,7 +51,7 @@ moduleLoader:
     sign:
       keySecret: {name: k}
       certSecret: {name: c}
-      filesToSign: [/etc/evil.ko, '/opt/../etc/evil.ko']
+      filesToSign: [/etc/evil.ko, '/opt/../etc/evil.ko', '/opt/lib/[.ko', '/opt/lib/*/*.ko']
     kernelMappings:
       - {literal: 6.1.0, regexp: '6', containerImage: r.example/a:v1}
       - {containerImage: r.example/a:v1}
@@ -96,6 +96,7 @@ moduleLoader:
             "{C}.sign.filesToSign[0]: \"/etc/evil.ko\": must be a path under modprobe.dirName \"/opt\""
         ),
         &format!("{C}.sign.filesToSign[1]: \"/opt/../etc/evil.ko\": must be a path under"),
+        &format!("{C}.sign.filesToSign[2]: \"/opt/lib/[.ko\": is not a valid glob"),
     ];
     for prefix in &expect_prefixes {
         assert!(

@@ -21,6 +21,8 @@ pub enum SignError {
     InvalidPath { path: String, reason: &'static str },
     #[error("{path} is not in the image")]
     FileNotInImage { path: String },
+    #[error("filesToSign pattern {pattern:?} matches no regular file in the image")]
+    NoFileMatches { pattern: String },
     #[error("{path} is a {kind} in the image, not a regular file")]
     NotARegularFile { path: String, kind: &'static str },
     #[error(

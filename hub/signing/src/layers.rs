@@ -94,8 +94,10 @@ impl std::fmt::Debug for SignedLayer {
     }
 }
 
-/// Reads `files_to_sign` (absolute paths in the image) from `layers` (bottom first),
-/// signs each with `key`, and returns one layer that holds the signed files at their
+/// Reads `files_to_sign` (absolute paths in the image, or glob patterns such as
+/// `/opt/lib/modules/6.1.0-47-amd64/extra/*.ko`, each of which must match at least one
+/// regular file) from `layers` (bottom first), signs each with `key`, and returns one
+/// layer that holds the signed files at their
 /// paths with their modes. The layer is deterministic: entries sorted by path, zero
 /// mtime, uid and gid, no directory entries (the directories exist below it).
 ///
@@ -108,14 +110,23 @@ pub fn sign_files_in_layers<R: Read>(
     hash: HashAlgorithm,
     limits: &Limits,
 ) -> Result<SignedLayer, SignError> {
-    let listed = listed_paths(files_to_sign)?;
-    let mut image = Image::new(&listed, limits);
+    let (listed, patterns) = listed_paths(files_to_sign)?;
+    let mut image = Image::new(&listed, &patterns, limits);
     kmm_extract::walk(layers, limits.max_layer_bytes, |entry| image.entry(entry))?;
+    let matched = image.matches(&patterns)?;
+    let all: Vec<&Listed> = listed
+        .iter()
+        .chain(
+            matched
+                .iter()
+                .filter(|m| !listed.iter().any(|l| l.path == m.path)),
+        )
+        .collect();
 
     // Each real file once, whichever listed paths lead to it.
-    let mut files = Vec::with_capacity(listed.len());
+    let mut files = Vec::with_capacity(all.len());
     let mut to_sign: BTreeMap<Vec<u8>, (&str, u32, &[u8])> = BTreeMap::new();
-    for Listed { path, components } in &listed {
+    for Listed { path, components } in all {
         let real = image
             .resolve(components, true)
             .ok_or_else(|| SignError::LinkLoop { path: path.clone() })?;
@@ -194,13 +205,31 @@ struct Listed {
     components: Vec<Vec<u8>>,
 }
 
-/// Each distinct listed path (absolute, no `..`, not the root).
-fn listed_paths(files_to_sign: &[String]) -> Result<Vec<Listed>, SignError> {
+/// A `filesToSign` glob.
+struct Pattern {
+    text: String,
+    glob: glob::Pattern,
+}
+
+/// `*` and `?` stay within one path component, as a shell's (and upstream's) globs do.
+const GLOB_OPTIONS: glob::MatchOptions = glob::MatchOptions {
+    case_sensitive: true,
+    require_literal_separator: true,
+    require_literal_leading_dot: false,
+};
+
+fn is_glob(path: &str) -> bool {
+    path.contains(['*', '?', '['])
+}
+
+/// Each distinct listed path (absolute, no `..`, not the root), and the globs.
+fn listed_paths(files_to_sign: &[String]) -> Result<(Vec<Listed>, Vec<Pattern>), SignError> {
     if files_to_sign.is_empty() {
         return Err(SignError::NothingToSign);
     }
     let mut seen = BTreeSet::new();
     let mut out = Vec::new();
+    let mut patterns = Vec::new();
     for path in files_to_sign {
         let invalid = |reason| SignError::InvalidPath {
             path: path.clone(),
@@ -220,14 +249,30 @@ fn listed_paths(files_to_sign: &[String]) -> Result<Vec<Listed>, SignError> {
         if components.is_empty() {
             return Err(invalid("names no file"));
         }
-        if seen.insert(path.as_str()) {
+        if !seen.insert(path.as_str()) {
+            continue;
+        }
+        if is_glob(path) {
+            let glob = glob::Pattern::new(path).map_err(|_| invalid("is not a valid glob"))?;
+            patterns.push(Pattern {
+                text: path.clone(),
+                glob,
+            });
+        } else {
             out.push(Listed {
                 path: path.clone(),
                 components,
             });
         }
     }
-    Ok(out)
+    Ok((out, patterns))
+}
+
+fn matches_any(patterns: &[Pattern], path: &[u8]) -> bool {
+    let path = format!("/{}", String::from_utf8_lossy(path));
+    patterns
+        .iter()
+        .any(|p| p.glob.matches_with(&path, GLOB_OPTIONS))
 }
 
 const WHITEOUT_PREFIX: &[u8] = b".wh.";
@@ -270,6 +315,8 @@ struct Node {
 /// by `/` (the root itself is empty).
 struct Image<'a> {
     listed: &'a [Listed],
+    /// A file whose path one of these matches is kept too.
+    patterns: &'a [Pattern],
     /// The names of the listed files: a file of one of these names is kept.
     names: BTreeSet<&'a [u8]>,
     limits: &'a Limits,
@@ -282,13 +329,14 @@ struct Image<'a> {
 }
 
 impl<'a> Image<'a> {
-    fn new(listed: &'a [Listed], limits: &'a Limits) -> Self {
+    fn new(listed: &'a [Listed], patterns: &'a [Pattern], limits: &'a Limits) -> Self {
         let names = listed
             .iter()
             .filter_map(|l| l.components.last().map(Vec::as_slice))
             .collect();
         Self {
             listed,
+            patterns,
             names,
             limits,
             nodes: BTreeMap::new(),
@@ -385,7 +433,7 @@ impl<'a> Image<'a> {
 
     /// Whether the file just written at `path` may be one to sign.
     fn keep(&mut self, path: &[u8], name: &[u8]) -> bool {
-        if self.names.contains(name) {
+        if self.names.contains(name) || matches_any(self.patterns, path) {
             return true;
         }
         if self.resolved.is_none() {
@@ -397,6 +445,36 @@ impl<'a> Image<'a> {
             self.resolved = Some(resolved);
         }
         self.resolved.as_ref().is_some_and(|r| r.contains(path))
+    }
+
+    /// The regular files of the finished image each pattern matches, in path order;
+    /// a pattern that matches none is refused.
+    fn matches(&self, patterns: &[Pattern]) -> Result<Vec<Listed>, SignError> {
+        let mut out = Vec::new();
+        for pattern in patterns {
+            let found: Vec<Listed> = self
+                .nodes
+                .iter()
+                .filter(|(path, node)| {
+                    matches!(node.kind, Kind::File { data: Some(_), .. })
+                        && pattern.glob.matches_with(
+                            &format!("/{}", String::from_utf8_lossy(path)),
+                            GLOB_OPTIONS,
+                        )
+                })
+                .map(|(path, _)| Listed {
+                    path: format!("/{}", String::from_utf8_lossy(path)),
+                    components: path.split(|b| *b == b'/').map(<[u8]>::to_vec).collect(),
+                })
+                .collect();
+            if found.is_empty() {
+                return Err(SignError::NoFileMatches {
+                    pattern: pattern.text.clone(),
+                });
+            }
+            out.extend(found);
+        }
+        Ok(out)
     }
 
     fn read(&mut self, path: &[u8], entry: &mut Entry<'_, '_>) -> Result<Vec<u8>, SignError> {

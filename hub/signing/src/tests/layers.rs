@@ -177,6 +177,39 @@ fn signs_the_listed_files_into_one_deterministic_layer() {
 }
 
 #[test]
+fn globs_sign_every_file_they_match_within_one_path_component() {
+    let hello = elf_module(3_000, 10);
+    let dep = elf_module(2_000, 11);
+    let image = || {
+        vec![gzip(&[
+            Dir("opt/lib/modules/6.1.0-47-amd64/extra"),
+            File(&KO[1..], &hello, 0o644),
+            File(&DEP_KO[1..], &dep, 0o600),
+            File("opt/lib/modules/6.1.0-47-amd64/modules.dep", b"x", 0o644),
+        ])]
+    };
+    let by_glob = sign(image(), &["/opt/lib/modules/6.1.0-47-amd64/extra/*.ko"]).unwrap();
+    let listed = sign(image(), &[KO, DEP_KO]).unwrap();
+    assert_eq!(by_glob.blob, listed.blob, "the same files, the same layer");
+    let paths: Vec<&str> = by_glob.files.iter().map(|f| f.path.as_str()).collect();
+    assert_eq!(paths, [KO, DEP_KO]);
+
+    // A literal path and a glob naming the same file sign it once.
+    let both = sign(image(), &[KO, "/opt/lib/modules/*/extra/kmm_hello*.ko"]).unwrap();
+    assert_eq!(both.blob, listed.blob);
+
+    // `*` does not cross a `/`: the modules are one directory further down.
+    let err = sign(image(), &["/opt/lib/modules/*.ko"]).unwrap_err();
+    assert!(
+        matches!(&err, SignError::NoFileMatches { pattern } if pattern == "/opt/lib/modules/*.ko"),
+        "{err}"
+    );
+    assert!(err.is_input_fault());
+    let err = sign(image(), &["/opt/[.ko"]).unwrap_err();
+    assert!(matches!(err, SignError::InvalidPath { .. }), "{err}");
+}
+
+#[test]
 fn a_later_layer_wins() {
     let old = elf_module(1_000, 20);
     let new = elf_module(1_500, 21);
