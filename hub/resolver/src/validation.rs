@@ -327,14 +327,14 @@ fn validate_sign(c: &mut Collector, path: &str, sign: &Sign, dir_name: &str) {
                 format!("must be a path under modprobe.dirName {dir_name:?}"),
             );
         }
-        if file.contains(['*', '?', '[']) {
-            if let Err(e) = glob::Pattern::new(file) {
-                c.error(
-                    field.clone(),
-                    Some(file),
-                    format!("is not a valid glob: {}", e.msg),
-                );
-            }
+        if file.contains(['*', '?', '['])
+            && let Err(e) = glob::Pattern::new(file)
+        {
+            c.error(
+                field.clone(),
+                Some(file),
+                format!("is not a valid glob: {}", e.msg),
+            );
         }
         validate_template(c, &field, file);
     }
