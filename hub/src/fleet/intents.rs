@@ -13,6 +13,7 @@ use kmm_proto::v1::{
 use kmm_resolver::Resolution;
 use kube::ResourceExt;
 
+use super::shared_snapshot::SharedSnapshot;
 use crate::images::{ImageKey, ImageRecord, Verdict};
 use crate::resolutions::{ModuleResolutions, Resolutions};
 
@@ -37,9 +38,65 @@ pub fn selects(selector: &BTreeMap<String, String>, labels: &BTreeMap<String, St
 #[derive(Clone, Debug, PartialEq)]
 pub struct ClusterIntents {
     pub snapshot: IntentSnapshot,
-    /// Some image of a module to load has no record yet: sending now would tell nodes
-    /// "not checked" where they may be running it fine (after a failover, say).
-    pub unchecked: bool,
+    /// The modules (by name) with an image to load that has no record yet: sending them
+    /// now would tell nodes "not checked" where they may be running them fine (after a
+    /// failover, say). See [`while_unchecked`].
+    pub unchecked: BTreeSet<String>,
+}
+
+/// The snapshot to send while some modules' images are not checked yet, so that they hold
+/// up nothing else (other modules' changes, unloads): each such module keeps the intent
+/// it was last sent (`previous`), and one never sent is left out until its check, unless
+/// it `runs` on the cluster (a failover: nothing to keep it at, and leaving it out would
+/// stop its device plugin). `None`: hold the whole snapshot until the checks.
+pub fn while_unchecked(
+    mut snapshot: IntentSnapshot,
+    unchecked: &BTreeSet<String>,
+    previous: Option<&SharedSnapshot>,
+    runs: impl Fn(&ModuleKey) -> bool,
+) -> Option<IntentSnapshot> {
+    let before = |key: &ModuleKey| {
+        previous?
+            .modules
+            .iter()
+            .find(|m| m.key.as_ref() == Some(key))
+            .map(|m| ModuleIntent::clone(m))
+    };
+    let mut kept = Vec::with_capacity(snapshot.modules.len());
+    for intent in std::mem::take(&mut snapshot.modules) {
+        let key = intent.key.clone().unwrap_or_default();
+        if !unchecked.contains(&key.name) {
+            kept.push(intent);
+            continue;
+        }
+        match before(&key) {
+            Some(earlier) => {
+                let credential = earlier
+                    .kernels
+                    .iter()
+                    .filter_map(|k| match &k.target {
+                        Some(Target::Load(load)) => Some(load.pull_credential_id.as_str()),
+                        _ => None,
+                    })
+                    .find(|id| !id.is_empty())
+                    .map(str::to_owned);
+                if let Some(id) = credential
+                    && !snapshot.credentials.iter().any(|c| c.id == id)
+                    && let Some(found) = previous
+                        .into_iter()
+                        .flat_map(|p| &p.credentials)
+                        .find(|c| c.id == id)
+                {
+                    snapshot.credentials.push(found.clone());
+                }
+                kept.push(earlier);
+            }
+            None if runs(&key) => return None,
+            None => {}
+        }
+    }
+    snapshot.modules = kept;
+    Some(snapshot)
 }
 
 /// Builds the cluster's snapshot (revision left at 0 for the caller to stamp).
@@ -54,7 +111,7 @@ pub fn cluster_intents(
     resolutions: &mut Resolutions,
 ) -> ClusterIntents {
     let mut needed = BTreeSet::new();
-    let mut unchecked = false;
+    let mut unchecked = BTreeSet::new();
     let intents = modules
         .iter()
         .map(|input| {
@@ -90,7 +147,7 @@ fn module_intent(
     images: &BTreeMap<ImageKey, ImageRecord>,
     resolutions: &ModuleResolutions,
     needed: &mut BTreeSet<String>,
-    unchecked: &mut bool,
+    unchecked: &mut BTreeSet<String>,
 ) -> ModuleIntent {
     let mcm = input.module;
     let name = mcm.name_any();
@@ -132,7 +189,9 @@ fn module_intent(
                                 ),
                                 None => {
                                     // An unloading module's targets are never acted on.
-                                    *unchecked |= !input.unload;
+                                    if !input.unload {
+                                        unchecked.insert(name.clone());
+                                    }
                                     unresolved(
                                         "ImageNotChecked",
                                         format!("kernel {kernel}: image {}: not checked yet", key.image),
@@ -398,7 +457,7 @@ mod tests {
                 &pinned(),
                 &ModuleResolutions::default(),
                 &mut BTreeSet::new(),
-                &mut false,
+                &mut BTreeSet::new(),
             )
             .max_unavailable
         };
@@ -433,7 +492,7 @@ mod tests {
                 &pinned(),
                 &ModuleResolutions::default(),
                 &mut BTreeSet::new(),
-                &mut false,
+                &mut BTreeSet::new(),
             );
             let sent: kmm_api::DevicePluginSpec =
                 serde_json::from_str(&intent.device_plugin.unwrap().spec_json).unwrap();
@@ -529,7 +588,7 @@ mod tests {
             &images,
             &mut Resolutions::default(),
         );
-        assert!(!intents.unchecked);
+        assert!(intents.unchecked.is_empty());
         let Some(Target::Unresolved(why)) = &intents.snapshot.modules[0].kernels[0].target else {
             panic!("no image, no load")
         };
@@ -547,21 +606,94 @@ mod tests {
             &BTreeMap::new(),
             &mut Resolutions::default(),
         );
-        assert!(held.unchecked);
+        assert_eq!(held.unchecked, BTreeSet::from(["hello".to_owned()]));
         let unloading = [ModuleInput {
             module: &module,
             unload: true,
         }];
         assert!(
-            !cluster_intents(
+            cluster_intents(
                 &unloading,
                 &kernels,
                 &creds(&["pull"]),
                 &BTreeMap::new(),
                 &mut Resolutions::default(),
             )
-            .unchecked,
+            .unchecked
+            .is_empty(),
             "an unload does not wait for image checks"
         );
+    }
+
+    fn intent(name: &str, image: &str, credential: &str) -> ModuleIntent {
+        ModuleIntent {
+            key: Some(ModuleKey {
+                namespace: "drivers".into(),
+                name: name.into(),
+            }),
+            kernels: vec![KernelTarget {
+                kernel: "6.1".into(),
+                target: Some(Target::Load(ModuleLoad {
+                    image: image.into(),
+                    pull_credential_id: credential.into(),
+                    ..ModuleLoad::default()
+                })),
+            }],
+            ..ModuleIntent::default()
+        }
+    }
+
+    fn names(snapshot: &IntentSnapshot) -> Vec<(String, String, bool)> {
+        snapshot
+            .modules
+            .iter()
+            .map(|m| {
+                let image = match &m.kernels.first().and_then(|k| k.target.clone()) {
+                    Some(Target::Load(load)) => load.image.clone(),
+                    _ => String::new(),
+                };
+                (m.key.clone().unwrap().name, image, m.unload)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn an_unchecked_image_holds_up_only_its_own_module() {
+        let previous = SharedSnapshot::from(IntentSnapshot {
+            revision: 3,
+            modules: vec![intent("a", "r/a:v1", "pull"), intent("b", "r/b:v1", "")],
+            credentials: creds(&["pull"]).into_values().collect(),
+            ..IntentSnapshot::default()
+        });
+        let mut unload_b = intent("b", "r/b:v1", "");
+        unload_b.unload = true;
+        let now = IntentSnapshot {
+            modules: vec![
+                intent("a", "r/a:v2", ""),
+                unload_b,
+                intent("c", "r/c:v1", ""),
+            ],
+            ..IntentSnapshot::default()
+        };
+        let unchecked = BTreeSet::from(["a".to_owned(), "c".to_owned()]);
+        let sent = while_unchecked(now.clone(), &unchecked, Some(&previous), |_| false)
+            .expect("sent, not held");
+        assert_eq!(
+            names(&sent),
+            [
+                ("a".to_owned(), "r/a:v1".to_owned(), false),
+                ("b".to_owned(), "r/b:v1".to_owned(), true),
+            ],
+            "a keeps what it was sent, b's unload goes, c waits for its check"
+        );
+        assert_eq!(sent.credentials.len(), 1, "a's credential still travels");
+
+        // After a failover nothing was sent yet: a module that runs there holds all.
+        assert_eq!(
+            while_unchecked(now.clone(), &unchecked, None, |key| key.name == "a"),
+            None
+        );
+        let fresh = while_unchecked(now, &unchecked, None, |_| false).unwrap();
+        assert_eq!(names(&fresh).len(), 1);
     }
 }

@@ -3,11 +3,12 @@
 use std::sync::Arc;
 
 use kmm_api::ManagedClusterModule;
+use kmm_proto::v1::ModuleKey;
 use kube::ResourceExt;
 
 use crate::fleet::assignment::{ClusterFacts, cluster_modules, is_selected};
 use crate::fleet::cluster_view::ClusterView;
-use crate::fleet::intents::cluster_intents;
+use crate::fleet::intents::{cluster_intents, while_unchecked};
 use crate::fleet::served_revisions::{MissingRevision, at_revisions};
 
 use super::sessions::ClusterSession;
@@ -85,12 +86,17 @@ impl FleetView {
             &self.images.read().records,
             &mut self.caches.resolutions(),
         );
-        if intents.unchecked {
-            // The image worker checks it within moments and recomputes.
+        let mut snapshot = intents.snapshot;
+        if !intents.unchecked.is_empty() {
+            // The image worker checks them within moments and recomputes.
             self.signals.unchecked_images.notify_one();
-            return;
+            let runs = |key: &ModuleKey| session.statuses.lingers(&key.namespace, &key.name);
+            match while_unchecked(snapshot, &intents.unchecked, session.outbox.last(), runs) {
+                Some(partial) => snapshot = partial,
+                None => return,
+            }
         }
-        let shared = self.caches.intents().share(intents.snapshot);
+        let shared = self.caches.intents().share(snapshot);
         let Some(snapshot) = session.outbox.offer(shared) else {
             return;
         };
