@@ -307,7 +307,7 @@ impl Reconciler {
         let fetched = match fetched {
             Ok(f) => f,
             Err(e) => {
-                if let Ok(digest) = self.images.resolve(&request).await {
+                if let Some(digest) = self.images.known_digest(&request) {
                     keep.insert(digest);
                 }
                 event.outcome = Outcome::Failure(error_chain(&e));
