@@ -1,19 +1,27 @@
 //! Bounded pulls (issue 28, items 6 and 7): registries that trickle, declare absurd
 //! sizes or serve huge manifests; a cache on a filesystem that really fills; cached
-//! blobs that went bad. The registries are small
+//! blobs that went bad; unloads while a pull is stuck. The registries are small
 //! servers of the tests' own on 127.0.0.1 that count what they serve.
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kmm_node_agent::desired::RegistryTls;
+use kmm_node_agent::agent::{self, LoopTiming};
+use kmm_node_agent::control::{self, EventAction};
+use kmm_node_agent::desired::{DesiredModule, DesiredSnapshot, Modprobe, RegistryTls};
 use kmm_node_agent::image::cache::Cache;
 use kmm_node_agent::image::pull::{PullLimits, PullRequest};
 use kmm_node_agent::image::{FetchRequest, ImageError, ImageStore, Limits};
+use kmm_node_agent::kernel::{Kernel, KernelError};
 use kmm_node_agent::metrics::Metrics;
+use kmm_node_agent::modprobe::ModprobeCommand;
+use kmm_node_agent::reconcile::Reconciler;
+use kmm_node_agent::shared_modules::Users;
+use kmm_node_agent::state::{ModuleRecord, State, StateStore};
 use sha2::Digest as _;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
@@ -113,6 +121,7 @@ impl TestImage {
 struct TestRegistry {
     address: String,
     served: Arc<Served>,
+    layer_requested: tokio::sync::watch::Receiver<u64>,
     server: tokio::task::JoinHandle<()>,
 }
 
@@ -127,6 +136,8 @@ impl TestRegistry {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap().to_string();
         let served = Arc::new(Served::default());
+        let (requested_tx, layer_requested) = tokio::sync::watch::channel(0u64);
+        let requested_tx = Arc::new(requested_tx);
         let image = Arc::new(image);
         let counts = served.clone();
         let server = tokio::spawn(async move {
@@ -138,12 +149,14 @@ impl TestRegistry {
                     manifest,
                     layer,
                     counts.clone(),
+                    requested_tx.clone(),
                 ));
             }
         });
         Self {
             address,
             served,
+            layer_requested,
             server,
         }
     }
@@ -183,6 +196,7 @@ async fn serve(
     manifest: ManifestBody,
     layer: LayerBody,
     served: Arc<Served>,
+    layer_requested: Arc<tokio::sync::watch::Sender<u64>>,
 ) {
     let mut request = Vec::new();
     let mut byte = [0u8; 1];
@@ -239,6 +253,7 @@ async fn serve(
         }
     } else if path.ends_with(&image.layer_digest) {
         served.layer_requests.fetch_add(1, Ordering::SeqCst);
+        layer_requested.send_modify(|n| *n += 1);
         let length = image.layer.len() as u64;
         if stream
             .write_all(&head("200 OK", octets, Some(length), None))
@@ -616,4 +631,160 @@ async fn a_corrupt_cached_blob_is_detected_on_reuse_and_downloaded_again() {
         assert_eq!(std::fs::read(&cached[0]).unwrap(), whole, "{name}");
     }
     assert_eq!(registry.layer_requests(), 3, "downloaded again each time");
+}
+
+/// A kernel that only keeps names: enough for unloads.
+#[derive(Debug, Default)]
+struct NamesKernel {
+    loaded: Mutex<BTreeSet<String>>,
+}
+
+impl Kernel for NamesKernel {
+    fn backend(&self) -> &'static str {
+        "names"
+    }
+    fn boot_id(&self) -> Result<String, KernelError> {
+        Ok("boot-1".into())
+    }
+    fn release(&self) -> Result<String, KernelError> {
+        Ok(KERNEL.into())
+    }
+    fn loaded_modules(&self) -> Result<BTreeSet<String>, KernelError> {
+        Ok(self.loaded.lock().unwrap().clone())
+    }
+    fn modprobe(&self, command: &ModprobeCommand) -> Result<(), KernelError> {
+        let module = command.args.last().cloned().unwrap_or_default();
+        let mut loaded = self.loaded.lock().unwrap();
+        if command.args.first().map(String::as_str) == Some("-r") {
+            loaded.remove(&module);
+        } else {
+            loaded.insert(module);
+        }
+        Ok(())
+    }
+    fn remove_in_tree(&self, _module: &str) -> Result<(), KernelError> {
+        Ok(())
+    }
+    fn module_users(&self) -> Result<Users, KernelError> {
+        let loaded = self.loaded.lock().unwrap();
+        Ok(loaded
+            .iter()
+            .map(|m| (m.clone(), BTreeSet::new()))
+            .collect())
+    }
+    fn remove_module(&self, module: &str) -> Result<(), KernelError> {
+        self.loaded.lock().unwrap().remove(module);
+        Ok(())
+    }
+    fn set_firmware_class_path(&self, _dir: &Path) -> Result<(), KernelError> {
+        Ok(())
+    }
+}
+
+/// The agent loop pulls `a` from a registry that trickles; meanwhile the control plane
+/// asks to unload `b`: the unload happens at once, not after the pull.
+#[tokio::test]
+async fn an_unload_does_not_wait_behind_a_stuck_pull() {
+    let registry = TestRegistry::start(
+        TestImage::new(module_layer(4096), TAR, None),
+        ManifestBody::Whole,
+        LayerBody::Trickle,
+    )
+    .await;
+    let node = tempfile::tempdir().unwrap();
+    let kernel = Arc::new(NamesKernel::default());
+    kernel.loaded.lock().unwrap().insert("kmm_b".into());
+    let store = StateStore::new(node.path().join("run-kmm"));
+    let b = ModuleRecord {
+        key: "ns/b".into(),
+        version: None,
+        image: "example.invalid/b:v1".into(),
+        digest: sha256(b"b"),
+        kernel: KERNEL.into(),
+        module_dir: node.path().join("cache/extracted/b/opt"),
+        modprobe: Modprobe {
+            module_name: Some("kmm_b".into()),
+            ..Modprobe::default()
+        },
+        in_tree_modules_to_remove: vec![],
+        loaded: vec!["kmm_b".into()],
+        firmware_files: vec![],
+        loaded_at_unix_ms: 0,
+    };
+    store
+        .save(&State {
+            boot_id: "boot-1".into(),
+            modules: [(b.key.clone(), b)].into(),
+        })
+        .unwrap();
+    let reconciler = Reconciler::new(
+        kernel.clone(),
+        ImageStore::new(
+            Cache::open(node.path().join("cache")).unwrap(),
+            Limits::default(),
+        ),
+        store,
+        node.path().join("firmware"),
+    )
+    .unwrap();
+    let a = DesiredModule {
+        key: "ns/a".into(),
+        version: None,
+        image: registry.image("bounds/stuck:v1"),
+        digest: None,
+        modprobe: Modprobe {
+            module_name: Some("kmm_bounds".into()),
+            ..Modprobe::default()
+        },
+        in_tree_modules_to_remove: vec![],
+        registry_tls: INSECURE,
+        pull_secret: None,
+    };
+    let ((intents, intent_rx), (event_tx, mut events)) = control::channels();
+    intents
+        .send(Some(DesiredSnapshot {
+            revision: 1,
+            modules: vec![a.clone()],
+            unload: vec![],
+        }))
+        .unwrap();
+    let agent = tokio::spawn(agent::run(
+        reconciler,
+        intent_rx,
+        event_tx,
+        LoopTiming::default(),
+    ));
+    // The pull of `a` is under way (and trickles).
+    let mut requested = registry.layer_requested.clone();
+    tokio::time::timeout(Duration::from_secs(10), requested.wait_for(|n| *n > 0))
+        .await
+        .expect("the agent asks for a's layer")
+        .unwrap();
+    let asked = Instant::now();
+    intents
+        .send(Some(DesiredSnapshot {
+            revision: 2,
+            modules: vec![a],
+            unload: vec!["ns/b".into()],
+        }))
+        .unwrap();
+    let unloaded = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let event = events.recv().await.expect("the agent runs");
+            if event.key == "ns/b" && event.action == EventAction::Unload {
+                return event;
+            }
+        }
+    })
+    .await
+    .unwrap_or_else(|_| {
+        panic!(
+            "no unload of b 10 s after asking, while a's pull trickles ({} bytes served)",
+            registry.layer_bytes()
+        )
+    });
+    assert!(unloaded.is_success(), "{unloaded:?}");
+    assert!(!kernel.loaded.lock().unwrap().contains("kmm_b"));
+    eprintln!("b unloaded {:?} after asking", asked.elapsed());
+    agent.abort();
 }
