@@ -1,6 +1,7 @@
 //! The agent's main loop: reconcile on every new desired snapshot, retry failures
 //! with backoff, resync periodically. It never acts before the first snapshot and
-//! never unloads because the control plane went quiet.
+//! never unloads because the control plane went quiet. A new snapshot interrupts a pass
+//! that waits for pulls, so its unloads never wait for them.
 
 use std::time::Duration;
 
