@@ -52,6 +52,8 @@ fn module_layer(size: usize) -> Vec<u8> {
 #[derive(Clone, Copy, Debug)]
 enum ManifestBody {
     Whole,
+    /// The tag names an image index whose linux/amd64 entry is the manifest.
+    Index,
     /// `bytes` of junk, with or without a `Content-Length` saying so.
     Huge {
         bytes: u64,
@@ -213,7 +215,29 @@ async fn serve(
     if path.contains("/manifests/") {
         let kind = "application/vnd.oci.image.manifest.v1+json";
         match manifest {
-            ManifestBody::Whole => {
+            ManifestBody::Index if !path.ends_with(&image.digest()) => {
+                let entry = |arch: &str, digest: &str| {
+                    serde_json::json!({"mediaType": kind, "digest": digest,
+                        "size": image.manifest.len(),
+                        "platform": {"architecture": arch, "os": "linux"}})
+                };
+                let index = serde_json::to_vec(&serde_json::json!({
+                    "schemaVersion": 2,
+                    "mediaType": "application/vnd.oci.image.index.v1+json",
+                    "manifests": [entry("arm64", &sha256(b"another platform")),
+                                  entry("amd64", &image.digest())],
+                }))
+                .unwrap();
+                let mut response = head(
+                    "200 OK",
+                    "application/vnd.oci.image.index.v1+json",
+                    Some(index.len() as u64),
+                    Some(&sha256(&index)),
+                );
+                response.extend_from_slice(&index);
+                let _ = stream.write_all(&response).await;
+            }
+            ManifestBody::Whole | ManifestBody::Index => {
                 let digest = image.digest();
                 let mut response = head(
                     "200 OK",
@@ -448,6 +472,26 @@ async fn a_huge_manifest_is_refused_at_the_cap_without_being_read_whole() {
             "content length {content_length}: {served} bytes of the manifest were read"
         );
     }
+}
+
+/// Manifests are read by the agent's own capped reader now: an image index still
+/// resolves to this platform's manifest, as `oci-client` resolved it.
+#[cfg(target_arch = "x86_64")]
+#[tokio::test]
+async fn an_image_index_resolves_to_this_platforms_manifest() {
+    let test_image = TestImage::new(module_layer(4096), TAR, None);
+    let digest = test_image.digest();
+    let registry = TestRegistry::start(test_image, ManifestBody::Index, LayerBody::Whole).await;
+    let image = registry.image("bounds/index:v1");
+    let cache = tempfile::tempdir().unwrap();
+    let fetched = store(cache.path()).fetch(&request(&image)).await.unwrap();
+    assert_eq!(fetched.digest, digest);
+    assert!(
+        fetched
+            .root
+            .join(format!("opt/lib/modules/{KERNEL}/extra/kmm_bounds.ko"))
+            .is_file()
+    );
 }
 
 /// A tmpfs mounted on a temporary directory, unmounted on drop (also when the test
