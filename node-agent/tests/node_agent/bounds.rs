@@ -443,6 +443,31 @@ async fn a_layer_declaring_ten_tebibytes_is_refused_before_any_byte_is_read() {
 }
 
 #[tokio::test]
+async fn layers_that_would_overfill_the_cache_are_refused_before_any_byte_is_read() {
+    let registry = TestRegistry::start(
+        TestImage::new(module_layer(64 << 10), TAR, None),
+        ManifestBody::Whole,
+        LayerBody::Whole,
+    )
+    .await;
+    let image = registry.image("bounds/cache:v1");
+    let cache = tempfile::tempdir().unwrap();
+    let mut metrics_registry = prometheus_client::registry::Registry::default();
+    let store = ImageStore::new(Cache::open(cache.path()).unwrap(), Limits::default())
+        .with_pull_limits(PullLimits {
+            max_cache_bytes: 32 << 10,
+            ..PullLimits::default()
+        })
+        .with_metrics(Metrics::register(&mut metrics_registry));
+    let text = error_text(&store.fetch(&request(&image)).await.unwrap_err());
+    assert_eq!(registry.layer_requests(), 0, "the layer was asked for");
+    assert!(text.contains(&image), "{text}");
+    assert!(text.contains("--max-cache-bytes"), "{text}");
+    assert_eq!(limit_count(&metrics_registry, "cache_bytes"), "1");
+    assert!(blobs(cache.path()).is_empty());
+}
+
+#[tokio::test]
 async fn a_huge_manifest_is_refused_at_the_cap_without_being_read_whole() {
     const HUGE: u64 = 256 << 20;
     for content_length in [true, false] {
