@@ -273,6 +273,7 @@ impl Puller {
             }
         };
         // Every declared size is checked before any byte of a layer is asked for.
+        let mut layers = vec![];
         for layer in &manifest.layers {
             if kmm_extract::Compression::from_media_type(&layer.media_type).is_err() {
                 return Err(PullError::UnsupportedLayer {
@@ -280,19 +281,18 @@ impl Puller {
                     media_type: layer.media_type.clone(),
                 });
             }
-            self.declared_size(request.image, layer)?;
+            layers.push((layer, self.declared_size(request.image, layer)?));
         }
         let mut missing = vec![];
-        for layer in &manifest.layers {
+        let mut needed = 0u64;
+        let mut seen = std::collections::BTreeSet::new();
+        for (layer, size) in layers {
+            if !seen.insert(&layer.digest) {
+                continue;
+            }
             let path = self.cache.blob_path(&layer.digest)?;
             if path.is_file() {
-                match verify(
-                    &path,
-                    &layer.digest,
-                    self.declared_size(request.image, layer)?,
-                )
-                .await
-                {
+                match verify(&path, &layer.digest, size).await {
                     Ok(()) => continue,
                     Err(e) => {
                         tracing::warn!(error = %error_chain(&e), "downloading a corrupt cached layer again");
@@ -300,11 +300,8 @@ impl Puller {
                     }
                 }
             }
-            missing.push(layer);
-        }
-        let mut needed = 0u64;
-        for layer in &missing {
-            needed = needed.saturating_add(self.declared_size(request.image, layer)?);
+            needed = needed.saturating_add(size);
+            missing.push((layer, size));
         }
         let _reservation = self
             .cache
@@ -317,8 +314,8 @@ impl Puller {
                     self.limits.max_cache_bytes
                 ),
             })?;
-        for layer in missing {
-            self.download(&client, request.image, &reference, layer)
+        for (layer, size) in missing {
+            self.download(&client, request.image, &reference, layer, size)
                 .await?;
             downloaded = true;
         }
@@ -327,16 +324,21 @@ impl Puller {
 
     /// `layer`'s declared size, refused when negative or over the per-layer limit.
     fn declared_size(&self, image: &str, layer: &OciDescriptor) -> Result<u64, PullError> {
+        let refused = |detail| PullError::Limit {
+            image: image.to_string(),
+            limit: PullLimit::LayerBytes,
+            detail,
+        };
         match u64::try_from(layer.size) {
             Ok(size) if size <= self.limits.max_layer_bytes => Ok(size),
-            _ => Err(PullError::Limit {
-                image: image.to_string(),
-                limit: PullLimit::LayerBytes,
-                detail: format!(
-                    "layer {} declares a size of {} bytes, over the limit of {} bytes",
-                    layer.digest, layer.size, self.limits.max_layer_bytes
-                ),
-            }),
+            Ok(size) => Err(refused(format!(
+                "layer {} declares a size of {size} bytes, over the limit of {} bytes",
+                layer.digest, self.limits.max_layer_bytes
+            ))),
+            Err(_) => Err(refused(format!(
+                "layer {} declares a negative size ({})",
+                layer.digest, layer.size
+            ))),
         }
     }
 
@@ -346,8 +348,8 @@ impl Puller {
         image: &str,
         reference: &Reference,
         layer: &OciDescriptor,
+        declared: u64,
     ) -> Result<(), PullError> {
-        let declared = self.declared_size(image, layer)?;
         let path = self.cache.blob_path(&layer.digest)?;
         let tmp = TmpFile(Some(self.cache.tmp_path("blob")));
         let file = tokio::fs::File::create(tmp.path())
