@@ -1,6 +1,7 @@
 //! The agent's main loop: reconcile on every new desired snapshot, retry failures
 //! with backoff, resync periodically. It never acts before the first snapshot and
-//! never unloads because the control plane went quiet.
+//! never unloads because the control plane went quiet. A new snapshot interrupts a pass
+//! that waits for pulls, so its unloads never wait for them.
 
 use std::time::Duration;
 
@@ -45,27 +46,38 @@ pub async fn run(
     let mut intents_open = true;
     let mut backoff = timing.retry_initial;
     loop {
-        let next;
+        let mut next = Instant::now() + timing.resync;
         if let Some(snapshot) = &desired {
             if std::mem::take(&mut fresh) {
                 for event in reconciler.confirm_already_unloaded(snapshot) {
                     let _ = events.send(event);
                 }
             }
-            let results = reconciler.reconcile(snapshot).await;
-            let failed = results.iter().any(|e| !e.is_success());
-            for event in results {
-                let _ = events.send(event);
+            let mut failed = false;
+            let complete = reconciler
+                .reconcile_until(
+                    snapshot,
+                    new_intents(&mut intents, &mut intents_open),
+                    |event| {
+                        failed |= !event.is_success();
+                        let _ = events.send(event);
+                    },
+                )
+                .await;
+            if !complete {
+                // A new snapshot came while loads waited for their pulls: its unloads
+                // go now, the pulls go on.
+                desired = intents.borrow_and_update().clone();
+                fresh = desired.is_some();
+                backoff = timing.retry_initial;
+                continue;
             }
             if failed {
                 next = Instant::now() + backoff;
                 backoff = (backoff * 2).min(timing.retry_max);
             } else {
-                next = Instant::now() + timing.resync;
                 backoff = timing.retry_initial;
             }
-        } else {
-            next = Instant::now() + timing.resync;
         }
         tokio::select! {
             changed = intents.changed(), if intents_open => {
@@ -82,4 +94,15 @@ pub async fn run(
             () = tokio::time::sleep_until(next) => {}
         }
     }
+}
+
+/// Completes when the control plane sends a new snapshot; never once it has gone.
+async fn new_intents(intents: &mut IntentReceiver, open: &mut bool) {
+    if *open {
+        if intents.changed().await.is_ok() {
+            return;
+        }
+        *open = false;
+    }
+    std::future::pending().await
 }

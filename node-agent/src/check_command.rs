@@ -51,6 +51,7 @@ pub(crate) async fn run(args: CheckArgs) -> ExitCode {
         require_signature: args.require_signature,
         cache_dir,
         limits: args.limits.limits(),
+        pull_limits: args.limits.pull_limits(),
     };
     match check_image::check_image(&options).await {
         Ok(report) => {

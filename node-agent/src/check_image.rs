@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use crate::desired::{PullSecret, RegistryTls};
 use crate::image::cache::{Cache, CacheError};
-use crate::image::pull::{PullError, PullRequest};
+use crate::image::pull::{PullError, PullLimit, PullLimits, PullRequest};
 use crate::image::{FetchRequest, ImageError, ImageStore, Limits};
 use crate::modprobe::{self, ToolError, module_name_of};
 use crate::reconcile::module_dir;
@@ -25,6 +25,7 @@ pub struct CheckOptions {
     pub require_signature: bool,
     pub cache_dir: PathBuf,
     pub limits: Limits,
+    pub pull_limits: PullLimits,
 }
 
 /// One module modprobe would insert.
@@ -84,7 +85,7 @@ impl CheckError {
 /// The exit codes, for `--help`.
 pub const EXIT_CODES: &str = "Exit codes: 0 the module would load; 1 local failure; 2 usage error; \
 3 the image cannot be pulled; 4 the registry refused the credentials; 5 the image is refused \
-(hostile, corrupt or too large); 6 wrong kernel (no modules for it, or built for another); \
+(hostile, corrupt, or over a size limit); 6 wrong kernel (no modules for it, or built for another); \
 7 the module is not in the image; 8 a dependency is missing; 9 unsigned while --require-signature.";
 
 fn local(e: impl std::error::Error) -> CheckError {
@@ -99,6 +100,9 @@ impl From<ImageError> for CheckError {
                 Self::Unauthorized(text)
             }
             ImageError::Pull(PullError::UnsupportedLayer { .. }) => Self::Refused(text),
+            ImageError::Pull(ref e) if e.limit().is_some_and(|l| l != PullLimit::Deadline) => {
+                Self::Refused(text)
+            }
             ImageError::Pull(PullError::Cache(_)) | ImageError::Cache(_) => Self::Local(text),
             ImageError::Pull(_) => Self::Pull(text),
             ImageError::Refused { ref source, .. } if source.is_image_fault() => {
@@ -128,7 +132,7 @@ fn modules_in_image(module_dir: &Path, kernel: &str) -> BTreeSet<String> {
 
 pub async fn check_image(options: &CheckOptions) -> Result<CheckReport, CheckError> {
     let cache = Cache::open(&options.cache_dir).map_err(|e: CacheError| local(e))?;
-    let store = ImageStore::new(cache, options.limits);
+    let store = ImageStore::new(cache, options.limits).with_pull_limits(options.pull_limits);
     let request = FetchRequest {
         pull: PullRequest {
             image: &options.image,

@@ -12,6 +12,7 @@ use clap::builder::NonEmptyStringValueParser;
 use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
 use kmm_node_agent::check_image::EXIT_CODES;
 use kmm_node_agent::image::Limits;
+use kmm_node_agent::image::pull::PullLimits;
 use kmm_node_agent::proxy_connection;
 use kmm_runtime::cli::LoggingArgs;
 
@@ -132,6 +133,14 @@ struct RunArgs {
     desired_poll_ms: u64,
     #[command(flatten)]
     limits: LimitArgs,
+    /// How many images are pulled at once; more wait for a free pull. Unloads never
+    /// wait for pulls.
+    #[arg(
+        long,
+        default_value_t = kmm_node_agent::image::DEFAULT_CONCURRENT_PULLS,
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..)
+    )]
+    concurrent_pulls: usize,
     /// First retry delay after a failure, in seconds (doubles up to 120).
     #[arg(long, default_value_t = 2)]
     retry_seconds: u64,
@@ -145,6 +154,21 @@ struct LimitArgs {
     /// Largest total extracted from one image, in bytes.
     #[arg(long, default_value_t = Limits::default().max_image_bytes)]
     max_image_bytes: u64,
+    /// How long one image's pull (tag, manifest and every layer) may take in all, in
+    /// seconds, however steadily the registry sends.
+    #[arg(long, default_value_t = PullLimits::DEFAULT_DEADLINE.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
+    pull_timeout_seconds: u64,
+    /// Largest manifest read, in bytes; a longer one is refused without being read whole.
+    #[arg(long, default_value_t = PullLimits::DEFAULT_MAX_MANIFEST_BYTES)]
+    max_manifest_bytes: u64,
+    /// Largest size a layer may declare, in bytes; a larger one is refused before any
+    /// layer is downloaded.
+    #[arg(long, default_value_t = PullLimits::DEFAULT_MAX_LAYER_BYTES)]
+    max_layer_bytes: u64,
+    /// Most bytes of layers the image cache holds, downloads under way included; a pull
+    /// that would go over is refused before downloading.
+    #[arg(long, default_value_t = PullLimits::DEFAULT_MAX_CACHE_BYTES)]
+    max_cache_bytes: u64,
 }
 
 impl LimitArgs {
@@ -153,6 +177,15 @@ impl LimitArgs {
             max_file_bytes: self.max_file_bytes,
             max_image_bytes: self.max_image_bytes,
             ..Limits::default()
+        }
+    }
+
+    fn pull_limits(&self) -> PullLimits {
+        PullLimits {
+            deadline: std::time::Duration::from_secs(self.pull_timeout_seconds),
+            max_manifest_bytes: self.max_manifest_bytes,
+            max_layer_bytes: self.max_layer_bytes,
+            max_cache_bytes: self.max_cache_bytes,
         }
     }
 }

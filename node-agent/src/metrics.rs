@@ -8,6 +8,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use crate::control::{AgentEvent, EventAction, Outcome};
+use crate::image::pull::PullLimit;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OutcomeLabels {
@@ -20,6 +21,12 @@ const SUCCEEDED: OutcomeLabels = OutcomeLabels {
 };
 const FAILED: OutcomeLabels = OutcomeLabels { outcome: "failed" };
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LimitLabels {
+    /// [`PullLimit::name`].
+    limit: &'static str,
+}
+
 /// Handles to every metric; clones share them.
 #[derive(Clone, Debug)]
 pub struct Metrics {
@@ -28,6 +35,7 @@ pub struct Metrics {
     load_duration: Histogram,
     connected: Gauge,
     modules_loaded: Gauge,
+    pull_limits: Family<LimitLabels, Counter>,
 }
 
 /// Load attempts take from milliseconds (cached image) to minutes (a large pull).
@@ -44,6 +52,7 @@ impl Metrics {
             load_duration: Histogram::new(LOAD_SECONDS_BUCKETS),
             connected: Gauge::default(),
             modules_loaded: Gauge::default(),
+            pull_limits: Family::default(),
         };
         registry.register(
             "kmm_agent_loads",
@@ -70,7 +79,21 @@ impl Metrics {
             "Modules this agent has loaded in this boot",
             metrics.modules_loaded.clone(),
         );
+        registry.register(
+            "kmm_agent_pull_limits_exceeded",
+            "Pulls refused or stopped by one of their limits, by limit",
+            metrics.pull_limits.clone(),
+        );
         metrics
+    }
+
+    /// Counts a pull that hit `limit`.
+    pub fn pull_limit_exceeded(&self, limit: PullLimit) {
+        self.pull_limits
+            .get_or_create(&LimitLabels {
+                limit: limit.name(),
+            })
+            .inc();
     }
 
     /// Counts one load or unload attempt.
@@ -136,6 +159,7 @@ mod tests {
         metrics.observe(&event(EventAction::Unload, Outcome::Success, 0, 5));
         metrics.set_connected(true);
         metrics.set_modules_loaded(3);
+        metrics.pull_limit_exceeded(PullLimit::LayerBytes);
         let mut text = String::new();
         encode(&mut text, &registry).unwrap();
         for line in [
@@ -148,6 +172,7 @@ mod tests {
             r#"kmm_agent_load_duration_seconds_bucket{le="1.0"} 1"#,
             "kmm_agent_proxy_connected 1",
             "kmm_agent_modules_loaded 3",
+            r#"kmm_agent_pull_limits_exceeded_total{limit="layer_bytes"} 1"#,
         ] {
             assert!(
                 text.lines().any(|l| l == line),

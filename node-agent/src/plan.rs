@@ -121,8 +121,9 @@ pub fn plan(
 
 /// `actions` with those of modules in `failed_last` (whose last attempt failed: a module
 /// stuck in the kernel, say) moved after all others, each group in its order. A module
-/// whose modprobe hangs until the tool's time limit then delays no other module's unload
-/// or load, pass after pass.
+/// whose modprobe hangs until the tool's time limit then delays no other module's unload,
+/// nor another's load behind its own load, pass after pass (the reconciler runs every
+/// unload before any load).
 pub fn failed_last(actions: Vec<Action>, failed_last: &BTreeSet<String>) -> Vec<Action> {
     let (mut healthy, failed): (Vec<Action>, Vec<Action>) = actions
         .into_iter()

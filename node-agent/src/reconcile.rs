@@ -2,13 +2,15 @@
 //! runs modprobe through the kernel backend, records the result and reports an event
 //! for every load and unload.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 use tracing::Instrument;
 
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
 
 use crate::control::{
     AgentEvent, EventAction, Hello, LoadedModule, Outcome, Progress, millis, now_unix_ms,
@@ -16,7 +18,7 @@ use crate::control::{
 use crate::desired::{DesiredModule, DesiredSnapshot};
 use crate::firmware::{self, FirmwareError};
 use crate::image::pull::{PullRequest, error_chain};
-use crate::image::{FetchRequest, ImageStore};
+use crate::image::{FetchRequest, Fetched, ImageError, ImageStore};
 use crate::kernel::{Kernel, KernelError};
 use crate::modprobe::{self, ToolError};
 use crate::plan::{self, Action, normalize_module_name};
@@ -55,11 +57,54 @@ pub enum ReconcileError {
 /// pulling and extracting it (kubelet keeps unused images at least 2 minutes).
 pub const DEFAULT_UNUSED_IMAGE_RETENTION: Duration = Duration::from_secs(300);
 
+/// What a pull is for: the module and what its image request is made of (the kernel is
+/// the agent's own).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct FetchKey {
+    module: String,
+    image: String,
+    digest: Option<String>,
+    dir_name: String,
+    firmware_path: Option<String>,
+}
+
+impl FetchKey {
+    fn of(desired: &DesiredModule) -> Self {
+        Self {
+            module: desired.key.clone(),
+            image: desired.image.clone(),
+            digest: desired.digest.clone(),
+            dir_name: desired.modprobe.dir_name().to_string(),
+            firmware_path: desired.modprobe.firmware_path.clone(),
+        }
+    }
+}
+
+/// The request for `desired`'s image on the kernel `release`.
+fn fetch_request<'a>(desired: &'a DesiredModule, release: &str) -> FetchRequest<'a> {
+    FetchRequest {
+        pull: PullRequest {
+            image: &desired.image,
+            tls: desired.registry_tls,
+            secret: desired.pull_secret.as_ref(),
+        },
+        digest: desired.digest.as_deref(),
+        selection: kmm_extract::Selection {
+            dir_name: desired.modprobe.dir_name().to_string(),
+            kernel: release.to_string(),
+            firmware_path: desired.modprobe.firmware_path.clone(),
+        },
+    }
+}
+
 /// The agent's executor: owns the state for the running boot.
 #[derive(Debug)]
 pub struct Reconciler {
     kernel: Arc<dyn Kernel>,
-    images: ImageStore,
+    images: Arc<ImageStore>,
+    /// Pulls under way, each in its own task: a pass interrupted by a new snapshot
+    /// leaves them running and the next pass takes them over.
+    fetches: BTreeMap<FetchKey, JoinHandle<Result<Fetched, ImageError>>>,
     store: StateStore,
     state: State,
     firmware_dir: PathBuf,
@@ -105,7 +150,8 @@ impl Reconciler {
         });
         Ok(Self {
             kernel,
-            images,
+            images: Arc::new(images),
+            fetches: BTreeMap::new(),
             store,
             state,
             firmware_dir,
@@ -166,30 +212,64 @@ impl Reconciler {
             .collect()
     }
 
-    /// One pass: plan against the kernel's loaded modules, act, report.
-    #[tracing::instrument(name = "reconcile", skip_all, fields(revision = snapshot.revision))]
+    /// One pass: plan against the kernel's loaded modules, act, report. Waits for
+    /// every pull the pass needs.
     pub async fn reconcile(&mut self, snapshot: &DesiredSnapshot) -> Vec<AgentEvent> {
-        let events = self.reconcile_pass(snapshot).await;
-        self.progress.send_modify(|p| {
-            p.loaded = loaded_modules(&self.state);
-            p.applied_revision = Some(snapshot.revision);
-        });
+        let mut events = vec![];
+        self.reconcile_until(snapshot, std::future::pending(), |event| events.push(event))
+            .await;
         events
     }
 
-    async fn reconcile_pass(&mut self, snapshot: &DesiredSnapshot) -> Vec<AgentEvent> {
+    /// One pass that stops waiting for pulls when `interrupt` completes (a new snapshot
+    /// arrived): the loads still waiting are not attempted, their pulls go on and the
+    /// next pass takes them over. Each event goes to `emit` as it happens, so an unload
+    /// is reported before the pass waits for any pull. Returns whether the pass ran to
+    /// its end.
+    #[tracing::instrument(name = "reconcile", skip_all, fields(revision = snapshot.revision))]
+    pub async fn reconcile_until(
+        &mut self,
+        snapshot: &DesiredSnapshot,
+        interrupt: impl Future<Output = ()>,
+        emit: impl FnMut(AgentEvent),
+    ) -> bool {
+        let complete = self.reconcile_pass(snapshot, interrupt, emit).await;
+        self.progress.send_modify(|p| {
+            p.loaded = loaded_modules(&self.state);
+            if complete {
+                p.applied_revision = Some(snapshot.revision);
+            }
+        });
+        complete
+    }
+
+    async fn reconcile_pass(
+        &mut self,
+        snapshot: &DesiredSnapshot,
+        interrupt: impl Future<Output = ()>,
+        mut emit: impl FnMut(AgentEvent),
+    ) -> bool {
         let loaded = match self.kernel.loaded_modules() {
             Ok(loaded) => loaded,
             Err(e) => {
                 tracing::error!(error = %error_chain(&e), "cannot read the loaded modules");
-                return vec![];
+                return true;
             }
         };
-        let actions = plan::failed_last(
+        // Unloads never wait behind loads or pulls: they all go first, while the pulls
+        // the loads need already run.
+        let mut unloads = vec![];
+        let mut loads = vec![];
+        for action in plan::failed_last(
             plan::plan(snapshot, &self.state.modules, &loaded),
             &self.failing,
-        );
-        let mut events = Vec::with_capacity(actions.len());
+        ) {
+            match action {
+                Action::Unload { record, reason } => unloads.push((record, reason)),
+                Action::Load { desired, reason } => loads.push((desired, reason)),
+            }
+        }
+        self.start_fetches(loads.iter().map(|(desired, _)| desired.as_ref()));
         let in_use_before: BTreeSet<String> = self
             .state
             .modules
@@ -200,9 +280,27 @@ impl Reconciler {
         // Keys whose previous version could not be unloaded: loading the new one now
         // would be a no-op for modprobe while the old code keeps running.
         let mut blocked = BTreeSet::new();
-        for action in actions {
-            let event = match action {
-                Action::Load { desired, .. } if blocked.contains(&desired.key) => AgentEvent {
+        for (record, reason) in unloads {
+            let span = tracing::info_span!("module", key = %record.key);
+            span.in_scope(|| tracing::info!(?reason, "unloading"));
+            let event = self
+                .unload(*record, snapshot.revision)
+                .instrument(span)
+                .await;
+            if !event.is_success() {
+                blocked.insert(event.key.clone());
+            }
+            emit(self.note(event));
+        }
+        let mut interrupt = std::pin::pin!(interrupt);
+        let mut complete = true;
+        for (desired, reason) in loads {
+            let key = FetchKey::of(&desired);
+            let event = if blocked.contains(&desired.key) {
+                if let Some(fetch) = self.fetches.remove(&key) {
+                    fetch.abort();
+                }
+                AgentEvent {
                     key: desired.key.clone(),
                     version: desired.version.clone(),
                     action: EventAction::Load,
@@ -216,44 +314,48 @@ impl Reconciler {
                     duration_ms: 0,
                     at_unix_ms: now_unix_ms(),
                     revision: snapshot.revision,
-                },
-                Action::Load { desired, reason } => {
-                    let span = tracing::info_span!("module", key = %desired.key);
-                    span.in_scope(|| tracing::info!(?reason, image = %desired.image, "loading"));
-                    self.load(&desired, snapshot.revision, &mut keep)
-                        .instrument(span)
-                        .await
                 }
-                Action::Unload { record, reason } => {
-                    let span = tracing::info_span!("module", key = %record.key);
-                    span.in_scope(|| tracing::info!(?reason, "unloading"));
-                    let event = self
-                        .unload(*record, snapshot.revision)
-                        .instrument(span)
-                        .await;
-                    if !event.is_success() {
-                        blocked.insert(event.key.clone());
+            } else {
+                let fetch = self.fetches.get_mut(&key).expect("started above");
+                let joined = tokio::select! {
+                    biased;
+                    () = interrupt.as_mut() => {
+                        complete = false;
+                        break;
                     }
-                    event
-                }
+                    joined = fetch => joined,
+                };
+                self.fetches.remove(&key);
+                let fetched = match joined {
+                    Ok(Ok(fetched)) => Ok(fetched),
+                    Ok(Err(e)) => {
+                        if let Some(digest) = self
+                            .images
+                            .known_digest(&fetch_request(&desired, &self.release))
+                        {
+                            keep.insert(digest);
+                        }
+                        Err(error_chain(&e))
+                    }
+                    Err(e) => Err(format!("the pull stopped: {e}")),
+                };
+                let span = tracing::info_span!("module", key = %desired.key);
+                span.in_scope(|| tracing::info!(?reason, image = %desired.image, "loading"));
+                self.load(&desired, fetched, snapshot.revision, &mut keep)
+                    .instrument(span)
+                    .await
             };
-            match &event.outcome {
-                Outcome::Success => {
-                    self.failing.remove(&event.key);
-                    tracing::info!(key = %event.key, action = ?event.action, "done")
-                }
-                Outcome::Failure(error) => {
-                    self.failing.insert(event.key.clone());
-                    tracing::warn!(key = %event.key, action = ?event.action, %error, "failed")
-                }
-            }
-            events.push(event);
+            emit(self.note(event));
         }
         keep.extend(self.state.modules.values().map(|r| r.digest.clone()));
         for released in in_use_before.difference(&keep) {
             if let Err(e) = self.images.cache().touch(released) {
                 tracing::warn!(error = %error_chain(&e), "cannot record an image's last use");
             }
+        }
+        // Pulls still running may be about to use what a collection would remove.
+        if !complete {
+            return false;
         }
         let unused_since = SystemTime::now()
             .checked_sub(self.unused_image_retention)
@@ -265,7 +367,52 @@ impl Reconciler {
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %error_chain(&e), "cache garbage collection failed"),
         }
-        events
+        complete
+    }
+
+    /// Remembers which modules failed last, logs the outcome.
+    fn note(&mut self, event: AgentEvent) -> AgentEvent {
+        match &event.outcome {
+            Outcome::Success => {
+                self.failing.remove(&event.key);
+                tracing::info!(key = %event.key, action = ?event.action, "done")
+            }
+            Outcome::Failure(error) => {
+                self.failing.insert(event.key.clone());
+                tracing::warn!(key = %event.key, action = ?event.action, %error, "failed")
+            }
+        }
+        event
+    }
+
+    /// Starts a pull, each in its own task, for every module to load that has none
+    /// running; stops those no module to load needs any more (each holds one of the
+    /// concurrent pulls).
+    fn start_fetches<'a>(&mut self, loads: impl Iterator<Item = &'a DesiredModule>) {
+        let loads: BTreeMap<FetchKey, &DesiredModule> = loads
+            .map(|desired| (FetchKey::of(desired), desired))
+            .collect();
+        self.fetches.retain(|key, fetch| {
+            let wanted = loads.contains_key(key);
+            if !wanted {
+                fetch.abort();
+            }
+            wanted
+        });
+        for (key, desired) in loads {
+            if self.fetches.contains_key(&key) {
+                continue;
+            }
+            let images = self.images.clone();
+            let desired = desired.clone();
+            let release = self.release.clone();
+            let span = tracing::info_span!("pull", key = %desired.key);
+            let fetch = tokio::spawn(
+                async move { images.fetch(&fetch_request(&desired, &release)).await }
+                    .instrument(span),
+            );
+            self.fetches.insert(key, fetch);
+        }
     }
 
     fn save(&self) -> Result<(), String> {
@@ -275,6 +422,7 @@ impl Reconciler {
     async fn load(
         &mut self,
         desired: &DesiredModule,
+        fetched: Result<Fetched, String>,
         revision: u64,
         keep: &mut BTreeSet<String>,
     ) -> AgentEvent {
@@ -290,27 +438,10 @@ impl Reconciler {
             at_unix_ms: 0,
             revision,
         };
-        let request = FetchRequest {
-            pull: PullRequest {
-                image: &desired.image,
-                tls: desired.registry_tls,
-                secret: desired.pull_secret.as_ref(),
-            },
-            digest: desired.digest.as_deref(),
-            selection: kmm_extract::Selection {
-                dir_name: desired.modprobe.dir_name().to_string(),
-                kernel: self.release.clone(),
-                firmware_path: desired.modprobe.firmware_path.clone(),
-            },
-        };
-        let fetched = self.images.fetch(&request).await;
         let fetched = match fetched {
             Ok(f) => f,
-            Err(e) => {
-                if let Ok(digest) = self.images.resolve(&request).await {
-                    keep.insert(digest);
-                }
-                event.outcome = Outcome::Failure(error_chain(&e));
+            Err(error) => {
+                event.outcome = Outcome::Failure(error);
                 event.at_unix_ms = now_unix_ms();
                 return event;
             }
@@ -413,6 +544,14 @@ impl Reconciler {
             Err(e) => event.outcome = Outcome::Failure(error_chain(&e)),
         }
         event
+    }
+}
+
+impl Drop for Reconciler {
+    fn drop(&mut self) {
+        for fetch in self.fetches.values() {
+            fetch.abort();
+        }
     }
 }
 

@@ -37,7 +37,12 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<()> {
         }
     };
     let cache = Cache::open(&args.cache_dir).context("opening the image cache")?;
-    let images = ImageStore::new(cache, args.limits.limits());
+    let mut registry = Registry::default();
+    let metrics = Metrics::register(&mut registry);
+    let images = ImageStore::new(cache, args.limits.limits())
+        .with_pull_limits(args.limits.pull_limits())
+        .with_concurrent_pulls(args.concurrent_pulls)
+        .with_metrics(metrics.clone());
     let reconciler = Reconciler::new(
         kernel,
         images,
@@ -56,8 +61,6 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<()> {
         "agent started"
     );
 
-    let mut registry = Registry::default();
-    let metrics = Metrics::register(&mut registry);
     let health = Health::default();
     let listener = tokio::net::TcpListener::bind(args.metrics_addr)
         .await

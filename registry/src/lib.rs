@@ -6,10 +6,12 @@
 pub mod client;
 pub mod credentials;
 mod error;
+mod manifest;
 mod secret;
 mod tls;
 
 pub use client::{auth, client, parse_reference, resolve_digest};
 pub use error::{RegistryError, error_chain};
+pub use manifest::{ManifestError, ManifestReader};
 pub use secret::PullSecret;
 pub use tls::RegistryTls;

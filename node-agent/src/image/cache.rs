@@ -6,6 +6,7 @@
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use oci_client::manifest::OciImageManifest;
@@ -22,6 +23,8 @@ pub enum CacheError {
         #[source]
         source: std::io::Error,
     },
+    #[error("{path}: {detail}")]
+    Corrupt { path: PathBuf, detail: String },
 }
 
 pub(crate) fn io(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> CacheError {
@@ -53,14 +56,58 @@ pub struct GcReport {
     pub extracted: usize,
 }
 
+/// Checks a blob on disk against the size and digest its manifest gives (reading it
+/// whole).
+pub fn verify_blob(path: &Path, digest: &str, size: u64) -> Result<(), CacheError> {
+    let expected = digest_hex(digest)?;
+    let corrupt = |detail: String| CacheError::Corrupt {
+        path: path.to_path_buf(),
+        detail,
+    };
+    let mut file = std::fs::File::open(path).map_err(io("opening", path))?;
+    let len = file.metadata().map_err(io("reading", path))?.len();
+    if len != size {
+        return Err(corrupt(format!(
+            "holds {len} bytes, not the {size} its manifest declares"
+        )));
+    }
+    let mut hash = Sha256::new();
+    std::io::copy(&mut file, &mut hash).map_err(io("reading", path))?;
+    let actual = format!("{:x}", hash.finalize());
+    if actual != expected {
+        return Err(corrupt(format!(
+            "its digest is sha256:{actual}, not {digest}"
+        )));
+    }
+    Ok(())
+}
+
+/// Room taken in a cache's budget by downloads under way; given back on drop.
+#[derive(Debug)]
+pub struct Reservation {
+    reserved: Arc<Mutex<u64>>,
+    bytes: u64,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        *self.reserved.lock().expect("not poisoned") -= self.bytes;
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct Cache {
     dir: PathBuf,
+    /// Bytes of layers this process is downloading into the cache.
+    reserved: Arc<Mutex<u64>>,
 }
 
 impl Cache {
     pub fn open(dir: impl Into<PathBuf>) -> Result<Self, CacheError> {
-        let cache = Self { dir: dir.into() };
+        let cache = Self {
+            dir: dir.into(),
+            reserved: Arc::default(),
+        };
         for sub in ["blobs/sha256", "manifests/sha256", "extracted", "tmp"] {
             let path = cache.dir.join(sub);
             std::fs::create_dir_all(&path).map_err(io("creating", &path))?;
@@ -83,6 +130,28 @@ impl Cache {
 
     pub fn blob_path(&self, digest: &str) -> Result<PathBuf, CacheError> {
         Ok(self.dir.join("blobs/sha256").join(digest_hex(digest)?))
+    }
+
+    /// Room for `bytes` more of layers within `limit` bytes for the layers cached and
+    /// downloading; `Err` with what they hold now when there is not.
+    pub fn reserve(&self, bytes: u64, limit: u64) -> Result<Result<Reservation, u64>, CacheError> {
+        let mut reserved = self.reserved.lock().expect("not poisoned");
+        let blobs = self.dir.join("blobs/sha256");
+        let mut held = *reserved;
+        for entry in std::fs::read_dir(&blobs)
+            .map_err(io("reading", &blobs))?
+            .flatten()
+        {
+            held = held.saturating_add(entry.metadata().map_or(0, |m| m.len()));
+        }
+        if held.saturating_add(bytes) > limit {
+            return Ok(Err(held));
+        }
+        *reserved += bytes;
+        Ok(Ok(Reservation {
+            reserved: self.reserved.clone(),
+            bytes,
+        }))
     }
 
     fn manifest_path(&self, digest: &str) -> Result<PathBuf, CacheError> {

@@ -10,7 +10,10 @@ pub mod pull;
 
 use cache::{Cache, CacheError, io};
 pub use kmm_extract::{ExtractError, Limits};
-use pull::{PullError, PullRequest, Puller};
+use pull::{PullError, PullLimit, PullLimits, PullRequest, Puller};
+use tokio::sync::Semaphore;
+
+use crate::metrics::Metrics;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ImageError {
@@ -46,48 +49,116 @@ pub struct Fetched {
     pub elapsed: Duration,
 }
 
+/// How many pulls run at once by default.
+pub const DEFAULT_CONCURRENT_PULLS: usize = 3;
+
 /// Pulls and extracts images into the cache.
 #[derive(Debug)]
 pub struct ImageStore {
     puller: Puller,
     limits: Limits,
+    /// One permit per pull talking to a registry; an image already extracted needs none.
+    pulls: Semaphore,
+    metrics: Option<Metrics>,
 }
 
 impl ImageStore {
+    /// A store with the default [`PullLimits`] and [`DEFAULT_CONCURRENT_PULLS`].
     pub fn new(cache: Cache, limits: Limits) -> Self {
         Self {
-            puller: Puller::new(cache),
+            puller: Puller::new(cache, PullLimits::default()),
             limits,
+            pulls: Semaphore::new(DEFAULT_CONCURRENT_PULLS),
+            metrics: None,
         }
+    }
+
+    pub fn with_pull_limits(mut self, limits: PullLimits) -> Self {
+        self.puller = self.puller.with_limits(limits);
+        self
+    }
+
+    /// At most `pulls` (at least one) images pulled at once.
+    pub fn with_concurrent_pulls(mut self, pulls: usize) -> Self {
+        self.pulls = Semaphore::new(pulls.max(1));
+        self
+    }
+
+    /// Counts the pulls that hit a limit.
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     pub fn cache(&self) -> &Cache {
         self.puller.cache()
     }
 
-    /// The digest the request stands for (resolving a tag at most once).
-    pub async fn resolve(&self, request: &FetchRequest<'_>) -> Result<String, ImageError> {
+    /// The digest the request stands for when known without asking the registry.
+    pub fn known_digest(&self, request: &FetchRequest<'_>) -> Option<String> {
         match request.digest {
-            Some(d) => Ok(d.to_string()),
-            None => Ok(self.puller.resolve(&request.pull).await?),
+            Some(d) => Some(d.to_string()),
+            None => self.puller.known(&request.pull),
         }
     }
 
-    /// Pulls (if needed) and extracts (if needed) the image.
+    /// Pulls (if needed) and extracts (if needed) the image. The pull (resolving the
+    /// tag, the manifest and the layers) waits for one of the concurrent pulls and then
+    /// has [`PullLimits::deadline`] in all.
     pub async fn fetch(&self, request: &FetchRequest<'_>) -> Result<Fetched, ImageError> {
+        let result = self.fetch_within_limits(request).await;
+        if let (Err(ImageError::Pull(e)), Some(metrics)) = (&result, &self.metrics)
+            && let Some(limit) = e.limit()
+        {
+            metrics.pull_limit_exceeded(limit);
+        }
+        result
+    }
+
+    async fn fetch_within_limits(&self, request: &FetchRequest<'_>) -> Result<Fetched, ImageError> {
         let started = Instant::now();
-        let digest = self.resolve(request).await?;
         let cache = self.cache();
-        let root = cache.extracted_dir(&digest, &request.selection)?;
-        if root.is_dir() {
+        if let Some(digest) = self.known_digest(request) {
+            let root = cache.extracted_dir(&digest, &request.selection)?;
+            if root.is_dir() {
+                return Ok(Fetched {
+                    digest,
+                    root,
+                    fresh: false,
+                    elapsed: started.elapsed(),
+                });
+            }
+        }
+        let _pull = self.pulls.acquire().await.expect("never closed");
+        let started = Instant::now();
+        let deadline = self.puller.limits().deadline;
+        let pulled = tokio::time::timeout(deadline, async {
+            let digest = match request.digest {
+                Some(d) => d.to_string(),
+                None => self.puller.resolve(&request.pull).await?,
+            };
+            let root = cache.extracted_dir(&digest, &request.selection)?;
+            if root.is_dir() {
+                return Ok::<_, ImageError>((digest, root, None));
+            }
+            let (manifest, _) = self.puller.ensure(&request.pull, &digest).await?;
+            Ok((digest, root, Some(manifest)))
+        })
+        .await
+        .map_err(|_| PullError::Limit {
+            image: request.pull.image.to_string(),
+            limit: PullLimit::Deadline,
+            detail: format!("the pull did not finish within its deadline of {deadline:?}"),
+        })??;
+        let (digest, root, manifest) = pulled;
+        let Some(manifest) = manifest else {
             return Ok(Fetched {
                 digest,
                 root,
                 fresh: false,
                 elapsed: started.elapsed(),
             });
-        }
-        let (manifest, _) = self.puller.ensure(&request.pull, &digest).await?;
+        };
         let mut layers = vec![];
         for layer in &manifest.layers {
             let compression = kmm_extract::Compression::from_media_type(&layer.media_type)
@@ -100,43 +171,15 @@ impl ImageStore {
         let tmp = cache.tmp_path("extract");
         let selection = request.selection.clone();
         let limits = self.limits;
-        let tmp_for_task = tmp.clone();
-        let result = tokio::task::spawn_blocking(move || -> Result<(), ImageError> {
-            let mut readers = vec![];
-            for (compression, path) in layers {
-                let file = std::fs::File::open(&path).map_err(io("opening", &path))?;
-                readers.push(kmm_extract::Layer {
-                    compression,
-                    reader: std::io::BufReader::new(file),
-                });
-            }
-            kmm_extract::extract_image(readers, &selection, &limits, &tmp_for_task)
-                .map(|_| ())
-                .map_err(|source| ImageError::Refused {
-                    image: String::new(),
-                    source,
-                })
+        let image = request.pull.image.to_string();
+        let target = root.clone();
+        // Extraction and the rename into the cache run to the end even when the fetch
+        // is cancelled (the agent drops a pull no longer wanted): no half state.
+        tokio::task::spawn_blocking(move || {
+            extract(layers, &selection, &limits, &tmp, &target, image)
         })
         .await
-        .expect("extraction does not panic");
-        match result {
-            Ok(()) => {}
-            Err(ImageError::Refused { source, .. }) => {
-                return Err(ImageError::Refused {
-                    image: request.pull.image.to_string(),
-                    source,
-                });
-            }
-            Err(other) => return Err(other),
-        }
-        if let Err(error) = std::fs::rename(&tmp, &root) {
-            // Another process sharing the cache extracted the same image for the same
-            // selection meanwhile: its tree is this one.
-            if !root.is_dir() {
-                return Err(io("renaming", &tmp)(error).into());
-            }
-            std::fs::remove_dir_all(&tmp).map_err(io("removing", &tmp))?;
-        }
+        .expect("extraction does not panic")?;
         Ok(Fetched {
             digest,
             root,
@@ -154,4 +197,50 @@ impl ImageStore {
     ) -> Result<cache::GcReport, CacheError> {
         self.cache().gc(keep, unused_since)
     }
+}
+
+/// Extracts the layers into `tmp` and renames it to `root`. When extraction fails the
+/// layers' blobs are removed: one that is corrupt in a way its digest did not show (or
+/// that a bug wrote wrong) is downloaded again on the next try instead of failing the
+/// node for good.
+fn extract(
+    layers: Vec<(kmm_extract::Compression, PathBuf)>,
+    selection: &kmm_extract::Selection,
+    limits: &Limits,
+    tmp: &std::path::Path,
+    root: &std::path::Path,
+    image: String,
+) -> Result<(), ImageError> {
+    let extracted = (|| {
+        let mut readers = vec![];
+        for (compression, path) in &layers {
+            let file = std::fs::File::open(path).map_err(io("opening", path))?;
+            readers.push(kmm_extract::Layer {
+                compression: *compression,
+                reader: std::io::BufReader::new(file),
+            });
+        }
+        kmm_extract::extract_image(readers, selection, limits, tmp)
+            .map(|_| ())
+            .map_err(|source| ImageError::Refused { image, source })
+    })();
+    if let Err(e) = extracted {
+        for (_, path) in &layers {
+            if let Err(error) = std::fs::remove_file(path)
+                && error.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::warn!(path = %path.display(), %error, "cannot remove a layer whose extraction failed");
+            }
+        }
+        return Err(e);
+    }
+    if let Err(error) = std::fs::rename(tmp, root) {
+        // Another process sharing the cache extracted the same image for the same
+        // selection meanwhile: its tree is this one.
+        if !root.is_dir() {
+            return Err(io("renaming", tmp)(error).into());
+        }
+        std::fs::remove_dir_all(tmp).map_err(io("removing", tmp))?;
+    }
+    Ok(())
 }

@@ -1,21 +1,90 @@
 //! Pulling with `oci-client`: tags are resolved to a digest once; manifests and layers
-//! are fetched by digest into the cache. A layer is written no further than the size its
-//! manifest declares, verified against its digest by the client, flushed to disk, and
-//! only then renamed into place: a cached blob is always whole. Credentials stay in
-//! memory.
+//! are fetched by digest into the cache, within the [`PullLimits`]: a manifest is read
+//! no further than its cap, a layer's declared size is checked against the per-layer
+//! and cache budgets before anything is downloaded, and the layer is written no further
+//! than that size, verified against its digest by the client, flushed to disk, verified
+//! again as it is on disk, and only then renamed into place: a cached blob is always
+//! whole. Credentials stay in memory.
 
 use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Mutex;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 pub(crate) use kmm_registry::error_chain;
-use kmm_registry::{RegistryError, parse_reference};
-use oci_client::manifest::OciImageManifest;
+use kmm_registry::{ManifestError, ManifestReader, RegistryError, parse_reference};
+use oci_client::manifest::{OciDescriptor, OciImageManifest};
 use oci_client::{Client, Reference};
+use tokio::io::AsyncWriteExt as _;
 
 use super::cache::{Cache, CacheError, io};
 use crate::desired::{PullSecret, RegistryTls};
+
+/// The bounds of one pull. Each is named after its flag in the README.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PullLimits {
+    /// How long resolving, the manifest and all layers of one image may take in all:
+    /// a registry that trickles bytes fails the pull.
+    pub deadline: Duration,
+    /// Largest manifest read.
+    pub max_manifest_bytes: u64,
+    /// Largest size a layer may declare.
+    pub max_layer_bytes: u64,
+    /// Largest total of the layers in the cache, downloading ones included.
+    pub max_cache_bytes: u64,
+}
+
+impl PullLimits {
+    pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(600);
+    /// As the registries' own cap on manifests they accept (4 MiB).
+    pub const DEFAULT_MAX_MANIFEST_BYTES: u64 = 4 << 20;
+    pub const DEFAULT_MAX_LAYER_BYTES: u64 = 2 << 30;
+    pub const DEFAULT_MAX_CACHE_BYTES: u64 = 10 << 30;
+}
+
+impl Default for PullLimits {
+    fn default() -> Self {
+        Self {
+            deadline: Self::DEFAULT_DEADLINE,
+            max_manifest_bytes: Self::DEFAULT_MAX_MANIFEST_BYTES,
+            max_layer_bytes: Self::DEFAULT_MAX_LAYER_BYTES,
+            max_cache_bytes: Self::DEFAULT_MAX_CACHE_BYTES,
+        }
+    }
+}
+
+/// Which [`PullLimits`] bound a pull hit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PullLimit {
+    Deadline,
+    ManifestBytes,
+    LayerBytes,
+    CacheBytes,
+}
+
+impl PullLimit {
+    /// The metric label.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Deadline => "pull_deadline",
+            Self::ManifestBytes => "manifest_bytes",
+            Self::LayerBytes => "layer_bytes",
+            Self::CacheBytes => "cache_bytes",
+        }
+    }
+
+    /// The agent's flag that sets it.
+    pub fn flag(self) -> &'static str {
+        match self {
+            Self::Deadline => "--pull-timeout-seconds",
+            Self::ManifestBytes => "--max-manifest-bytes",
+            Self::LayerBytes => "--max-layer-bytes",
+            Self::CacheBytes => "--max-cache-bytes",
+        }
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum PullError {
@@ -31,11 +100,45 @@ pub enum PullError {
         digest: String,
         declared: u64,
     },
+    #[error("{image}: {detail} (limit {}, set by {})", limit.name(), limit.flag())]
+    Limit {
+        image: String,
+        limit: PullLimit,
+        detail: String,
+    },
 }
 
 impl PullError {
     fn from_client(image: &str, error: oci_client::errors::OciDistributionError) -> Self {
         Self::Registry(RegistryError::from_client(image, error))
+    }
+
+    fn from_manifest(error: ManifestError) -> Self {
+        match error {
+            ManifestError::Registry(e) => Self::Registry(e),
+            ManifestError::TooLarge {
+                image,
+                limit,
+                declared,
+            } => Self::Limit {
+                image,
+                limit: PullLimit::ManifestBytes,
+                detail: match declared {
+                    Some(declared) => format!(
+                        "the manifest's declared length {declared} is over the limit of {limit} bytes"
+                    ),
+                    None => format!("the manifest is longer than the limit of {limit} bytes"),
+                },
+            },
+        }
+    }
+
+    /// The limit this error is about, if any.
+    pub fn limit(&self) -> Option<PullLimit> {
+        match self {
+            Self::Limit { limit, .. } => Some(*limit),
+            _ => None,
+        }
     }
 }
 
@@ -51,19 +154,30 @@ pub struct PullRequest<'a> {
 #[derive(Debug)]
 pub struct Puller {
     cache: Cache,
+    limits: PullLimits,
     resolved: Mutex<HashMap<String, String>>,
 }
 
 impl Puller {
-    pub fn new(cache: Cache) -> Self {
+    pub fn new(cache: Cache, limits: PullLimits) -> Self {
         Self {
             cache,
+            limits,
             resolved: Mutex::new(HashMap::new()),
         }
     }
 
+    pub fn with_limits(mut self, limits: PullLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
     pub fn cache(&self) -> &Cache {
         &self.cache
+    }
+
+    pub fn limits(&self) -> PullLimits {
+        self.limits
     }
 
     fn client(tls: RegistryTls) -> Client {
@@ -77,27 +191,44 @@ impl Puller {
         Ok(kmm_registry::auth(request.secret, reference)?)
     }
 
-    /// The digest `request.image` stands for: its own digest, the digest its tag
-    /// resolved to earlier in this agent's life, or the registry's answer now.
-    pub async fn resolve(&self, request: &PullRequest<'_>) -> Result<String, PullError> {
-        let reference = parse_reference(request.image)?;
-        if let Some(digest) = reference.digest() {
-            return Ok(digest.to_string());
+    async fn manifest(
+        &self,
+        client: &Client,
+        request: &PullRequest<'_>,
+        reference: &Reference,
+    ) -> Result<(OciImageManifest, String), PullError> {
+        let auth = Self::auth(request, reference)?;
+        ManifestReader {
+            tls: request.tls,
+            max_bytes: self.limits.max_manifest_bytes,
         }
-        if let Some(digest) = self
-            .resolved
+        .image_manifest(client, request.image, reference, &auth)
+        .await
+        .map_err(PullError::from_manifest)
+    }
+
+    /// The digest `request.image` stands for without asking the registry: its own
+    /// digest, or the digest its tag resolved to earlier in this agent's life.
+    pub fn known(&self, request: &PullRequest<'_>) -> Option<String> {
+        if let Some(digest) = parse_reference(request.image).ok()?.digest() {
+            return Some(digest.to_string());
+        }
+        self.resolved
             .lock()
             .expect("not poisoned")
             .get(request.image)
-        {
-            return Ok(digest.clone());
+            .cloned()
+    }
+
+    /// The digest `request.image` stands for: [`Self::known`], or the registry's
+    /// answer now.
+    pub async fn resolve(&self, request: &PullRequest<'_>) -> Result<String, PullError> {
+        if let Some(digest) = self.known(request) {
+            return Ok(digest);
         }
-        let auth = Self::auth(request, &reference)?;
+        let reference = parse_reference(request.image)?;
         let client = Self::client(request.tls);
-        let (manifest, digest) = client
-            .pull_image_manifest(&reference, &auth)
-            .await
-            .map_err(|e| PullError::from_client(request.image, e))?;
+        let (manifest, digest) = self.manifest(&client, request, &reference).await?;
         self.cache.store_manifest(&digest, &manifest)?;
         tracing::info!(image = request.image, %digest, "resolved tag");
         self.resolved
@@ -107,8 +238,8 @@ impl Puller {
         Ok(digest)
     }
 
-    /// Makes sure the manifest `digest` and all its layers are in the cache; returns
-    /// the manifest and whether anything was downloaded.
+    /// Makes sure the manifest `digest` and all its layers are in the cache, whole;
+    /// returns the manifest and whether anything was downloaded.
     pub async fn ensure(
         &self,
         request: &PullRequest<'_>,
@@ -129,10 +260,7 @@ impl Puller {
         let manifest = match self.cache.manifest(digest)? {
             Some(manifest) => manifest,
             None => {
-                let (manifest, got) = client
-                    .pull_image_manifest(&reference, &auth)
-                    .await
-                    .map_err(|e| PullError::from_client(request.image, e))?;
+                let (manifest, got) = self.manifest(&client, request, &reference).await?;
                 if got != digest {
                     return Err(PullError::Registry(RegistryError::Registry {
                         image: request.image.to_string(),
@@ -144,6 +272,8 @@ impl Puller {
                 manifest
             }
         };
+        // Every declared size is checked before any byte of a layer is asked for.
+        let mut layers = vec![];
         for layer in &manifest.layers {
             if kmm_extract::Compression::from_media_type(&layer.media_type).is_err() {
                 return Err(PullError::UnsupportedLayer {
@@ -151,49 +281,156 @@ impl Puller {
                     media_type: layer.media_type.clone(),
                 });
             }
-            let path = self.cache.blob_path(&layer.digest)?;
-            if path.is_file() {
+            layers.push((layer, self.declared_size(request.image, layer)?));
+        }
+        let mut missing = vec![];
+        let mut needed = 0u64;
+        let mut seen = std::collections::BTreeSet::new();
+        for (layer, size) in layers {
+            if !seen.insert(&layer.digest) {
                 continue;
             }
-            let tmp = self.cache.tmp_path("blob");
-            let file = tokio::fs::File::create(&tmp)
-                .await
-                .map_err(io("creating", &tmp))?;
-            let declared = u64::try_from(layer.size).unwrap_or(0);
-            let mut bounded = Bounded::new(file, declared);
-            let result = client.pull_blob(&reference, layer, &mut bounded).await;
-            if let Err(e) = result {
-                let _ = tokio::fs::remove_file(&tmp).await;
-                return Err(if bounded.exceeded {
-                    PullError::Oversized {
-                        image: request.image.to_string(),
-                        digest: layer.digest.clone(),
-                        declared,
+            let path = self.cache.blob_path(&layer.digest)?;
+            if path.is_file() {
+                match verify(&path, &layer.digest, size).await {
+                    Ok(()) => continue,
+                    Err(e) => {
+                        tracing::warn!(error = %error_chain(&e), "downloading a corrupt cached layer again");
+                        std::fs::remove_file(&path).map_err(io("removing", &path))?;
                     }
-                } else {
-                    PullError::from_client(request.image, e)
-                });
+                }
             }
-            bounded
-                .inner
-                .sync_all()
-                .await
-                .map_err(io("flushing", &tmp))?;
-            tokio::fs::rename(&tmp, &path)
-                .await
-                .map_err(io("renaming", &tmp))?;
+            needed = needed.saturating_add(size);
+            missing.push((layer, size));
+        }
+        let _reservation = self
+            .cache
+            .reserve(needed, self.limits.max_cache_bytes)?
+            .map_err(|held| PullError::Limit {
+                image: request.image.to_string(),
+                limit: PullLimit::CacheBytes,
+                detail: format!(
+                    "its layers need {needed} bytes, the cache holds {held} of its limit of {} bytes",
+                    self.limits.max_cache_bytes
+                ),
+            })?;
+        for (layer, size) in missing {
+            self.download(&client, request.image, &reference, layer, size)
+                .await?;
             downloaded = true;
         }
         Ok((manifest, downloaded))
     }
+
+    /// `layer`'s declared size, refused when negative or over the per-layer limit.
+    fn declared_size(&self, image: &str, layer: &OciDescriptor) -> Result<u64, PullError> {
+        let refused = |detail| PullError::Limit {
+            image: image.to_string(),
+            limit: PullLimit::LayerBytes,
+            detail,
+        };
+        match u64::try_from(layer.size) {
+            Ok(size) if size <= self.limits.max_layer_bytes => Ok(size),
+            Ok(size) => Err(refused(format!(
+                "layer {} declares a size of {size} bytes, over the limit of {} bytes",
+                layer.digest, self.limits.max_layer_bytes
+            ))),
+            Err(_) => Err(refused(format!(
+                "layer {} declares a negative size ({})",
+                layer.digest, layer.size
+            ))),
+        }
+    }
+
+    async fn download(
+        &self,
+        client: &Client,
+        image: &str,
+        reference: &Reference,
+        layer: &OciDescriptor,
+        declared: u64,
+    ) -> Result<(), PullError> {
+        let path = self.cache.blob_path(&layer.digest)?;
+        let tmp = TmpFile(Some(self.cache.tmp_path("blob")));
+        let file = tokio::fs::File::create(tmp.path())
+            .await
+            .map_err(io("creating", tmp.path()))?;
+        let mut bounded = Bounded::new(file, declared);
+        if let Err(e) = client.pull_blob(reference, layer, &mut bounded).await {
+            return Err(if bounded.exceeded {
+                PullError::Oversized {
+                    image: image.to_string(),
+                    digest: layer.digest.clone(),
+                    declared,
+                }
+            } else if let Some(local) = bounded.failed.take() {
+                io("writing", tmp.path())(local).into()
+            } else {
+                PullError::from_client(image, e)
+            });
+        }
+        // tokio's `sync_all` does not report the error of the last buffered write (a
+        // full disk): only a flush does.
+        bounded
+            .inner
+            .flush()
+            .await
+            .map_err(io("writing", tmp.path()))?;
+        bounded
+            .inner
+            .sync_all()
+            .await
+            .map_err(io("syncing", tmp.path()))?;
+        drop(bounded);
+        // What is on disk, not what went by, enters the cache.
+        verify(tmp.path(), &layer.digest, declared).await?;
+        tokio::fs::rename(tmp.path(), &path)
+            .await
+            .map_err(io("renaming", tmp.path()))?;
+        tmp.keep();
+        Ok(())
+    }
+}
+
+/// Checks a blob on disk against its size and digest (off the async threads: it reads
+/// the whole blob).
+async fn verify(path: &Path, digest: &str, size: u64) -> Result<(), CacheError> {
+    let (path, digest) = (path.to_path_buf(), digest.to_string());
+    tokio::task::spawn_blocking(move || super::cache::verify_blob(&path, &digest, size))
+        .await
+        .expect("verifying does not panic")
+}
+
+/// A download in progress, removed unless kept: a failed, timed-out or cancelled pull
+/// leaves nothing behind.
+struct TmpFile(Option<PathBuf>);
+
+impl TmpFile {
+    fn path(&self) -> &Path {
+        self.0.as_deref().expect("not kept yet")
+    }
+
+    fn keep(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for TmpFile {
+    fn drop(&mut self) {
+        if let Some(path) = &self.0 {
+            let _ = std::fs::remove_file(path);
+        }
+    }
 }
 
 /// A writer that refuses to go past `limit` bytes: a registry cannot fill the disk with
-/// more than the manifest declared (the digest check would only come at the end).
+/// more than the manifest declared (the digest check would only come at the end). A
+/// failure of the file itself is kept apart from the client's own errors.
 struct Bounded<W> {
     inner: W,
     remaining: u64,
     exceeded: bool,
+    failed: Option<std::io::Error>,
 }
 
 impl<W> Bounded<W> {
@@ -202,6 +439,7 @@ impl<W> Bounded<W> {
             inner,
             remaining: limit,
             exceeded: false,
+            failed: None,
         }
     }
 }
@@ -218,9 +456,16 @@ impl<W: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Bounded<W> {
                 "more bytes than the manifest declares",
             )));
         }
-        let written = std::task::ready!(Pin::new(&mut self.inner).poll_write(cx, buf))?;
-        self.remaining -= written as u64;
-        Poll::Ready(Ok(written))
+        match std::task::ready!(Pin::new(&mut self.inner).poll_write(cx, buf)) {
+            Ok(written) => {
+                self.remaining -= written as u64;
+                Poll::Ready(Ok(written))
+            }
+            Err(e) => {
+                self.failed = Some(std::io::Error::new(e.kind(), e.to_string()));
+                Poll::Ready(Err(e))
+            }
+        }
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {

@@ -5,6 +5,7 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod bounds;
 mod check_image;
 mod lifecycle;
 mod process;
