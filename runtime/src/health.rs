@@ -3,24 +3,35 @@
 //! Liveness answers as long as the process serves requests; readiness is what the
 //! component declares through [`Health::set_ready`] (e.g. "connected and synced").
 
-use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, header};
 use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper::server::conn::http1;
-use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 
+use crate::http_server::{self, ConnectionMetrics, Endpoint, Limits};
+
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// The endpoint's bounds. Its clients are the kubelet's probes and a scraper or two,
+/// each answered in milliseconds; plain HTTP, so there is no handshake to time.
+pub const LIMITS: Limits = Limits {
+    max_connections: 32,
+    handshake_timeout: Duration::from_secs(5),
+    header_read_timeout: Duration::from_secs(10),
+    request_timeout: Duration::from_secs(10),
+};
+
+/// Prefix of the endpoint's own connection metrics (`kmm_metrics_endpoint_connections_*`).
+const METRICS_PREFIX: &str = "kmm_metrics_endpoint";
 
 /// Readiness shared between the component and its endpoint; clones share the flag.
 #[derive(Clone, Debug, Default)]
@@ -81,41 +92,28 @@ pub async fn serve(
     Ok(())
 }
 
-/// Serves on a bound listener until `shutdown` resolves (tests bind port 0).
+/// Serves on a bound listener until `shutdown` resolves (tests bind port 0), within
+/// [`LIMITS`]; its connection metrics join `registry`.
 pub async fn serve_on(
     listener: TcpListener,
-    registry: Registry,
+    mut registry: Registry,
     health: Health,
     shutdown: impl Future<Output = ()>,
 ) {
+    let metrics = ConnectionMetrics::default();
+    metrics.register(registry.sub_registry_with_prefix(METRICS_PREFIX));
     let registry = Arc::new(registry);
-    tokio::pin!(shutdown);
-    loop {
-        let stream = tokio::select! {
-            () = &mut shutdown => return,
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
-                Err(error) => {
-                    tracing::warn!(%error, "metrics endpoint: accept failed");
-                    continue;
-                }
-            },
-        };
-        let registry = Arc::clone(&registry);
-        let health = health.clone();
-        tokio::spawn(async move {
-            let service = service_fn(move |request: Request<Incoming>| {
-                let response = respond(&request, &registry, &health);
-                async move { Ok::<_, Infallible>(response) }
-            });
-            if let Err(error) = http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .await
-            {
-                tracing::debug!(%error, "metrics endpoint: connection ended");
-            }
-        });
-    }
+    let endpoint = Endpoint {
+        name: "metrics",
+        tls: None,
+        limits: LIMITS,
+        metrics,
+    };
+    let handler = move |request: Request<Incoming>| {
+        let response = respond(&request, &registry, &health);
+        async move { response }
+    };
+    http_server::serve(listener, endpoint, handler, shutdown).await;
 }
 
 fn respond<B>(request: &Request<B>, registry: &Registry, health: &Health) -> Response<Full<Bytes>> {

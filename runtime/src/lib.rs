@@ -1,11 +1,13 @@
 //! What every kmm-fleet binary shares at runtime: command-line conventions, logging,
-//! the `/metrics` `/healthz` `/readyz` endpoint, shutdown on SIGTERM, reconnect backoff,
+//! the `/metrics` `/healthz` `/readyz` endpoint, the bounded HTTP accept loop it and the
+//! admission webhook share, shutdown on SIGTERM, reconnect backoff,
 //! the certificates the components issue to each other and the TLS servers that renew
 //! them while running.
 
 pub mod backoff;
 pub mod cli;
 pub mod health;
+pub mod http_server;
 pub mod logging;
 pub mod pki;
 pub mod rate_limit;

@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use kmm_api::RolloutCounts;
+use kmm_runtime::http_server::ConnectionMetrics;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -51,6 +52,8 @@ pub struct Metrics {
     /// ManagedClusterModule status writes (server-side apply of `status`).
     pub status_writes: Counter,
     pub rollout_clusters: Family<RolloutLabels, Gauge>,
+    /// The admission webhook's connections: open, refused over the cap, timed out.
+    pub webhook_connections: ConnectionMetrics,
 }
 
 impl Default for Metrics {
@@ -68,6 +71,7 @@ impl Default for Metrics {
             controller_results: Family::default(),
             status_writes: Counter::default(),
             rollout_clusters: Family::default(),
+            webhook_connections: ConnectionMetrics::default(),
         }
     }
 }
@@ -115,6 +119,8 @@ impl Metrics {
     }
 
     pub fn register(&self, registry: &mut Registry) {
+        self.webhook_connections
+            .register(registry.sub_registry_with_prefix(super::webhook::METRICS_PREFIX));
         registry.register(
             "kmm_hub_leader",
             "1 while this replica leads (reconciles, writes status, serves proxies), 0 while it stands by",

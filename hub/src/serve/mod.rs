@@ -154,13 +154,14 @@ pub async fn run(
             &settings.webhook_sans,
             settings.serving_validity,
         )?;
-        let acceptor = webhook::acceptor(certificate.certificate.clone())?;
+        let tls = webhook::tls_config(certificate.certificate.clone())?;
         background.push(AbortOnDropHandle::new(tokio::spawn(
             certificate.keep_renewed(client.clone(), settings.namespace.clone(), stop.clone()),
         )));
         background.push(AbortOnDropHandle::new(tokio::spawn(webhook::serve(
             listener,
-            acceptor,
+            tls,
+            webhook::LIMITS,
             client.clone(),
             metrics.clone(),
             stop.clone().cancelled_owned(),
