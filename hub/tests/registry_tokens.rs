@@ -273,6 +273,7 @@ async fn pull_check_and_push_through_the_token_flow() {
         require_signature: false,
         cache_dir: cache.path().to_owned(),
         limits: Default::default(),
+        pull_limits: Default::default(),
     })
     .await;
     assert!(
