@@ -4,7 +4,6 @@
 //! into the clusters' intents and lists the images in status. Transitions become Events
 //! on the module.
 
-use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,10 +14,10 @@ use kmm_registry::{PullSecret, RegistryError, RegistryTls, error_chain};
 use kube::Api;
 use kube::runtime::events::EventType;
 use kube::runtime::reflector::{ObjectRef, Store};
-use tokio::task::JoinSet;
 
 use super::events::EventPublisher;
 use super::fleet_view::FleetView;
+use super::image_tasks::ImageTasks;
 use super::signing::{sign_image, signing_key};
 use crate::build::{BuildJobs, BuildProgress, BuildRequest};
 use crate::images::record::{Next, Observation, due, observe};
@@ -64,18 +63,17 @@ impl std::fmt::Debug for ImageWorker {
 pub async fn run(worker: ImageWorker) {
     let worker = Arc::new(worker);
     let mut needs_changed = worker.state.needs_changed();
-    let mut in_flight: BTreeSet<ImageKey> = BTreeSet::new();
-    let mut tasks: JoinSet<ImageKey> = JoinSet::new();
+    let mut tasks = ImageTasks::default();
     loop {
         let pass = tokio::time::Instant::now();
         let needs = worker.state.image_needs();
         let spacing = PASS_INTERVAL.max(pass.elapsed() * PASS_SPACING);
-        tracing::debug!(needed = needs.len(), in_flight = in_flight.len(), "images");
+        tracing::debug!(needed = needs.len(), in_flight = tasks.len(), "images");
         worker.state.track_images(&needs);
         let now = Timestamp::now();
         let mut wake = now + k8s_openapi::jiff::SignedDuration::from_secs(60);
         for (key, need) in needs {
-            if in_flight.contains(&key) {
+            if tasks.contains(&key) {
                 continue;
             }
             let record = match worker.state.image(&key) {
@@ -83,12 +81,11 @@ pub async fn run(worker: ImageWorker) {
                 None => worker.seed(&key, &need, now),
             };
             if due(&need, record.as_ref(), now).is_some() {
-                if in_flight.len() < IN_FLIGHT {
-                    in_flight.insert(key.clone());
+                if tasks.len() < IN_FLIGHT {
                     let worker = worker.clone();
-                    tasks.spawn(async move {
-                        worker.advance(&key, &need, record).await;
-                        key
+                    let (task_key, task_need) = (key.clone(), need.clone());
+                    tasks.spawn(key, need, async move {
+                        worker.advance(&task_key, &task_need, record).await;
                     });
                 }
             } else if let Some(record) = &record {
@@ -99,9 +96,9 @@ pub async fn run(worker: ImageWorker) {
             .unwrap_or_default()
             .max(Duration::from_millis(200));
         tokio::select! {
-            Some(done) = tasks.join_next() => {
-                if let Ok(key) = done {
-                    in_flight.remove(&key);
+            finished = tasks.next() => {
+                if let Some(panic) = finished.panic {
+                    worker.failed_unexpectedly(finished.key, &finished.need, &panic);
                 }
             }
             changed = needs_changed.changed() => {
@@ -124,6 +121,25 @@ pub async fn run(worker: ImageWorker) {
 }
 
 impl ImageWorker {
+    /// Records that the work on an image panicked: a failure, retried after a backoff
+    /// like a failed check, the pinned digest kept.
+    fn failed_unexpectedly(&self, key: ImageKey, need: &ImageNeed, panic: &str) {
+        tracing::error!(
+            module = key.module,
+            image = key.image,
+            panic,
+            "the work on an image panicked"
+        );
+        let previous = self.state.image(&key);
+        let step = previous.as_ref().map_or(Next::Check, |r| r.then);
+        let observation = Observation::CheckFailed {
+            unauthorized: false,
+            message: format!("the hub's work on the image failed unexpectedly: {panic}"),
+        };
+        let next = observe(need, previous.as_ref(), step, observation, Timestamp::now());
+        self.state.set_image(key, next);
+    }
+
     /// A digest an earlier leader persisted in the module's status: nodes keep loading it
     /// while this leader checks it again.
     fn seed(&self, key: &ImageKey, need: &ImageNeed, now: Timestamp) -> Option<ImageRecord> {

@@ -7,6 +7,7 @@ pub mod ca;
 pub mod controller;
 pub mod events;
 pub mod fleet_view;
+mod image_tasks;
 pub mod images;
 pub mod leadership;
 pub mod metrics;
