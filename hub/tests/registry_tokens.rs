@@ -18,7 +18,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use kmm_hub::images::SignPlan;
-use kmm_hub::serve::signing::sign_image;
+use kmm_hub::serve::signing::{MAX_IMAGE_BYTES, sign_image};
 use kmm_node_agent::check_image::{CheckError, CheckOptions, check_image};
 use kmm_registry::{PullSecret, RegistryTls};
 use kmm_registry_fixture::{RegistryServer, docker_config_json};
@@ -256,7 +256,7 @@ async fn pull_check_and_push_through_the_token_flow() {
         files: vec![format!("/{module}")],
     };
     let signed = format!("{}/m:signed", front.addr);
-    sign_image(&plan, key, &signed, PLAIN, Some(&secret))
+    sign_image(&plan, key, &signed, PLAIN, Some(&secret), MAX_IMAGE_BYTES)
         .await
         .unwrap();
 

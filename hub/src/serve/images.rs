@@ -18,7 +18,7 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use super::events::EventPublisher;
 use super::fleet_view::FleetView;
 use super::image_tasks::ImageTasks;
-use super::signing::{sign_image, signing_key};
+use super::signing::{MAX_IMAGE_BYTES, sign_image, signing_key};
 use crate::build::{BuildJobs, BuildProgress, BuildRequest};
 use crate::images::record::{Next, Observation, due, observe};
 use crate::images::status::persisted_digest;
@@ -324,7 +324,14 @@ impl ImageWorker {
                 };
             }
         };
-        let signing = sign_image(plan, signing_key, &key.image, need.tls, secret);
+        let signing = sign_image(
+            plan,
+            signing_key,
+            &key.image,
+            need.tls,
+            secret,
+            MAX_IMAGE_BYTES,
+        );
         match tokio::time::timeout(SIGN_TIMEOUT, signing).await {
             Ok(Ok(digest)) => Observation::Signed { digest },
             Ok(Err(e)) => Observation::SignFailed {

@@ -18,8 +18,15 @@ use thiserror::Error;
 
 use crate::images::SignPlan;
 
-/// Largest unsigned image the hub pulls into memory to sign.
-const MAX_IMAGE_BYTES: i64 = 2 << 30;
+/// Largest unsigned image (its layers, compressed, as its manifest declares them) the hub
+/// signs by default. Signing holds those layers in memory, and one image is signed at a
+/// time ([`SIGNING`]): 128 MiB keeps the working set well under the hub's 512 Mi limit
+/// at any fleet size (kmod images are a few MiB). A larger image is refused before any
+/// layer is pulled, and reported.
+pub const MAX_IMAGE_BYTES: i64 = 128 << 20;
+
+/// One signing at a time: each holds an image in memory.
+static SIGNING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
 
 /// Why an image could not be signed; the text names the Secret, key, image or file.
 #[derive(Debug, Error)]
@@ -101,15 +108,21 @@ pub fn signing_key(
     })
 }
 
-/// Pulls `plan.unsigned_image`, signs its listed files with `key`, pushes the result to
-/// `image` and returns the pushed manifest's digest.
+/// Pulls `plan.unsigned_image` (refused when its layers add up to more than
+/// `max_image_bytes`), signs its listed files with `key`, pushes the result to `image` and
+/// returns the pushed manifest's digest.
 pub async fn sign_image(
     plan: &SignPlan,
     key: SigningKey,
     image: &str,
     target_tls: kmm_registry::RegistryTls,
     secret: Option<&PullSecret>,
+    max_image_bytes: i64,
 ) -> Result<String, SigningError> {
+    let _one_at_a_time = SIGNING
+        .acquire()
+        .await
+        .expect("the semaphore is never closed");
     let unsigned = plan.unsigned_image.as_str();
     let source = parse_reference(unsigned).map_err(SigningError::Pull)?;
     let pull_client = kmm_registry::client(plan.unsigned_tls);
@@ -119,11 +132,11 @@ pub async fn sign_image(
         .await
         .map_err(|e| SigningError::Pull(RegistryError::from_client(unsigned, e)))?;
     let size: i64 = manifest.layers.iter().map(|l| l.size).sum();
-    if size > MAX_IMAGE_BYTES {
+    if size > max_image_bytes {
         return Err(SigningError::TooLarge {
             image: unsigned.to_owned(),
             size,
-            limit: MAX_IMAGE_BYTES,
+            limit: max_image_bytes,
         });
     }
     let pulled = pull_client
