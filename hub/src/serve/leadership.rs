@@ -18,7 +18,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Patch, PatchParams};
+use kube::api::{ListParams, Patch, PatchParams};
 use kube::runtime::watcher;
 use kube::{Api, Client};
 use kube_lease_manager::{LeaseManagerBuilder, LeaseManagerError};
@@ -159,6 +159,7 @@ impl Election {
         ));
         if let Some(pod) = &self.pod {
             pod.set("leader").await?;
+            pod.demote_others().await;
         }
         Ok(())
     }
@@ -251,6 +252,37 @@ struct PodRole {
 }
 
 impl PodRole {
+    /// Labels standby every other Pod still labelled leader: a former leader cut from its
+    /// apiserver could not take its label off, and the proxies' Service would keep
+    /// sending them to it. Best effort: a Pod gone meanwhile needs nothing.
+    async fn demote_others(&self) {
+        let selector = format!("{ROLE_LABEL}=leader");
+        let leaders = match self
+            .api
+            .list(&ListParams::default().labels(&selector))
+            .await
+        {
+            Ok(list) => list.items,
+            Err(error) => {
+                tracing::warn!(%error, "cannot list the Pods labelled leader");
+                return;
+            }
+        };
+        for former in leaders {
+            let Some(name) = former.metadata.name.filter(|n| *n != self.name) else {
+                continue;
+            };
+            let other = PodRole {
+                api: self.api.clone(),
+                name,
+            };
+            match other.set("standby").await {
+                Ok(()) => tracing::info!(pod = other.name, "labelled a former leader standby"),
+                Err(error) => tracing::warn!(%error, "cannot label a former leader standby"),
+            }
+        }
+    }
+
     async fn set(&self, role: &'static str) -> Result<(), LeadershipError> {
         let patch = json!({"metadata": {"labels": BTreeMap::from([(ROLE_LABEL, role)])}});
         self.api
