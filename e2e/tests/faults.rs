@@ -124,6 +124,22 @@ async fn the_fleet_converges_after_each_fault_and_never_unloads_or_mislabels() -
     started.push(next);
     hub_install::scale(&fleet.hub, 2).await?;
 
+    // The leader is cut from its apiserver (its Pod's traffic to it dropped, its process
+    // running): it must stop serving before the standby may take the Lease, and a change
+    // made meanwhile converges under the new leader.
+    let next = change.start("leader-cut").await?;
+    let cut_at = Instant::now();
+    let handover = cut_leader_from_apiserver(&fleet).await?;
+    next.converged(&fleet).await?;
+    recoveries.push(("hub leader cut from its apiserver", cut_at.elapsed()));
+    eprintln!(
+        "fault: the cut leader stopped {:.1}s after the cut, the standby took the Lease {:.1}s after it",
+        handover.stopped.as_secs_f64(),
+        handover.taken_over.as_secs_f64()
+    );
+    started.push(next);
+    hub_install::scale(&fleet.hub, 2).await?;
+
     // The spoke's nodes lose the hub's network (not their processes) until the proxy and
     // the hub both know; a change made meanwhile reaches the spoke once the network heals.
     let hub_node = fleet
@@ -205,6 +221,123 @@ async fn the_fleet_converges_after_each_fault_and_never_unloads_or_mislabels() -
         label_cluster(&fleet.hub, &spoke, &steady_id, false).await?;
     }
     Ok(())
+}
+
+/// When, after the cut, the cut leader stopped and the standby took the Lease.
+struct Handover {
+    stopped: Duration,
+    taken_over: Duration,
+}
+
+/// Drops the leader Pod's traffic to and from the hub's kube-apiserver (in its node's
+/// network namespace), waits until the Lease moved, checks the leader's container
+/// stopped first, and heals the cut.
+async fn cut_leader_from_apiserver(fleet: &Fleet) -> Result<Handover> {
+    use k8s_openapi::api::core::v1::{Endpoints, Pod};
+    let leader = hub_install::wait_leader(&fleet.hub, RECOVERY).await?;
+    let former = hub_install::lease_holder(&fleet.hub).await?;
+    let pods: Api<Pod> = Api::namespaced(fleet.hub.clone(), HUB_NAMESPACE);
+    let pod = pods.get(&leader).await?;
+    let pod_ip = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.pod_ip.clone())
+        .context("the leader's Pod IP")?;
+    let node_name = pod.spec.as_ref().and_then(|s| s.node_name.clone());
+    let node = fleet
+        .state
+        .cluster("hub")?
+        .real_nodes
+        .iter()
+        .find(|n| Some(&n.name) == node_name.as_ref())
+        .context("the leader's node")?
+        .clone();
+    let endpoints: Api<Endpoints> = Api::namespaced(fleet.hub.clone(), "default");
+    let apiserver = endpoints.get("kubernetes").await?;
+    let subset = apiserver
+        .subsets
+        .as_ref()
+        .and_then(|s| s.first())
+        .context("the apiserver's endpoint")?;
+    let api_ip = subset
+        .addresses
+        .as_ref()
+        .and_then(|a| a.first())
+        .map(|a| a.ip.clone())
+        .context("the apiserver's address")?;
+    let api_port = subset
+        .ports
+        .as_ref()
+        .and_then(|p| p.first())
+        .map(|p| p.port.to_string())
+        .context("the apiserver's port")?;
+    let restarts = |pod: &Pod| {
+        pod.status
+            .as_ref()
+            .and_then(|s| s.container_statuses.as_ref())
+            .map_or(0, |c| c.iter().map(|c| c.restart_count).sum::<i32>())
+    };
+    let restarts_before = restarts(&pod);
+
+    let rules: Vec<Vec<String>> = vec![
+        [
+            "FORWARD", "-s", &pod_ip, "-d", &api_ip, "-p", "tcp", "--dport", &api_port, "-j",
+            "DROP",
+        ]
+        .map(str::to_owned)
+        .to_vec(),
+        [
+            "FORWARD", "-s", &api_ip, "-d", &pod_ip, "-p", "tcp", "--sport", &api_port, "-j",
+            "DROP",
+        ]
+        .map(str::to_owned)
+        .to_vec(),
+    ];
+    let mut cut = Partition {
+        rules: vec![],
+        healed: false,
+    };
+    for rule in rules {
+        iptables(&node.netns, "-I", &rule)?;
+        cut.rules.push((node.netns.clone(), rule));
+    }
+    let cut_at = Instant::now();
+    let marks: std::sync::Mutex<(Option<Duration>, Option<Duration>)> = Default::default();
+    let (stopped, taken_over) = wait_until(
+        "the cut leader to stop and the Lease to move",
+        RECOVERY,
+        || async {
+            let stopped_now = pods
+                .get(&leader)
+                .await
+                .is_ok_and(|pod| restarts(&pod) > restarts_before);
+            let moved = hub_install::lease_holder(&fleet.hub)
+                .await
+                .is_ok_and(|holder| holder != former);
+            let mut marks = marks.lock().unwrap();
+            if stopped_now && marks.0.is_none() {
+                marks.0 = Some(cut_at.elapsed());
+            }
+            if moved && marks.1.is_none() {
+                marks.1 = Some(cut_at.elapsed());
+            }
+            match *marks {
+                (Some(s), Some(t)) => Ok((s, t)),
+                other => Err(format!("stopped, taken over: {other:?}")),
+            }
+        },
+    )
+    .await?;
+    cut.heal().await?;
+    ensure!(
+        stopped < taken_over,
+        "the cut leader stopped {stopped:?} after the cut, after the standby took the Lease \
+         ({taken_over:?}): two replicas led at once"
+    );
+    Ok(Handover {
+        stopped,
+        taken_over,
+    })
 }
 
 /// The modules the test creates during the faults, each on the same one node.

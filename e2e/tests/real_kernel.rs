@@ -46,7 +46,7 @@ use kmm_e2e::guest::module_signing::TestKey;
 use kmm_e2e::guest::{HOST_FROM_GUEST, KERNEL, Rig};
 use kmm_e2e::kmod::SampleImage;
 use kmm_hub::images::{SignPlan, unsigned_image_name};
-use kmm_hub::serve::signing::sign_image;
+use kmm_hub::serve::signing::{MAX_IMAGE_BYTES, sign_image};
 use kmm_proto::v1 as pb;
 use kmm_signing::SigningKey;
 use support::HubBuildSign;
@@ -424,7 +424,15 @@ impl HubBuilt {
         let other_key =
             SigningKey::from_pem(&std::fs::read(&other.key)?, &std::fs::read(&other.cert)?)?;
         let other_signed = format!("{signed}-other-key");
-        let other_digest = sign_image(&plan, other_key, &other_signed, plain, None).await?;
+        let other_digest = sign_image(
+            &plan,
+            other_key,
+            &other_signed,
+            plain,
+            None,
+            MAX_IMAGE_BYTES,
+        )
+        .await?;
         Ok(Self {
             signed: GuestImage::at(registry, &signed, digest)?,
             unsigned: GuestImage::at(registry, &unsigned, unsigned_digest)?,
