@@ -108,7 +108,7 @@ images:
             node_ip = self.node_ip,
             test_label = TEST_HUB_LABEL,
             registry = self.registry,
-            builder = crate::images::BUILDER.name,
+            builder = kmm_images::BUILDER.name,
             tag = self.tag,
             node_port = GRPC_NODE_PORT,
             kernel_dir = SIMULATED_KERNEL_DIR,
