@@ -7,11 +7,14 @@
 //! * [`toolchain`] builds the pinned upstream programs from the Go module proxy.
 //! * [`fleet`] starts, inspects and stops the environment (`cargo xtask env ...`).
 //! * [`fixture`] attaches tests to a running environment (or starts one).
+//! * [`binaries`] finds kmm-fleet's debug binaries for the tests that run them.
 //! * [`kmod_builder`] assembles the fleet's base for kmod builds, the way `kmm-images`
 //!   (which builds kmm-fleet's container images, `cargo xtask images`) assembles bases.
 //! * [`scale`] puts a real kmm-hub in front of thousands of simulated clusters.
-//! * [`watched`] keeps a kind's objects current by a watch and waits on them.
+//! * [`watched`] keeps a kind's objects current by a watch and waits on them;
+//!   [`wait`] polls until a probe answers.
 
+pub mod binaries;
 mod cgroup;
 pub mod fixture;
 pub mod fleet;
@@ -23,6 +26,7 @@ mod process;
 pub mod scale;
 pub mod toolchain;
 pub mod versions;
+pub mod wait;
 pub mod watched;
 
 use std::path::PathBuf;

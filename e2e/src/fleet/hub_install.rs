@@ -18,7 +18,7 @@ use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 
 use super::kmm::{HUB_NAMESPACE, TEST_HUB_LABEL};
-use crate::fixture::wait_until;
+use crate::wait::wait_until;
 use crate::{Error, IoContext, Result};
 
 /// The Deployment, and the label of its Pods.

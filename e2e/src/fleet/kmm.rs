@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::{ControlPlane, Starting, condition_true, hub_install};
-use crate::fixture::wait_until;
+use crate::wait::wait_until;
 use crate::{Error, IoContext, Result, kmod_builder};
 
 /// The hub's namespace: its CA Secret and the pull secrets modules reference.
@@ -182,12 +182,6 @@ impl Binaries {
     /// the missing binary and the command that builds it.
     pub fn locate(release: &Path) -> Result<Self> {
         let chosen = std::env::var_os("KMM_BIN_DIR").map(PathBuf::from);
-        let debug = std::env::var_os("CARGO_TARGET_DIR")
-            .map_or_else(
-                || Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"),
-                PathBuf::from,
-            )
-            .join("debug");
         let find = |dir: &Path, name: &str, built_by: &str| {
             let path = dir.join(name);
             if path.is_file() {
@@ -206,7 +200,7 @@ impl Binaries {
         Ok(Self {
             agent: find(agent_dir, "kmm-node-agent", agent_built_by)?,
             runner: find(
-                chosen.as_deref().unwrap_or(&debug),
+                &crate::binaries::dir(),
                 "kwok-pod-runner",
                 "`cargo build --bins` (`cargo xtask env up` and `cargo xtask test` do)",
             )?,
