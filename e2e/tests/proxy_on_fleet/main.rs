@@ -1,6 +1,7 @@
 //! The real kmm-spoke-proxy binary on the fleet's spoke1 kube-apiserver, running with
 //! exactly the permissions of rbac.yaml, between a TLS Hub peer and node agent clients
-//! holding real node-bound ServiceAccount tokens.
+//! holding real node-bound ServiceAccount tokens. The debug binary
+//! (`kmm_e2e::binaries`: `cargo build --bins -p kmm-spoke-proxy` first).
 
 mod support;
 
