@@ -6,9 +6,7 @@
 //! stops it.
 
 use std::collections::BTreeMap;
-use std::future::Future;
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{DeleteParams, ObjectMeta, PostParams};
@@ -16,6 +14,9 @@ use kube::{Api, Client};
 
 use crate::fleet::{self, Options, Settings, State};
 use crate::{Error, Result};
+
+/// Here too, for the tests that wait on the fleet they attach to.
+pub use crate::wait::wait_until;
 
 /// Clients for every cluster of a running fleet.
 #[derive(Clone)]
@@ -127,28 +128,5 @@ impl TempNamespace {
         let api: Api<Namespace> = Api::all(self.client.clone());
         api.delete(&self.name, &DeleteParams::background()).await?;
         Ok(())
-    }
-}
-
-/// Poll `probe` until it yields `Some`, failing after `timeout` with `what` and the
-/// last observation (the probe's `Err`), so a failed wait says what it saw.
-pub async fn wait_until<T, F, Fut>(what: &str, timeout: Duration, mut probe: F) -> Result<T>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = std::result::Result<T, String>>,
-{
-    let deadline = Instant::now() + timeout;
-    loop {
-        let last = match probe().await {
-            Ok(value) => return Ok(value),
-            Err(observed) => observed,
-        };
-        if Instant::now() >= deadline {
-            return Err(Error::Timeout {
-                what: format!("{what} (last observed: {last})"),
-                seconds: timeout.as_secs(),
-            });
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
     }
 }

@@ -7,24 +7,32 @@
 //! * [`toolchain`] builds the pinned upstream programs from the Go module proxy.
 //! * [`fleet`] starts, inspects and stops the environment (`cargo xtask env ...`).
 //! * [`fixture`] attaches tests to a running environment (or starts one).
-//! * [`images`] builds kmm-fleet's container images and their bases (`cargo xtask images`).
+//! * [`binaries`] finds kmm-fleet's debug binaries for the tests that run them.
+//! * [`kmod_builder`] assembles the fleet's base for kmod builds, the way `kmm-images`
+//!   (which builds kmm-fleet's container images, `cargo xtask images`) assembles bases.
 //! * [`scale`] puts a real kmm-hub in front of thousands of simulated clusters.
-//! * [`watched`] keeps a kind's objects current by a watch and waits on them.
+//! * [`watched`] keeps a kind's objects current by a watch and waits on them;
+//!   [`wait`] polls until a probe answers.
 
+pub mod binaries;
 mod cgroup;
 pub mod fixture;
 pub mod fleet;
 pub mod guest;
-pub mod images;
 pub mod kmod;
+pub mod kmod_builder;
 mod pki;
 mod process;
 pub mod scale;
 pub mod toolchain;
 pub mod versions;
+pub mod wait;
 pub mod watched;
 
 use std::path::PathBuf;
+
+/// Root of everything cached across runs, the image builder's downloads included.
+pub use kmm_images::cache_dir;
 
 /// Why an operation on the local fleet failed.
 #[derive(Debug, thiserror::Error)]
@@ -55,6 +63,8 @@ pub enum Error {
     Oci(#[from] oci_client::errors::OciDistributionError),
     #[error(transparent)]
     Registry(#[from] kmm_registry_fixture::Error),
+    #[error(transparent)]
+    Images(#[from] kmm_images::Error),
     #[error("{0}")]
     Invalid(String),
 }
@@ -73,16 +83,4 @@ impl<T> IoContext<T> for std::io::Result<T> {
             source,
         })
     }
-}
-
-/// Root of everything cached across runs: `$KMM_FLEET_CACHE`, else `~/.cache/kmm-fleet`.
-pub fn cache_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("KMM_FLEET_CACHE") {
-        return PathBuf::from(dir);
-    }
-    home().join(".cache").join("kmm-fleet")
-}
-
-fn home() -> PathBuf {
-    std::env::var_os("HOME").map_or_else(|| PathBuf::from("/root"), PathBuf::from)
 }

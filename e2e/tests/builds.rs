@@ -27,7 +27,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Secret};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kmm_api::ManagedClusterModule;
 use kmm_e2e::fixture::{Fleet, wait_until};
-use kmm_e2e::images::{self, kmod_builder};
+use kmm_e2e::kmod_builder;
 use kmm_e2e::versions::Versions;
 use kmm_hub::build::job::{FINGERPRINT_LABEL, MODULE_UID_LABEL};
 use kmm_hub::build::{BuildJobs, BuildProgress, BuildRequest};
@@ -80,7 +80,8 @@ async fn setup(fleet: &Fleet) -> Result<&'static Setup> {
             let (builder, base) = tokio::task::spawn_blocking({
                 let (registry, kernel) = (registry.clone(), kernel.clone());
                 move || -> Result<_> {
-                    let builder = images::builder(&images::Options::new(Some(registry.clone())))?;
+                    let builder =
+                        kmm_images::builder(&kmm_images::Options::new(Some(registry.clone())))?;
                     let base = kmod_builder::ensure(&kernel, Some(&registry))?;
                     Ok((builder, base))
                 }

@@ -13,7 +13,6 @@ use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::Node;
 use kmm_e2e::fixture::{Fleet, wait_until};
-use kmm_e2e::images;
 use kube::Api;
 use serde_json::json;
 use support::*;
@@ -78,8 +77,8 @@ async fn the_device_plugin_advertises_only_while_its_module_is_loaded() -> Resul
             "image": format!(
                 "{}/{}/kmm-sample-device-plugin:{}",
                 fleet.state.node_registry,
-                images::NAMESPACE,
-                images::VERSION
+                kmm_images::NAMESPACE,
+                kmm_images::VERSION
             ),
             "args": ["--resource", resource, "--devices", "3", "--journal", format!("/journal/{name}")],
             "volumeMounts": [{"name": "journal", "mountPath": "/journal"}],

@@ -1,7 +1,7 @@
-//! Issue 10: the container images. `kmm_e2e::images::build` makes the bases from Debian
+//! Issue 10: the container images. `kmm_images::build` makes the bases from Debian
 //! packages and the three images with buildah, exactly as `cargo xtask images` does;
 //! these tests run each image's binary in the image's root filesystem as its user
-//! (`kmm_e2e::images::run_in`), read the images' configuration and files, build again
+//! (`kmm_images::run_in`), read the images' configuration and files, build again
 //! to see nothing rebuilt, and push everything to a registry of their own, from which a
 //! Dockerfile build then takes its base as a `docker build` user's would.
 //!
@@ -15,7 +15,7 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
-use kmm_e2e::images::{self, Built, Image, Options, SOURCE, VERSION};
+use kmm_images::{self as images, Built, Image, Options, SOURCE, VERSION};
 use kmm_registry_fixture::RegistryServer;
 
 const MIB: u64 = 1024 * 1024;

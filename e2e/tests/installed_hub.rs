@@ -181,7 +181,7 @@ async fn each_image_runs_its_binary_as_a_pod() -> Result<()> {
         format!(
             "{}/kmm-fleet/{name}:{}",
             fleet.state.node_registry,
-            kmm_e2e::images::VERSION
+            kmm_images::VERSION
         )
     };
     let runs = [

@@ -204,7 +204,8 @@ fn installed(package: &str) -> bool {
         .is_ok_and(|out| out.status.success() && out.stdout.ends_with(b"install ok installed"))
 }
 
-/// Builds the kmm-fleet binaries the fleet runs (the tests' `cargo test` builds them too).
+/// Builds the kmm-fleet binaries the fleet runs and the end-to-end tests start as
+/// processes (`kmm_e2e::binaries`: `cargo test` cannot build another package's binaries).
 pub fn build_kmm() -> Result<()> {
     let root = crate::repository_root();
     eprintln!("==> cargo build --bins (kmm-hub, kmm-spoke-proxy, kmm-node-agent, kwok-pod-runner)");

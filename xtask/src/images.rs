@@ -1,9 +1,9 @@
 //! `cargo xtask images`: container images of kmm-hub, kmm-spoke-proxy, kmm-node-agent and
-//! the builder kmm-hub's build Jobs run (the building itself is `kmm_e2e::images`, which
-//! the local fleet calls too).
+//! the builder kmm-hub's build Jobs run (the building itself is the `kmm-images` crate,
+//! which the local fleet calls too).
 
 use anyhow::Context;
-use kmm_e2e::images::{self, Image};
+use kmm_images::{self as images, Image};
 
 #[derive(Debug, clap::Args)]
 pub struct Options {

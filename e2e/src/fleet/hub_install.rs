@@ -18,7 +18,7 @@ use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 
 use super::kmm::{HUB_NAMESPACE, TEST_HUB_LABEL};
-use crate::fixture::wait_until;
+use crate::wait::wait_until;
 use crate::{Error, IoContext, Result};
 
 /// The Deployment, and the label of its Pods.
@@ -108,7 +108,7 @@ images:
             node_ip = self.node_ip,
             test_label = TEST_HUB_LABEL,
             registry = self.registry,
-            builder = crate::images::BUILDER.name,
+            builder = kmm_images::BUILDER.name,
             tag = self.tag,
             node_port = GRPC_NODE_PORT,
             kernel_dir = SIMULATED_KERNEL_DIR,

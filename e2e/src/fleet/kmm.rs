@@ -29,9 +29,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::{ControlPlane, Starting, condition_true, hub_install};
-use crate::fixture::wait_until;
-use crate::images;
-use crate::{Error, IoContext, Result};
+use crate::wait::wait_until;
+use crate::{Error, IoContext, Result, kmod_builder};
 
 /// The hub's namespace: its CA Secret and the pull secrets modules reference.
 pub const HUB_NAMESPACE: &str = "kmm-hub";
@@ -178,17 +177,11 @@ pub struct Binaries {
 
 impl Binaries {
     /// Both from `$KMM_BIN_DIR` when it is set. Otherwise the agent the images hold, from
-    /// `release` (the build `images::build` made), so that simulated nodes run what real
-    /// nodes run, and the runner from the workspace's `target/debug`. Fails naming the
-    /// missing binary and the command that builds it.
+    /// `release` (the build `kmm_images::build` made), so that simulated nodes run what
+    /// real nodes run, and the runner from the workspace's `target/debug`. Fails naming
+    /// the missing binary and the command that builds it.
     pub fn locate(release: &Path) -> Result<Self> {
         let chosen = std::env::var_os("KMM_BIN_DIR").map(PathBuf::from);
-        let debug = std::env::var_os("CARGO_TARGET_DIR")
-            .map_or_else(
-                || Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"),
-                PathBuf::from,
-            )
-            .join("debug");
         let find = |dir: &Path, name: &str, built_by: &str| {
             let path = dir.join(name);
             if path.is_file() {
@@ -207,7 +200,7 @@ impl Binaries {
         Ok(Self {
             agent: find(agent_dir, "kmm-node-agent", agent_built_by)?,
             runner: find(
-                chosen.as_deref().unwrap_or(&debug),
+                &crate::binaries::dir(),
                 "kwok-pod-runner",
                 "`cargo build --bins` (`cargo xtask env up` and `cargo xtask test` do)",
             )?,
@@ -242,7 +235,7 @@ impl Starting {
         // `kubectl apply -k`.
         let registry = self.state.registry.clone();
         let built = tokio::task::spawn_blocking(move || {
-            images::build(&images::Options::new(Some(registry)))
+            kmm_images::build(&kmm_images::Options::new(Some(registry)))
         })
         .await
         .map_err(|e| Error::Invalid(format!("building the images panicked: {e}")))??;
@@ -257,11 +250,12 @@ impl Starting {
         // exists for.
         let registry = self.state.registry.clone();
         let kernel = self.versions.kernels.without_image.clone();
-        let base = tokio::task::spawn_blocking(move || {
-            images::kmod_builder::ensure(&kernel, Some(&registry))
-        })
-        .await
-        .map_err(|e| Error::Invalid(format!("building the kmod builder base panicked: {e}")))??;
+        let base =
+            tokio::task::spawn_blocking(move || kmod_builder::ensure(&kernel, Some(&registry)))
+                .await
+                .map_err(|e| {
+                    Error::Invalid(format!("building the kmod builder base panicked: {e}"))
+                })??;
         println!(
             "fleet: {} pushed ({})",
             base.pushed.as_deref().unwrap_or(&base.reference),

@@ -65,17 +65,7 @@ pub fn binary(profile: Profile) -> Result<PathBuf> {
             }
             existing(target.join("release").join("kmm-hub"), "the release build")
         }
-        Profile::Debug => {
-            let dir = std::env::var_os("KMM_BIN_DIR").map_or_else(
-                || {
-                    std::env::var_os("CARGO_TARGET_DIR")
-                        .map_or_else(|| workspace().join("target"), PathBuf::from)
-                        .join("debug")
-                },
-                PathBuf::from,
-            );
-            existing(dir.join("kmm-hub"), "`cargo build --bins -p kmm-hub`")
-        }
+        Profile::Debug => Ok(crate::binaries::debug("kmm-hub", "kmm-hub")?),
     }
 }
 

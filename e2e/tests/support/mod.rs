@@ -18,7 +18,7 @@ use kmm_e2e::fleet::kmm::{self as fleet_kmm, Agent, Kmm};
 use kmm_e2e::fleet::{Settings, managed_clusters};
 use kmm_e2e::guest::firmware_image::{FIRMWARE_FILE, FIRMWARE_PATH};
 use kmm_e2e::guest::module_signing::TestKey;
-use kmm_e2e::images::kmod_builder;
+use kmm_e2e::kmod_builder;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use oci_client::client::{ClientConfig, ClientProtocol};
@@ -304,7 +304,7 @@ pub const HUB_NAMESPACE: &str = "kmm-hub";
 
 /// A ManagedClusterModule that has the installed kmm-hub build the sample modules for
 /// one kernel (a Job from the builder base with the kernel's headers,
-/// `kmm_e2e::images::kmod_builder`) and sign them with a test key, on a spoke with a
+/// `kmm_e2e::kmod_builder`) and sign them with a test key, on a spoke with a
 /// node on that kernel; with its ConfigMap and key Secrets. The image is named after the
 /// module, itself named after the key: a run never finds an earlier run's image.
 pub struct HubBuildSign {

@@ -8,10 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
-use kmm_proto::v1::{
-    DevicePluginReport, HubMessage, KernelInventory, NodeStatusReport, ProxyMessage, hub_message,
-    hub_server::Hub, proxy_message,
-};
+use kmm_proto::v1::{HubMessage, ProxyMessage, hub_message, hub_server::Hub, proxy_message};
 use kmm_runtime::rate_limit::TokenBucket;
 use time::OffsetDateTime;
 use tokio::sync::watch;
@@ -22,7 +19,7 @@ use crate::fleet::cluster_identity::ClusterIdentity;
 use crate::fleet::proxy_hello;
 use crate::fleet::shared_snapshot::SharedSnapshot;
 
-use super::fleet_view::SessionId;
+use super::fleet_view::ClusterStreams;
 use super::metrics::Metrics;
 use super::outbound::{Outbound, OutboundSender};
 
@@ -33,27 +30,6 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
 /// in a tight loop is refused rather than recomputing its snapshot over and over.
 const OPEN_BURST: u32 = 10;
 const OPENS_PER_MINUTE: u32 = 12;
-
-/// What the service may do with the fleet view: open and close a cluster's session and
-/// hand it what the proxy reports.
-pub trait ClusterStreams: Send + Sync + std::fmt::Debug + 'static {
-    /// Set once, with the reason, when the hub ends every stream.
-    fn ending(&self) -> watch::Receiver<Option<String>>;
-    /// True once every watch has listed.
-    fn synced(&self) -> watch::Receiver<bool>;
-    /// Whether the cluster is one the hub accepts; `None` until the watches listed.
-    fn accepts_cluster(&self, cluster: &str) -> Option<bool>;
-    fn open_session(
-        &self,
-        cluster: &str,
-        applied_revision: u64,
-        outbound: OutboundSender,
-    ) -> SessionId;
-    fn close_session(&self, cluster: &str, id: SessionId);
-    fn inventory(&self, cluster: &str, id: SessionId, inventory: KernelInventory);
-    fn status(&self, cluster: &str, id: SessionId, report: NodeStatusReport);
-    fn device_plugins(&self, cluster: &str, id: SessionId, report: DevicePluginReport);
-}
 
 /// The service, sharing the fleet view with the controller.
 #[derive(Debug, Clone)]

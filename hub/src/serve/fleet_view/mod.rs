@@ -4,13 +4,14 @@
 //!
 //! Its parts have one owner each: the watch-fed [`index`], the clusters' [`sessions`],
 //! the [`image_book`] the image worker keeps, the [`caches`] of what is computed once,
-//! and the [`signals`] that wake the tasks following the view. This module connects
-//! them: an event lands in one part and recomputes only what it can change (a
-//! ManagedCluster's own snapshot, a module's clusters', none for a status report unless
-//! an unload was confirmed); what each snapshot and status holds is computed by the pure
-//! functions of `crate::fleet`.
+//! and the [`signals`] that wake the tasks following the view; the gRPC service reaches
+//! it only through [`ClusterStreams`]. This module connects them: an event lands in one
+//! part and recomputes only what it can change (a ManagedCluster's own snapshot, a
+//! module's clusters', none for a status report unless an unload was confirmed); what
+//! each snapshot and status holds is computed by the pure functions of `crate::fleet`.
 
 pub mod caches;
+mod cluster_streams;
 pub mod image_book;
 pub mod index;
 mod on_stream;
@@ -24,6 +25,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use tokio::sync::{Notify, watch};
 
+pub use self::cluster_streams::ClusterStreams;
 pub use self::index::Stores;
 pub use self::sessions::{Connections, SessionId};
 

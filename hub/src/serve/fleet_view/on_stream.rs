@@ -9,10 +9,9 @@ use tokio::sync::watch;
 
 use crate::fleet::node_statuses::{Applied, TooManyStatuses};
 use crate::serve::outbound::OutboundSender;
-use crate::serve::sync_service::ClusterStreams;
 
 use super::sessions::{ClusterSession, SessionId};
-use super::{FleetView, gauge, lock};
+use super::{ClusterStreams, FleetView, gauge, lock};
 
 impl ClusterStreams for FleetView {
     fn ending(&self) -> watch::Receiver<Option<String>> {

@@ -13,7 +13,6 @@ use crate::fleet::assignment::FINALIZER;
 use crate::fleet::node_statuses::full_report;
 use crate::images::ImageRecord;
 use crate::serve::outbound::{Outbound, OutboundSender};
-use crate::serve::sync_service::ClusterStreams;
 
 fn view() -> FleetView {
     let stores = Stores {

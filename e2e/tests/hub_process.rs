@@ -1,7 +1,9 @@
 //! `kmm-hub serve` as a process: flags, /healthz /readyz /metrics, and a clean exit on
-//! SIGTERM, against the local fleet's hub API server.
+//! SIGTERM, against the local fleet's hub API server. Runs the debug binary
+//! (`kmm_e2e::binaries`: `cargo build --bins -p kmm-hub` first).
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -11,6 +13,10 @@ use nix::unistd::Pid;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const WAIT: Duration = Duration::from_secs(30);
+
+fn hub_binary() -> PathBuf {
+    kmm_e2e::binaries::debug("kmm-hub", "kmm-hub").unwrap_or_else(|e| panic!("{e}"))
+}
 
 async fn get(addr: SocketAddr, path: &str) -> Result<String, String> {
     let mut stream = tokio::net::TcpStream::connect(addr)
@@ -55,7 +61,7 @@ async fn serves_health_and_metrics_and_stops_on_sigterm() {
     let kubeconfig = &fleet.state.cluster("hub").unwrap().kubeconfig;
     let metrics = free_port();
     let mut hub = KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_kmm-hub"))
+        Command::new(hub_binary())
             .args([
                 "serve",
                 "--log-format",
@@ -151,7 +157,7 @@ async fn serves_health_and_metrics_and_stops_on_sigterm() {
 
 #[test]
 fn an_unusable_builder_image_is_refused_at_start() {
-    let out = Command::new(env!("CARGO_BIN_EXE_kmm-hub"))
+    let out = Command::new(hub_binary())
         .args([
             "serve",
             "--builder-image",

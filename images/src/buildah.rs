@@ -1,13 +1,12 @@
 //! The `buildah` command line, always on the same storage, and what the image code
 //! reads back from it.
 
-use crate::process::output;
 use std::collections::BTreeMap;
 use std::process::{Command, Output};
 
 use serde::Deserialize;
 
-use crate::{Error, IoContext, Result};
+use crate::{Error, IoContext, Result, output};
 
 /// Storage driver unless `$STORAGE_DRIVER` (buildah's own variable) names another. vfs
 /// works on any filesystem, also inside containers where overlay cannot mount; it copies
@@ -24,7 +23,7 @@ pub fn command() -> Command {
 }
 
 /// Fail with what to install when buildah is missing.
-pub(super) fn check() -> Result<()> {
+pub fn check() -> Result<()> {
     match command().arg("--version").output() {
         Ok(out) if out.status.success() => Ok(()),
         Ok(out) => Err(Error::Command {
@@ -48,7 +47,7 @@ pub(super) fn check() -> Result<()> {
 }
 
 /// Run buildah with `args`; its standard output, trimmed.
-pub(super) fn run<I, S>(args: I) -> Result<String>
+pub fn run<I, S>(args: I) -> Result<String>
 where
     I: IntoIterator<Item = S>,
     S: AsRef<std::ffi::OsStr>,
@@ -62,7 +61,7 @@ where
 /// The labels of a base image: OCI's title, description, source and version, the
 /// packages it holds and the key of its content.
 #[derive(Debug)]
-pub(super) struct BaseLabels<'a> {
+pub struct BaseLabels<'a> {
     pub title: String,
     pub description: String,
     pub version: &'a str,
@@ -73,7 +72,7 @@ pub(super) struct BaseLabels<'a> {
 /// Applies `config` (a `buildah config` with the image's other settings) with `labels`
 /// to `container`, then commits it as `reference` with timestamps zeroed, so the same
 /// content makes the same image.
-pub(super) fn label_and_commit(
+pub fn label_and_commit(
     mut config: Command,
     container: &str,
     labels: BaseLabels<'_>,
@@ -151,13 +150,13 @@ struct OciConfig {
 
 /// An OCI image manifest, as much as the images code reads of it.
 #[derive(Deserialize)]
-pub(super) struct Manifest {
-    pub(super) layers: Vec<Descriptor>,
+pub(crate) struct Manifest {
+    pub(crate) layers: Vec<Descriptor>,
 }
 
 #[derive(Deserialize)]
-pub(super) struct Descriptor {
-    pub(super) digest: String,
+pub(crate) struct Descriptor {
+    pub(crate) digest: String,
 }
 
 /// The local image `reference`; `None` when the store has no such image.

@@ -10,20 +10,22 @@
 //! RUN make -C /usr/src/linux-headers-${KERNEL_FULL_VERSION} M=/usr/src/kmm-hello modules
 //! ```
 //!
-//! Assembled like the other bases ([`super::base`]: packages unpacked with `dpkg-deb -x`,
-//! documentation pruned, reproducible), but the packages are resolved with everything
-//! they depend on, as apt would install them on an empty system: a compiler toolchain
-//! loads too much to list by hand. Root is its user, as `RUN` steps that install into
-//! `/opt` need. Rebuilt only when apt's versions of its packages or the sources change.
+//! Assembled with the steps of kmm-fleet's image bases ([`kmm_images::base`]: packages
+//! unpacked with `dpkg-deb -x`, documentation pruned, reproducible), but the packages are
+//! resolved with everything they depend on, as apt would install them on an empty
+//! system: a compiler toolchain loads too much to list by hand. Root is its user, as
+//! `RUN` steps that install into `/opt` need. Rebuilt only when apt's versions of its
+//! packages or the sources change.
 
 use std::path::Path;
 use std::process::Command;
 
 use sha2::{Digest, Sha256};
 
-use super::base::{self, Package};
-use super::{Image, KEY_LABEL, NAMESPACE, buildah, push, sizes};
-use crate::{Error, IoContext, Result, cache_dir};
+use kmm_images::base::{self, Package};
+use kmm_images::{Image, KEY_LABEL, NAMESPACE, buildah, images_cache_dir, inspect, push, sizes};
+
+use crate::{Error, IoContext, Result};
 
 /// The repository under `kmm-fleet/`; the tag is the kernel.
 pub const NAME: &str = "kmod-builder-base";
@@ -54,12 +56,9 @@ const PACKAGES: &[&str] = &[
 const LINKS: &[(&str, &str)] = &[("bin/sh", "dash"), ("usr/bin/awk", "gawk")];
 
 const SOURCES: &[(&str, &str)] = &[
-    ("Kbuild", include_str!("../../kmod/Kbuild")),
-    ("kmm_hello.c", include_str!("../../kmod/kmm_hello.c")),
-    (
-        "kmm_hello_dep.c",
-        include_str!("../../kmod/kmm_hello_dep.c"),
-    ),
+    ("Kbuild", include_str!("../kmod/Kbuild")),
+    ("kmm_hello.c", include_str!("../kmod/kmm_hello.c")),
+    ("kmm_hello_dep.c", include_str!("../kmod/kmm_hello_dep.c")),
 ];
 
 /// `kmm-fleet/kmod-builder-base:<kernel>`, the path under a registry.
@@ -71,7 +70,7 @@ pub fn repository(kernel: &str) -> String {
 /// there as `<registry>/`[`repository`]. Fails naming the kernel when apt has no
 /// headers for it.
 pub fn ensure(kernel: &str, registry: Option<&str>) -> Result<Image> {
-    super::buildah::check()?;
+    buildah::check()?;
     let headers = format!("linux-headers-{kernel}");
     let mut wanted: Vec<&str> = PACKAGES.to_vec();
     wanted.push(&headers);
@@ -86,14 +85,14 @@ pub fn ensure(kernel: &str, registry: Option<&str>) -> Result<Image> {
     }
     let key = format!("{:x}", hash.finalize());
     let reference = format!("localhost/{}", repository(kernel));
-    let cache = cache_dir().join("images");
-    let existing = super::inspect(&reference)?.filter(|i| i.labels.get(KEY_LABEL) == Some(&key));
+    let cache = images_cache_dir();
+    let existing = inspect(&reference)?.filter(|i| i.labels.get(KEY_LABEL) == Some(&key));
     let rebuilt = existing.is_none();
     let inspected = match existing {
         Some(inspected) => inspected,
         None => {
             assemble(kernel, &packages, &key, &reference, &cache)?;
-            super::inspect(&reference)?
+            inspect(&reference)?
                 .ok_or_else(|| Error::Invalid(format!("{reference} is missing after its commit")))?
         }
     };
@@ -169,7 +168,7 @@ fn assemble(
     let debs = packages
         .iter()
         .map(|p| base::download(p, &cache.join("debs")))
-        .collect::<Result<Vec<_>>>()?;
+        .collect::<kmm_images::Result<Vec<_>>>()?;
     let work = cache.join("rootfs").join(format!("{NAME}-{kernel}"));
     if work.exists() {
         std::fs::remove_dir_all(&work).context(|| format!("removing {}", work.display()))?;
@@ -215,7 +214,7 @@ fn commit(
     key: &str,
     packages: &str,
     reference: &str,
-) -> Result<()> {
+) -> kmm_images::Result<()> {
     buildah::run([
         "copy".as_ref(),
         "--quiet".as_ref(),

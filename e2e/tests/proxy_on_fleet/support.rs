@@ -277,31 +277,34 @@ impl ProxyProcess {
         let metrics_addr = free_addr();
         let log = log_dir.join("proxy.log");
         let log_file = std::fs::File::create(&log)?;
-        let child = Command::new(env!("CARGO_BIN_EXE_kmm-spoke-proxy"))
-            .env("KUBECONFIG", kubeconfig)
-            .env("RUST_LOG", "info,kmm_spoke_proxy=debug")
-            .args(["run", "--hub-address", hub_address])
-            .arg("--hub-ca-file")
-            .arg(pki.ca_file())
-            .arg("--client-cert-file")
-            .arg(pki.cert_file())
-            .arg("--client-key-file")
-            .arg(pki.key_file())
-            .args(["--namespace", namespace, "--cluster-name", "spoke1"])
-            .args(["--agent-addr", &agent_addr.to_string()])
-            .args(["--metrics-addr", &metrics_addr.to_string()])
-            .args([
-                "--credentials-poll-seconds",
-                "1",
-                "--reconnect-initial-ms",
-                "100",
-            ])
-            .args(["--reconnect-max-seconds", "1"])
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(log_file)
-            .spawn()
-            .context("starting kmm-spoke-proxy")?;
+        let child = Command::new(kmm_e2e::binaries::debug(
+            "kmm-spoke-proxy",
+            "kmm-spoke-proxy",
+        )?)
+        .env("KUBECONFIG", kubeconfig)
+        .env("RUST_LOG", "info,kmm_spoke_proxy=debug")
+        .args(["run", "--hub-address", hub_address])
+        .arg("--hub-ca-file")
+        .arg(pki.ca_file())
+        .arg("--client-cert-file")
+        .arg(pki.cert_file())
+        .arg("--client-key-file")
+        .arg(pki.key_file())
+        .args(["--namespace", namespace, "--cluster-name", "spoke1"])
+        .args(["--agent-addr", &agent_addr.to_string()])
+        .args(["--metrics-addr", &metrics_addr.to_string()])
+        .args([
+            "--credentials-poll-seconds",
+            "1",
+            "--reconnect-initial-ms",
+            "100",
+        ])
+        .args(["--reconnect-max-seconds", "1"])
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(log_file)
+        .spawn()
+        .context("starting kmm-spoke-proxy")?;
         Ok(Self {
             child,
             agent_addr,

@@ -8,17 +8,19 @@
 //! the builder's, which needs no binary). Every image carries a label hashing all it is
 //! made of (binary or context files, Dockerfile, base, build arguments); an image
 //! already carrying the hash is kept, so a call with nothing changed costs the
-//! incremental cargo build and a few buildah inspections. [`kmod_builder`] assembles the
-//! local fleet's base for kmod builds.
+//! incremental cargo build and a few buildah inspections. Other images assembled the
+//! same way (the local fleet's base for kmod builds, in kmm-e2e) use [`base`]'s steps,
+//! [`buildah`](mod@buildah), [`push`] and [`sizes`].
+//!
+//! Its own crate, not the test lab's: what the product ships depends on no test code.
 
 pub mod base;
-mod buildah;
-pub mod kmod_builder;
+pub mod buildah;
 
 use std::io::{Read, Seek};
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output};
 
 use flate2::Compression;
 use flate2::read::GzDecoder;
@@ -28,8 +30,56 @@ use sha2::{Digest, Sha256};
 
 pub use buildah::{Inspected, command as buildah, inspect, run_in};
 
-use crate::{Error, IoContext, Result, cache_dir};
 use base::{BASE, BASE_BUILDAH, BASE_KMOD, BASE_OPENSSL, Base};
+
+/// Why an image or base could not be built, inspected or pushed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("`{command}` failed ({status})")]
+    Command { command: String, status: String },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Attach a description to an I/O error.
+trait IoContext<T> {
+    fn context(self, context: impl FnOnce() -> String) -> Result<T>;
+}
+
+impl<T> IoContext<T> for std::io::Result<T> {
+    fn context(self, context: impl FnOnce() -> String) -> Result<T> {
+        self.map_err(|source| Error::Io {
+            context: context(),
+            source,
+        })
+    }
+}
+
+/// Root of everything kmm-fleet caches across runs (the images' downloads and sizes under
+/// `images/`, and the local fleet's toolchain and state): `$KMM_FLEET_CACHE`, else
+/// `~/.cache/kmm-fleet`.
+pub fn cache_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("KMM_FLEET_CACHE") {
+        return PathBuf::from(dir);
+    }
+    std::env::var_os("HOME")
+        .map_or_else(|| PathBuf::from("/root"), PathBuf::from)
+        .join(".cache")
+        .join("kmm-fleet")
+}
+
+/// Where images and bases keep what they download and measure: `<cache>/images`.
+pub fn images_cache_dir() -> PathBuf {
+    cache_dir().join("images")
+}
 
 /// Namespace of every image and base: `<registry>/kmm-fleet/<name>`.
 pub const NAMESPACE: &str = "kmm-fleet";
@@ -203,7 +253,7 @@ impl<'a> Images<'a> {
             options,
             source: Source::of(&workspace),
             workspace,
-            cache: cache_dir().join("images"),
+            cache: images_cache_dir(),
             ensured: vec![],
             bases: vec![],
         }
@@ -309,7 +359,7 @@ fn build_binaries(workspace: &Path, target_dir: &Path) -> Result<PathBuf> {
             cmd.env_remove(name.as_ref());
         }
     }
-    crate::process::output(&mut cmd)?;
+    output(&mut cmd)?;
     Ok(target_dir.join("release"))
 }
 
@@ -418,7 +468,7 @@ fn build_image(
             }
             bud.arg("--label").arg(format!("{KEY_LABEL}={key}"));
             bud.args(["--tag", &reference]).arg(context);
-            crate::process::output(&mut bud)?;
+            output(&mut bud)?;
             inspect(&reference)?.ok_or_else(|| {
                 Error::Invalid(format!("{reference} is missing after buildah bud"))
             })?
@@ -443,6 +493,23 @@ fn build_image(
     })
 }
 
+/// Run `cmd` to completion; its output, or an error carrying its standard error.
+fn output(cmd: &mut Command) -> Result<Output> {
+    let describe = format!("{cmd:?}");
+    let out = cmd.output().context(|| format!("running {describe}"))?;
+    if !out.status.success() {
+        return Err(Error::Command {
+            command: describe,
+            status: format!(
+                "{}: {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        });
+    }
+    Ok(out)
+}
+
 /// The files of a context directory, in name order (it has no subdirectories).
 fn context_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let mut files = vec![];
@@ -463,7 +530,7 @@ fn context_files(dir: &Path) -> Result<Vec<PathBuf>> {
 }
 
 /// Push the local image `local` as `remote` to `registry`.
-fn push(local: &str, remote: &str, registry: &str) -> Result<()> {
+pub fn push(local: &str, remote: &str, registry: &str) -> Result<()> {
     let tls_verify = format!("--tls-verify={}", !loopback(registry));
     buildah::run([
         "push",
@@ -495,7 +562,7 @@ struct OciIndex {
 /// push` compresses them): measured once per image ID from an OCI layout export, and
 /// remembered in `<cache>/sizes/<id>`. Local storage's manifest cannot tell: a pull
 /// replaces it with the registry's, which lists compressed layers.
-fn sizes(id: &str, cache: &Path) -> Result<(u64, u64)> {
+pub fn sizes(id: &str, cache: &Path) -> Result<(u64, u64)> {
     let dir = cache.join("sizes");
     let remembered = dir.join(id);
     if let Some((size, compressed)) = std::fs::read_to_string(&remembered)

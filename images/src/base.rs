@@ -14,10 +14,8 @@ use std::process::Command;
 
 use sha2::{Digest, Sha256};
 
-use super::KEY_LABEL;
-use super::buildah::{self, Inspected};
-use crate::process::output;
-use crate::{Error, IoContext, Result};
+use crate::buildah::{self, Inspected};
+use crate::{Error, IoContext, KEY_LABEL, Result, output};
 
 /// Every base's tag: the Debian release its packages come from.
 pub const TAG: &str = "bookworm";
@@ -33,7 +31,8 @@ const PASSWD: &str = "root:x:0:0:root:/root:/sbin/nologin\n\
 const GROUP: &str = "root:x:0:\nnobody:x:65534:\nnonroot:x:65532:\n";
 /// glibc's resolver reads it; without it, `hosts` would try DNS before /etc/hosts.
 const NSSWITCH: &str = "passwd: files\ngroup: files\nhosts: files dns\n";
-pub(super) const PATH: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+/// The root base's `PATH`, for images assembled on no base.
+pub const PATH: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 /// Under /usr/share, dropped whole: nothing in the images reads them.
 const PRUNED: &[&str] = &[
@@ -300,7 +299,7 @@ fn parse_records(text: &str) -> Vec<Package> {
 }
 
 /// The package's .deb, downloaded once into `<debs>/<name>_<version>/`.
-pub(super) fn download(package: &Package, debs: &Path) -> Result<PathBuf> {
+pub fn download(package: &Package, debs: &Path) -> Result<PathBuf> {
     let dir = debs.join(format!("{}_{}", package.name, package.version));
     if let Ok(deb) = only_deb(&dir) {
         return Ok(deb);
@@ -347,7 +346,7 @@ fn only_deb(dir: &Path) -> Result<PathBuf> {
 }
 
 /// Unpack the package's files into `rootfs` and record it for scanners.
-pub(super) fn unpack(package: &Package, deb: &Path, rootfs: &Path) -> Result<()> {
+pub fn unpack(package: &Package, deb: &Path, rootfs: &Path) -> Result<()> {
     output(Command::new("dpkg-deb").arg("-x").arg(deb).arg(rootfs))?;
     let control = output(Command::new("dpkg-deb").arg("-f").arg(deb))?.stdout;
     let status = rootfs.join("var/lib/dpkg/status.d");
@@ -358,7 +357,7 @@ pub(super) fn unpack(package: &Package, deb: &Path, rootfs: &Path) -> Result<()>
 
 /// Drop documentation and unused data; of /usr/share/doc only the copyright files stay
 /// (the licences of what the image distributes).
-pub(super) fn prune(rootfs: &Path) -> Result<()> {
+pub fn prune(rootfs: &Path) -> Result<()> {
     for dir in PRUNED {
         let path = rootfs.join(dir);
         if path.exists() {
@@ -428,7 +427,7 @@ fn certificate_bundle(rootfs: &Path) -> Result<()> {
 }
 
 /// The users and groups, and name service configuration, of the root base.
-pub(super) fn accounts(rootfs: &Path) -> Result<()> {
+pub fn accounts(rootfs: &Path) -> Result<()> {
     for (file, contents) in [
         ("etc/passwd", PASSWD),
         ("etc/group", GROUP),
