@@ -269,11 +269,20 @@ mod tests {
         );
     }
 
-    /// A module placed by Placement `fleet/gpu`, on a cluster labelled `fleet: a` that
-    /// the Placement no longer decides, with `excuses`.
-    fn plan_undecided(excuses: &Excuses, statuses: &NodeStatuses) -> Vec<(String, bool)> {
-        let mut gpu = mcm("gpu", Some("a"));
-        gpu.spec.placement_refs = Some(vec![gpu_placement()]);
+    /// `builder`'s module placed by Placement `fleet/gpu`.
+    fn placed_by_gpu(builder: ModuleBuilder) -> ManagedClusterModule {
+        let mut module = builder.build();
+        module.spec.placement_refs = Some(vec![gpu_placement()]);
+        module
+    }
+
+    /// `module`'s plan on a cluster labelled `fleet: a` that Placement `fleet/gpu` no
+    /// longer decides, with `excuses`.
+    fn plan_on(
+        module: &ManagedClusterModule,
+        excuses: &Excuses,
+        statuses: &NodeStatuses,
+    ) -> Vec<(String, bool)> {
         let labels = labels();
         let placed = Placed::new();
         let facts = ClusterFacts {
@@ -281,10 +290,15 @@ mod tests {
             placed: &placed,
             excuses,
         };
-        cluster_modules(&[&gpu], Some(facts), statuses, &|_, _| false)
+        cluster_modules(&[module], Some(facts), statuses, &|_, _| false)
             .iter()
             .map(|input| (input.module.metadata.name.clone().unwrap(), input.unload))
             .collect()
+    }
+
+    /// The `gpu` module selecting `fleet: a`, on that cluster.
+    fn plan_undecided(excuses: &Excuses, statuses: &NodeStatuses) -> Vec<(String, bool)> {
+        plan_on(&placed_by_gpu(module("gpu", Some("a"))), excuses, statuses)
     }
 
     fn gpu_placement() -> PlacementRef {
@@ -342,43 +356,23 @@ mod tests {
     }
 
     #[test]
-    fn a_held_cluster_whose_labels_no_longer_match_unloads() {
-        let mut gpu = mcm("gpu", Some("b"));
-        gpu.spec.placement_refs = Some(vec![gpu_placement()]);
-        let labels = labels();
-        let placed = Placed::new();
-        let excuses = Excuses {
+    fn a_held_cluster_unloads_on_a_request_all_the_same() {
+        let unreachable = Excuses {
             unreachable: true,
             ..Excuses::default()
         };
-        let facts = ClusterFacts {
-            labels: &labels,
-            placed: &placed,
-            excuses: &excuses,
-        };
-        assert_eq!(selection(&gpu, Some(facts)), Selection::Unselected);
         let loaded = reported(&[("gpu", ModuleState::Loaded)]);
-        let inputs = cluster_modules(&[&gpu], Some(facts), &loaded, &|_, _| false);
-        assert!(inputs[0].unload, "a label change is a request");
-    }
-
-    #[test]
-    fn a_held_module_being_deleted_unloads() {
-        let mut gpu = module("gpu", Some("a")).deleting().build();
-        gpu.spec.placement_refs = Some(vec![gpu_placement()]);
-        let labels = labels();
-        let placed = Placed::new();
-        let excuses = Excuses {
-            unreachable: true,
-            ..Excuses::default()
-        };
-        let facts = ClusterFacts {
-            labels: &labels,
-            placed: &placed,
-            excuses: &excuses,
-        };
-        let loaded = reported(&[("gpu", ModuleState::Loaded)]);
-        let inputs = cluster_modules(&[&gpu], Some(facts), &loaded, &|_, _| false);
-        assert!(inputs[0].unload);
+        let relabelled = placed_by_gpu(module("gpu", Some("b")));
+        assert_eq!(
+            plan_on(&relabelled, &unreachable, &loaded),
+            [("gpu".to_string(), true)],
+            "a label change is a request"
+        );
+        let deleting = placed_by_gpu(module("gpu", Some("a")).deleting());
+        assert_eq!(
+            plan_on(&deleting, &unreachable, &loaded),
+            [("gpu".to_string(), true)],
+            "so is a deletion"
+        );
     }
 }
