@@ -33,6 +33,14 @@ pub struct RolloutLabels {
     pub state: &'static str,
 }
 
+/// What a proxy sent that broke a bound, by the bound's name.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BoundLabels {
+    /// `inventory_kernels`, `kernel_release`, `status_entries`, `status_bytes`,
+    /// `report_deadline` or `device_plugin_module`.
+    pub limit: &'static str,
+}
+
 /// Handles to every metric; clones share the values.
 #[derive(Clone, Debug)]
 pub struct Metrics {
@@ -51,6 +59,8 @@ pub struct Metrics {
     /// ManagedClusterModule status writes (server-side apply of `status`).
     pub status_writes: Counter,
     pub rollout_clusters: Family<RolloutLabels, Gauge>,
+    /// Proxy messages (or their entries) refused for breaking a bound.
+    pub proxy_bounds: Family<BoundLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -68,6 +78,7 @@ impl Default for Metrics {
             controller_results: Family::default(),
             status_writes: Counter::default(),
             rollout_clusters: Family::default(),
+            proxy_bounds: Family::default(),
         }
     }
 }
@@ -84,6 +95,13 @@ impl Metrics {
     pub fn observe_controller(&self, result: &'static str) {
         self.controller_results
             .get_or_create(&ControllerLabels { result })
+            .inc();
+    }
+
+    /// A proxy's message broke `limit`: it was refused (or some of its entries dropped).
+    pub fn bound_tripped(&self, limit: &'static str) {
+        self.proxy_bounds
+            .get_or_create(&BoundLabels { limit })
             .inc();
     }
 
@@ -169,6 +187,11 @@ impl Metrics {
             "kmm_hub_rollout_clusters",
             "Selected clusters of each ManagedClusterModule, by rollout state (succeeded, progressing, failed, to_apply)",
             self.rollout_clusters.clone(),
+        );
+        registry.register(
+            "kmm_hub_proxy_bounds_tripped",
+            "Proxy messages refused, or entries dropped, for breaking a bound, by limit (inventory_kernels, kernel_release, status_entries, status_bytes, report_deadline, device_plugin_module)",
+            self.proxy_bounds.clone(),
         );
     }
 }
