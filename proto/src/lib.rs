@@ -45,6 +45,12 @@ pub mod limits {
     /// char boundary): enough for modprobe's or a registry's answer, while a peer sending
     /// megabytes per error cannot make its receiver hold them.
     pub const ERROR_TEXT: usize = 2 << 10;
+    /// The most modules an agent's hello may name as loaded (`AgentHello.loaded`): the
+    /// proxy keeps a proof, and possibly a failure, for each. A node runs a handful.
+    pub const AGENT_LOADED: usize = 256;
+    /// The bytes of a module's version or image digest a receiver keeps (an OCI digest
+    /// is 71, a version a label value of at most 63).
+    pub const MODULE_VERSION: usize = 128;
 
     /// Whether `release` is a kernel release a peer may name: 1 to [`KERNEL_RELEASE`]
     /// bytes of ASCII letters, digits and `.`, `-`, `_`, `+`, `~` (what `uname -r` shows

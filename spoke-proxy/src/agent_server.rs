@@ -20,7 +20,7 @@ use crate::agent_auth::{AuthError, Authenticated, TokenAuthenticator};
 use crate::metrics::Metrics;
 use crate::review_cache;
 use crate::shared_state::SharedState;
-use kmm_proto::limits::truncated;
+use kmm_proto::limits::{AGENT_LOADED, truncated};
 use kmm_runtime::rate_limit::TokenBucket;
 
 type Replacement = (u64, oneshot::Sender<()>);
@@ -191,6 +191,15 @@ impl Agent for AgentService {
                 ));
             }
         };
+        if hello.loaded.len() > AGENT_LOADED {
+            return Err(self.refuse(
+                "too_many_loaded",
+                Status::invalid_argument(format!(
+                    "AgentHello.loaded of node {node:?} names {} modules, more than the {AGENT_LOADED} an agent may report",
+                    hello.loaded.len()
+                )),
+            ));
+        }
         if hello.node_name != node {
             return Err(self.refuse(
                 "node_mismatch",

@@ -1,13 +1,15 @@
 //! What a node's agent has proven since it last said hello: which modules it has
 //! loaded (and at which DesiredModules revision), and its last failures. Pure.
 //!
-//! An agent's events are bounded before they are kept: only modules the proxy sent the
-//! node (or that the agent holds loaded) are recorded, each error cut to
-//! [`ERROR_TEXT`] bytes, so a node's view holds at most one failure per such module.
+//! An agent's events are bounded before they are kept: a load only of a module the
+//! proxy sent the node, an unload also of one the agent holds loaded (its hello names at
+//! most `AGENT_LOADED`), each error cut to [`ERROR_TEXT`] bytes and each version and
+//! digest to [`MODULE_VERSION`], so a node's view holds at most one proof and one
+//! failure per such module.
 
 use std::collections::BTreeMap;
 
-use kmm_proto::limits::{ERROR_TEXT, truncated};
+use kmm_proto::limits::{ERROR_TEXT, MODULE_VERSION, truncated};
 use kmm_proto::v1::{Action, AgentHello, ModuleEvent, Outcome};
 
 use crate::module_id::ModuleId;
@@ -33,7 +35,7 @@ pub struct Failure {
 /// An event refused: it names a module the proxy never sent the node.
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "ModuleEvent.key names module {module}, which the proxy did not send node {node:?} and the agent does not hold loaded"
+    "ModuleEvent.key names module {module}, which the proxy did not send node {node:?} (and, for an unload, the agent does not hold loaded)"
 )]
 pub struct UnknownModule {
     pub node: String,
@@ -62,8 +64,8 @@ impl AgentView {
                     (
                         ModuleId::from_key(m.key.as_ref()),
                         LoadedProof {
-                            version: m.version.clone(),
-                            image_digest: m.image_digest.clone(),
+                            version: truncated(&m.version, MODULE_VERSION).to_owned(),
+                            image_digest: truncated(&m.image_digest, MODULE_VERSION).to_owned(),
                             revision: None,
                         },
                     )
@@ -75,9 +77,10 @@ impl AgentView {
 
     /// Records one event of `node`'s agent. A failed load leaves nothing loaded (the
     /// agent rolls back what the attempt loaded, and replaces an old version only after
-    /// unloading it); a failed unload leaves the module loaded. An event of a module
-    /// `sent` denies (not in the node's DesiredModules) and not held loaded is refused;
-    /// failures of modules neither sent nor loaded are forgotten.
+    /// unloading it); a failed unload leaves the module loaded. A load of a module `sent`
+    /// denies (not in the node's DesiredModules), or an unload of one neither sent nor
+    /// held loaded, is refused; failures of modules neither sent nor loaded are
+    /// forgotten.
     pub fn record(
         &mut self,
         node: &str,
@@ -85,7 +88,9 @@ impl AgentView {
         sent: impl Fn(&ModuleId) -> bool,
     ) -> Result<(), UnknownModule> {
         let id = ModuleId::from_key(event.key.as_ref());
-        if !sent(&id) && !self.loaded.contains_key(&id) {
+        let action = Action::try_from(event.action).unwrap_or(Action::Unspecified);
+        let unload_of_loaded = action == Action::Unload && self.loaded.contains_key(&id);
+        if !sent(&id) && !unload_of_loaded {
             return Err(UnknownModule {
                 node: node.to_owned(),
                 module: id,
@@ -94,7 +99,6 @@ impl AgentView {
         self.failures
             .retain(|module, _| sent(module) || self.loaded.contains_key(module));
         let error = || truncated(&event.error, ERROR_TEXT).to_owned();
-        let action = Action::try_from(event.action).unwrap_or(Action::Unspecified);
         let outcome = Outcome::try_from(event.outcome).unwrap_or(Outcome::Unspecified);
         match (action, outcome) {
             (Action::Load, Outcome::Succeeded) => {
@@ -102,8 +106,8 @@ impl AgentView {
                 self.loaded.insert(
                     id,
                     LoadedProof {
-                        version: event.version.clone(),
-                        image_digest: event.image_digest.clone(),
+                        version: truncated(&event.version, MODULE_VERSION).to_owned(),
+                        image_digest: truncated(&event.image_digest, MODULE_VERSION).to_owned(),
                         revision: Some(event.desired_revision),
                     },
                 );
@@ -315,6 +319,15 @@ mod tests {
         let kept = &view.failures[&id("m")].error;
         assert!(kept.len() <= ERROR_TEXT && kept.len() > ERROR_TEXT - 2);
         assert!(view.bytes() < 2 * ERROR_TEXT, "{}", view.bytes());
+        let huge = ModuleEvent {
+            version: "v".repeat(1 << 20),
+            image_digest: "d".repeat(1 << 20),
+            ..event("m", Action::Load, Outcome::Succeeded, 2)
+        };
+        view.record("n", &huge, |_| true).unwrap();
+        let proof = &view.loaded[&id("m")];
+        assert_eq!(proof.version.len(), MODULE_VERSION);
+        assert_eq!(proof.image_digest.len(), MODULE_VERSION);
     }
 
     #[test]
