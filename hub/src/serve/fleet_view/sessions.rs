@@ -8,12 +8,13 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
+use kmm_proto::limits::{INVENTORY_KERNELS, KERNEL_RELEASE};
 use kmm_proto::v1::{DevicePluginReport, KernelInventory, ModuleIntent};
 use tokio::sync::watch;
 
 use crate::fleet::inventory::{self, InventoryRefused};
 use crate::fleet::module_view::ClusterSight;
-use crate::fleet::node_statuses::NodeStatuses;
+use crate::fleet::node_statuses::{self, NodeStatuses};
 use crate::fleet::outbox::Outbox;
 use crate::serve::outbound::OutboundSender;
 
@@ -26,6 +27,19 @@ pub type SessionId = u64;
 pub struct Connections {
     pub open: BTreeSet<String>,
     pub closed_at: BTreeMap<String, Time>,
+}
+
+/// What a kept kernel and a device plugin count cost beyond their names (allocation and
+/// map slot; approximate, on the high side).
+const KERNEL_OVERHEAD: usize = 48;
+const PLUGIN_OVERHEAD: usize = 96;
+
+/// The most [`ClusterSession::reported_bytes`] can be when the hub knows `modules`
+/// modules whose (namespace, name) take at most `module_name_bytes` each.
+pub fn reported_bytes_bound(modules: usize, module_name_bytes: usize) -> usize {
+    INVENTORY_KERNELS * (KERNEL_RELEASE + KERNEL_OVERHEAD)
+        + node_statuses::MAX_BYTES
+        + modules * (module_name_bytes + PLUGIN_OVERHEAD)
 }
 
 /// One cluster's session state.
@@ -154,6 +168,21 @@ impl ClusterSession {
             .collect();
         self.device_plugins = now;
         (changed, unknown)
+    }
+
+    /// The bytes the session holds of what its proxy reported (kernels, node statuses,
+    /// device plugin counts), accounted as `NodeStatuses::bytes` does: bounded by
+    /// [`reported_bytes_bound`] for the modules the hub knows.
+    pub fn reported_bytes(&self) -> usize {
+        let kernels = self.kernels.as_ref().map_or(0, |kernels| {
+            kernels.iter().map(|k| k.len() + KERNEL_OVERHEAD).sum()
+        });
+        let plugins: usize = self
+            .device_plugins
+            .keys()
+            .map(|(namespace, name)| namespace.len() + name.len() + PLUGIN_OVERHEAD)
+            .sum();
+        kernels + self.statuses.bytes() + plugins
     }
 
     /// What the session shows of one module at `generation`.
