@@ -75,10 +75,15 @@ pub mod limits {
         &text[..end]
     }
 
-    /// Cuts `text` in place to at most `max` bytes (see [`truncated`]).
+    /// Cuts `text` in place to at most `max` bytes (see [`truncated`]), releasing what it
+    /// no longer needs: a cut text keeping the capacity of a megabyte one would hold the
+    /// megabyte all the same.
     pub fn truncate(text: &mut String, max: usize) {
         let keep = truncated(text, max).len();
-        text.truncate(keep);
+        if keep < text.len() {
+            text.truncate(keep);
+            text.shrink_to_fit();
+        }
     }
 }
 

@@ -38,3 +38,11 @@ fn truncation_keeps_whole_chars() {
     truncate(&mut text, 5);
     assert_eq!(text, "😀");
 }
+
+#[test]
+fn a_cut_text_holds_no_more_than_it_keeps() {
+    let mut text = "x".repeat(1 << 20);
+    truncate(&mut text, 16);
+    assert_eq!(text.len(), 16);
+    assert!(text.capacity() < 1 << 10, "{}", text.capacity());
+}
