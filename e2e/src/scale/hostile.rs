@@ -51,9 +51,11 @@ pub struct HostileTraffic {
 /// The messages of one hostile stream, the `n`th: each stream tries another attack.
 fn attack(n: u64, module: &ModuleKey) -> Vec<ProxyMessage> {
     let message = |m| ProxyMessage { message: Some(m) };
-    let inventory = |kernels: Vec<String>| {
+    // Each inventory of a stream newer than the one before: the hub ignores a late
+    // duplicate before looking at it.
+    let inventory = |revision: u64, kernels: Vec<String>| {
         message(proxy_message::Message::Inventory(KernelInventory {
-            revision: n + 1,
+            revision,
             kernels: kernels
                 .into_iter()
                 .map(|release| Kernel { release })
@@ -97,7 +99,7 @@ fn attack(n: u64, module: &ModuleKey) -> Vec<ProxyMessage> {
             proxy_version: "hostile".into(),
             applied_intent_revision: 0,
         })),
-        inventory(made_up),
+        inventory(1, made_up),
     ];
     match n % 3 {
         // Oversized statuses of a real module, a report whose parts never end: refused
@@ -120,13 +122,14 @@ fn attack(n: u64, module: &ModuleKey) -> Vec<ProxyMessage> {
                 messages.push(statuses(&stranger(batch), batch, false));
             }
             messages.push(inventory(
+                2,
                 (0..=4 * INVENTORY_KERNELS)
                     .map(|k| format!("6.{n}.{k}"))
                     .collect(),
             ));
         }
         // A kernel name no kernel has.
-        _ => messages.push(inventory(vec![format!("6.1 {}", "x".repeat(1 << 20))])),
+        _ => messages.push(inventory(2, vec![format!("6.1 {}", "x".repeat(1 << 20))])),
     }
     messages
 }
