@@ -1,29 +1,65 @@
 //! What a spoke proxy with a valid certificate can send the hub, on arbitrary bytes:
-//! decoding, assembling and applying node status reports to the cluster's record and counting a
-//! module's status from it never panics, keeps only statuses of known modules, and never
-//! holds more than the bound.
+//! decoding and applying inventories, node status reports (in parts, arriving over
+//! time) and device plugin reports to the cluster's session, and counting a module's
+//! status from it, never panics, keeps only statuses and plugin counts of known modules,
+//! and never holds more than the documented bounds: the session's accounted bytes stay
+//! within `reported_bytes_bound` and its kernels within the inventory limits.
 
 #![no_main]
 
-use kmm_hub::fleet::node_statuses::{MAX_ENTRIES, NodeStatuses};
+use std::time::{Duration, Instant};
+
+use kmm_hub::fleet::node_statuses::{MAX_BYTES, MAX_ENTRIES};
 use kmm_hub::fleet::status::{ClusterReport, module_status};
+use kmm_hub::serve::fleet_view::sessions::{ClusterSession, reported_bytes_bound};
+use kmm_proto::limits::{ERROR_TEXT, INVENTORY_KERNELS, valid_kernel_release};
 use kmm_proto::v1::{ProxyMessage, proxy_message};
 use libfuzzer_sys::fuzz_target;
 use prost::Message as _;
 
 fuzz_target!(|data: &[u8]| {
-    let mut statuses = NodeStatuses::default();
-    // Several messages in a row, as a stream carries them.
+    let mut session = ClusterSession::default();
+    let known = |namespace: &str, name: &str| namespace == "ns" && name == "m";
+    let start = Instant::now();
+    let mut now = start;
+    // Several messages in a row, as a stream carries them; each chunk's first byte is
+    // the seconds elapsed since the one before (reports in parts may outlive their
+    // deadline).
     for chunk in data.split(|b| *b == 0xff) {
+        let Some((elapsed, chunk)) = chunk.split_first() else {
+            continue;
+        };
+        now += Duration::from_secs(u64::from(*elapsed));
         let Ok(message) = ProxyMessage::decode(chunk) else {
             continue;
         };
-        if let Some(proxy_message::Message::Status(part)) = message.message {
-            let _ = statuses.receive(part, |namespace, name| namespace == "ns" && name == "m");
+        match message.message {
+            Some(proxy_message::Message::Status(part)) => {
+                let _ = session.statuses.receive(part, known, now);
+            }
+            Some(proxy_message::Message::Inventory(inventory)) => {
+                let _ = session.receive_inventory(inventory);
+            }
+            Some(proxy_message::Message::DevicePlugins(report)) => {
+                session.receive_device_plugins(report, known);
+            }
+            Some(proxy_message::Message::Hello(_)) | None => {}
         }
-        assert!(statuses.len() <= MAX_ENTRIES);
-        assert!(statuses.module("ns", "other").is_empty());
-        let nodes = statuses.module("ns", "m");
+        assert!(session.statuses.len() <= MAX_ENTRIES);
+        assert!(session.statuses.bytes() <= MAX_BYTES);
+        assert!(session.reported_bytes() <= reported_bytes_bound(1, "ns".len() + "m".len()));
+        if let Some(kernels) = &session.kernels {
+            assert!(kernels.len() <= INVENTORY_KERNELS);
+            assert!(kernels.iter().all(|k| valid_kernel_release(k)));
+        }
+        assert!(session.statuses.module("ns", "other").is_empty());
+        assert_eq!(session.sight("ns", "other", None).device_plugin, None);
+        let nodes = session.statuses.module("ns", "m");
+        assert!(
+            nodes
+                .iter()
+                .all(|s| s.message().len() <= ERROR_TEXT && s.reason().len() <= ERROR_TEXT)
+        );
         let counted = module_status(
             Some(1),
             &[ClusterReport {

@@ -1,9 +1,13 @@
 //! What a node agent with a valid token can send the proxy, on arbitrary bytes: decoding
 //! and applying hellos and events to the cluster's state never panics, statuses stay those
-//! of the node's own intents, and labels are only ever for modules the proxy knows.
+//! of the node's own intents, labels are only ever for modules the proxy knows, and the
+//! agent's view stays within its budget: one proof and one failure (error cut to
+//! `ERROR_TEXT`, version and digest to `MODULE_VERSION`) per module sent to the node or
+//! named loaded by its last hello (at most `AGENT_LOADED`, as the server refuses more).
 
 #![no_main]
 
+use kmm_proto::limits::{AGENT_LOADED, ERROR_TEXT, MODULE_VERSION};
 use kmm_proto::v1::{
     AgentMessage, IntentSnapshot, KernelTarget, ModuleIntent, ModuleKey, ModuleLoad, agent_message,
     kernel_target::Target,
@@ -40,15 +44,46 @@ fuzz_target!(|data: &[u8]| {
         }],
         ..IntentSnapshot::default()
     });
+    // What one module costs the view at most: its key (as long as the hello allowed it),
+    // a proof, a failure and their map entries.
+    let per_module = |key: usize| 2 * (key + 64) + 2 * MODULE_VERSION + ERROR_TEXT;
+    let mut budget = per_module("ns".len() + "m".len());
     for chunk in data.split(|b| *b == 0xff) {
         let Ok(message) = AgentMessage::decode(chunk) else {
             continue;
         };
         match message.message {
-            Some(agent_message::Message::Hello(hello)) => state.agent_hello("n", &hello),
-            Some(agent_message::Message::Event(event)) => state.agent_event("n", &event),
+            Some(agent_message::Message::Hello(hello)) => {
+                // The server refuses a hello naming more before it reaches the state.
+                if hello.loaded.len() > AGENT_LOADED {
+                    continue;
+                }
+                budget = per_module("ns".len() + "m".len())
+                    + hello.boot_id.len()
+                    + hello.kernel_release.len()
+                    + hello
+                        .loaded
+                        .iter()
+                        .map(|m| {
+                            per_module(
+                                m.key
+                                    .as_ref()
+                                    .map_or(0, |k| k.namespace.len() + k.name.len()),
+                            )
+                        })
+                        .sum::<usize>();
+                state.agent_hello("n", &hello);
+            }
+            Some(agent_message::Message::Event(event)) => {
+                let _ = state.agent_event("n", &event);
+            }
             None => {}
         }
+        assert!(
+            state.agent_bytes() <= "n".len() + budget,
+            "{} bytes held, budget {budget}",
+            state.agent_bytes()
+        );
         let statuses = state.all_statuses();
         for node in statuses.values() {
             for id in node.keys() {

@@ -1,6 +1,10 @@
 //! Every module's resolution per kernel, computed once per module generation: resolving
 //! validates the spec and compiles its mappings' regexps, which recomputing a snapshot for
 //! each of thousands of clusters must not repeat. Pure.
+//!
+//! The kernels come from proxies, so what is cached for them is bounded: kernels no
+//! cluster reports any more are forgotten ([`Resolutions::retain_kernels`]), and a
+//! generation never holds more than [`MAX_KERNELS_PER_GENERATION`].
 
 use std::collections::{BTreeSet, HashMap};
 
@@ -51,6 +55,12 @@ impl ModuleResolutions {
 /// resolve each afresh.
 const GENERATIONS_KEPT: usize = 4;
 
+/// The most kernels one module generation keeps resolutions for. A generation about to
+/// hold more forgets those the current request does not ask for: a proxy cycling through
+/// made-up kernels between two sweeps of [`Resolutions::retain_kernels`] cannot grow it,
+/// while a fleet's real kernels (hundreds at most) always fit.
+pub const MAX_KERNELS_PER_GENERATION: usize = 4_096;
+
 /// The resolutions of every module, by name: the generations used last, most recent last.
 #[derive(Debug, Default)]
 pub struct Resolutions {
@@ -68,6 +78,9 @@ impl Resolutions {
         let name = module.name_any();
         let entry = self.generation(module);
         let missing = entry.missing(kernels);
+        if entry.kernels.len() + missing.len() > MAX_KERNELS_PER_GENERATION {
+            entry.kernels.retain(|kernel, _| kernels.contains(kernel));
+        }
         if !missing.is_empty() {
             match Resolver::new(&module.spec.module_spec, identity(&name, module)) {
                 Err(errors) => entry.invalid = Some(errors.to_string()),
@@ -119,6 +132,23 @@ impl Resolutions {
     /// Forgets every module `keep` refuses (deleted modules).
     pub fn retain(&mut self, keep: impl Fn(&str) -> bool) {
         self.modules.retain(|name, _| keep(name));
+    }
+
+    /// Forgets the resolutions of every kernel `keep` refuses (kernels no cluster
+    /// reports any more), of every module and generation.
+    pub fn retain_kernels(&mut self, keep: impl Fn(&str) -> bool) {
+        for generation in self.modules.values_mut().flatten() {
+            generation.kernels.retain(|kernel, _| keep(kernel));
+        }
+    }
+
+    /// How many kernel resolutions are cached, over every module and generation.
+    pub fn cached_kernels(&self) -> usize {
+        self.modules
+            .values()
+            .flatten()
+            .map(|generation| generation.kernels.len())
+            .sum()
     }
 
     /// What the cache holds for the module's current generation.
@@ -222,6 +252,41 @@ mod tests {
 
         r.retain(|_| false);
         assert!(r.cached(&two).is_none());
+    }
+
+    #[test]
+    fn kernels_no_cluster_reports_any_more_are_forgotten() {
+        let one = mcm(
+            1,
+            "{regexp: '.*', containerImage: 'r/x:${KERNEL_FULL_VERSION}'}",
+        );
+        let mut r = Resolutions::default();
+        r.resolve(&one, &kernels(&["6.1", "6.2", "junk1", "junk2"]));
+        assert_eq!(r.cached_kernels(), 4);
+        r.retain_kernels(|kernel| kernel.starts_with("6."));
+        assert_eq!(r.cached_kernels(), 2);
+        assert!(r.cached(&one).unwrap().kernel("junk1").is_none());
+        assert_eq!(image(&mut r, &one, "6.2"), "r/x:6.2", "the rest stay");
+    }
+
+    #[test]
+    fn a_generation_never_caches_more_than_its_bound_of_kernels() {
+        let one = mcm(
+            1,
+            "{regexp: '.*', containerImage: 'r/x:${KERNEL_FULL_VERSION}'}",
+        );
+        let mut r = Resolutions::default();
+        // A proxy sending a new batch of made-up kernels each time.
+        for batch in 0..10 {
+            let junk: BTreeSet<String> = (0..1_000).map(|i| format!("6.{batch}.{i}")).collect();
+            let resolved = r.resolve(&one, &junk);
+            assert!(junk.iter().all(|k| resolved.kernel(k).is_some()));
+            assert!(
+                r.cached_kernels() <= MAX_KERNELS_PER_GENERATION,
+                "{}",
+                r.cached_kernels()
+            );
+        }
     }
 
     #[test]

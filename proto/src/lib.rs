@@ -32,6 +32,59 @@ pub mod limits {
     /// cluster is sent: at one a millisecond this lasts 285,000 years, so a peer naming
     /// more is broken or hostile, and the hub's next revision can never overflow.
     pub const MAX_INTENT_REVISION: u64 = 1 << 53;
+    /// The longest kernel release a peer may name (`KernelInventory`): Linux's
+    /// `utsname.release` holds at most 64 bytes.
+    pub const KERNEL_RELEASE: usize = 64;
+    /// The most distinct kernels one cluster's inventory may name. Every kernel is
+    /// resolved for every module and may become an image to check, so a cluster naming
+    /// more is refused rather than allowed to multiply the hub's work and memory; a real
+    /// cluster runs a handful.
+    pub const INVENTORY_KERNELS: usize = 256;
+    /// The bytes of an error text a receiver keeps and logs: an agent event's error on the
+    /// proxy, a node status's reason and message on the hub. Longer texts are cut (at a
+    /// char boundary): enough for modprobe's or a registry's answer, while a peer sending
+    /// megabytes per error cannot make its receiver hold them.
+    pub const ERROR_TEXT: usize = 2 << 10;
+    /// The most modules an agent's hello may name as loaded (`AgentHello.loaded`): the
+    /// proxy keeps a proof, and possibly a failure, for each. A node runs a handful.
+    pub const AGENT_LOADED: usize = 256;
+    /// The bytes of a module's version or image digest a receiver keeps (an OCI digest
+    /// is 71, a version a label value of at most 63).
+    pub const MODULE_VERSION: usize = 128;
+
+    /// Whether `release` is a kernel release a peer may name: 1 to [`KERNEL_RELEASE`]
+    /// bytes of ASCII letters, digits and `.`, `-`, `_`, `+`, `~` (what `uname -r` shows
+    /// of distribution and custom kernels alike, and what image tags can carry).
+    pub fn valid_kernel_release(release: &str) -> bool {
+        !release.is_empty()
+            && release.len() <= KERNEL_RELEASE
+            && release
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._-+~".contains(&b))
+    }
+
+    /// `text` cut to at most `max` bytes, at the last char boundary that fits.
+    pub fn truncated(text: &str, max: usize) -> &str {
+        if text.len() <= max {
+            return text;
+        }
+        let end = (0..=max)
+            .rev()
+            .find(|&i| text.is_char_boundary(i))
+            .unwrap_or(0);
+        &text[..end]
+    }
+
+    /// Cuts `text` in place to at most `max` bytes (see [`truncated`]), releasing what it
+    /// no longer needs: a cut text keeping the capacity of a megabyte one would hold the
+    /// megabyte all the same.
+    pub fn truncate(text: &mut String, max: usize) {
+        let keep = truncated(text, max).len();
+        if keep < text.len() {
+            text.truncate(keep);
+            text.shrink_to_fit();
+        }
+    }
 }
 
 /// A node status report cut into parts of at most `max_bytes` of entries each (at least

@@ -20,13 +20,38 @@ use crate::agent_auth::{AuthError, Authenticated, TokenAuthenticator};
 use crate::metrics::Metrics;
 use crate::review_cache;
 use crate::shared_state::SharedState;
+use kmm_proto::limits::{AGENT_LOADED, truncated};
 use kmm_runtime::rate_limit::TokenBucket;
 
 type Replacement = (u64, oneshot::Sender<()>);
 
-/// Events one agent may send at once, and then per second.
+/// Events one node's agent may send at once, and then per second: a budget of the node,
+/// kept across its streams, so that reconnecting does not refill it.
 const EVENT_BURST: u32 = 200;
 const EVENTS_PER_SECOND: u32 = 20;
+
+/// The bytes of an event's error the proxy logs at info level: the log says what failed;
+/// the status the hub gets carries the error up to `kmm_proto::limits::ERROR_TEXT`.
+const LOGGED_ERROR: usize = 256;
+
+/// Every node's event budget. One entry per node whose agent authenticated (its token
+/// is bound to a Node), so it grows with the cluster's nodes, not with reconnects.
+#[derive(Debug, Default)]
+struct EventBudgets {
+    nodes: Mutex<HashMap<String, TokenBucket>>,
+}
+
+impl EventBudgets {
+    /// Takes one event from `node`'s budget; false when it is spent.
+    fn try_take(&self, node: &str, now: std::time::Instant) -> bool {
+        self.nodes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(node.to_owned())
+            .or_insert_with(|| TokenBucket::new(EVENT_BURST, EVENTS_PER_SECOND, now))
+            .try_take(now)
+    }
+}
 
 /// How long an authenticated agent may take to say hello.
 const HELLO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
@@ -41,6 +66,7 @@ pub struct AgentService {
     /// Per node, the current stream's number and the means to end it when replaced.
     streams: Arc<Mutex<HashMap<String, Replacement>>>,
     next_stream: Arc<std::sync::atomic::AtomicU64>,
+    events: Arc<EventBudgets>,
 }
 
 impl AgentService {
@@ -57,6 +83,7 @@ impl AgentService {
             cancel,
             streams: Arc::default(),
             next_stream: Arc::default(),
+            events: Arc::default(),
         }
     }
 
@@ -164,6 +191,15 @@ impl Agent for AgentService {
                 ));
             }
         };
+        if hello.loaded.len() > AGENT_LOADED {
+            return Err(self.refuse(
+                "too_many_loaded",
+                Status::invalid_argument(format!(
+                    "AgentHello.loaded of node {node:?} names {} modules, more than the {AGENT_LOADED} an agent may report",
+                    hello.loaded.len()
+                )),
+            ));
+        }
         if hello.node_name != node {
             return Err(self.refuse(
                 "node_mismatch",
@@ -223,10 +259,6 @@ impl AgentService {
             }
         };
         tokio::pin!(expired);
-        // An agent sends an event per load or unload attempt: a burst at start, then a
-        // trickle. One that floods is cut off, so it cannot starve the other nodes.
-        let mut events =
-            TokenBucket::new(EVENT_BURST, EVENTS_PER_SECOND, std::time::Instant::now());
         loop {
             changes.borrow_and_update();
             let revision = self.state.read(|s| s.desired_revision(node));
@@ -263,7 +295,11 @@ impl AgentService {
                 _ = changes.changed() => {}
                 message = inbound.message() => match message {
                     Ok(Some(AgentMessage { message: Some(agent_message::Message::Event(event)) })) => {
-                        if !events.try_take(std::time::Instant::now()) {
+                        // An agent sends an event per load or unload attempt: a burst at
+                        // start, then a trickle. One that floods is cut off, so it cannot
+                        // starve the other nodes, and finds its budget spent when it
+                        // reconnects.
+                        if !self.events.try_take(node, std::time::Instant::now()) {
                             self.refuse("flooding", Status::resource_exhausted("too many events"));
                             let _ = tx.send(Err(Status::resource_exhausted(format!(
                                 "more than {EVENTS_PER_SECOND} events a second from node {node:?}; reconnect later"
@@ -277,10 +313,13 @@ impl AgentService {
                             outcome = event.outcome().as_str_name(),
                             version = event.version,
                             desired_revision = event.desired_revision,
-                            error = event.error,
+                            error = truncated(&event.error, LOGGED_ERROR),
                             "agent event"
                         );
-                        self.state.update(|s| s.agent_event(node, &event));
+                        if let Err(refused) = self.state.update(|s| s.agent_event(node, &event)) {
+                            self.metrics.agent_events_refused.inc();
+                            tracing::warn!(error = %refused, "agent event dropped");
+                        }
                     }
                     Ok(Some(_)) => tracing::debug!("unexpected message from the agent ignored"),
                     Ok(None) => return "agent closed the stream",
@@ -288,5 +327,27 @@ impl AgentService {
                 },
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+
+    #[test]
+    fn a_nodes_event_budget_outlives_its_stream() {
+        let budgets = EventBudgets::default();
+        let start = Instant::now();
+        for _ in 0..EVENT_BURST {
+            assert!(budgets.try_take("n1", start));
+        }
+        assert!(!budgets.try_take("n1", start), "the burst is spent");
+        // The agent reconnects at once: the budget is the node's, not the stream's.
+        assert!(!budgets.try_take("n1", start));
+        assert!(budgets.try_take("n2", start), "another node has its own");
+        let later = start + Duration::from_secs(1);
+        assert!(budgets.try_take("n1", later), "and it refills with time");
     }
 }

@@ -1,8 +1,15 @@
 //! What a node's agent has proven since it last said hello: which modules it has
 //! loaded (and at which DesiredModules revision), and its last failures. Pure.
+//!
+//! An agent's events are bounded before they are kept: a load only of a module the
+//! proxy sent the node, an unload also of one the agent holds loaded (its hello names at
+//! most `AGENT_LOADED`), each error cut to [`ERROR_TEXT`] bytes and each version and
+//! digest to [`MODULE_VERSION`], so a node's view holds at most one proof and one
+//! failure per such module.
 
 use std::collections::BTreeMap;
 
+use kmm_proto::limits::{ERROR_TEXT, MODULE_VERSION, truncated};
 use kmm_proto::v1::{Action, AgentHello, ModuleEvent, Outcome};
 
 use crate::module_id::ModuleId;
@@ -23,6 +30,16 @@ pub struct Failure {
     pub action: Action,
     pub revision: u64,
     pub error: String,
+}
+
+/// An event refused: it names a module the proxy never sent the node.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "ModuleEvent.key names module {module}, which the proxy did not send node {node:?} (and, for an unload, the agent does not hold loaded)"
+)]
+pub struct UnknownModule {
+    pub node: String,
+    pub module: ModuleId,
 }
 
 /// One node agent's proven state.
@@ -47,8 +64,8 @@ impl AgentView {
                     (
                         ModuleId::from_key(m.key.as_ref()),
                         LoadedProof {
-                            version: m.version.clone(),
-                            image_digest: m.image_digest.clone(),
+                            version: truncated(&m.version, MODULE_VERSION).to_owned(),
+                            image_digest: truncated(&m.image_digest, MODULE_VERSION).to_owned(),
                             revision: None,
                         },
                     )
@@ -58,12 +75,30 @@ impl AgentView {
         }
     }
 
-    /// Records one event. A failed load leaves nothing loaded (the agent rolls back what
-    /// the attempt loaded, and replaces an old version only after unloading it); a failed
-    /// unload leaves the module loaded.
-    pub fn record(&mut self, event: &ModuleEvent) {
+    /// Records one event of `node`'s agent. A failed load leaves nothing loaded (the
+    /// agent rolls back what the attempt loaded, and replaces an old version only after
+    /// unloading it); a failed unload leaves the module loaded. A load of a module `sent`
+    /// denies (not in the node's DesiredModules), or an unload of one neither sent nor
+    /// held loaded, is refused; failures of modules neither sent nor loaded are
+    /// forgotten.
+    pub fn record(
+        &mut self,
+        node: &str,
+        event: &ModuleEvent,
+        sent: impl Fn(&ModuleId) -> bool,
+    ) -> Result<(), UnknownModule> {
         let id = ModuleId::from_key(event.key.as_ref());
         let action = Action::try_from(event.action).unwrap_or(Action::Unspecified);
+        let unload_of_loaded = action == Action::Unload && self.loaded.contains_key(&id);
+        if !sent(&id) && !unload_of_loaded {
+            return Err(UnknownModule {
+                node: node.to_owned(),
+                module: id,
+            });
+        }
+        self.failures
+            .retain(|module, _| sent(module) || self.loaded.contains_key(module));
+        let error = || truncated(&event.error, ERROR_TEXT).to_owned();
         let outcome = Outcome::try_from(event.outcome).unwrap_or(Outcome::Unspecified);
         match (action, outcome) {
             (Action::Load, Outcome::Succeeded) => {
@@ -71,8 +106,8 @@ impl AgentView {
                 self.loaded.insert(
                     id,
                     LoadedProof {
-                        version: event.version.clone(),
-                        image_digest: event.image_digest.clone(),
+                        version: truncated(&event.version, MODULE_VERSION).to_owned(),
+                        image_digest: truncated(&event.image_digest, MODULE_VERSION).to_owned(),
                         revision: Some(event.desired_revision),
                     },
                 );
@@ -88,7 +123,7 @@ impl AgentView {
                     Failure {
                         action,
                         revision: event.desired_revision,
-                        error: event.error.clone(),
+                        error: error(),
                     },
                 );
             }
@@ -98,13 +133,33 @@ impl AgentView {
                     Failure {
                         action,
                         revision: event.desired_revision,
-                        error: event.error.clone(),
+                        error: error(),
                     },
                 );
             }
             // Nothing can be concluded from an event that does not say what happened.
             _ => {}
         }
+        Ok(())
+    }
+
+    /// The bytes the view holds beyond its fixed size (strings, map entries; approximate,
+    /// on the high side): what the bounds above keep small.
+    pub fn bytes(&self) -> usize {
+        const ENTRY: usize = 64;
+        let id = |id: &ModuleId| id.namespace.len() + id.name.len() + ENTRY;
+        self.boot_id.len()
+            + self.kernel_release.len()
+            + self
+                .loaded
+                .iter()
+                .map(|(m, p)| id(m) + p.version.len() + p.image_digest.len())
+                .sum::<usize>()
+            + self
+                .failures
+                .iter()
+                .map(|(m, f)| id(m) + f.error.len())
+                .sum::<usize>()
     }
 }
 
@@ -144,7 +199,12 @@ mod tests {
     #[test]
     fn hello_replaces_everything_known() {
         let mut view = AgentView::default();
-        view.record(&event("old", Action::Load, Outcome::Succeeded, 1));
+        view.record(
+            "n",
+            &event("old", Action::Load, Outcome::Succeeded, 1),
+            |_| true,
+        )
+        .unwrap();
         let hello = AgentHello {
             node_name: "n".into(),
             boot_id: "b2".into(),
@@ -172,9 +232,19 @@ mod tests {
     #[test]
     fn load_success_then_unload_success() {
         let mut view = AgentView::default();
-        view.record(&event("m", Action::Load, Outcome::Succeeded, 7));
+        view.record(
+            "n",
+            &event("m", Action::Load, Outcome::Succeeded, 7),
+            |_| true,
+        )
+        .unwrap();
         assert_eq!(view.loaded[&id("m")].revision, Some(7));
-        view.record(&event("m", Action::Unload, Outcome::Succeeded, 8));
+        view.record(
+            "n",
+            &event("m", Action::Unload, Outcome::Succeeded, 8),
+            |_| true,
+        )
+        .unwrap();
         assert!(view.loaded.is_empty());
         assert!(view.failures.is_empty());
     }
@@ -182,30 +252,108 @@ mod tests {
     #[test]
     fn failed_load_means_not_loaded_and_keeps_the_error() {
         let mut view = AgentView::default();
-        view.record(&event("m", Action::Load, Outcome::Succeeded, 1));
-        view.record(&event("m", Action::Load, Outcome::Failed, 2));
+        view.record(
+            "n",
+            &event("m", Action::Load, Outcome::Succeeded, 1),
+            |_| true,
+        )
+        .unwrap();
+        view.record("n", &event("m", Action::Load, Outcome::Failed, 2), |_| true)
+            .unwrap();
         assert!(!view.loaded.contains_key(&id("m")));
         let failure = &view.failures[&id("m")];
         assert_eq!(failure.revision, 2);
         assert!(failure.error.contains("Invalid argument"));
-        view.record(&event("m", Action::Load, Outcome::Succeeded, 3));
+        view.record(
+            "n",
+            &event("m", Action::Load, Outcome::Succeeded, 3),
+            |_| true,
+        )
+        .unwrap();
         assert!(view.failures.is_empty());
     }
 
     #[test]
     fn failed_unload_keeps_the_module_loaded() {
         let mut view = AgentView::default();
-        view.record(&event("m", Action::Load, Outcome::Succeeded, 1));
-        view.record(&event("m", Action::Unload, Outcome::Failed, 2));
+        view.record(
+            "n",
+            &event("m", Action::Load, Outcome::Succeeded, 1),
+            |_| true,
+        )
+        .unwrap();
+        view.record("n", &event("m", Action::Unload, Outcome::Failed, 2), |_| {
+            true
+        })
+        .unwrap();
         assert!(view.loaded.contains_key(&id("m")));
         assert_eq!(view.failures[&id("m")].action, Action::Unload);
     }
 
     #[test]
+    fn events_of_modules_never_sent_are_refused_and_kept_nowhere() {
+        let mut view = AgentView::default();
+        let sent = |m: &ModuleId| m.name == "m";
+        for i in 0..1_000 {
+            let stranger = event(&format!("x{i}"), Action::Load, Outcome::Failed, 1);
+            let refused = view.record("n", &stranger, sent).unwrap_err();
+            assert_eq!(refused.module, id(&format!("x{i}")));
+        }
+        assert_eq!(view, AgentView::default());
+        view.record("n", &event("m", Action::Load, Outcome::Succeeded, 1), sent)
+            .unwrap();
+        // No longer sent (the node was deselected, say), but loaded: its unload counts.
+        let unloaded = event("m", Action::Unload, Outcome::Succeeded, 2);
+        view.record("n", &unloaded, |_| false).unwrap();
+        assert!(view.loaded.is_empty());
+    }
+
+    #[test]
+    fn an_error_is_kept_cut_to_the_limit() {
+        let mut view = AgentView::default();
+        let huge = ModuleEvent {
+            error: "é".repeat(1 << 20),
+            ..event("m", Action::Load, Outcome::Failed, 1)
+        };
+        view.record("n", &huge, |_| true).unwrap();
+        let kept = &view.failures[&id("m")].error;
+        assert!(kept.len() <= ERROR_TEXT && kept.len() > ERROR_TEXT - 2);
+        assert!(view.bytes() < 2 * ERROR_TEXT, "{}", view.bytes());
+        let huge = ModuleEvent {
+            version: "v".repeat(1 << 20),
+            image_digest: "d".repeat(1 << 20),
+            ..event("m", Action::Load, Outcome::Succeeded, 2)
+        };
+        view.record("n", &huge, |_| true).unwrap();
+        let proof = &view.loaded[&id("m")];
+        assert_eq!(proof.version.len(), MODULE_VERSION);
+        assert_eq!(proof.image_digest.len(), MODULE_VERSION);
+    }
+
+    #[test]
+    fn failures_of_modules_no_longer_sent_are_forgotten() {
+        let mut view = AgentView::default();
+        let failed = |name: &str| event(name, Action::Load, Outcome::Failed, 1);
+        view.record("n", &failed("a"), |_| true).unwrap();
+        view.record("n", &failed("b"), |m| m.name == "b").unwrap();
+        assert_eq!(view.failures.keys().collect::<Vec<_>>(), [&id("b")]);
+    }
+
+    #[test]
     fn events_without_action_or_outcome_change_nothing() {
         let mut view = AgentView::default();
-        view.record(&event("m", Action::Unspecified, Outcome::Succeeded, 1));
-        view.record(&event("m", Action::Load, Outcome::Unspecified, 1));
+        view.record(
+            "n",
+            &event("m", Action::Unspecified, Outcome::Succeeded, 1),
+            |_| true,
+        )
+        .unwrap();
+        view.record(
+            "n",
+            &event("m", Action::Load, Outcome::Unspecified, 1),
+            |_| true,
+        )
+        .unwrap();
         assert_eq!(view, AgentView::default());
     }
 }

@@ -14,7 +14,7 @@ use serde_json::Value;
 
 use kmm_api::labels::{ready_label, version_module_label};
 
-use crate::agent_view::AgentView;
+use crate::agent_view::{AgentView, UnknownModule};
 use crate::inventory::{Inventory, kernels};
 use crate::labels::{LabelIntent, label_intent, merge_patch};
 use crate::module_id::ModuleId;
@@ -200,14 +200,36 @@ impl ClusterState {
         self.place_waiting();
     }
 
-    pub fn agent_event(&mut self, node: &str, event: &ModuleEvent) {
+    /// One event of `node`'s agent. An event of a module the node's DesiredModules do
+    /// not carry (and the agent does not hold loaded) is refused and changes nothing: an
+    /// agent cannot make the proxy keep modules of its own naming.
+    pub fn agent_event(&mut self, node: &str, event: &ModuleEvent) -> Result<(), UnknownModule> {
+        let work = self.work.get(node);
+        let sent = |id: &ModuleId| {
+            work.is_some_and(|w| {
+                w.modules.iter().any(|m| {
+                    m.key
+                        .as_ref()
+                        .is_some_and(|k| k.namespace == id.namespace && k.name == id.name)
+                })
+            })
+        };
         let view = self.agents.entry(node.to_owned()).or_default();
-        view.record(event);
+        view.record(node, event, sent)?;
         for id in view.loaded.keys() {
             self.may_have.insert((id.clone(), node.to_owned()));
         }
         self.place_node(node);
         self.place_waiting();
+        Ok(())
+    }
+
+    /// The bytes the agents' views hold (see `AgentView::bytes`).
+    pub fn agent_bytes(&self) -> usize {
+        self.agents
+            .iter()
+            .map(|(node, view)| node.len() + view.bytes())
+            .sum()
     }
 
     /// Every device plugin Pod there is, by module and node; `false` when nothing
@@ -846,7 +868,8 @@ mod tests {
             "labels absent and not loaded: nothing to do"
         );
 
-        s.agent_event("a", &event("m", Action::Load, Outcome::Succeeded, rev));
+        s.agent_event("a", &event("m", Action::Load, Outcome::Succeeded, rev))
+            .unwrap();
         assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Loaded));
         let patch = s.label_patch("a").unwrap();
         assert_eq!(
@@ -866,7 +889,8 @@ mod tests {
         s.agent_event(
             "a",
             &event("m", Action::Unload, Outcome::Succeeded, desired.revision),
-        );
+        )
+        .unwrap();
         assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Unloaded));
         let patch = s.label_patch("a").unwrap();
         assert!(patch["metadata"]["labels"]["kmm.node.kubernetes.io/ns.m.ready"].is_null());
@@ -891,17 +915,21 @@ mod tests {
     fn labels_of_a_module_forgotten_right_after_its_unload_still_go() {
         let mut s = cluster();
         s.set_intents(snapshot(1, vec![intent("m", "v1")]));
+        s.agent_hello("a", &hello("a", &[]));
+        let rev = s.desired_modules("a").revision;
+        s.agent_event("a", &event("m", Action::Load, Outcome::Succeeded, rev))
+            .unwrap();
+        // m was never sent to b (not selected): its agent says so only in its hello.
+        s.agent_hello("b", &hello("b", &[("m", "v1")]));
         for node in ["a", "b"] {
-            s.agent_hello(node, &hello(node, &[]));
-            let rev = s.desired_modules(node).revision;
-            s.agent_event(node, &event("m", Action::Load, Outcome::Succeeded, rev));
             s.upsert_node(labelled_m_v1(s.nodes[node].clone()));
         }
         let mut unloading = intent("m", "v1");
         unloading.unload = true;
         s.set_intents(snapshot(2, vec![unloading]));
         let rev = s.desired_modules("a").revision;
-        s.agent_event("a", &event("m", Action::Unload, Outcome::Succeeded, rev));
+        s.agent_event("a", &event("m", Action::Unload, Outcome::Succeeded, rev))
+            .unwrap();
         // The module leaves the snapshot before the patcher looked at node a.
         s.set_intents(snapshot(3, vec![]));
         let patch = s.label_patch("a").expect("the labels of a go");
@@ -915,6 +943,29 @@ mod tests {
     }
 
     #[test]
+    fn events_of_modules_never_sent_to_the_node_are_refused() {
+        let mut s = cluster();
+        s.set_intents(snapshot(1, vec![intent("m", "v1")]));
+        s.agent_hello("a", &hello("a", &[]));
+        s.agent_hello("b", &hello("b", &[]));
+        let before = s.agent_bytes();
+        for i in 0..1_000 {
+            let stranger = ModuleEvent {
+                error: "x".repeat(1 << 20),
+                ..event(&format!("x{i}"), Action::Load, Outcome::Failed, 1)
+            };
+            assert!(s.agent_event("a", &stranger).is_err());
+        }
+        // b is not selected: m was never sent to it.
+        assert!(
+            s.agent_event("b", &event("m", Action::Load, Outcome::Failed, 1))
+                .is_err()
+        );
+        assert_eq!(s.agent_bytes(), before);
+        assert_eq!(state_of(&s, "x1", "a"), None);
+    }
+
+    #[test]
     fn success_for_an_older_revision_does_not_count() {
         let mut s = cluster();
         s.set_intents(snapshot(1, vec![intent("m", "v1")]));
@@ -924,10 +975,10 @@ mod tests {
         assert!(new > old);
         let mut ev = event("m", Action::Load, Outcome::Succeeded, old);
         ev.version = "v2".into();
-        s.agent_event("a", &ev);
+        s.agent_event("a", &ev).unwrap();
         assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Pending));
         ev.desired_revision = new;
-        s.agent_event("a", &ev);
+        s.agent_event("a", &ev).unwrap();
         assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Loaded));
     }
 
@@ -936,7 +987,8 @@ mod tests {
         let mut s = cluster();
         s.set_intents(snapshot(1, vec![intent("m", "v1")]));
         let rev = s.desired_modules("a").revision;
-        s.agent_event("a", &event("m", Action::Load, Outcome::Succeeded, rev));
+        s.agent_event("a", &event("m", Action::Load, Outcome::Succeeded, rev))
+            .unwrap();
         let mut rotated = snapshot(2, vec![intent("m", "v1")]);
         rotated.credentials[0].content = Some(Content::DockerConfigJson(b"{\"new\":1}".to_vec()));
         s.set_intents(rotated);
@@ -952,7 +1004,8 @@ mod tests {
         let mut s = cluster();
         s.set_intents(snapshot(1, vec![intent("m", "v1")]));
         let rev = s.desired_modules("a").revision;
-        s.agent_event("a", &event("m", Action::Load, Outcome::Succeeded, rev));
+        s.agent_event("a", &event("m", Action::Load, Outcome::Succeeded, rev))
+            .unwrap();
         s.upsert_node(node("a", "6.2", "worker"));
         let desired = s.desired_modules("a");
         assert_eq!(
@@ -994,10 +1047,11 @@ mod tests {
         s.agent_event(
             node,
             &event("m", Action::Unload, Outcome::Succeeded, revision),
-        );
+        )
+        .unwrap();
         let mut loaded = event("m", Action::Load, Outcome::Succeeded, revision);
         loaded.version = version.into();
-        s.agent_event(node, &loaded);
+        s.agent_event(node, &loaded).unwrap();
     }
 
     #[test]
@@ -1022,11 +1076,12 @@ mod tests {
         s.agent_event(
             "x",
             &event("m", Action::Unload, Outcome::Succeeded, revision),
-        );
+        )
+        .unwrap();
         assert_eq!(versions(&s), [v("v2"), v("v1"), v("v1")], "x is still down");
         let mut loaded = event("m", Action::Load, Outcome::Succeeded, revision);
         loaded.version = "v2".into();
-        s.agent_event("x", &loaded);
+        s.agent_event("x", &loaded).unwrap();
         assert_eq!(versions(&s), [v("v2"), v("v2"), v("v1")]);
         upgrade(&mut s, "y", "v2");
         assert_eq!(versions(&s), [v("v2"), v("v2"), v("v2")]);
@@ -1041,7 +1096,8 @@ mod tests {
         let one = Some(module_intent::MaxUnavailable::MaxUnavailableNodes(1));
         let mut s = upgrading_cluster(one);
         let revision = s.desired_modules("x").revision;
-        s.agent_event("x", &event("m", Action::Load, Outcome::Failed, revision));
+        s.agent_event("x", &event("m", Action::Load, Outcome::Failed, revision))
+            .unwrap();
         assert_eq!(desired_version(&s, "y").as_deref(), Some("v1"));
         assert_eq!(desired_version(&s, "z").as_deref(), Some("v1"));
     }
@@ -1191,7 +1247,8 @@ mod tests {
         s.agent_event(
             "a",
             &event("m", Action::Load, Outcome::Succeeded, desired.revision),
-        );
+        )
+        .unwrap();
         assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Loaded));
         let patch = s.label_patch("a").expect("the ready labels");
         assert_eq!(
@@ -1215,7 +1272,8 @@ mod tests {
         s.agent_event(
             "a",
             &event("m", Action::Unload, Outcome::Succeeded, desired.revision),
-        );
+        )
+        .unwrap();
         assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Unloaded));
     }
 
@@ -1240,7 +1298,8 @@ mod tests {
         let mut s = cluster();
         s.set_intents(snapshot(1, vec![intent("m", "v1")]));
         let rev = s.desired_modules("a").revision;
-        s.agent_event("a", &event("m", Action::Load, Outcome::Failed, rev));
+        s.agent_event("a", &event("m", Action::Load, Outcome::Failed, rev))
+            .unwrap();
         let st = &statuses(&s)[&(id("m"), "a".to_string())];
         assert_eq!(st.state, ModuleState::Failed as i32);
         assert_eq!(st.reason, "LoadFailed");
@@ -1252,7 +1311,8 @@ mod tests {
         let mut s = cluster();
         s.set_intents(snapshot(1, vec![intent("m", "v1"), intent("keep", "v1")]));
         let rev = s.desired_modules("a").revision;
-        s.agent_event("a", &event("m", Action::Load, Outcome::Succeeded, rev));
+        s.agent_event("a", &event("m", Action::Load, Outcome::Succeeded, rev))
+            .unwrap();
         s.set_intents(snapshot(2, vec![intent("keep", "v1")]));
         let desired = s.desired_modules("a");
         assert_eq!(desired.modules.len(), 1);
@@ -1341,7 +1401,8 @@ mod tests {
         assert_eq!(s.take_label_dirty().len(), 2);
         assert!(s.take_status_dirty().is_empty());
         let rev = s.desired_revision("a");
-        s.agent_event("a", &event("m", Action::Load, Outcome::Succeeded, rev));
+        s.agent_event("a", &event("m", Action::Load, Outcome::Succeeded, rev))
+            .unwrap();
         assert_eq!(s.take_status_dirty(), ["a".to_string()].into());
         s.upsert_node(node("b", "6.2", "infra"));
         assert_eq!(
@@ -1407,7 +1468,8 @@ mod tests {
         assert_eq!(s.device_plugins().len(), 1);
         s.agent_hello("a", &hello("a", &[]));
         let rev = s.desired_modules("a").revision;
-        s.agent_event("a", &event("m", Action::Load, Outcome::Succeeded, rev));
+        s.agent_event("a", &event("m", Action::Load, Outcome::Succeeded, rev))
+            .unwrap();
         let patch = s.label_patch("a").unwrap();
         assert_eq!(
             patch["metadata"]["labels"]["kmm.node.kubernetes.io/ns.m.device-plugin-ready"],

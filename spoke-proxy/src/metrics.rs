@@ -20,6 +20,7 @@ pub struct Metrics {
     pub agents_connected: Gauge,
     pub agent_refusals: Family<ReasonLabel, Counter>,
     pub agent_events: Counter,
+    pub agent_events_refused: Counter,
     pub label_patches: Counter,
     pub label_patch_errors: Counter,
     pub token_reviews: Counter,
@@ -70,6 +71,11 @@ impl Metrics {
             "agent_events",
             "Load and unload events received from node agents",
             self.agent_events.clone(),
+        );
+        r.register(
+            "agent_events_refused",
+            "Node agent events dropped for naming a module the proxy never sent the node",
+            self.agent_events_refused.clone(),
         );
         r.register(
             "label_patches",

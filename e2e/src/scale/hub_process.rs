@@ -232,7 +232,7 @@ impl HubProcess {
         }
     }
 
-    fn pid(&self) -> Result<i32> {
+    pub fn pid(&self) -> Result<i32> {
         self.child
             .as_ref()
             .and_then(Child::id)

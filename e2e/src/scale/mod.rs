@@ -14,6 +14,7 @@
 //! [`report`] formats the `fleet-scale:` lines.
 
 pub mod clusters;
+pub mod hostile;
 pub mod hub_process;
 pub mod modules;
 pub mod proxy;

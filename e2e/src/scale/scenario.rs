@@ -18,6 +18,7 @@ use kube::Api;
 use kube::api::{DeleteParams, ObjectMeta, PostParams};
 
 use super::clusters::{self, RUN_LABEL};
+use super::hostile::{self, HostileTraffic};
 use super::hub_process::{HubConfig, HubFigures, HubProcess, Profile, binary};
 use super::modules::{self, Expected};
 use super::proxy::{self, LoadKey, Proxies, ProxyIdentity};
@@ -45,6 +46,21 @@ struct QuietSince {
     counts: (u64, u64),
     at: Instant,
     cpu: f64,
+}
+
+/// What [`Harness::hostile`] measured.
+#[derive(Clone, Debug)]
+pub struct HostileFigures {
+    /// The hub's RSS, quiet, before the attack.
+    pub baseline_rss_kib: u64,
+    /// The highest RSS sampled during the attack.
+    pub attack_rss_kib: u64,
+    /// The hub's `VmHWM` after it.
+    pub peak_rss_kib: u64,
+    pub connected_clusters: u64,
+    /// How long the well-behaved clusters took to converge on the change made during it.
+    pub change_converge_s: f64,
+    pub traffic: HostileTraffic,
 }
 
 /// What a run does.
@@ -250,8 +266,15 @@ impl Harness {
 
     /// A client certificate per cluster, as OCM's add-on registration issues them.
     async fn identities(&self, ca: CertificateAuthority) -> Result<Vec<ProxyIdentity>> {
+        self.identities_of(ca, self.clusters.clone()).await
+    }
+
+    async fn identities_of(
+        &self,
+        ca: CertificateAuthority,
+        clusters: Vec<String>,
+    ) -> Result<Vec<ProxyIdentity>> {
         let addon = self.namespace();
-        let clusters = self.clusters.clone();
         tokio::task::spawn_blocking(move || {
             clusters
                 .into_iter()
@@ -275,6 +298,87 @@ impl Harness {
         })
         .await
         .map_err(|e| Error::Invalid(format!("issuing client certificates: {e}")))?
+    }
+
+    /// The run of the hostile proxy's cluster: not the run's, so that no module selects
+    /// it and the run's convergence counts only the well-behaved clusters.
+    fn hostile_run(&self) -> String {
+        format!("{}x", self.run)
+    }
+
+    /// `hostile` (issue 28): one more accepted cluster's proxy, with a valid certificate,
+    /// sends junk for `duration` (see [`hostile`]) while the first module changes on the
+    /// well-behaved clusters. Measures the hub's RSS before and (sampled every
+    /// [`METRICS_POLL`]) during the attack, and how long the change took to converge.
+    pub async fn hostile(&mut self, duration: Duration) -> Result<HostileFigures> {
+        let run = self.hostile_run();
+        clusters::create(&self.fleet.hub, &run, 1).await?;
+        let hub_client = &self.fleet.hub;
+        poll_until(
+            "OCM's registration controller to accept the hostile cluster",
+            self.fleet_timeout(),
+            Duration::from_secs(1),
+            || async {
+                Ok(match clusters::ocm_pending(hub_client, &run, 1).await? {
+                    None => Ok(()),
+                    Some(pending) => Err(pending),
+                })
+            },
+        )
+        .await?;
+        let ca = self.hub_ca().await?;
+        let ca_pem = ca.cert_pem().to_owned();
+        let identity = self
+            .identities_of(ca, vec![clusters::cluster_name(&run, 0)])
+            .await?
+            .pop()
+            .ok_or_else(|| Error::Invalid("no identity issued".into()))?;
+        self.wait_quiet().await?;
+        let hub = self.hub()?;
+        let (grpc, pid) = (hub.grpc, hub.pid()?);
+        let baseline_rss_kib = hub.figures().await?.rss_kib;
+
+        let module = kmm_proto::v1::ModuleKey {
+            namespace: modules::SPOKE_NAMESPACE.to_owned(),
+            name: modules::module_name(&self.run, 0),
+        };
+        let until = Instant::now() + duration;
+        let attack =
+            tokio::spawn(
+                async move { hostile::run(grpc, &ca_pem, &identity, &module, until).await },
+            );
+        let (stop_sampling, mut stopped) = tokio::sync::watch::channel(false);
+        let sampler = tokio::spawn(async move {
+            let mut max = 0;
+            loop {
+                if let Some((rss, _)) = crate::process::memory_kib(pid) {
+                    max = u64::max(max, rss);
+                }
+                tokio::select! {
+                    () = tokio::time::sleep(METRICS_POLL) => {}
+                    _ = stopped.changed() => break max,
+                }
+            }
+        });
+        // Into the attack, so that the hub is busy refusing when the change arrives.
+        tokio::time::sleep(duration / 4).await;
+        let change = self.spec_edit().await;
+        let traffic = attack
+            .await
+            .map_err(|e| Error::Invalid(format!("the hostile proxy failed: {e}")))?;
+        let _ = stop_sampling.send(true);
+        let attack_rss_kib = sampler
+            .await
+            .map_err(|e| Error::Invalid(format!("sampling the hub's RSS failed: {e}")))?;
+        let after = self.hub()?.figures().await?;
+        Ok(HostileFigures {
+            baseline_rss_kib,
+            attack_rss_kib,
+            peak_rss_kib: after.peak_rss_kib,
+            connected_clusters: after.connected_clusters,
+            change_converge_s: change?.converge_s,
+            traffic: traffic?,
+        })
     }
 
     /// Waits until the hub reports every cluster connected and has sent at least
@@ -625,6 +729,7 @@ impl Harness {
         note(modules::delete_all(&self.fleet.hub, &self.run).await);
         note(modules::release_leftovers(&self.fleet.hub, &self.run).await);
         note(clusters::delete(&self.fleet.hub, &self.run, self.fleet_timeout()).await);
+        note(clusters::delete(&self.fleet.hub, &self.hostile_run(), self.fleet_timeout()).await);
         let namespaces: Api<Namespace> = Api::all(self.fleet.hub.clone());
         note(
             match namespaces

@@ -5,10 +5,17 @@
 //! nodes running 20 modules: 1.4 million), so an entry is kept small: the module is the
 //! map's key, node names, kernels and versions are shared strings (a cluster has few of
 //! each), and the error text exists only where there is one.
+//!
+//! What a proxy can make the hub hold is bounded three ways: entries
+//! ([`MAX_ENTRIES`]), accounted bytes ([`MAX_BYTES`], each reason and message cut to
+//! [`ERROR_TEXT`] bytes) and time ([`REPORT_DEADLINE`] for a report in parts). A report
+//! breaking one is refused whole ([`ReportRefused`]) and what it staged forgotten.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
+use kmm_proto::limits::{ERROR_TEXT, truncate};
 use kmm_proto::v1::{ModuleKey, ModuleNodeStatus, ModuleState, NodeStatusReport};
 
 /// `(spokeNamespace, module name)`.
@@ -18,13 +25,53 @@ pub type ModuleId = (String, String);
 /// proxy can grow the hub's memory without bound (5,000 nodes with 50 modules fit).
 pub const MAX_ENTRIES: usize = 250_000;
 
-/// A report refused for its size.
+/// Bytes of node statuses one cluster may hold, as [`NodeStatuses::bytes`] accounts
+/// them: what is kept, plus the report being received (a full report is held beside the
+/// one it replaces until its last part). [`MAX_ENTRIES`] alone would let a proxy make
+/// each entry's strings megabytes; 5,000 nodes of 50 modules take about 13 MiB of it
+/// while a full report replaces them.
+pub const MAX_BYTES: usize = 32 << 20;
+
+/// How long the parts of one report may keep arriving: a proxy sends them back to back,
+/// so a report unfinished for longer is broken, and its staged parts are not held for it.
+/// Checked when its next part arrives; meanwhile [`MAX_BYTES`] bounds what it holds, and
+/// a cluster has at most one report in parts (another one starting drops it).
+pub const REPORT_DEADLINE: Duration = Duration::from_secs(120);
+
+/// What a held string, node or detail, and a module's entry in a map, cost beyond their
+/// text: allocation headers, pointers and map slots (approximate, on the high side).
+const STRING_OVERHEAD: usize = 32;
+const NODE_OVERHEAD: usize = 64;
+const DETAIL_OVERHEAD: usize = 96;
+const MODULE_OVERHEAD: usize = 96;
+
+/// A report refused: which limit it broke, and by how much.
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "the report would leave {entries} node statuses, more than the {MAX_ENTRIES} a cluster may hold"
-)]
-pub struct TooManyStatuses {
-    pub entries: usize,
+pub enum ReportRefused {
+    #[error(
+        "NodeStatusReport would leave {entries} node statuses, more than the {MAX_ENTRIES} a cluster may hold"
+    )]
+    TooManyStatuses { entries: usize },
+    #[error(
+        "NodeStatusReport would leave {bytes} bytes of node statuses, more than the {MAX_BYTES} a cluster may hold"
+    )]
+    TooManyBytes { bytes: usize },
+    #[error(
+        "NodeStatusReport.continued: the report's parts kept arriving for more than {}s",
+        REPORT_DEADLINE.as_secs()
+    )]
+    Unfinished,
+}
+
+impl ReportRefused {
+    /// The limit's name, for the metric counting refusals.
+    pub fn limit(&self) -> &'static str {
+        match self {
+            Self::TooManyStatuses { .. } => "status_entries",
+            Self::TooManyBytes { .. } => "status_bytes",
+            Self::Unfinished => "report_deadline",
+        }
+    }
 }
 
 /// One node's status of one module, as held: 24 bytes, the rest shared. The version
@@ -61,8 +108,11 @@ impl NodeStatus {
         !matches!(self.state, ModuleState::Unloaded | ModuleState::Skipped)
     }
 
-    /// The reported status, what it shares taken from `strings`.
-    fn from_report(status: ModuleNodeStatus, node: &str, strings: &mut Strings) -> Self {
+    /// The reported status, what it shares taken from `strings`; its reason and message
+    /// cut to [`ERROR_TEXT`] bytes.
+    fn from_report(mut status: ModuleNodeStatus, node: &str, strings: &mut Strings) -> Self {
+        truncate(&mut status.reason, ERROR_TEXT);
+        truncate(&mut status.message, ERROR_TEXT);
         let detail = (!status.reason.is_empty() || !status.message.is_empty()).then(|| {
             strings.detail(Detail {
                 reason: status.reason,
@@ -106,6 +156,8 @@ struct Strings {
     details: HashSet<Arc<Detail>>,
     /// Size after the last sweep: the next sweep waits until the sets doubled.
     swept: usize,
+    /// What the sets hold, accounted as [`NodeStatuses::bytes`] says.
+    bytes: usize,
 }
 
 impl Strings {
@@ -114,6 +166,7 @@ impl Strings {
             return shared.clone();
         }
         let shared: Arc<str> = Arc::from(value);
+        self.bytes += value.len() + STRING_OVERHEAD;
         self.set.insert(shared.clone());
         shared
     }
@@ -127,6 +180,7 @@ impl Strings {
             return shared.clone();
         }
         let shared = Arc::new(node);
+        self.bytes += NODE_OVERHEAD;
         self.nodes.insert(shared.clone());
         shared
     }
@@ -135,6 +189,7 @@ impl Strings {
         if let Some(shared) = self.details.get(&detail) {
             return shared.clone();
         }
+        self.bytes += detail_bytes(&detail);
         let shared = Arc::new(detail);
         self.details.insert(shared.clone());
         shared
@@ -148,29 +203,81 @@ impl Strings {
     /// time, so a cluster whose nodes and errors come and go keeps bounded sets.
     fn sweep(&mut self) {
         if self.len() > 64 && self.len() > 2 * self.swept {
-            // Nodes first: a forgotten node releases its name and kernel.
-            self.nodes.retain(|n| Arc::strong_count(n) > 1);
-            self.details.retain(|d| Arc::strong_count(d) > 1);
-            self.set.retain(|s| Arc::strong_count(s) > 1);
-            self.swept = self.len();
+            self.sweep_now();
         }
     }
+
+    fn sweep_now(&mut self) {
+        // Nodes first: a forgotten node releases its name and kernel.
+        self.nodes.retain(|n| Arc::strong_count(n) > 1);
+        self.details.retain(|d| Arc::strong_count(d) > 1);
+        self.set.retain(|s| Arc::strong_count(s) > 1);
+        self.swept = self.len();
+        self.bytes = self
+            .set
+            .iter()
+            .map(|s| s.len() + STRING_OVERHEAD)
+            .chain(self.details.iter().map(|d| detail_bytes(d)))
+            .sum::<usize>()
+            + self.nodes.len() * NODE_OVERHEAD;
+    }
+}
+
+fn detail_bytes(detail: &Detail) -> usize {
+    detail.reason.len() + detail.message.len() + DETAIL_OVERHEAD
+}
+
+/// What a module's entry costs in a map, beside its statuses.
+fn module_bytes((namespace, name): &ModuleId) -> usize {
+    namespace.len() + name.len() + MODULE_OVERHEAD
 }
 
 /// A report being received: applied only once its last part arrived (`continued` is
 /// false), so that its revision is never taken for statuses half applied. Its parts are
 /// held as they will be kept (24 bytes a status, the module once) rather than as
 /// received: in a burst, every cluster of the fleet can have one in flight.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 struct Staged {
     full: bool,
     intent_revision: u64,
+    /// When its first part arrived.
+    started: Instant,
     /// In arrival order; [`latest_per_node`] sorts them when the report is whole.
     updates: BTreeMap<ModuleId, Vec<NodeStatus>>,
     removals: BTreeMap<ModuleId, BTreeSet<Arc<str>>>,
+    /// What it holds, accounted as [`NodeStatuses::bytes`] says.
+    bytes: usize,
 }
 
 impl Staged {
+    fn new(part: &NodeStatusReport, now: Instant) -> Self {
+        Self {
+            full: part.full,
+            intent_revision: part.intent_revision,
+            started: now,
+            updates: BTreeMap::new(),
+            removals: BTreeMap::new(),
+            bytes: 0,
+        }
+    }
+
+    fn update(&mut self, module: ModuleId, status: NodeStatus) {
+        self.bytes += std::mem::size_of::<NodeStatus>();
+        if !self.updates.contains_key(&module) {
+            self.bytes += module_bytes(&module);
+        }
+        self.updates.entry(module).or_default().push(status);
+    }
+
+    fn removal(&mut self, module: ModuleId, node: Arc<str>) {
+        if !self.removals.contains_key(&module) {
+            self.bytes += module_bytes(&module);
+        }
+        if self.removals.entry(module).or_default().insert(node) {
+            self.bytes += STRING_OVERHEAD;
+        }
+    }
+
     fn entries(&self) -> usize {
         let updates: usize = self.updates.values().map(Vec::len).sum();
         let removals: usize = self.removals.values().map(BTreeSet::len).sum();
@@ -194,6 +301,8 @@ pub struct Applied {
 pub struct NodeStatuses {
     modules: BTreeMap<ModuleId, Vec<NodeStatus>>,
     entries: usize,
+    /// What `modules` holds, accounted as [`NodeStatuses::bytes`] says.
+    held_bytes: usize,
     strings: Strings,
     /// The report whose parts are still arriving.
     receiving: Option<Staged>,
@@ -211,25 +320,43 @@ impl NodeStatuses {
     /// a delta updates and removes entries. A part that does not continue the report
     /// being received (another `full` or revision) starts a new one. Entries without a
     /// complete key are ignored (they cannot be attributed to a module and node), and so
-    /// are entries of modules `known` denies (modules the hub never sent the cluster). A
-    /// report that would leave more than [`MAX_ENTRIES`], or grows beyond them while
-    /// arriving, is refused whole and forgotten.
+    /// are entries of modules `known` denies (modules the hub never sent the cluster) and
+    /// removals of modules neither known nor held. A report that would leave more than
+    /// [`MAX_ENTRIES`] or [`MAX_BYTES`], grows beyond them while arriving, or whose parts
+    /// keep arriving past [`REPORT_DEADLINE`] (`now` is the part's arrival) is refused
+    /// whole and forgotten.
     pub fn receive(
         &mut self,
         part: NodeStatusReport,
         known: impl Fn(&str, &str) -> bool,
-    ) -> Result<Option<Applied>, TooManyStatuses> {
+        now: Instant,
+    ) -> Result<Option<Applied>, ReportRefused> {
+        let result = self.stage(part, known, now);
+        if result.is_err() {
+            // What the refused report interned goes at once: a proxy refused again and
+            // again must not grow the sets between two regular sweeps.
+            self.receiving = None;
+            self.strings.sweep_now();
+        }
+        result
+    }
+
+    fn stage(
+        &mut self,
+        part: NodeStatusReport,
+        known: impl Fn(&str, &str) -> bool,
+        now: Instant,
+    ) -> Result<Option<Applied>, ReportRefused> {
         let mut staged = match self.receiving.take() {
             Some(staged)
                 if staged.full == part.full && staged.intent_revision == part.intent_revision =>
             {
+                if now.saturating_duration_since(staged.started) > REPORT_DEADLINE {
+                    return Err(ReportRefused::Unfinished);
+                }
                 staged
             }
-            _ => Staged {
-                full: part.full,
-                intent_revision: part.intent_revision,
-                ..Staged::default()
-            },
+            _ => Staged::new(&part, now),
         };
         // What an unfinished report dropped above had interned goes too, so that parts
         // that never finish cannot grow the sets.
@@ -244,18 +371,24 @@ impl NodeStatuses {
             };
             if known(&module.0, &module.1) {
                 let status = NodeStatus::from_report(status, &node, &mut self.strings);
-                staged.updates.entry(module).or_default().push(status);
+                staged.update(module, status);
             }
         }
         for removed in &part.removed {
-            if let Some((module, node)) = entry_key(removed.module.as_ref(), &removed.node) {
+            if let Some((module, node)) = entry_key(removed.module.as_ref(), &removed.node)
+                && (known(&module.0, &module.1) || self.modules.contains_key(&module))
+            {
                 let node = self.strings.get(&node);
-                staged.removals.entry(module).or_default().insert(node);
+                staged.removal(module, node);
             }
         }
         let entries = staged.entries();
         if entries > MAX_ENTRIES {
-            return Err(TooManyStatuses { entries });
+            return Err(ReportRefused::TooManyStatuses { entries });
+        }
+        let bytes = self.held_bytes + self.strings.bytes + staged.bytes;
+        if bytes > MAX_BYTES {
+            return Err(ReportRefused::TooManyBytes { bytes });
         }
         if part.continued {
             self.receiving = Some(staged);
@@ -276,10 +409,10 @@ impl NodeStatuses {
         &mut self,
         report: NodeStatusReport,
         known: impl Fn(&str, &str) -> bool,
-    ) -> Result<BTreeSet<ModuleId>, TooManyStatuses> {
+    ) -> Result<BTreeSet<ModuleId>, ReportRefused> {
         assert!(!report.continued, "a report in one part");
         Ok(self
-            .receive(report, known)?
+            .receive(report, known, Instant::now())?
             .expect("a whole report")
             .changed)
     }
@@ -300,7 +433,7 @@ impl NodeStatuses {
         self.receiving = None;
     }
 
-    fn commit(&mut self, staged: Staged) -> Result<BTreeSet<ModuleId>, TooManyStatuses> {
+    fn commit(&mut self, staged: Staged) -> Result<BTreeSet<ModuleId>, ReportRefused> {
         let Staged {
             full,
             updates,
@@ -332,7 +465,7 @@ impl NodeStatuses {
             self.entries - removed + added
         };
         if entries > MAX_ENTRIES {
-            return Err(TooManyStatuses { entries });
+            return Err(ReportRefused::TooManyStatuses { entries });
         }
         let mut changed = BTreeSet::new();
         if full {
@@ -381,6 +514,13 @@ impl NodeStatuses {
             }
         }
         self.entries = entries;
+        self.held_bytes = self
+            .modules
+            .iter()
+            .map(|(module, statuses)| {
+                module_bytes(module) + statuses.capacity() * std::mem::size_of::<NodeStatus>()
+            })
+            .sum();
         self.strings.sweep();
         Ok(changed)
     }
@@ -397,6 +537,13 @@ impl NodeStatuses {
 
     pub fn is_empty(&self) -> bool {
         self.entries == 0
+    }
+
+    /// The bytes held, accounted (each status, each module's entry, each shared string,
+    /// node and detail, and what the report being received staged): what [`MAX_BYTES`]
+    /// bounds.
+    pub fn bytes(&self) -> usize {
+        self.held_bytes + self.strings.bytes + self.receiving.as_ref().map_or(0, |s| s.bytes)
     }
 
     /// Every node's status for one module, ordered by node name.
@@ -678,14 +825,24 @@ mod tests {
             ..NodeStatusReport::default()
         };
         let all = |_: &str, _: &str| true;
-        assert_eq!(statuses.receive(part("n1", 3, true), all).unwrap(), None);
-        assert_eq!(statuses.receive(part("n2", 3, true), all).unwrap(), None);
+        assert_eq!(
+            statuses
+                .receive(part("n1", 3, true), all, Instant::now())
+                .unwrap(),
+            None
+        );
+        assert_eq!(
+            statuses
+                .receive(part("n2", 3, true), all, Instant::now())
+                .unwrap(),
+            None
+        );
         assert!(
             statuses.is_empty(),
             "nothing is applied before the last part"
         );
         let whole = statuses
-            .receive(part("n3", 3, false), all)
+            .receive(part("n3", 3, false), all, Instant::now())
             .unwrap()
             .unwrap();
         assert_eq!(nodes(statuses.module("drivers", "a")), ["n1", "n2", "n3"]);
@@ -699,23 +856,36 @@ mod tests {
         );
 
         // A report left unfinished is dropped when another starts.
-        assert_eq!(statuses.receive(part("n1", 4, true), all).unwrap(), None);
+        assert_eq!(
+            statuses
+                .receive(part("n1", 4, true), all, Instant::now())
+                .unwrap(),
+            None
+        );
         let other = statuses
-            .receive(part("n9", 5, false), all)
+            .receive(part("n9", 5, false), all, Instant::now())
             .unwrap()
             .unwrap();
         assert_eq!(other.intent_revision, 5);
         assert_eq!(nodes(statuses.module("drivers", "a")), ["n9"]);
 
         // And when its stream ended.
-        assert_eq!(statuses.receive(part("n1", 6, true), all).unwrap(), None);
+        assert_eq!(
+            statuses
+                .receive(part("n1", 6, true), all, Instant::now())
+                .unwrap(),
+            None
+        );
         statuses.forget_partial();
         let delta = NodeStatusReport {
             statuses: vec![status("a", "n2", ModuleState::Loaded)],
             intent_revision: 6,
             ..NodeStatusReport::default()
         };
-        statuses.receive(delta, all).unwrap().unwrap();
+        statuses
+            .receive(delta, all, Instant::now())
+            .unwrap()
+            .unwrap();
         assert_eq!(nodes(statuses.module("drivers", "a")), ["n2", "n9"]);
 
         let huge = NodeStatusReport {
@@ -726,11 +896,11 @@ mod tests {
             ..NodeStatusReport::default()
         };
         assert!(
-            statuses.receive(huge, all).is_err(),
+            statuses.receive(huge, all, Instant::now()).is_err(),
             "parts cannot pile up without bound"
         );
         let next = statuses
-            .receive(part("n1", 7, false), all)
+            .receive(part("n1", 7, false), all, Instant::now())
             .unwrap()
             .unwrap();
         assert_eq!(next.intent_revision, 7);
@@ -747,9 +917,137 @@ mod tests {
                 continued: true,
                 ..NodeStatusReport::default()
             };
-            assert_eq!(statuses.receive(part, |_, _| true).unwrap(), None);
+            assert_eq!(
+                statuses.receive(part, |_, _| true, Instant::now()).unwrap(),
+                None
+            );
         }
         assert!(statuses.strings.len() < 200, "{}", statuses.strings.len());
+    }
+
+    #[test]
+    fn a_status_keeps_at_most_the_error_text_limit_of_its_reason_and_message() {
+        let mut statuses = NodeStatuses::default();
+        let huge = ModuleNodeStatus {
+            reason: "R".repeat(1 << 20),
+            message: "é".repeat(1 << 20),
+            ..status("a", "n1", ModuleState::Failed)
+        };
+        statuses
+            .apply(
+                NodeStatusReport {
+                    full: true,
+                    statuses: vec![huge],
+                    ..NodeStatusReport::default()
+                },
+                |_, _| true,
+            )
+            .unwrap();
+        let held = &statuses.module("drivers", "a")[0];
+        assert_eq!(held.reason().len(), ERROR_TEXT);
+        assert!(held.message().len() <= ERROR_TEXT && held.message().len() > ERROR_TEXT - 2);
+        assert!(statuses.bytes() < 4 * ERROR_TEXT, "{}", statuses.bytes());
+    }
+
+    #[test]
+    fn statuses_whose_texts_outgrow_the_byte_limit_are_refused_and_forgotten() {
+        let mut statuses = NodeStatuses::default();
+        let all = |_: &str, _: &str| true;
+        // Each entry distinct, each text as long as kept: few entries, many bytes.
+        let part = |first: usize| NodeStatusReport {
+            full: true,
+            statuses: (first..first + 1_000)
+                .map(|n| ModuleNodeStatus {
+                    message: format!("{n:0>width$}", width = ERROR_TEXT),
+                    ..status("a", &format!("n{n}"), ModuleState::Failed)
+                })
+                .collect(),
+            intent_revision: 1,
+            continued: true,
+            ..NodeStatusReport::default()
+        };
+        let mut refused = None;
+        for first in (0..MAX_BYTES / ERROR_TEXT).step_by(1_000) {
+            match statuses.receive(part(first), all, Instant::now()) {
+                Ok(None) => assert!(statuses.bytes() <= MAX_BYTES, "{}", statuses.bytes()),
+                Ok(Some(_)) => unreachable!("every part continues"),
+                Err(error) => {
+                    refused = Some(error);
+                    break;
+                }
+            }
+        }
+        let refused = refused.expect("refused before the last part");
+        assert!(
+            matches!(refused, ReportRefused::TooManyBytes { bytes } if bytes > MAX_BYTES),
+            "{refused}"
+        );
+        assert!(
+            statuses.bytes() < 1 << 10,
+            "the refused report is forgotten: {}",
+            statuses.bytes()
+        );
+        assert!(refused.to_string().contains("NodeStatusReport"));
+    }
+
+    #[test]
+    fn removals_of_modules_neither_known_nor_held_are_not_staged() {
+        let mut statuses = NodeStatuses::default();
+        let strangers = NodeStatusReport {
+            removed: (0..10_000)
+                .map(|i| ModuleNodeKey {
+                    module: Some(ModuleKey {
+                        namespace: "drivers".into(),
+                        name: format!("stranger{i}"),
+                    }),
+                    node: format!("n{i}"),
+                })
+                .collect(),
+            continued: true,
+            ..NodeStatusReport::default()
+        };
+        let known = |_: &str, name: &str| name == "a";
+        assert_eq!(
+            statuses.receive(strangers, known, Instant::now()).unwrap(),
+            None
+        );
+        assert!(statuses.bytes() < 1 << 10, "{}", statuses.bytes());
+    }
+
+    #[test]
+    fn a_report_whose_parts_keep_arriving_past_the_deadline_is_refused() {
+        let mut statuses = NodeStatuses::default();
+        let all = |_: &str, _: &str| true;
+        let part = |node: &str, continued| NodeStatusReport {
+            full: true,
+            statuses: vec![status("a", node, ModuleState::Loaded)],
+            intent_revision: 3,
+            continued,
+            ..NodeStatusReport::default()
+        };
+        let start = Instant::now();
+        assert_eq!(
+            statuses.receive(part("n1", true), all, start).unwrap(),
+            None
+        );
+        let within = start + REPORT_DEADLINE;
+        assert_eq!(
+            statuses.receive(part("n2", true), all, within).unwrap(),
+            None
+        );
+        let late = within + Duration::from_secs(1);
+        assert_eq!(
+            statuses.receive(part("n3", true), all, late),
+            Err(ReportRefused::Unfinished)
+        );
+        assert_eq!(statuses.bytes(), 0, "its parts are forgotten");
+        // The proxy's next report starts afresh.
+        assert_eq!(statuses.receive(part("n1", true), all, late).unwrap(), None);
+        statuses
+            .receive(part("n2", false), all, late)
+            .unwrap()
+            .unwrap();
+        assert_eq!(nodes(statuses.module("drivers", "a")), ["n1", "n2"]);
     }
 
     #[test]
@@ -767,10 +1065,10 @@ mod tests {
         };
         let all = |_: &str, _: &str| true;
         statuses
-            .receive(part(ModuleState::Pending, true), all)
+            .receive(part(ModuleState::Pending, true), all, Instant::now())
             .unwrap();
         statuses
-            .receive(part(ModuleState::Loaded, false), all)
+            .receive(part(ModuleState::Loaded, false), all, Instant::now())
             .unwrap();
         let held = statuses.module("drivers", "a");
         assert_eq!(nodes(held), ["n1", "n2"]);
@@ -876,7 +1174,12 @@ mod tests {
         let refused = statuses
             .apply(flood(MAX_ENTRIES + 1, true), |_, _| true)
             .unwrap_err();
-        assert_eq!(refused.entries, MAX_ENTRIES + 1);
+        assert_eq!(
+            refused,
+            ReportRefused::TooManyStatuses {
+                entries: MAX_ENTRIES + 1
+            }
+        );
         assert_eq!(statuses, before, "a refused report changes nothing");
         statuses
             .apply(flood(MAX_ENTRIES, true), |_, _| true)

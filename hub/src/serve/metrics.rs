@@ -34,6 +34,14 @@ pub struct RolloutLabels {
     pub state: &'static str,
 }
 
+/// What a proxy sent that broke a bound, by the bound's name.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BoundLabels {
+    /// `inventory_kernels`, `kernel_release`, `status_entries`, `status_bytes`,
+    /// `report_deadline` or `device_plugin_module`.
+    pub limit: &'static str,
+}
+
 /// Handles to every metric; clones share the values.
 #[derive(Clone, Debug)]
 pub struct Metrics {
@@ -54,6 +62,8 @@ pub struct Metrics {
     pub rollout_clusters: Family<RolloutLabels, Gauge>,
     /// The admission webhook's connections: open, refused over the cap, timed out.
     pub webhook_connections: ConnectionMetrics,
+    /// Proxy messages (or their entries) refused for breaking a bound.
+    pub proxy_bounds: Family<BoundLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -72,6 +82,7 @@ impl Default for Metrics {
             status_writes: Counter::default(),
             rollout_clusters: Family::default(),
             webhook_connections: ConnectionMetrics::default(),
+            proxy_bounds: Family::default(),
         }
     }
 }
@@ -88,6 +99,13 @@ impl Metrics {
     pub fn observe_controller(&self, result: &'static str) {
         self.controller_results
             .get_or_create(&ControllerLabels { result })
+            .inc();
+    }
+
+    /// A proxy's message broke `limit`: it was refused (or some of its entries dropped).
+    pub fn bound_tripped(&self, limit: &'static str) {
+        self.proxy_bounds
+            .get_or_create(&BoundLabels { limit })
             .inc();
     }
 
@@ -175,6 +193,11 @@ impl Metrics {
             "kmm_hub_rollout_clusters",
             "Selected clusters of each ManagedClusterModule, by rollout state (succeeded, progressing, failed, to_apply)",
             self.rollout_clusters.clone(),
+        );
+        registry.register(
+            "kmm_hub_proxy_bounds_tripped",
+            "Proxy messages refused, or entries dropped, for breaking a bound, by limit (inventory_kernels, kernel_release, status_entries, status_bytes, report_deadline, device_plugin_module)",
+            self.proxy_bounds.clone(),
         );
     }
 }

@@ -4,10 +4,17 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{RwLock, RwLockReadGuard};
 
+use k8s_openapi::jiff::Timestamp;
 use kmm_api::ImageStatus;
 
 use crate::images::status::{image_statuses, with_persisted};
 use crate::images::{ImageKey, ImageNeed, ImageRecord};
+
+/// Pinned records of images no kernel needs now that one module keeps (the most recently
+/// changed): a cluster reconnecting has not sent its kernels yet, and its pins must
+/// survive so the same bytes load again; beyond these, a dropped pin still lives in the
+/// module's status, which a new record is seeded from.
+pub const UNNEEDED_PINS_KEPT: usize = 64;
 
 #[derive(Debug, Default)]
 pub struct Images {
@@ -58,10 +65,10 @@ impl ImageBook {
     }
 
     /// Takes the image worker's latest `needs`; forgets the images of modules not in
-    /// `modules`. The images of a module that exists are kept even while no kernel needs
-    /// them (a cluster reconnecting has not sent its kernels yet): their pins must
-    /// survive, so the same bytes load again. Returns the modules whose listed images
-    /// changed.
+    /// `modules`, and those no kernel needs now (made-up kernels of a proxy become
+    /// image records no longer): of those, only pinned ones are kept, at most
+    /// [`UNNEEDED_PINS_KEPT`] per module (see there). Returns the modules whose listed
+    /// images changed.
     pub fn track(
         &self,
         needs: &BTreeMap<ImageKey, ImageNeed>,
@@ -81,6 +88,29 @@ impl ImageBook {
         images
             .records
             .retain(|key, _| modules.contains(&key.module));
+        // Per module, its unneeded records, the pinned ones by when they last changed.
+        let mut unneeded: BTreeMap<&str, Vec<(Option<Timestamp>, &ImageKey)>> = BTreeMap::new();
+        for (key, record) in &images.records {
+            if !needs.contains_key(key) {
+                let pinned = record.digest.is_some().then_some(record.since);
+                unneeded.entry(&key.module).or_default().push((pinned, key));
+            }
+        }
+        let dropped: BTreeSet<ImageKey> = unneeded
+            .into_values()
+            .flat_map(|mut keys| {
+                // The most recently changed pins first, then every record without one.
+                keys.sort_unstable_by(|a, b| b.cmp(a));
+                let kept = keys
+                    .iter()
+                    .take_while(|(pinned, _)| pinned.is_some())
+                    .count()
+                    .min(UNNEEDED_PINS_KEPT);
+                keys.into_iter().skip(kept).map(|(_, key)| key.clone())
+            })
+            .collect();
+        touched.extend(dropped.iter().map(|key| key.module.clone()));
+        images.records.retain(|key, _| !dropped.contains(key));
         let keys: BTreeSet<&ImageKey> = images.needed.keys().chain(needed.keys()).collect();
         touched.extend(
             keys.into_iter()
@@ -105,5 +135,73 @@ impl ImageBook {
             ),
             persisted,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::images::{ImageNeed, ImageState};
+
+    use super::*;
+
+    fn need(kernel: &str) -> ImageNeed {
+        ImageNeed {
+            module_uid: "u1".into(),
+            spoke_namespace: "drivers".into(),
+            kernels: BTreeSet::from([kernel.to_owned()]),
+            tls: Default::default(),
+            pull_secret: None,
+            build: None,
+            sign: None,
+            rebuild_generation: 0,
+        }
+    }
+
+    fn key(kernel: &str) -> ImageKey {
+        ImageKey {
+            module: "hello".into(),
+            image: format!("r/hello:{kernel}"),
+        }
+    }
+
+    /// A record of the image for `kernel`, pinned at second `at` or, without, missing.
+    fn record(kernel: &str, pinned_at: Option<i64>) -> ImageRecord {
+        let since = Timestamp::from_second(pinned_at.unwrap_or(0)).unwrap();
+        let mut record = ImageRecord::seeded(&need(kernel), "sha256:00".into(), since);
+        if pinned_at.is_none() {
+            record.digest = None;
+            record.state = ImageState::NotFound;
+        }
+        record
+    }
+
+    #[test]
+    fn records_of_images_no_kernel_needs_go_but_recent_pins_stay() {
+        let book = ImageBook::default();
+        let modules = BTreeSet::from(["hello".to_owned()]);
+        book.set(key("6.1"), record("6.1", None));
+        for i in 0..1_000 {
+            let kernel = format!("junk{i}");
+            book.set(key(&kernel), record(&kernel, None));
+        }
+        for i in 0..100 {
+            let kernel = format!("pinned{i}");
+            book.set(key(&kernel), record(&kernel, Some(i)));
+        }
+        let needs = BTreeMap::from([(key("6.1"), need("6.1"))]);
+        let touched = book.track(&needs, &modules);
+        assert_eq!(touched, modules);
+        let records = &book.read().records;
+        assert!(records.contains_key(&key("6.1")), "a needed image stays");
+        assert!(!records.keys().any(|k| k.image.contains("junk")));
+        let pins: BTreeSet<&str> = records
+            .keys()
+            .filter_map(|k| k.image.strip_prefix("r/hello:pinned"))
+            .collect();
+        assert_eq!(pins.len(), UNNEEDED_PINS_KEPT);
+        assert!(
+            pins.contains("99") && !pins.contains("0"),
+            "the most recent"
+        );
     }
 }

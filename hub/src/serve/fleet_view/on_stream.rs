@@ -1,13 +1,26 @@
 //! The proxies' streams as they reach the fleet view: sessions opening and closing, and
 //! what each reports. This is the whole of what the gRPC service may do with the view
 //! ([`ClusterStreams`]).
+//!
+//! What a proxy sends is bounded (see `fleet::inventory` and `fleet::node_statuses`):
+//! an inventory or a status report breaking a bound is refused and the stream ended with
+//! `RESOURCE_EXHAUSTED` (or `INVALID_ARGUMENT`), naming the cluster, field and limit, so
+//! that the proxy's next stream starts over with a complete report (the hub throttles how
+//! often a cluster may reconnect). Entries naming modules the hub never sent the cluster
+//! (node statuses, device plugin counts) are dropped instead: a proxy may report a module
+//! deleted a moment ago. Every refusal counts in `kmm_hub_proxy_bounds_tripped`; no other
+//! cluster's session is touched.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Instant;
 
+use kmm_api::ManagedClusterModule;
 use kmm_proto::v1::{DevicePluginReport, KernelInventory, NodeStatusReport};
 use tokio::sync::watch;
 
-use crate::fleet::node_statuses::{Applied, TooManyStatuses};
+use crate::fleet::node_statuses::Applied;
+use crate::fleet::outbox::Outbox;
 use crate::serve::outbound::OutboundSender;
 
 use super::sessions::{ClusterSession, SessionId};
@@ -88,8 +101,18 @@ impl ClusterStreams for FleetView {
         if !session.current(id) {
             return;
         }
-        let Some(new_kernels) = session.receive_inventory(inventory) else {
-            return;
+        let new_kernels = match session.receive_inventory(inventory) {
+            Ok(Some(new_kernels)) => new_kernels,
+            Ok(None) => return,
+            Err(refused) => {
+                return self.refuse(
+                    cluster,
+                    &session,
+                    tonic::Code::InvalidArgument,
+                    refused.limit(),
+                    &refused,
+                );
+            }
         };
         if !new_kernels {
             return;
@@ -116,27 +139,24 @@ impl ClusterStreams for FleetView {
         let ClusterSession {
             outbox, statuses, ..
         } = &mut *session;
-        let mut known_modules: BTreeSet<(&str, &str)> = modules
-            .iter()
-            .filter_map(|m| Some((m.spec.spoke_namespace.as_str(), m.metadata.name.as_deref()?)))
-            .collect();
-        if let Some(sent) = outbox.last() {
-            known_modules.extend(
-                sent.modules
-                    .iter()
-                    .filter_map(|m| m.key.as_ref())
-                    .map(|k| (k.namespace.as_str(), k.name.as_str())),
-            );
-        }
+        let known_modules = known_modules(&modules, outbox);
         let known = |namespace: &str, name: &str| known_modules.contains(&(namespace, name));
         let Applied {
             changed,
             full,
             intent_revision: acked,
-        } = match statuses.receive(part, known) {
+        } = match statuses.receive(part, known, Instant::now()) {
             Ok(Some(applied)) => applied,
             Ok(None) => return,
-            Err(refused) => return refuse_report(cluster, &session, &refused),
+            Err(refused) => {
+                return self.refuse(
+                    cluster,
+                    &session,
+                    tonic::Code::ResourceExhausted,
+                    refused.limit(),
+                    &refused,
+                );
+            }
         };
         session.statuses_known |= full;
         let acked = session.outbox.acknowledged(acked);
@@ -174,8 +194,26 @@ impl ClusterStreams for FleetView {
         if !session.current(id) {
             return;
         }
-        let changed = session.receive_device_plugins(report);
+        let modules = self.index.stores.modules.state();
+        // Owned: the session is changed while they are looked up (device plugin reports
+        // are rare, a copy of a few names each).
+        let known_modules: BTreeSet<(String, String)> = known_modules(&modules, &session.outbox)
+            .into_iter()
+            .map(|(namespace, name)| (namespace.to_owned(), name.to_owned()))
+            .collect();
+        let known = |namespace: &str, name: &str| {
+            known_modules.contains(&(namespace.to_owned(), name.to_owned()))
+        };
+        let (changed, unknown) = session.receive_device_plugins(report, known);
         drop(session);
+        if unknown > 0 {
+            tracing::warn!(
+                cluster,
+                unknown,
+                "dropped device plugin counts (DevicePluginReport.plugins[].module) of modules the hub never sent the cluster"
+            );
+            self.metrics.bound_tripped("device_plugin_module");
+        }
         if !changed.is_empty() {
             self.signals.touched.add(changed);
         }
@@ -209,9 +247,41 @@ impl FleetView {
     }
 }
 
-fn refuse_report(cluster: &str, session: &ClusterSession, refused: &TooManyStatuses) {
-    tracing::warn!(cluster, error = %refused, "refused a node status report; ending the stream");
-    if let Some((_, stream)) = &session.stream {
-        stream.end(tonic::Code::ResourceExhausted, refused.to_string());
+impl FleetView {
+    /// Ends the cluster's stream for a message that broke `limit`.
+    fn refuse(
+        &self,
+        cluster: &str,
+        session: &ClusterSession,
+        code: tonic::Code,
+        limit: &'static str,
+        refused: &dyn std::error::Error,
+    ) {
+        tracing::warn!(cluster, limit, error = %refused, "refused a proxy's message; ending its stream");
+        self.metrics.bound_tripped(limit);
+        if let Some((_, stream)) = &session.stream {
+            stream.end(code, format!("cluster {cluster}: {refused}"));
+        }
     }
+}
+
+/// The modules whose entries a cluster's reports may carry, as (namespace, name): every
+/// ManagedClusterModule, and whatever the cluster's last snapshot carries.
+fn known_modules<'a>(
+    modules: &'a [Arc<ManagedClusterModule>],
+    outbox: &'a Outbox,
+) -> BTreeSet<(&'a str, &'a str)> {
+    let mut known: BTreeSet<(&str, &str)> = modules
+        .iter()
+        .filter_map(|m| Some((m.spec.spoke_namespace.as_str(), m.metadata.name.as_deref()?)))
+        .collect();
+    if let Some(sent) = outbox.last() {
+        known.extend(
+            sent.modules
+                .iter()
+                .filter_map(|m| m.key.as_ref())
+                .map(|k| (k.namespace.as_str(), k.name.as_str())),
+        );
+    }
+    known
 }

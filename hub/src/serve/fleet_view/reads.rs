@@ -67,6 +67,7 @@ impl FleetView {
     pub fn image_needs(&self) -> BTreeMap<ImageKey, ImageNeed> {
         let modules = self.index.modules();
         let mut served = ServedKernels::default();
+        let mut reported = BTreeSet::new();
         for (cluster, session) in self.sessions.all() {
             let view = self.index.cluster_view(&cluster);
             let facts = view.as_ref().map(ClusterView::facts);
@@ -76,12 +77,19 @@ impl FleetView {
             };
             let at_revisions = self.served_modules(&modules, &cluster, facts);
             served.add_cluster(&at_revisions, facts, &session.statuses, kernels);
+            reported.extend(kernels.iter().cloned());
         }
         let preflights = self.index.preflights();
+        let mut resolutions = self.caches.resolutions();
+        // What no cluster reports any more (a proxy's made-up kernels, say) is forgotten,
+        // so that the cache follows the fleet's kernels rather than every kernel ever named.
+        resolutions.retain_kernels(|kernel| {
+            reported.contains(kernel) || preflights.iter().any(|p| p.spec.kernel_version == kernel)
+        });
         served.needs(
             &modules,
             preflights.iter().map(AsRef::as_ref),
-            &mut self.caches.resolutions(),
+            &mut resolutions,
         )
     }
 

@@ -8,11 +8,13 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
+use kmm_proto::limits::{INVENTORY_KERNELS, KERNEL_RELEASE};
 use kmm_proto::v1::{DevicePluginReport, KernelInventory, ModuleIntent};
 use tokio::sync::watch;
 
+use crate::fleet::inventory::{self, InventoryRefused};
 use crate::fleet::module_view::ClusterSight;
-use crate::fleet::node_statuses::NodeStatuses;
+use crate::fleet::node_statuses::{self, NodeStatuses};
 use crate::fleet::outbox::Outbox;
 use crate::serve::outbound::OutboundSender;
 
@@ -25,6 +27,19 @@ pub type SessionId = u64;
 pub struct Connections {
     pub open: BTreeSet<String>,
     pub closed_at: BTreeMap<String, Time>,
+}
+
+/// What a kept kernel and a device plugin count cost beyond their names (allocation and
+/// map slot; approximate, on the high side).
+const KERNEL_OVERHEAD: usize = 48;
+const PLUGIN_OVERHEAD: usize = 96;
+
+/// The most [`ClusterSession::reported_bytes`] can be when the hub knows `modules`
+/// modules whose (namespace, name) take at most `module_name_bytes` each.
+pub fn reported_bytes_bound(modules: usize, module_name_bytes: usize) -> usize {
+    INVENTORY_KERNELS * (KERNEL_RELEASE + KERNEL_OVERHEAD)
+        + node_statuses::MAX_BYTES
+        + modules * (module_name_bytes + PLUGIN_OVERHEAD)
 }
 
 /// One cluster's session state.
@@ -101,25 +116,43 @@ impl ClusterSession {
             .filter_map(|m| m.key.as_ref().map(|k| k.name.as_str()))
     }
 
-    /// A kernel inventory: whether the kernels changed; `None` for a late duplicate.
-    pub fn receive_inventory(&mut self, inventory: KernelInventory) -> Option<bool> {
+    /// A kernel inventory: whether the kernels changed; `Ok(None)` for a late duplicate.
+    /// An inventory breaking a bound (see `fleet::inventory`) is refused and changes
+    /// nothing.
+    pub fn receive_inventory(
+        &mut self,
+        inventory: KernelInventory,
+    ) -> Result<Option<bool>, InventoryRefused> {
         if self.kernels.is_some() && inventory.revision <= self.inventory_revision {
-            return None;
+            return Ok(None);
         }
-        self.inventory_revision = inventory.revision;
-        let kernels: BTreeSet<String> = inventory.kernels.into_iter().map(|k| k.release).collect();
+        let revision = inventory.revision;
+        let kernels = inventory::kernels(inventory)?;
+        self.inventory_revision = revision;
         let changed = self.kernels.as_ref() != Some(&kernels);
         self.kernels = Some(kernels);
-        Some(changed)
+        Ok(Some(changed))
     }
 
-    /// A device plugin report: the modules whose counts changed, by name.
-    pub fn receive_device_plugins(&mut self, report: DevicePluginReport) -> BTreeSet<String> {
+    /// A device plugin report: the modules whose counts changed, by name. Counts of
+    /// modules `known` denies (modules the hub never sent the cluster) are dropped, so a
+    /// proxy cannot make the hub keep entries for names of its own; how many were dropped
+    /// is returned beside.
+    pub fn receive_device_plugins(
+        &mut self,
+        report: DevicePluginReport,
+        known: impl Fn(&str, &str) -> bool,
+    ) -> (BTreeSet<String>, usize) {
+        let mut unknown = 0;
         let now: BTreeMap<(String, String), (u32, u32)> = report
             .plugins
             .into_iter()
             .filter_map(|p| {
                 let key = p.module?;
+                if !known(&key.namespace, &key.name) {
+                    unknown += 1;
+                    return None;
+                }
                 Some(((key.namespace, key.name), (p.desired, p.available)))
             })
             .collect();
@@ -134,7 +167,22 @@ impl ClusterSession {
             .map(|((_, name), _)| name.clone())
             .collect();
         self.device_plugins = now;
-        changed
+        (changed, unknown)
+    }
+
+    /// The bytes the session holds of what its proxy reported (kernels, node statuses,
+    /// device plugin counts), accounted as `NodeStatuses::bytes` does: bounded by
+    /// [`reported_bytes_bound`] for the modules the hub knows.
+    pub fn reported_bytes(&self) -> usize {
+        let kernels = self.kernels.as_ref().map_or(0, |kernels| {
+            kernels.iter().map(|k| k.len() + KERNEL_OVERHEAD).sum()
+        });
+        let plugins: usize = self
+            .device_plugins
+            .keys()
+            .map(|(namespace, name)| namespace.len() + name.len() + PLUGIN_OVERHEAD)
+            .sum();
+        kernels + self.statuses.bytes() + plugins
     }
 
     /// What the session shows of one module at `generation`.
@@ -305,23 +353,45 @@ mod tests {
         let mut session = ClusterSession::default();
         assert_eq!(
             session.receive_inventory(inventory(3, &["6.1"])),
-            Some(true)
+            Ok(Some(true))
         );
-        assert_eq!(session.receive_inventory(inventory(3, &["6.2"])), None);
+        assert_eq!(session.receive_inventory(inventory(3, &["6.2"])), Ok(None));
         assert_eq!(
             session.receive_inventory(inventory(4, &["6.1"])),
-            Some(false)
+            Ok(Some(false))
         );
         assert_eq!(
             session.receive_inventory(inventory(5, &["6.2"])),
-            Some(true)
+            Ok(Some(true))
         );
         // A new stream starts over: its first inventory counts whatever its revision.
         session.start(7, 0, OutboundSender::default());
         assert_eq!(session.kernels, None);
         assert_eq!(
             session.receive_inventory(inventory(1, &["6.2"])),
-            Some(true)
+            Ok(Some(true))
+        );
+    }
+
+    #[test]
+    fn a_refused_inventory_leaves_the_kernels_and_revision_as_they_were() {
+        let mut session = ClusterSession::default();
+        session.receive_inventory(inventory(1, &["6.1"])).unwrap();
+        let flood: Vec<String> = (0..=kmm_proto::limits::INVENTORY_KERNELS)
+            .map(|i| format!("6.1.{i}"))
+            .collect();
+        let flood: Vec<&str> = flood.iter().map(String::as_str).collect();
+        assert!(session.receive_inventory(inventory(2, &flood)).is_err());
+        assert!(
+            session
+                .receive_inventory(inventory(3, &["bad kernel"]))
+                .is_err()
+        );
+        assert_eq!(session.kernels, Some(BTreeSet::from(["6.1".to_owned()])));
+        assert_eq!(
+            session.receive_inventory(inventory(2, &["6.2"])),
+            Ok(Some(true)),
+            "a refused inventory's revision does not count"
         );
     }
 
@@ -336,23 +406,47 @@ mod tests {
             available,
         };
         let mut session = ClusterSession::default();
+        let all = |_: &str, _: &str| true;
         let first = DevicePluginReport {
             plugins: vec![plugin("a", 2, 1), plugin("b", 1, 1)],
         };
         assert_eq!(
-            session.receive_device_plugins(first.clone()),
-            BTreeSet::from(["a".to_owned(), "b".to_owned()])
+            session.receive_device_plugins(first.clone(), all),
+            (BTreeSet::from(["a".to_owned(), "b".to_owned()]), 0)
         );
-        assert!(session.receive_device_plugins(first).is_empty());
+        assert!(session.receive_device_plugins(first, all).0.is_empty());
         let next = DevicePluginReport {
             plugins: vec![plugin("a", 2, 2)],
         };
         assert_eq!(
-            session.receive_device_plugins(next),
-            BTreeSet::from(["a".to_owned(), "b".to_owned()])
+            session.receive_device_plugins(next, all),
+            (BTreeSet::from(["a".to_owned(), "b".to_owned()]), 0)
         );
         assert_eq!(session.sight("kmm", "a", None).device_plugin, Some((2, 2)));
         assert_eq!(session.sight("kmm", "b", None).device_plugin, None);
+    }
+
+    #[test]
+    fn device_plugin_counts_of_modules_never_sent_are_dropped() {
+        let plugin = |name: String| DevicePluginCount {
+            module: Some(ModuleKey {
+                namespace: "kmm".into(),
+                name,
+            }),
+            desired: 1,
+            available: 0,
+        };
+        let mut session = ClusterSession::default();
+        let report = DevicePluginReport {
+            plugins: std::iter::once("a".to_owned())
+                .chain((0..10_000).map(|i| format!("stranger{i}")))
+                .map(plugin)
+                .collect(),
+        };
+        let (changed, unknown) = session.receive_device_plugins(report, |_, name| name == "a");
+        assert_eq!(changed, BTreeSet::from(["a".to_owned()]));
+        assert_eq!(unknown, 10_000);
+        assert_eq!(session.device_plugins.len(), 1);
     }
 
     #[test]

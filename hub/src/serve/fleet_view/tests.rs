@@ -446,3 +446,177 @@ fn a_placement_that_decides_nothing_any_more_holds_its_clusters() {
         [("spoke1".to_owned(), "PlacementWithoutDecisions".to_owned())]
     );
 }
+
+/// How many times `limit` tripped, as the metric counts it.
+fn tripped(fleet: &Fleet, limit: &'static str) -> u64 {
+    fleet
+        .view
+        .metrics
+        .proxy_bounds
+        .get_or_create(&crate::serve::metrics::BoundLabels { limit })
+        .get()
+}
+
+#[test]
+fn a_junk_inventory_ends_its_stream_and_the_other_clusters_are_untouched() {
+    let mut fleet = Fleet::new();
+    fleet.add_cluster("spoke1");
+    fleet.add_cluster("spoke2");
+    fleet.add_module(
+        ModuleBuilder::new("hello")
+            .uid("u1")
+            .finalizers(&[FINALIZER])
+            .selector(&[("env", "prod")])
+            .build(),
+    );
+    let (_, good) = connect(&fleet, "spoke2", 0);
+    let before = last_sent(&good);
+    assert!(before.is_some());
+
+    let outbound = OutboundSender::default();
+    let ended = outbound.subscribe();
+    let id = fleet.view.open_session("spoke1", 0, outbound);
+    let junk = KernelInventory {
+        revision: 1,
+        kernels: (0..100_000)
+            .map(|i| Kernel {
+                release: format!("6.1.{i}-junk"),
+            })
+            .collect(),
+    };
+    fleet.view.inventory("spoke1", id, junk);
+    match &*ended.borrow() {
+        Outbound::End(tonic::Code::InvalidArgument, why) => {
+            assert!(
+                why.contains("spoke1") && why.contains("KernelInventory.kernels"),
+                "{why}"
+            );
+        }
+        other => panic!("the stream goes on: {other:?}"),
+    }
+    assert_eq!(tripped(&fleet, "inventory_kernels"), 1);
+    let session = fleet.view.sessions.get("spoke1").unwrap();
+    assert_eq!(lock(&session).kernels, None, "nothing of it is kept");
+    assert_eq!(fleet.view.caches.resolutions().cached_kernels(), 1);
+    assert_eq!(last_sent(&good), before, "spoke2 sees nothing of it");
+}
+
+#[test]
+fn the_kernels_and_images_of_a_proxy_that_moved_on_are_forgotten() {
+    let mut fleet = Fleet::new();
+    fleet.add_cluster("spoke1");
+    fleet.add_module(
+        ModuleBuilder::new("hello")
+            .uid("u1")
+            .finalizers(&[FINALIZER])
+            .selector(&[("env", "prod")])
+            .kernel_mappings(serde_json::json!([
+                {"regexp": ".*", "containerImage": "r.example/hello:${KERNEL_FULL_VERSION}"},
+            ]))
+            .build(),
+    );
+    let id = fleet
+        .view
+        .open_session("spoke1", 0, OutboundSender::default());
+    // Each inventory a new batch of made-up kernels, each a templated image to check.
+    for batch in 0..20_u64 {
+        let inventory = KernelInventory {
+            revision: batch + 1,
+            kernels: (0..100)
+                .map(|i| Kernel {
+                    release: format!("6.{batch}.{i}"),
+                })
+                .collect(),
+        };
+        fleet.view.inventory("spoke1", id, inventory);
+        let needs = fleet.view.image_needs();
+        check_images(&fleet);
+        fleet.view.track_images(&needs);
+    }
+    assert_eq!(fleet.view.caches.resolutions().cached_kernels(), 100);
+    let records = fleet.view.images.read().records.len();
+    assert!(
+        records <= 100 + image_book::UNNEEDED_PINS_KEPT,
+        "{records} image records"
+    );
+}
+
+#[test]
+fn an_oversized_status_report_ends_its_stream_by_bytes_not_entries() {
+    let mut fleet = Fleet::new();
+    fleet.add_cluster("spoke1");
+    fleet.add_module(
+        ModuleBuilder::new("hello")
+            .uid("u1")
+            .finalizers(&[FINALIZER])
+            .selector(&[("env", "prod")])
+            .build(),
+    );
+    let outbound = OutboundSender::default();
+    let ended = outbound.subscribe();
+    let id = fleet.view.open_session("spoke1", 0, outbound);
+    let limit = crate::fleet::node_statuses::MAX_BYTES;
+    let text = kmm_proto::limits::ERROR_TEXT;
+    // As a hostile proxy sends them: parts of entries whose texts are as long as kept.
+    for first in (0..2 * limit / text).step_by(1_000) {
+        let mut part = full_report(
+            &(first..first + 1_000)
+                .map(|n| format!("n{n}"))
+                .collect::<Vec<_>>()
+                .iter()
+                .map(|n| ("hello", n.as_str(), ModuleState::Failed))
+                .collect::<Vec<_>>(),
+        );
+        for (n, status) in part.statuses.iter_mut().enumerate() {
+            status.message = format!("{:0>text$}", first + n);
+        }
+        part.continued = true;
+        fleet.view.status("spoke1", id, part);
+        if !matches!(&*ended.borrow(), Outbound::Idle) {
+            break;
+        }
+    }
+    match &*ended.borrow() {
+        Outbound::End(tonic::Code::ResourceExhausted, why) => {
+            assert!(why.contains("spoke1") && why.contains("bytes"), "{why}");
+        }
+        other => panic!("the stream goes on: {other:?}"),
+    }
+    assert_eq!(tripped(&fleet, "status_bytes"), 1);
+    let session = fleet.view.sessions.get("spoke1").unwrap();
+    let held = lock(&session).statuses.bytes();
+    assert!(held < 1 << 10, "{held} bytes held after the refusal");
+}
+
+#[test]
+fn device_plugin_counts_of_unknown_modules_are_dropped_and_counted() {
+    let mut fleet = Fleet::new();
+    fleet.add_cluster("spoke1");
+    fleet.add_module(
+        ModuleBuilder::new("hello")
+            .uid("u1")
+            .finalizers(&[FINALIZER])
+            .selector(&[("env", "prod")])
+            .build(),
+    );
+    let (id, _) = connect(&fleet, "spoke1", 0);
+    let count = |name: String| kmm_proto::v1::DevicePluginCount {
+        module: Some(kmm_proto::v1::ModuleKey {
+            namespace: "default".into(),
+            name,
+        }),
+        desired: 1,
+        available: 1,
+    };
+    let report = kmm_proto::v1::DevicePluginReport {
+        plugins: (0..1_000).map(|i| count(format!("stranger{i}"))).collect(),
+    };
+    fleet.view.device_plugins("spoke1", id, report);
+    assert_eq!(tripped(&fleet, "device_plugin_module"), 1);
+    let session = fleet.view.sessions.get("spoke1").unwrap();
+    let session = lock(&session);
+    assert_eq!(
+        session.sight("default", "stranger1", None).device_plugin,
+        None
+    );
+}
