@@ -383,27 +383,17 @@ pub async fn run(
 
     let stopping = state.clone();
     let stopper = async move {
-        let lost_leadership = match lost {
-            Some(lost) => tokio::select! {
-                () = shutdown.cancelled() => false,
-                () = lost => true,
-            },
-            None => {
-                shutdown.cancelled().await;
-                false
-            }
-        };
-        let why = if lost_leadership {
-            tracing::error!("lost the leader Lease; stopping");
-            "the hub lost its leadership"
-        } else {
-            tracing::info!("shutting down");
-            "the hub is shutting down"
-        };
+        shutdown.cancelled().await;
+        tracing::info!("shutting down");
         // Streams never end by themselves; the server's graceful stop waits for them.
-        stopping.end_streams(why);
+        stopping.end_streams("the hub is shutting down");
         stop.cancel();
-        lost_leadership
+    };
+    let lost = async move {
+        match lost {
+            Some(lost) => lost.await,
+            None => std::future::pending().await,
+        }
     };
     let modules_watched = AbortOnDropHandle::new(tokio::spawn(modules_watched));
     let clusters = AbortOnDropHandle::new(tokio::spawn(clusters));
@@ -411,7 +401,14 @@ pub async fn run(
     let revisions = AbortOnDropHandle::new(tokio::spawn(revisions));
     let preflights = AbortOnDropHandle::new(tokio::spawn(preflights));
     let decisions = AbortOnDropHandle::new(tokio::spawn(decisions));
-    let (grpc_result, (), lost_leadership) = tokio::join!(grpc_server, reconciler, stopper);
+    // A shutdown is graceful: streams end, in-flight reconciles finish. A lost Lease is
+    // not: the server, the reconciles and their requests are dropped at once, so that
+    // nothing is served or written after the renew deadline (a standby may lead soon).
+    let graceful = async { tokio::join!(grpc_server, reconciler, stopper) };
+    let grpc_result = tokio::select! {
+        (grpc_result, (), ()) = graceful => Some(grpc_result),
+        () = lost => None,
+    };
     drop((
         modules_watched,
         clusters,
@@ -427,13 +424,15 @@ pub async fn run(
     ));
     health.set_ready(false);
     metrics.leader.set(0);
+    let Some(grpc_result) = grpc_result else {
+        tracing::error!("lost the leader Lease; stopped serving and writing");
+        state.end_streams("the hub lost its leadership");
+        return Err(ServeError::LeadershipLost);
+    };
     if let Some(election) = election {
         election.resign().await;
     }
     grpc_result.map_err(ServeError::Grpc)?;
-    if lost_leadership {
-        return Err(ServeError::LeadershipLost);
-    }
     Ok(())
 }
 
