@@ -6,12 +6,14 @@
 //!
 //! * [`toolchain`] builds the pinned upstream programs from the Go module proxy.
 //! * [`fleet`] starts, inspects and stops the environment (`cargo xtask env ...`).
+//! * [`chaos`] the chaos soak: seeded faults and changes, and an invariant checker.
 //! * [`fixture`] attaches tests to a running environment (or starts one).
 //! * [`images`] builds kmm-fleet's container images and their bases (`cargo xtask images`).
 //! * [`scale`] puts a real kmm-hub in front of thousands of simulated clusters.
 //! * [`watched`] keeps a kind's objects current by a watch and waits on them.
 
 mod cgroup;
+pub mod chaos;
 pub mod fixture;
 pub mod fleet;
 pub mod guest;
