@@ -143,7 +143,7 @@ impl Model {
                 node,
                 slot: i % SLOTS,
                 image: images.contains(kernel.as_str()),
-                narrow: (i / SLOTS) % 2 == 0,
+                narrow: (i / SLOTS).is_multiple_of(2),
             })
             .collect();
         let spokes = fleet.spoke_names();
@@ -539,9 +539,19 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = kube::Result<()>>,
 {
+    let failed = std::sync::atomic::AtomicBool::new(false);
     wait_until(what, WRITE_DEADLINE, || {
         let attempt = write();
-        async move { attempt.await.map_err(|e| e.to_string()) }
+        let failed = &failed;
+        async move {
+            attempt.await.map_err(|e| {
+                // Once per write: an apiserver down under a fault fails every attempt.
+                if !failed.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                    println!("chaos: {what} failed, retrying: {e}");
+                }
+                e.to_string()
+            })
+        }
     })
     .await?;
     Ok(())

@@ -240,11 +240,13 @@ async fn sample_until(fleet: Fleet, shared: Arc<Mutex<Shared>>, stop: Arc<Atomic
             let peak = s.counts.peak_kib.entry(component).or_default();
             *peak = (*peak).max(kib);
         }
-        if leaders && !s.two_leaders_now {
+        if let Some(figures) = &leaders
+            && !s.two_leaders_now
+        {
             s.counts.two_leaders += 1;
-            println!("chaos: VIOLATION two hub replicas lead or serve streams at once");
+            println!("chaos: VIOLATION two hub replicas lead or serve streams at once: {figures}");
         }
-        s.two_leaders_now = leaders;
+        s.two_leaders_now = leaders.is_some();
         let names: Vec<String> = s.names.iter().cloned().collect();
         let mut mislabelled = BTreeSet::new();
         let Shared { nodes, counts, .. } = &mut *s;
@@ -327,9 +329,9 @@ fn removals(tracked: &mut Tracked) -> Vec<(u128, String)> {
         .collect()
 }
 
-/// Whether both hub replicas lead, or both serve streams, at once. `pods` keeps the
-/// replicas' addresses while the hub's apiserver is away.
-async fn two_leaders(hub: &Client, pods: &mut Vec<(String, IpAddr)>) -> bool {
+/// Both hub replicas' figures when both lead, or both serve streams, at once. `pods`
+/// keeps the replicas' addresses while the hub's apiserver is away.
+async fn two_leaders(hub: &Client, pods: &mut Vec<(String, IpAddr)>) -> Option<String> {
     let api: Api<Pod> = Api::namespaced(hub.clone(), HUB_NAMESPACE);
     let listed = tokio::time::timeout(
         SCRAPE,
@@ -349,17 +351,19 @@ async fn two_leaders(hub: &Client, pods: &mut Vec<(String, IpAddr)>) -> bool {
             })
             .collect();
     }
-    let [(_, first), (_, second)] = pods.as_slice() else {
-        return false;
+    let [(first, first_ip), (second, second_ip)] = pods.as_slice() else {
+        return None;
     };
-    let (Some(a), Some(b)) = (hub_figures(*first).await, hub_figures(*second).await) else {
-        return false;
-    };
-    let Some(again) = hub_figures(*first).await else {
-        return false;
-    };
+    let a = hub_figures(*first_ip).await?;
+    let b = hub_figures(*second_ip).await?;
+    let again = hub_figures(*first_ip).await?;
     let both = |f: fn(&(f64, f64)) -> bool| f(&a) && f(&b) && f(&again);
-    both(|m| m.0 >= 1.0) || both(|m| m.1 >= 1.0)
+    (both(|m| m.0 >= 1.0) || both(|m| m.1 >= 1.0)).then(|| {
+        format!(
+            "{first}: leader {} connected {} (then {} {}); {second}: leader {} connected {}",
+            a.0, a.1, again.0, again.1, b.0, b.1
+        )
+    })
 }
 
 /// `kmm_hub_leader` and `kmm_hub_connected_clusters` of one replica.

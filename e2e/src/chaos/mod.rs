@@ -121,7 +121,7 @@ pub async fn run(fleet: &Fleet, settings: &Settings, options: &Options) -> Resul
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)?
             .as_secs()
-            & 0xffff_ff
+            & 0x00ff_ffff
     );
     let mut model = Model::new(fleet, &run)?;
     for node in &model.nodes {
