@@ -9,7 +9,8 @@
 //!   are not judged (a change may still be on its way).
 //! - A wrong label is a module's ready label on a node whose state file, read just
 //!   before and just after the labels, holds the module at the labelled version neither
-//!   time.
+//!   time, in every sample for [`LABEL_LAG`] (the proxy changes labels on the agent's
+//!   proof only, so a label outlives an unload by the time the proof takes to come back).
 //! - Two leaders: both hub replicas report `kmm_hub_leader 1`, or both a connected
 //!   cluster, with the first read again after the second (so the two reads overlap).
 //! - Orphans and what did not converge: [`observe`], at each settle.
@@ -43,6 +44,8 @@ const HUB_METRICS_PORT: u16 = 8080;
 /// removed and set again 0.5 s later may still be acted on in order (an unload, then a
 /// load), which is what was asked for.
 const GRACE: Duration = Duration::from_secs(5);
+/// How long a label may lag behind its agent before it counts as wrong.
+const LABEL_LAG: Duration = Duration::from_secs(5);
 
 fn now_ns() -> u128 {
     SystemTime::now()
@@ -97,8 +100,9 @@ struct Shared {
     nodes: Vec<Tracked>,
     names: BTreeSet<String>,
     counts: Counts,
-    /// (node, module) labelled without the module loaded, in the last sample.
-    mislabelled: BTreeSet<(String, String)>,
+    /// (node, module) labelled without the module loaded, since when (ns), and whether
+    /// it was counted.
+    mislabelled: BTreeMap<(String, String), (u128, bool)>,
     two_leaders_now: bool,
 }
 
@@ -145,7 +149,7 @@ impl Checker {
             nodes,
             names: model.names.iter().cloned().collect(),
             counts: Counts::default(),
-            mislabelled: BTreeSet::new(),
+            mislabelled: BTreeMap::new(),
             two_leaders_now: false,
         }));
         let stop = Arc::new(AtomicBool::new(false));
@@ -248,8 +252,13 @@ async fn sample_until(fleet: Fleet, shared: Arc<Mutex<Shared>>, stop: Arc<Atomic
         }
         s.two_leaders_now = leaders.is_some();
         let names: Vec<String> = s.names.iter().cloned().collect();
-        let mut mislabelled = BTreeSet::new();
-        let Shared { nodes, counts, .. } = &mut *s;
+        let mut mislabelled = BTreeMap::new();
+        let Shared {
+            nodes,
+            counts,
+            mislabelled: before_now,
+            ..
+        } = &mut *s;
         for (i, tracked) in nodes.iter_mut().enumerate() {
             let node = tracked.info.node.clone();
             if let Some(labels) = labels.get(&node) {
@@ -264,9 +273,29 @@ async fn sample_until(fleet: Fleet, shared: Arc<Mutex<Shared>>, stop: Arc<Atomic
                         })
                     };
                     if !holds(&before[i]) && !holds(&after[i]) {
-                        mislabelled.insert((node.clone(), name.clone()));
+                        let key = (node.clone(), name.clone());
+                        let (since, counted) =
+                            before_now.get(&key).copied().unwrap_or((taken_ns, false));
+                        let stuck = taken_ns.saturating_sub(since) >= LABEL_LAG.as_nanos();
+                        if stuck && !counted {
+                            counts.wrong_labels += 1;
+                            println!(
+                                "chaos: VIOLATION wrong label: {node} has been labelled ready \
+                                 for {name} at {version:?} for {:?} while its agent holds {:?}",
+                                LABEL_LAG, after[i]
+                            );
+                        }
+                        mislabelled.insert(key, (since, counted || stuck));
                     }
                 }
+            } else {
+                // Labels not read (its apiserver away): the node's episodes go on.
+                mislabelled.extend(
+                    before_now
+                        .iter()
+                        .filter(|((n, _), _)| *n == node)
+                        .map(|(k, v)| (k.clone(), *v)),
+                );
             }
             for (at, kmod) in &events[i] {
                 let inside = tracked
@@ -296,13 +325,6 @@ async fn sample_until(fleet: Fleet, shared: Arc<Mutex<Shared>>, stop: Arc<Atomic
             {
                 tracked.stable.push((now_ns(), None));
             }
-        }
-        for (node, name) in mislabelled.difference(&s.mislabelled.clone()) {
-            s.counts.wrong_labels += 1;
-            println!(
-                "chaos: VIOLATION wrong label: {node} is labelled ready for {name}, \
-                 which its agent does not hold at the labelled version"
-            );
         }
         s.mislabelled = mislabelled;
     }
