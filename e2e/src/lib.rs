@@ -6,6 +6,7 @@
 //!
 //! * [`toolchain`] builds the pinned upstream programs from the Go module proxy.
 //! * [`fleet`] starts, inspects and stops the environment (`cargo xtask env ...`).
+//! * [`chaos`] the chaos soak: seeded faults and changes, and an invariant checker.
 //! * [`fixture`] attaches tests to a running environment (or starts one).
 //! * [`binaries`] finds kmm-fleet's debug binaries for the tests that run them.
 //! * [`kmod_builder`] assembles the fleet's base for kmod builds, the way `kmm-images`
@@ -16,6 +17,7 @@
 
 pub mod binaries;
 mod cgroup;
+pub mod chaos;
 pub mod fixture;
 pub mod fleet;
 pub mod guest;

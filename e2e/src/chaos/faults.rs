@@ -1,0 +1,484 @@
+//! The faults the soak injects, each undone by [`Active::restore`] or, when the soak
+//! fails first, by [`Active`]'s drop.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Pod;
+use kmm_api::ocm::UNREACHABLE_TAINT;
+use kube::api::{ListParams, Patch, PatchParams};
+use kube::{Api, Client, ResourceExt};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde_json::{Value, json};
+
+use super::schedule::Dice;
+use crate::fixture::{Fleet, wait_until};
+use crate::fleet::kmm::{self as fleet_kmm, HUB_NAMESPACE};
+use crate::fleet::{Settings, State, hub_install, managed_clusters, start_process, stop_process};
+
+/// How long the fleet gets to come back from a fault, and a fault to take effect.
+const RECOVERY: Duration = Duration::from_secs(180);
+
+#[derive(Clone, Debug)]
+pub enum Fault {
+    /// SIGKILL of the leading kmm-hub (its Lease is not released).
+    HubLeaderKill,
+    /// SIGKILL of the standing-by kmm-hub.
+    HubStandbyKill,
+    ProxyKill(String),
+    /// SIGKILL of a node's agent (a real node's container, a KWOK node's process).
+    AgentKill(String),
+    /// A cluster's kube-apiserver stopped until the fault is restored.
+    ApiserverDown(String),
+    /// A spoke's OCM agent stopped (SIGSTOP) until its lease lapses and OCM taints the
+    /// cluster unreachable.
+    OcmStall(String),
+    RegistryDown,
+    /// A spoke's real nodes cut from the hub's node (iptables in their netns).
+    NetworkCut(String),
+    /// The leading kmm-hub's Pod cut from the hub's kube-apiserver until the Lease moved.
+    LeaderCut,
+}
+
+impl std::fmt::Display for Fault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::HubLeaderKill => write!(f, "SIGKILL the leading kmm-hub"),
+            Self::HubStandbyKill => write!(f, "SIGKILL the standby kmm-hub"),
+            Self::ProxyKill(spoke) => write!(f, "SIGKILL the proxy of {spoke}"),
+            Self::AgentKill(node) => write!(f, "SIGKILL the agent of {node}"),
+            Self::ApiserverDown(cluster) => write!(f, "stop the kube-apiserver of {cluster}"),
+            Self::OcmStall(spoke) => write!(f, "stall the OCM agent of {spoke}"),
+            Self::RegistryDown => write!(f, "stop the registry"),
+            Self::NetworkCut(spoke) => write!(f, "cut the real nodes of {spoke} from the hub"),
+            Self::LeaderCut => write!(f, "cut the leading kmm-hub from its apiserver"),
+        }
+    }
+}
+
+impl Fault {
+    /// Draws a fault (and its target) for a fleet of `spokes` and agent `nodes`.
+    pub fn draw(dice: &mut Dice, spokes: &[String], nodes: &[String]) -> Self {
+        match dice.below(9) {
+            0 => Self::HubLeaderKill,
+            1 => Self::HubStandbyKill,
+            2 => Self::ProxyKill(dice.pick(spokes).clone()),
+            3 => Self::AgentKill(dice.pick(nodes).clone()),
+            4 => {
+                let mut clusters = vec!["hub".to_owned()];
+                clusters.extend(spokes.iter().cloned());
+                Self::ApiserverDown(dice.pick(&clusters).clone())
+            }
+            5 => Self::OcmStall(dice.pick(spokes).clone()),
+            6 => Self::RegistryDown,
+            7 => Self::NetworkCut(dice.pick(spokes).clone()),
+            _ => Self::LeaderCut,
+        }
+    }
+
+    pub async fn inject(&self, fleet: &Fleet, settings: &Settings) -> Result<Active> {
+        let mut active = Active {
+            fault: self.clone(),
+            undo: vec![],
+            hub: fleet.hub.clone(),
+        };
+        match self {
+            Self::HubLeaderKill => {
+                hub_install::crash_leader(&fleet.hub).await?;
+            }
+            Self::HubStandbyKill => {
+                let leader = hub_install::wait_leader(&fleet.hub, RECOVERY).await?;
+                let pods = hub_pods(&fleet.hub).await?;
+                let standby = pods
+                    .iter()
+                    .find(|p| p.name_any() != leader)
+                    .context("a standby kmm-hub Pod")?;
+                kill_container(standby, "kmm-hub")?;
+            }
+            Self::ProxyKill(spoke) => {
+                let pod = fleet_kmm::proxy_pod(fleet.spoke(spoke)?).await?;
+                kill_container(&pod, "kmm-spoke-proxy")?;
+            }
+            Self::AgentKill(node) => {
+                let agent = agent(fleet, node)?;
+                if agent.simulated {
+                    let pid = agent.runner_pid().context("the KWOK agent's process")?;
+                    kill(Pid::from_raw(i32::try_from(pid)?), Signal::SIGKILL)?;
+                } else {
+                    let pod = fleet_kmm::agent_pod(fleet.spoke(&agent.cluster)?, node).await?;
+                    kill_container(&pod, "kmm-node-agent")?;
+                }
+            }
+            Self::ApiserverDown(cluster) => {
+                let name = format!("{cluster}/kube-apiserver");
+                stop_process(settings, &name, Duration::from_secs(10))?;
+                active.undo.push(Undo::Start(settings.clone(), name));
+            }
+            Self::RegistryDown => {
+                stop_process(settings, "registry", Duration::from_secs(10))?;
+                active
+                    .undo
+                    .push(Undo::Start(settings.clone(), "registry".to_owned()));
+            }
+            Self::OcmStall(spoke) => stall_ocm_agent(fleet, settings, spoke, &mut active).await?,
+            Self::NetworkCut(spoke) => {
+                let hub_ip = hub_node(fleet)?.ip.to_string();
+                for node in &fleet.state.cluster(spoke)?.real_nodes {
+                    for (chain, direction) in [
+                        ("FORWARD", "-d"),
+                        ("FORWARD", "-s"),
+                        ("OUTPUT", "-d"),
+                        ("INPUT", "-s"),
+                    ] {
+                        let rule = [chain, direction, &hub_ip, "-j", "DROP"].map(str::to_owned);
+                        iptables(&node.netns, "-I", &rule)?;
+                        active
+                            .undo
+                            .push(Undo::Iptables(node.netns.clone(), rule.to_vec()));
+                    }
+                }
+            }
+            Self::LeaderCut => {
+                let leader = hub_install::wait_leader(&fleet.hub, RECOVERY).await?;
+                let pods: Api<Pod> = Api::namespaced(fleet.hub.clone(), HUB_NAMESPACE);
+                let ip = pods
+                    .get(&leader)
+                    .await?
+                    .status
+                    .and_then(|s| s.pod_ip)
+                    .context("the leader's Pod IP")?;
+                let gateway = fleet
+                    .state
+                    .network
+                    .as_ref()
+                    .context("the fleet's network")?
+                    .gateway
+                    .to_string();
+                let port = apiserver_port(&fleet.state, "hub")?;
+                // The Pod reaches its apiserver as the `kubernetes` Service, which
+                // kube-proxy turns into the bridge address before the node forwards it.
+                let rule = [
+                    "FORWARD", "-s", &ip, "-d", &gateway, "-p", "tcp", "--dport", &port, "-j",
+                    "DROP",
+                ]
+                .map(str::to_owned);
+                let netns = hub_node(fleet)?.netns.clone();
+                iptables(&netns, "-I", &rule)?;
+                active.undo.push(Undo::Iptables(netns, rule.to_vec()));
+                active.undo.push(Undo::Note(leader));
+            }
+        }
+        Ok(active)
+    }
+}
+
+/// The hub's real node (where kmm-hub runs).
+fn hub_node(fleet: &Fleet) -> Result<&crate::fleet::nodes::RealNode> {
+    fleet
+        .state
+        .cluster("hub")?
+        .real_nodes
+        .first()
+        .context("the hub's real node")
+}
+
+fn agent<'a>(fleet: &'a Fleet, node: &str) -> Result<&'a fleet_kmm::Agent> {
+    fleet
+        .state
+        .kmm
+        .as_ref()
+        .and_then(|k| k.agents.iter().find(|a| a.node == node))
+        .with_context(|| format!("the agent of {node}"))
+}
+
+fn apiserver_port(state: &State, cluster: &str) -> Result<String> {
+    let server = &state.cluster(cluster)?.server;
+    server
+        .rsplit(':')
+        .next()
+        .map(|p| p.trim_end_matches('/').to_owned())
+        .with_context(|| format!("the port of {server}"))
+}
+
+async fn hub_pods(hub: &Client) -> Result<Vec<Pod>> {
+    let pods: Api<Pod> = Api::namespaced(hub.clone(), HUB_NAMESPACE);
+    Ok(pods
+        .list(&ListParams::default().labels(&format!(
+            "app.kubernetes.io/name={}",
+            hub_install::DEPLOYMENT
+        )))
+        .await?
+        .items
+        .into_iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .collect())
+}
+
+/// SIGKILL to the `comm` processes of a Pod's containers (found on the host by the Pod's
+/// cgroup, `.../pod<uid>/...`): the kubelet restarts the container.
+fn kill_container(pod: &Pod, comm: &str) -> Result<()> {
+    let uid = pod.metadata.uid.as_deref().context("the Pod's uid")?;
+    let cgroup = format!("/pod{uid}/");
+    let mut killed = 0;
+    for entry in std::fs::read_dir("/proc")? {
+        let Ok(pid) = entry?.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let read = |file: &str| {
+            std::fs::read_to_string(Path::new("/proc").join(pid.to_string()).join(file))
+        };
+        let ours = read("cgroup").is_ok_and(|c| c.contains(&cgroup))
+            && read("comm").is_ok_and(|c| c.trim() == comm);
+        if ours && kill(Pid::from_raw(pid), Signal::SIGKILL).is_ok() {
+            killed += 1;
+        }
+    }
+    ensure!(
+        killed > 0,
+        "no {comm} process of Pod {} found",
+        pod.name_any()
+    );
+    Ok(())
+}
+
+fn iptables(netns: &str, op: &str, rule: &[String]) -> Result<()> {
+    let status = std::process::Command::new("ip")
+        .args(["netns", "exec", netns, "iptables", "-w", op])
+        .args(rule)
+        .status()
+        .context("running iptables in a node's network namespace")?;
+    ensure!(
+        status.success(),
+        "iptables {op} {rule:?} in {netns}: {status}"
+    );
+    Ok(())
+}
+
+/// Shortens the spoke's ManagedCluster lease to 4 s, waits until its agent renews at
+/// that period (two renewals close together: the lapse then takes seconds, not minutes)
+/// and stops the agent.
+async fn stall_ocm_agent(
+    fleet: &Fleet,
+    settings: &Settings,
+    spoke: &str,
+    active: &mut Active,
+) -> Result<()> {
+    let clusters = managed_clusters(&fleet.hub);
+    let lease = clusters.get(spoke).await?.data["spec"]["leaseDurationSeconds"].clone();
+    clusters
+        .patch(
+            spoke,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": {"leaseDurationSeconds": 4}})),
+        )
+        .await?;
+    active
+        .undo
+        .push(Undo::Lease(spoke.to_owned(), lease.clone()));
+    let state = State::load(&settings.state_dir)?.context("the fleet's state")?;
+    let name = format!("{spoke}/ocm-agent");
+    let agent = state
+        .processes
+        .iter()
+        .find(|p| p.name == name)
+        .with_context(|| format!("process {name}"))?;
+    let leases: Api<Lease> = Api::namespaced(fleet.hub.clone(), spoke);
+    let previous = std::sync::Mutex::new(None);
+    wait_until("the OCM agent to renew at 4 s", RECOVERY, || async {
+        let lease = leases
+            .get("managed-cluster-lease")
+            .await
+            .map_err(|e| e.to_string())?;
+        let renewed = lease.spec.and_then(|s| s.renew_time).ok_or("no renewal")?.0;
+        let before = previous.lock().map_err(|e| e.to_string())?.replace(renewed);
+        match before {
+            Some(before) if before != renewed => {
+                let gap = renewed.duration_since(before);
+                (gap.as_secs() <= 6)
+                    .then_some(())
+                    .ok_or_else(|| format!("renewed {gap:?} apart"))
+            }
+            _ => Err("no second renewal yet".to_owned()),
+        }
+    })
+    .await?;
+    let pid = Pid::from_raw(agent.pid);
+    kill(pid, Signal::SIGSTOP)?;
+    active.undo.push(Undo::Continue(pid));
+    Ok(())
+}
+
+fn tainted(cluster: &Value) -> bool {
+    cluster["spec"]["taints"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|t| t["key"] == UNREACHABLE_TAINT)
+}
+
+/// One step of undoing a fault.
+enum Undo {
+    Start(Settings, String),
+    Iptables(String, Vec<String>),
+    Continue(Pid),
+    /// The spoke's ManagedCluster lease duration to put back.
+    Lease(String, Value),
+    /// The Pod a cut concerns (nothing to undo).
+    Note(String),
+}
+
+/// An injected fault.
+pub struct Active {
+    pub fault: Fault,
+    undo: Vec<Undo>,
+    hub: Client,
+}
+
+impl std::fmt::Debug for Active {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Active")
+            .field("fault", &self.fault)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Active {
+    /// Waits (within [`RECOVERY`]) until the fault did what it is for: OCM tainted the
+    /// stalled cluster, the Lease left the cut leader. Other faults act at once.
+    pub async fn took_effect(&self, fleet: &Fleet) -> Result<()> {
+        match &self.fault {
+            Fault::OcmStall(spoke) => {
+                let clusters = managed_clusters(&fleet.hub);
+                wait_until("OCM to taint the stalled cluster", RECOVERY, || async {
+                    let cluster = clusters.get(spoke).await.map_err(|e| e.to_string())?;
+                    tainted(&cluster.data)
+                        .then_some(())
+                        .ok_or_else(|| cluster.data["spec"]["taints"].to_string())
+                })
+                .await?;
+            }
+            Fault::LeaderCut => {
+                let cut = self
+                    .undo
+                    .iter()
+                    .find_map(|u| match u {
+                        Undo::Note(pod) => Some(pod.clone()),
+                        _ => None,
+                    })
+                    .context("the cut Pod")?;
+                wait_until("the Lease to leave the cut leader", RECOVERY, || async {
+                    let holder = hub_install::lease_holder(&fleet.hub)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    (!holder.starts_with(&format!("{cut}_")))
+                        .then_some(())
+                        .ok_or(format!("held by {holder}"))
+                })
+                .await?;
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Undoes the fault and waits until the part of the fleet it broke is back (the
+    /// modules' convergence is the soak's to wait for).
+    pub async fn restore(mut self, fleet: &Fleet) -> Result<()> {
+        while let Some(step) = self.undo.pop() {
+            undo_now(&step)?;
+            if let Undo::Lease(spoke, lease) = &step {
+                restore_lease(&fleet.hub, spoke, lease).await?;
+            }
+        }
+        match &self.fault {
+            Fault::HubLeaderKill | Fault::HubStandbyKill | Fault::LeaderCut => {
+                hub_install::scale(&fleet.hub, 2).await?;
+            }
+            Fault::ProxyKill(spoke) | Fault::NetworkCut(spoke) => {
+                fleet_kmm::wait_proxy_ready(fleet.spoke(spoke)?, RECOVERY).await?;
+            }
+            Fault::AgentKill(node) => {
+                let agent = agent(fleet, node)?;
+                fleet_kmm::wait_agents_ready(fleet.spoke(&agent.cluster)?, RECOVERY).await?;
+            }
+            Fault::ApiserverDown(cluster) => {
+                let client = if cluster == "hub" {
+                    &fleet.hub
+                } else {
+                    fleet.spoke(cluster)?
+                };
+                wait_until("the apiserver to answer", RECOVERY, || async {
+                    client
+                        .apiserver_version()
+                        .await
+                        .map(drop)
+                        .map_err(|e| e.to_string())
+                })
+                .await?;
+            }
+            Fault::OcmStall(spoke) => {
+                let clusters = managed_clusters(&fleet.hub);
+                wait_until("OCM to see the cluster again", RECOVERY, || async {
+                    let cluster = clusters.get(spoke).await.map_err(|e| e.to_string())?;
+                    (!tainted(&cluster.data))
+                        .then_some(())
+                        .ok_or_else(|| cluster.data["spec"]["taints"].to_string())
+                })
+                .await?;
+            }
+            Fault::RegistryDown => {}
+        }
+        Ok(())
+    }
+}
+
+fn undo_now(step: &Undo) -> Result<()> {
+    match step {
+        Undo::Start(settings, name) => {
+            start_process(settings, name, None)?;
+        }
+        Undo::Iptables(netns, rule) => iptables(netns, "-D", rule)?,
+        Undo::Continue(pid) => kill(*pid, Signal::SIGCONT)?,
+        Undo::Lease(..) | Undo::Note(_) => {}
+    }
+    Ok(())
+}
+
+async fn restore_lease(hub: &Client, spoke: &str, lease: &Value) -> Result<()> {
+    let patch = json!({"spec": {"leaseDurationSeconds": lease}});
+    managed_clusters(hub)
+        .patch(spoke, &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    Ok(())
+}
+
+impl Drop for Active {
+    /// The soak failed with the fault on: undo what needs no API first, then put the
+    /// lease back if the runtime allows blocking here.
+    fn drop(&mut self) {
+        for step in self.undo.iter().rev() {
+            if let Err(e) = undo_now(step) {
+                eprintln!("chaos: undoing {}: {e:#}", self.fault);
+            }
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if runtime.runtime_flavor() != tokio::runtime::RuntimeFlavor::MultiThread {
+            return;
+        }
+        for step in &self.undo {
+            if let Undo::Lease(spoke, lease) = step {
+                let restored = tokio::task::block_in_place(|| {
+                    runtime.block_on(restore_lease(&self.hub, spoke, lease))
+                });
+                if let Err(e) = restored {
+                    eprintln!("chaos: restoring the lease of {spoke}: {e:#}");
+                }
+            }
+        }
+    }
+}
