@@ -52,11 +52,15 @@ pub fn run(root: &Path, options: &Options) -> anyhow::Result<()> {
 const CHAOS_SEED: &str = "27";
 const CHAOS_MINUTES: &str = "3";
 
+/// In the dev profile: the soak measures the fleet, not itself, and the tests' build is
+/// reused instead of a release build of the whole test lab.
 fn chaos(root: &Path) -> anyhow::Result<()> {
     cargo(
         root,
         &[
             "bench",
+            "--profile",
+            "dev",
             "-p",
             "kmm-e2e",
             "--bench",
