@@ -215,7 +215,7 @@ impl Election {
 }
 
 /// Watches the Lease and notes each renewal by `identity` (a new `renewTime` while it
-/// holds it), starting from now: winning is a renewal.
+/// holds it) at the time it was made, starting from now: winning is a renewal.
 fn watch_renewals(leases: Api<Lease>, lease: &str, identity: &str) -> RenewalWatch {
     let (noted, seen) = watch::channel(Instant::now());
     let config = watcher::Config::default().fields(&format!("metadata.name={lease}"));
@@ -233,16 +233,27 @@ fn watch_renewals(leases: Api<Lease>, lease: &str, identity: &str) -> RenewalWat
                 }
             };
             let Some(spec) = lease.spec else { continue };
+            let Some(renewed) = spec.renew_time.clone() else {
+                continue;
+            };
             if spec.holder_identity.as_deref() == Some(identity.as_str())
-                && spec.renew_time.is_some()
-                && spec.renew_time != last
+                && Some(&renewed) != last.as_ref()
             {
-                last = spec.renew_time;
-                noted.send_replace(Instant::now());
+                noted.send_replace(instant_of(renewed.0));
+                last = Some(renewed);
             }
         }
     });
     RenewalWatch { seen, task }
+}
+
+/// The monotonic instant of a `renewTime` this replica wrote with its own clock. An
+/// event seen late (a watch cut and resumed) then moves the deadline no further than the
+/// renewal itself did: the standby counts from `renewTime` too.
+fn instant_of(renewed: k8s_openapi::jiff::Timestamp) -> Instant {
+    let age = k8s_openapi::jiff::Timestamp::now().duration_since(renewed);
+    let age = Duration::try_from(age).unwrap_or_default();
+    Instant::now().checked_sub(age).unwrap_or_else(Instant::now)
 }
 
 #[derive(Debug)]
@@ -323,6 +334,21 @@ mod tests {
             "before a standby may take over"
         );
         assert!(stepped_down - start > duration * 2);
+    }
+
+    #[test]
+    fn a_renewal_counts_from_when_it_was_made_not_when_it_was_seen() {
+        let made =
+            k8s_openapi::jiff::Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(8);
+        let at = instant_of(made);
+        let age = Instant::now() - at;
+        assert!(
+            age >= Duration::from_secs(8) && age < Duration::from_secs(9),
+            "{age:?}"
+        );
+        let future =
+            k8s_openapi::jiff::Timestamp::now() + k8s_openapi::jiff::SignedDuration::from_secs(5);
+        assert!(instant_of(future) <= Instant::now());
     }
 
     #[tokio::test(start_paused = true)]
