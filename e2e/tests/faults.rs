@@ -271,14 +271,26 @@ async fn cut_leader_from_apiserver(fleet: &Fleet) -> Result<Handover> {
         .and_then(|p| p.first())
         .map(|p| p.port.to_string())
         .context("the apiserver's port")?;
-    let restarts = |pod: &Pod| {
+    // The container running now: when it ends, and when the standby acquires the Lease,
+    // are read from the kubelet's and the apiserver's own timestamps (one host, one
+    // clock), not from when this test happens to look.
+    let started = |pod: &Pod| {
         pod.status
             .as_ref()
             .and_then(|s| s.container_statuses.as_ref())
-            .map_or(0, |c| c.iter().map(|c| c.restart_count).sum::<i32>())
+            .and_then(|c| c.first())
+            .and_then(|c| c.state.as_ref()?.running.as_ref()?.started_at.clone())
     };
-    let restarts_before = restarts(&pod);
-
+    let running_since = started(&pod).context("the leader's container is running")?;
+    let finished = move |pod: &Pod| {
+        let status = pod.status.as_ref()?.container_statuses.as_ref()?.first()?;
+        [status.state.as_ref(), status.last_state.as_ref()]
+            .into_iter()
+            .flatten()
+            .filter_map(|state| state.terminated.as_ref())
+            .find(|t| t.started_at.as_ref() == Some(&running_since))
+            .and_then(|t| t.finished_at.clone())
+    };
     let rules: Vec<Vec<String>> = vec![
         [
             "FORWARD", "-s", &pod_ip, "-d", &api_ip, "-p", "tcp", "--dport", &api_port, "-j",
@@ -301,34 +313,33 @@ async fn cut_leader_from_apiserver(fleet: &Fleet) -> Result<Handover> {
         iptables(&node.netns, "-I", &rule)?;
         cut.rules.push((node.netns.clone(), rule));
     }
-    let cut_at = Instant::now();
-    let marks: std::sync::Mutex<(Option<Duration>, Option<Duration>)> = Default::default();
+    let cut_at = k8s_openapi::jiff::Timestamp::now();
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(fleet.hub.clone(), HUB_NAMESPACE);
     let (stopped, taken_over) = wait_until(
         "the cut leader to stop and the Lease to move",
         RECOVERY,
         || async {
-            let stopped_now = pods
-                .get(&leader)
+            let stopped = pods.get(&leader).await.ok().and_then(|pod| finished(&pod));
+            let taken_over = leases
+                .get("kmm-hub")
                 .await
-                .is_ok_and(|pod| restarts(&pod) > restarts_before);
-            let moved = hub_install::lease_holder(&fleet.hub)
-                .await
-                .is_ok_and(|holder| holder != former);
-            let mut marks = marks.lock().unwrap();
-            if stopped_now && marks.0.is_none() {
-                marks.0 = Some(cut_at.elapsed());
-            }
-            if moved && marks.1.is_none() {
-                marks.1 = Some(cut_at.elapsed());
-            }
-            match *marks {
-                (Some(s), Some(t)) => Ok((s, t)),
+                .ok()
+                .and_then(|lease| lease.spec)
+                .filter(|spec| spec.holder_identity.as_ref().is_some_and(|h| *h != former))
+                .and_then(|spec| spec.acquire_time);
+            match (stopped, taken_over) {
+                (Some(s), Some(t)) => Ok((s.0, t.0)),
                 other => Err(format!("stopped, taken over: {other:?}")),
             }
         },
     )
     .await?;
     cut.heal().await?;
+    let since_cut = |at: k8s_openapi::jiff::Timestamp| {
+        Duration::try_from(at.duration_since(cut_at)).unwrap_or_default()
+    };
+    let (stopped, taken_over) = (since_cut(stopped), since_cut(taken_over));
     ensure!(
         stopped < taken_over,
         "the cut leader stopped {stopped:?} after the cut, after the standby took the Lease \
