@@ -189,7 +189,6 @@ async fn the_fleet_converges_after_each_fault_and_never_unloads_or_mislabels() -
     let resumed = Instant::now();
     lost.wait_held(&fleet, "").await?;
     recoveries.push(("spoke's OCM agent lease lapsed", resumed.elapsed()));
-    lost.clean_up(&fleet).await?;
 
     let samples = sampler.stop().await?;
     for (fault, took) in &recoveries {
@@ -215,6 +214,7 @@ async fn the_fleet_converges_after_each_fault_and_never_unloads_or_mislabels() -
     for module in started {
         module.clean_up(&fleet).await?;
     }
+    lost.clean_up(&fleet).await?;
     delete(&fleet.hub, &steady).await?;
     wait_labelled(&fleet, &steady, &[]).await?;
     for spoke in fleet.spoke_names() {
