@@ -307,6 +307,41 @@ fn layer(root: &Path, extra: &[ImageFile]) -> Result<Layer> {
     Ok(Layer { gzip, diff_id })
 }
 
+/// Tags `image:from` also as `image:to` in `registry` (the same manifest under a new tag):
+/// a new version of the image without rebuilding it.
+pub async fn retag(registry: &str, image: &str, from: &str, to: &str) -> Result<()> {
+    let client = Client::new(ClientConfig {
+        protocol: ClientProtocol::Http,
+        ..Default::default()
+    });
+    let reference = |tag: &str| -> Result<Reference> {
+        format!("{registry}/{image}:{tag}")
+            .parse()
+            .map_err(|e| Error::Invalid(format!("{registry}/{image}:{tag}: {e}")))
+    };
+    let (source, target) = (reference(from)?, reference(to)?);
+    let (manifest, _) = client
+        .pull_manifest_raw(
+            &source,
+            &RegistryAuth::Anonymous,
+            &[
+                "application/vnd.oci.image.manifest.v1+json",
+                "application/vnd.docker.distribution.manifest.v2+json",
+            ],
+        )
+        .await?;
+    let media_type = serde_json::from_slice::<serde_json::Value>(&manifest)
+        .map_err(|e| Error::Invalid(format!("the manifest of {source}: {e}")))?["mediaType"]
+        .as_str()
+        .unwrap_or("application/vnd.oci.image.manifest.v1+json")
+        .parse()
+        .map_err(|e| Error::Invalid(format!("the media type of {source}: {e}")))?;
+    client
+        .push_manifest_raw(&target, manifest.to_vec(), media_type)
+        .await?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

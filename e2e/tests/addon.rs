@@ -482,7 +482,7 @@ async fn a_new_template_version_rolls_the_proxy_and_agents_without_unloading() -
         .to_owned();
     let new_tag = format!("{old_tag}-next");
     for image in ["kmm-fleet/kmm-spoke-proxy", "kmm-fleet/kmm-node-agent"] {
-        retag(&fleet.state.registry, image, &old_tag, &new_tag).await?;
+        kmm_e2e::kmod::retag(&fleet.state.registry, image, &old_tag, &new_tag).await?;
     }
     let next_name = unique("kmm-next");
     let mut next: Value = serde_json::from_str(

@@ -995,7 +995,7 @@ async fn a_progressive_rollout_halts_on_a_missing_image_survives_a_hub_crash_and
     // The image appears: the first cluster loads 2.0, then the rollout reaches the second.
     let fixed_at = now_ns();
     for kernel in &kernels {
-        retag(
+        kmm_e2e::kmod::retag(
             &fleet.state.registry,
             "samples/kmm-hello",
             kernel,

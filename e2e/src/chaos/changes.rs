@@ -18,13 +18,12 @@ use kmm_api::ocm::{MANAGED_CLUSTER_SET_BINDING, PLACEMENT};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::core::DynamicObject;
 use kube::{Api, Client};
-use oci_client::client::{ClientConfig, ClientProtocol};
-use oci_client::secrets::RegistryAuth;
 use serde_json::{Value, json};
 
 use super::schedule::Dice;
 use crate::fixture::{Fleet, wait_until};
 use crate::fleet::managed_clusters;
+use crate::kmod::retag;
 
 /// The spokeNamespace of the soak's modules: the agents' state keys and the ready
 /// labels name it.
@@ -589,32 +588,4 @@ async fn label_cluster(hub: &Client, cluster: &str, key: &str, value: Option<&st
             .map(drop)
     })
     .await
-}
-
-/// Tags `image:from` also as `image:to` in `registry` (the same manifest).
-async fn retag(registry: &str, image: &str, from: &str, to: &str) -> Result<()> {
-    let client = oci_client::Client::new(ClientConfig {
-        protocol: ClientProtocol::Http,
-        ..Default::default()
-    });
-    let source: oci_client::Reference = format!("{registry}/{image}:{from}").parse()?;
-    let target: oci_client::Reference = format!("{registry}/{image}:{to}").parse()?;
-    let (manifest, _) = client
-        .pull_manifest_raw(
-            &source,
-            &RegistryAuth::Anonymous,
-            &[
-                "application/vnd.oci.image.manifest.v1+json",
-                "application/vnd.docker.distribution.manifest.v2+json",
-            ],
-        )
-        .await?;
-    let media_type = serde_json::from_slice::<Value>(&manifest)?["mediaType"]
-        .as_str()
-        .unwrap_or("application/vnd.oci.image.manifest.v1+json")
-        .to_owned();
-    client
-        .push_manifest_raw(&target, manifest.to_vec(), media_type.parse()?)
-        .await?;
-    Ok(())
 }

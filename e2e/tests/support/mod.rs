@@ -21,8 +21,6 @@ use kmm_e2e::guest::module_signing::TestKey;
 use kmm_e2e::kmod_builder;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, ResourceExt};
-use oci_client::client::{ClientConfig, ClientProtocol};
-use oci_client::secrets::RegistryAuth;
 use serde_json::{Value, json};
 
 pub const WAIT: Duration = Duration::from_secs(120);
@@ -459,35 +457,6 @@ fn sample_dockerfile(base: &str) -> String {
          FROM scratch\n\
          COPY --from=build /image /\n"
     )
-}
-
-/// Copies `image:from` to `image:to` in `registry` (the same manifest under a new tag):
-/// a new version of the image without rebuilding it.
-pub async fn retag(registry: &str, image: &str, from: &str, to: &str) -> Result<()> {
-    let client = oci_client::Client::new(ClientConfig {
-        protocol: ClientProtocol::Http,
-        ..Default::default()
-    });
-    let source: oci_client::Reference = format!("{registry}/{image}:{from}").parse()?;
-    let target: oci_client::Reference = format!("{registry}/{image}:{to}").parse()?;
-    let (manifest, _) = client
-        .pull_manifest_raw(
-            &source,
-            &RegistryAuth::Anonymous,
-            &[
-                "application/vnd.oci.image.manifest.v1+json",
-                "application/vnd.docker.distribution.manifest.v2+json",
-            ],
-        )
-        .await?;
-    let media_type = serde_json::from_slice::<Value>(&manifest)?["mediaType"]
-        .as_str()
-        .unwrap_or("application/vnd.oci.image.manifest.v1+json")
-        .to_owned();
-    client
-        .push_manifest_raw(&target, manifest.to_vec(), media_type.parse()?)
-        .await?;
-    Ok(())
 }
 
 /// A node's kernel log from byte `from` on: (nanoseconds, node, inserted?, kmod).
