@@ -336,6 +336,10 @@ async fn cut_leader_from_apiserver(fleet: &Fleet) -> Result<Handover> {
     )
     .await?;
     cut.heal().await?;
+    // While cut off, the Pod's restarted container cannot rejoin either, and the kubelet
+    // backs off between restarts (up to 5 minutes on a fleet that ran this before): a
+    // fresh Pod lets the next steps wait on the hub, not on that back-off.
+    pods.delete(&leader, &Default::default()).await?;
     let since_cut = |at: k8s_openapi::jiff::Timestamp| {
         Duration::try_from(at.duration_since(cut_at)).unwrap_or_default()
     };
