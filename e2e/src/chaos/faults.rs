@@ -85,6 +85,21 @@ impl Fault {
             undo: vec![],
             hub: fleet.hub.clone(),
         };
+        // A component a fault kills must be running first: one still in the kubelet's
+        // restart back-off from an earlier fault (or an earlier suite) has no process.
+        match self {
+            Self::HubLeaderKill | Self::HubStandbyKill | Self::LeaderCut => {
+                hub_install::scale(&fleet.hub, 2).await?;
+            }
+            Self::ProxyKill(spoke) => {
+                fleet_kmm::wait_proxy_ready(fleet.spoke(spoke)?, RECOVERY).await?;
+            }
+            Self::AgentKill(node) => {
+                let cluster = agent(fleet, node)?.cluster.clone();
+                fleet_kmm::wait_agents_ready(fleet.spoke(&cluster)?, RECOVERY).await?;
+            }
+            _ => {}
+        }
         match self {
             Self::HubLeaderKill => {
                 hub_install::crash_leader(&fleet.hub).await?;
