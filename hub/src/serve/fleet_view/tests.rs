@@ -66,6 +66,15 @@ fn streams_end_when_the_hub_stops_even_those_opened_after() {
     );
 }
 
+/// Module `hello`, guarded, selecting the clusters labelled `env: prod` (every one
+/// `Fleet::add_cluster` adds).
+fn hello() -> ModuleBuilder {
+    ModuleBuilder::new("hello")
+        .uid("u1")
+        .finalizers(&[FINALIZER])
+        .selector(&[("env", "prod")])
+}
+
 /// A synced fleet view over stores the test writes.
 struct Fleet {
     view: FleetView,
@@ -233,9 +242,7 @@ fn a_stream_of_a_cluster_not_accepted_ends_even_when_its_denial_came_first() {
 fn a_deleted_managed_cluster_holds_no_later_deletion() {
     let mut fleet = Fleet::new();
     fleet.add_cluster("spoke1");
-    let module = ModuleBuilder::new("hello")
-        .finalizers(&[FINALIZER])
-        .selector(&[("env", "prod")]);
+    let module = hello();
     fleet.add_module(module.clone().build());
     let id = fleet
         .view
@@ -256,10 +263,7 @@ fn a_deleted_managed_cluster_holds_no_later_deletion() {
 fn a_restarted_proxys_first_report_confirms_no_unload() {
     let mut fleet = Fleet::new();
     fleet.add_cluster("spoke1");
-    let module = ModuleBuilder::new("hello")
-        .uid("u1")
-        .finalizers(&[FINALIZER])
-        .selector(&[("env", "prod")]);
+    let module = hello();
     fleet.add_module(module.clone().build());
     let (id, sent) = connect(&fleet, "spoke1", 0);
     let (loaded_at, unload) = last_sent(&sent).expect("the module is sent");
@@ -312,10 +316,7 @@ fn a_restarted_proxys_first_report_confirms_no_unload() {
 fn a_reconnect_counts_as_converged_only_once_a_report_of_the_new_revision_arrives() {
     let mut fleet = Fleet::new();
     fleet.add_cluster("spoke1");
-    let v1 = ModuleBuilder::new("hello")
-        .uid("u1")
-        .finalizers(&[FINALIZER])
-        .selector(&[("env", "prod")]);
+    let v1 = hello();
     fleet.add_module(v1.clone().build());
     let (id, sent) = connect(&fleet, "spoke1", 0);
     let (revision, _) = last_sent(&sent).unwrap();
@@ -349,10 +350,7 @@ fn placed_and_loaded(
     fleet.add_cluster("spoke1");
     fleet.add_cluster("spoke2");
     fleet.decide(&["spoke1", "spoke2"]);
-    let mut module = ModuleBuilder::new("hello")
-        .finalizers(&[FINALIZER])
-        .selector(&[("env", "prod")])
-        .build();
+    let mut module = hello().build();
     module.spec.placement_refs = Some(vec![kmm_api::PlacementRef {
         namespace: "fleet".into(),
         name: "gpu".into(),
@@ -462,13 +460,7 @@ fn a_junk_inventory_ends_its_stream_and_the_other_clusters_are_untouched() {
     let mut fleet = Fleet::new();
     fleet.add_cluster("spoke1");
     fleet.add_cluster("spoke2");
-    fleet.add_module(
-        ModuleBuilder::new("hello")
-            .uid("u1")
-            .finalizers(&[FINALIZER])
-            .selector(&[("env", "prod")])
-            .build(),
-    );
+    fleet.add_module(hello().build());
     let (_, good) = connect(&fleet, "spoke2", 0);
     let before = last_sent(&good);
     assert!(before.is_some());
@@ -506,10 +498,7 @@ fn the_kernels_and_images_of_a_proxy_that_moved_on_are_forgotten() {
     let mut fleet = Fleet::new();
     fleet.add_cluster("spoke1");
     fleet.add_module(
-        ModuleBuilder::new("hello")
-            .uid("u1")
-            .finalizers(&[FINALIZER])
-            .selector(&[("env", "prod")])
+        hello()
             .kernel_mappings(serde_json::json!([
                 {"regexp": ".*", "containerImage": "r.example/hello:${KERNEL_FULL_VERSION}"},
             ]))
@@ -545,13 +534,7 @@ fn the_kernels_and_images_of_a_proxy_that_moved_on_are_forgotten() {
 fn an_oversized_status_report_ends_its_stream_by_bytes_not_entries() {
     let mut fleet = Fleet::new();
     fleet.add_cluster("spoke1");
-    fleet.add_module(
-        ModuleBuilder::new("hello")
-            .uid("u1")
-            .finalizers(&[FINALIZER])
-            .selector(&[("env", "prod")])
-            .build(),
-    );
+    fleet.add_module(hello().build());
     let outbound = OutboundSender::default();
     let ended = outbound.subscribe();
     let id = fleet.view.open_session("spoke1", 0, outbound);
@@ -592,13 +575,7 @@ fn an_oversized_status_report_ends_its_stream_by_bytes_not_entries() {
 fn device_plugin_counts_of_unknown_modules_are_dropped_and_counted() {
     let mut fleet = Fleet::new();
     fleet.add_cluster("spoke1");
-    fleet.add_module(
-        ModuleBuilder::new("hello")
-            .uid("u1")
-            .finalizers(&[FINALIZER])
-            .selector(&[("env", "prod")])
-            .build(),
-    );
+    fleet.add_module(hello().build());
     let (id, _) = connect(&fleet, "spoke1", 0);
     let count = |name: String| kmm_proto::v1::DevicePluginCount {
         module: Some(kmm_proto::v1::ModuleKey {
