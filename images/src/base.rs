@@ -326,7 +326,8 @@ pub fn download(package: &Package, debs: &Path) -> Result<PathBuf> {
         .map_err(|_| Error::Invalid(format!("{} vanished from {}", deb.display(), dir.display())))
 }
 
-fn only_deb(dir: &Path) -> Result<PathBuf> {
+/// The one `.deb` in `dir` (where `apt-get download` left it).
+pub fn only_deb(dir: &Path) -> Result<PathBuf> {
     let mut debs = vec![];
     for entry in std::fs::read_dir(dir).context(|| format!("reading {}", dir.display()))? {
         let path = entry

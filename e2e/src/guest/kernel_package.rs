@@ -42,7 +42,7 @@ impl KernelPackage {
                  `apt-get update` may be needed): {e}"
             ))
         })?;
-        let deb = only_deb(&partial)?;
+        let deb = kmm_images::base::only_deb(&partial)?;
         run(Command::new("dpkg-deb")
             .arg("-x")
             .arg(&deb)
@@ -105,25 +105,6 @@ fn insmod_paths(show_depends: &str) -> Vec<&str> {
         .filter_map(|line| line.strip_prefix("insmod "))
         .filter_map(|rest| rest.split_whitespace().next())
         .collect()
-}
-
-fn only_deb(dir: &Path) -> Result<PathBuf> {
-    let mut debs = vec![];
-    for entry in std::fs::read_dir(dir).context(|| format!("reading {}", dir.display()))? {
-        let path = entry
-            .context(|| format!("reading {}", dir.display()))?
-            .path();
-        if path.extension().is_some_and(|e| e == "deb") {
-            debs.push(path);
-        }
-    }
-    match debs.as_slice() {
-        [deb] => Ok(deb.clone()),
-        _ => Err(Error::Invalid(format!(
-            "expected one .deb in {}, found {debs:?}",
-            dir.display()
-        ))),
-    }
 }
 
 #[cfg(test)]
