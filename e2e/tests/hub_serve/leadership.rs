@@ -109,3 +109,59 @@ async fn one_replica_leads_and_the_other_takes_over_when_it_stops() {
         .await;
     standby.clean_up(namespace, &[&name], &[]).await;
 }
+
+/// Replicas that start together race for a Lease nobody holds. Server-side apply must
+/// refuse all but one: when each replica wrote as the same field manager, the last write
+/// won and both led for a renewal period. One race shows it rarely, so many run at once.
+#[tokio::test]
+async fn replicas_racing_for_a_free_lease_never_both_lead() {
+    use kmm_hub::serve::leadership::{Election, LeaderElection};
+
+    const LEASES: usize = 20;
+    const REPLICAS: usize = 3;
+    let fleet = fleet().await;
+    let namespace = kmm_e2e::fixture::TempNamespace::create(&fleet.hub, "kmm-hub-test")
+        .await
+        .unwrap();
+    let leases: Api<Lease> = Api::namespaced(fleet.hub.clone(), &namespace.name);
+    let mut contenders = Vec::new();
+    for lease in 0..LEASES {
+        // An existing, free Lease: the replicas reach their first claim at once.
+        let name = format!("race-{lease}");
+        let free: Lease = serde_json::from_value(json!({"metadata": {"name": name}})).unwrap();
+        leases.create(&Default::default(), &free).await.unwrap();
+        contenders.extend((0..REPLICAS).map(|replica| LeaderElection {
+            lease: name.clone(),
+            identity: format!("replica-{replica}"),
+            duration: LEASE_DURATION,
+            renew_before: LEASE_DURATION * 2 / 3,
+            pod: None,
+        }));
+    }
+    let elections = futures::future::join_all(
+        contenders
+            .iter()
+            .map(|settings| Election::join(&fleet.hub, &namespace.name, settings)),
+    )
+    .await;
+    // A loser may only win once the winner's Lease lapses, a full duration away; a
+    // doubly granted Lease shows within milliseconds.
+    let outcomes = futures::future::join_all(elections.into_iter().map(|election| async {
+        let mut election = election.unwrap();
+        let won = tokio::time::timeout(LEASE_DURATION / 6, election.won()).await;
+        (won.is_ok_and(|won| won.is_ok()), election)
+    }))
+    .await;
+    let mut winners = vec![Vec::new(); LEASES];
+    for ((won, _), settings) in outcomes.iter().zip(&contenders) {
+        if *won {
+            let lease: usize = settings.lease["race-".len()..].parse().unwrap();
+            winners[lease].push(settings.identity.clone());
+        }
+    }
+    for (lease, winners) in winners.iter().enumerate() {
+        assert_eq!(winners.len(), 1, "Lease race-{lease} is led by {winners:?}");
+    }
+    futures::future::join_all(outcomes.into_iter().map(|(_, election)| election.resign())).await;
+    namespace.delete().await.unwrap();
+}

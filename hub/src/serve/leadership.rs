@@ -92,6 +92,13 @@ pub fn renew_deadline(duration: Duration) -> Duration {
     duration * 2 / 3
 }
 
+/// The field manager a replica claims the Lease as. Server-side apply refuses a claim
+/// only when another manager owns the holder: with one name for all replicas, two that
+/// found the Lease free at once would both win it.
+fn field_manager(identity: &str) -> String {
+    format!("kmm-hub/{identity}")
+}
+
 /// Resolves once no renewal was seen for `deadline`: each renewal moves the deadline on.
 pub async fn renewals_stop(mut seen: watch::Receiver<Instant>, deadline: Duration) {
     loop {
@@ -129,7 +136,7 @@ impl Election {
             .with_identity(&settings.identity)
             .with_duration(settings.duration.as_secs().max(1))
             .with_grace(settings.renew_before.as_secs().max(1))
-            .with_field_manager("kmm-hub")
+            .with_field_manager(field_manager(&settings.identity))
             .build()
             .await
             .map_err(|source| LeadershipError::Lease {
@@ -311,6 +318,11 @@ impl PodRole {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_replica_claims_the_lease_as_its_own_field_manager() {
+        assert_ne!(field_manager("kmm-hub-0"), field_manager("kmm-hub-1"));
+    }
 
     #[tokio::test(start_paused = true)]
     async fn a_leader_whose_renewals_stop_steps_down_by_the_renew_deadline() {
