@@ -25,6 +25,7 @@ use crate::versions::Versions;
 use crate::{Error, IoContext, Result, kmod};
 
 mod control_plane;
+pub mod disruption;
 pub mod hub_install;
 pub mod kmm;
 pub mod network;

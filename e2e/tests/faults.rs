@@ -18,6 +18,9 @@ use kmm_api::labels::ready_label;
 use kmm_api::ocm::{MANAGED_CLUSTER_SET_BINDING, PLACEMENT, PLACEMENT_DECISION, UNREACHABLE_TAINT};
 use kmm_e2e::fixture::{Fleet, wait_until};
 use kmm_e2e::fleet;
+use kmm_e2e::fleet::disruption::{
+    SHORT_OCM_LEASE_SECONDS, cut_rules, iptables, set_ocm_lease, wait_ocm_renewing_short,
+};
 use kmm_e2e::fleet::hub_install;
 use kmm_e2e::fleet::kmm::{self as fleet_kmm, Agent};
 use kmm_e2e::fleet::nodes::RealNode;
@@ -489,44 +492,14 @@ impl OcmSightLoss {
     async fn stall(&self, fleet: &Fleet) -> Result<Stalled> {
         let spoke = &self.module.target.0;
         let clusters = fleet::managed_clusters(&fleet.hub);
-        let lease = clusters.get(spoke).await?.data["spec"]["leaseDurationSeconds"].clone();
-        let short = serde_json::json!({"spec": {"leaseDurationSeconds": 4}});
-        clusters
-            .patch(spoke, &Default::default(), &kube::api::Patch::Merge(&short))
-            .await?;
+        let lease = set_ocm_lease(&fleet.hub, spoke, SHORT_OCM_LEASE_SECONDS.into()).await?;
         let agent = fleet
             .state
             .processes
             .iter()
             .find(|p| p.name == format!("{spoke}/ocm-agent"))
             .context("the spoke's OCM agent")?;
-        // The agent renews at the new, shorter period before it stops (two renewals a
-        // short period apart): the lapse then takes 5 periods, not 5 minutes.
-        let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
-            Api::namespaced(fleet.hub.clone(), spoke);
-        let previous = std::sync::Mutex::new(None);
-        wait_until(
-            "the agent to renew at the short period",
-            RECOVERY,
-            || async {
-                let lease = leases
-                    .get("managed-cluster-lease")
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let renewed = lease.spec.and_then(|s| s.renew_time).ok_or("no renewal")?.0;
-                let before = previous.lock().unwrap().replace(renewed);
-                match before {
-                    Some(before) if before != renewed => {
-                        let gap = renewed.duration_since(before);
-                        (gap.as_secs() <= 6)
-                            .then_some(())
-                            .ok_or_else(|| format!("renewed {gap:?} apart"))
-                    }
-                    _ => Err("no second renewal yet".to_owned()),
-                }
-            },
-        )
-        .await?;
+        wait_ocm_renewing_short(&fleet.hub, spoke, RECOVERY).await?;
         let stalled = Stalled {
             pid: nix::unistd::Pid::from_raw(agent.pid),
             spoke: spoke.clone(),
@@ -753,15 +726,7 @@ impl Partition {
             healed: false,
         };
         for node in nodes {
-            for (chain, direction) in [
-                ("FORWARD", "-d"),
-                ("FORWARD", "-s"),
-                ("OUTPUT", "-d"),
-                ("INPUT", "-s"),
-            ] {
-                let rule: Vec<String> = [chain, direction, &ip, "-j", "DROP"]
-                    .map(str::to_owned)
-                    .to_vec();
+            for rule in cut_rules(&ip) {
                 iptables(&node.netns, "-I", &rule)?;
                 partition.rules.push((node.netns.clone(), rule));
             }
@@ -790,17 +755,4 @@ impl Drop for Partition {
             }
         }
     }
-}
-
-fn iptables(netns: &str, op: &str, rule: &[String]) -> Result<()> {
-    let status = std::process::Command::new("ip")
-        .args(["netns", "exec", netns, "iptables", "-w", op])
-        .args(rule)
-        .status()
-        .context("running iptables in the node's network namespace")?;
-    ensure!(
-        status.success(),
-        "iptables {op} {rule:?} in {netns}: {status}"
-    );
-    Ok(())
 }

@@ -5,17 +5,19 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use kmm_api::ocm::UNREACHABLE_TAINT;
-use kube::api::{ListParams, Patch, PatchParams};
+use kube::api::ListParams;
 use kube::{Api, Client, ResourceExt};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use super::schedule::Dice;
 use crate::fixture::{Fleet, wait_until};
+use crate::fleet::disruption::{
+    SHORT_OCM_LEASE_SECONDS, cut_rules, iptables, set_ocm_lease, wait_ocm_renewing_short,
+};
 use crate::fleet::kmm::{self as fleet_kmm, HUB_NAMESPACE};
 use crate::fleet::{Settings, State, hub_install, managed_clusters, start_process, stop_process};
 
@@ -142,17 +144,9 @@ impl Fault {
             Self::NetworkCut(spoke) => {
                 let hub_ip = hub_node(fleet)?.ip.to_string();
                 for node in &fleet.state.cluster(spoke)?.real_nodes {
-                    for (chain, direction) in [
-                        ("FORWARD", "-d"),
-                        ("FORWARD", "-s"),
-                        ("OUTPUT", "-d"),
-                        ("INPUT", "-s"),
-                    ] {
-                        let rule = [chain, direction, &hub_ip, "-j", "DROP"].map(str::to_owned);
+                    for rule in cut_rules(&hub_ip) {
                         iptables(&node.netns, "-I", &rule)?;
-                        active
-                            .undo
-                            .push(Undo::Iptables(node.netns.clone(), rule.to_vec()));
+                        active.undo.push(Undo::Iptables(node.netns.clone(), rule));
                     }
                 }
             }
@@ -259,40 +253,16 @@ fn kill_container(pod: &Pod, comm: &str) -> Result<()> {
     Ok(())
 }
 
-fn iptables(netns: &str, op: &str, rule: &[String]) -> Result<()> {
-    let status = std::process::Command::new("ip")
-        .args(["netns", "exec", netns, "iptables", "-w", op])
-        .args(rule)
-        .status()
-        .context("running iptables in a node's network namespace")?;
-    ensure!(
-        status.success(),
-        "iptables {op} {rule:?} in {netns}: {status}"
-    );
-    Ok(())
-}
-
-/// Shortens the spoke's ManagedCluster lease to 4 s, waits until its agent renews at
-/// that period (two renewals close together: the lapse then takes seconds, not minutes)
-/// and stops the agent.
+/// Shortens the spoke's ManagedCluster lease, waits until its agent renews at that
+/// period and stops the agent.
 async fn stall_ocm_agent(
     fleet: &Fleet,
     settings: &Settings,
     spoke: &str,
     active: &mut Active,
 ) -> Result<()> {
-    let clusters = managed_clusters(&fleet.hub);
-    let lease = clusters.get(spoke).await?.data["spec"]["leaseDurationSeconds"].clone();
-    clusters
-        .patch(
-            spoke,
-            &PatchParams::default(),
-            &Patch::Merge(&json!({"spec": {"leaseDurationSeconds": 4}})),
-        )
-        .await?;
-    active
-        .undo
-        .push(Undo::Lease(spoke.to_owned(), lease.clone()));
+    let lease = set_ocm_lease(&fleet.hub, spoke, SHORT_OCM_LEASE_SECONDS.into()).await?;
+    active.undo.push(Undo::Lease(spoke.to_owned(), lease));
     let state = State::load(&settings.state_dir)?.context("the fleet's state")?;
     let name = format!("{spoke}/ocm-agent");
     let agent = state
@@ -300,26 +270,7 @@ async fn stall_ocm_agent(
         .iter()
         .find(|p| p.name == name)
         .with_context(|| format!("process {name}"))?;
-    let leases: Api<Lease> = Api::namespaced(fleet.hub.clone(), spoke);
-    let previous = std::sync::Mutex::new(None);
-    wait_until("the OCM agent to renew at 4 s", RECOVERY, || async {
-        let lease = leases
-            .get("managed-cluster-lease")
-            .await
-            .map_err(|e| e.to_string())?;
-        let renewed = lease.spec.and_then(|s| s.renew_time).ok_or("no renewal")?.0;
-        let before = previous.lock().map_err(|e| e.to_string())?.replace(renewed);
-        match before {
-            Some(before) if before != renewed => {
-                let gap = renewed.duration_since(before);
-                (gap.as_secs() <= 6)
-                    .then_some(())
-                    .ok_or_else(|| format!("renewed {gap:?} apart"))
-            }
-            _ => Err("no second renewal yet".to_owned()),
-        }
-    })
-    .await?;
+    wait_ocm_renewing_short(&fleet.hub, spoke, RECOVERY).await?;
     let pid = Pid::from_raw(agent.pid);
     kill(pid, Signal::SIGSTOP)?;
     active.undo.push(Undo::Continue(pid));
@@ -405,7 +356,7 @@ impl Active {
         while let Some(step) = self.undo.pop() {
             undo_now(&step)?;
             if let Undo::Lease(spoke, lease) = &step {
-                restore_lease(&fleet.hub, spoke, lease).await?;
+                set_ocm_lease(&fleet.hub, spoke, lease.clone()).await?;
             }
         }
         match &self.fault {
@@ -462,14 +413,6 @@ fn undo_now(step: &Undo) -> Result<()> {
     Ok(())
 }
 
-async fn restore_lease(hub: &Client, spoke: &str, lease: &Value) -> Result<()> {
-    let patch = json!({"spec": {"leaseDurationSeconds": lease}});
-    managed_clusters(hub)
-        .patch(spoke, &PatchParams::default(), &Patch::Merge(&patch))
-        .await?;
-    Ok(())
-}
-
 impl Drop for Active {
     /// The soak failed with the fault on: undo what needs no API first, then put the
     /// lease back if the runtime allows blocking here.
@@ -488,7 +431,7 @@ impl Drop for Active {
         for step in &self.undo {
             if let Undo::Lease(spoke, lease) = step {
                 let restored = tokio::task::block_in_place(|| {
-                    runtime.block_on(restore_lease(&self.hub, spoke, lease))
+                    runtime.block_on(set_ocm_lease(&self.hub, spoke, lease.clone()))
                 });
                 if let Err(e) = restored {
                     eprintln!("chaos: restoring the lease of {spoke}: {e:#}");
