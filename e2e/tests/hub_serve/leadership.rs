@@ -165,3 +165,46 @@ async fn replicas_racing_for_a_free_lease_never_both_lead() {
     futures::future::join_all(outcomes.into_iter().map(|(_, election)| election.resign())).await;
     namespace.delete().await.unwrap();
 }
+
+/// A leader that lost its Lease while cut off (another replica took it) and then resigns
+/// must leave the new holder alone: its view still says it holds the Lease, and an
+/// unconditional release would hand the fleet to nobody or, with a third replica, to two.
+#[tokio::test]
+async fn a_late_release_leaves_the_new_holder_alone() {
+    use kmm_hub::serve::leadership::{Election, LeaderElection, Released, release};
+
+    let fleet = fleet().await;
+    let namespace = kmm_e2e::fixture::TempNamespace::create(&fleet.hub, "kmm-hub-test")
+        .await
+        .unwrap();
+    let leases: Api<Lease> = Api::namespaced(fleet.hub.clone(), &namespace.name);
+    let settings = LeaderElection {
+        lease: "kmm-hub".into(),
+        identity: "replica-a".into(),
+        duration: LEASE_DURATION,
+        renew_before: LEASE_DURATION * 2 / 3,
+        pod: None,
+    };
+    let mut election = Election::join(&fleet.hub, &namespace.name, &settings)
+        .await
+        .unwrap();
+    election.won().await.unwrap();
+    // Another replica takes the Lease behind the leader's back, as after a cut.
+    let taken = json!({"spec": {"holderIdentity": "replica-b"}});
+    leases
+        .patch("kmm-hub", &PatchParams::default(), &Patch::Merge(&taken))
+        .await
+        .unwrap();
+    election.resign().await;
+    assert_eq!(holder(&leases).await.as_deref(), Ok("replica-b"));
+    assert_eq!(
+        release(&leases, "kmm-hub", "replica-a").await.unwrap(),
+        Released::HeldByOther
+    );
+    assert_eq!(
+        release(&leases, "kmm-hub", "replica-b").await.unwrap(),
+        Released::Yes
+    );
+    assert_eq!(holder(&leases).await, Err("no holder".to_owned()));
+    namespace.delete().await.unwrap();
+}

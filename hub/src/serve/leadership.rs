@@ -197,27 +197,73 @@ impl Election {
 
     /// Leaves the election, releasing the Lease so a standby takes over at once, and
     /// labels the Pod standby again (best effort: the Pod may be going away).
-    pub async fn resign(self) {
-        let Self {
-            is_leader,
-            task,
-            pod,
-            renewals,
-            ..
-        } = self;
-        drop(renewals);
-        drop(is_leader);
-        match tokio::time::timeout(Duration::from_secs(5), task).await {
-            Ok(Ok(Ok(_))) => tracing::info!("released the leader Lease"),
-            Ok(Ok(Err(error))) => tracing::warn!(%error, "cannot release the leader Lease"),
-            Ok(Err(error)) => tracing::warn!(%error, "the leader election task failed"),
+    pub async fn resign(mut self) {
+        // The lease library's own release is unconditional: sent late (after a cut
+        // healed) it would clear a new leader's hold. Stop the library first, then
+        // release only if this replica still holds the Lease.
+        self.task.abort();
+        let _ = (&mut self.task).await;
+        self.renewals = None;
+        match tokio::time::timeout(
+            Duration::from_secs(5),
+            release(&self.lease, &self.settings.lease, &self.settings.identity),
+        )
+        .await
+        {
+            Ok(Ok(Released::Yes)) => tracing::info!("released the leader Lease"),
+            Ok(Ok(Released::HeldByOther)) => {}
+            Ok(Err(error)) => tracing::warn!(%error, "cannot release the leader Lease"),
             Err(_) => tracing::warn!("releasing the leader Lease timed out"),
         }
-        if let Some(pod) = pod
+        if let Some(pod) = &self.pod
             && let Err(error) = pod.set("standby").await
         {
             tracing::debug!(%error, "cannot label the Pod standby");
         }
+    }
+}
+
+impl Drop for Election {
+    /// An election dropped without `resign` (the Lease was lost) releases nothing: the
+    /// lease library would otherwise release unconditionally on its way out.
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Whether [`release`] cleared the Lease.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Released {
+    Yes,
+    /// Another replica holds it (or nobody does): nothing was changed.
+    HeldByOther,
+}
+
+/// Clears the Lease's holder if, and only if, it is still `identity`: a JSON patch's
+/// `test` makes the check and the write one step on the apiserver.
+pub async fn release(
+    leases: &Api<Lease>,
+    lease: &str,
+    identity: &str,
+) -> Result<Released, kube::Error> {
+    let patch: json_patch::Patch = serde_json::from_value(json!([
+        {"op": "test", "path": "/spec/holderIdentity", "value": identity},
+        {"op": "add", "path": "/spec/holderIdentity", "value": null},
+        {"op": "add", "path": "/spec/acquireTime", "value": null},
+        {"op": "add", "path": "/spec/renewTime", "value": null},
+        {"op": "add", "path": "/spec/leaseDurationSeconds", "value": null},
+    ]))
+    .expect("a well-formed JSON patch");
+    match leases
+        .patch(lease, &PatchParams::default(), &Patch::<()>::Json(patch))
+        .await
+    {
+        Ok(_) => Ok(Released::Yes),
+        // The test failed (422), or the Lease or its spec is gone.
+        Err(kube::Error::Api(status)) if status.code == 422 || status.code == 404 => {
+            Ok(Released::HeldByOther)
+        }
+        Err(error) => Err(error),
     }
 }
 
