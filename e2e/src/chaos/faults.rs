@@ -18,8 +18,11 @@ use crate::fixture::{Fleet, wait_until};
 use crate::fleet::disruption::{
     SHORT_OCM_LEASE_SECONDS, cut_rules, iptables, set_ocm_lease, wait_ocm_renewing_short,
 };
-use crate::fleet::kmm::{self as fleet_kmm, HUB_NAMESPACE};
+use crate::fleet::kmm::{self as fleet_kmm, HUB_NAMESPACE, SPOKE_NAMESPACE};
 use crate::fleet::{Settings, State, hub_install, managed_clusters, start_process, stop_process};
+
+/// A container's exit code after SIGKILL.
+const KILLED: i32 = 128 + 9;
 
 /// How long the fleet gets to come back from a fault, and a fault to take effect.
 const RECOVERY: Duration = Duration::from_secs(180);
@@ -81,6 +84,32 @@ impl Fault {
         }
     }
 
+    /// Waits until the component the fault stops runs again (none for the other
+    /// faults), replacing a Pod the kubelet holds in its back-off after the soak's doing.
+    async fn component_back(&self, fleet: &Fleet) -> Result<()> {
+        match self {
+            Self::HubLeaderKill | Self::HubStandbyKill | Self::LeaderCut => {
+                let selector = format!("app.kubernetes.io/name={}", hub_install::DEPLOYMENT);
+                replace_backed_off(&fleet.hub, HUB_NAMESPACE, &selector, &[KILLED, 1]).await?;
+                hub_install::scale(&fleet.hub, 2).await?;
+            }
+            Self::ProxyKill(spoke) => {
+                let client = fleet.spoke(spoke)?;
+                replace_backed_off(client, SPOKE_NAMESPACE, fleet_kmm::PROXY_LABEL, &[KILLED])
+                    .await?;
+                fleet_kmm::wait_proxy_ready(client, RECOVERY).await?;
+            }
+            Self::AgentKill(node) => {
+                let client = fleet.spoke(&agent(fleet, node)?.cluster)?;
+                replace_backed_off(client, SPOKE_NAMESPACE, fleet_kmm::AGENT_LABEL, &[KILLED])
+                    .await?;
+                fleet_kmm::wait_agents_ready(client, RECOVERY).await?;
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
     pub async fn inject(&self, fleet: &Fleet, settings: &Settings) -> Result<Active> {
         let mut active = Active {
             fault: self.clone(),
@@ -89,19 +118,7 @@ impl Fault {
         };
         // A component a fault kills must be running first: one still in the kubelet's
         // restart back-off from an earlier fault (or an earlier suite) has no process.
-        match self {
-            Self::HubLeaderKill | Self::HubStandbyKill | Self::LeaderCut => {
-                hub_install::scale(&fleet.hub, 2).await?;
-            }
-            Self::ProxyKill(spoke) => {
-                fleet_kmm::wait_proxy_ready(fleet.spoke(spoke)?, RECOVERY).await?;
-            }
-            Self::AgentKill(node) => {
-                let cluster = agent(fleet, node)?.cluster.clone();
-                fleet_kmm::wait_agents_ready(fleet.spoke(&cluster)?, RECOVERY).await?;
-            }
-            _ => {}
-        }
+        self.component_back(fleet).await?;
         match self {
             Self::HubLeaderKill => {
                 hub_install::crash_leader(&fleet.hub).await?;
@@ -182,6 +199,45 @@ impl Fault {
         }
         Ok(active)
     }
+}
+
+/// Deletes the Pods (their controller starts fresh ones) whose container the kubelet
+/// holds in its crash back-off after an exit the soak caused: its own SIGKILL (137, not
+/// an OOM kill), or, for the hub, the exit of a replica that lost its Lease (1). Over a
+/// long soak the back-off of a component stopped again and again grows to five minutes;
+/// sitting it out tests nothing of kmm's. Any other exit (a panic's 101) is left alone,
+/// and fails the recovery wait that follows.
+async fn replace_backed_off(
+    client: &Client,
+    namespace: &str,
+    selector: &str,
+    caused: &[i32],
+) -> Result<()> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    for pod in pods.list(&ListParams::default().labels(selector)).await? {
+        let killed_and_backed_off = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.container_statuses.as_ref())
+            .into_iter()
+            .flatten()
+            .any(|c| {
+                let waiting = c.state.as_ref().and_then(|s| s.waiting.as_ref());
+                let last = c.last_state.as_ref().and_then(|s| s.terminated.as_ref());
+                waiting.and_then(|w| w.reason.as_deref()) == Some("CrashLoopBackOff")
+                    && last.is_some_and(|t| {
+                        caused.contains(&t.exit_code) && t.reason.as_deref() != Some("OOMKilled")
+                    })
+            });
+        if killed_and_backed_off {
+            println!(
+                "chaos: replacing Pod {namespace}/{} (in the kubelet's crash back-off after a kill)",
+                pod.name_any()
+            );
+            pods.delete(&pod.name_any(), &Default::default()).await?;
+        }
+    }
+    Ok(())
 }
 
 /// The hub's real node (where kmm-hub runs).
@@ -359,16 +415,10 @@ impl Active {
                 set_ocm_lease(&fleet.hub, spoke, lease.clone()).await?;
             }
         }
+        self.fault.component_back(fleet).await?;
         match &self.fault {
-            Fault::HubLeaderKill | Fault::HubStandbyKill | Fault::LeaderCut => {
-                hub_install::scale(&fleet.hub, 2).await?;
-            }
-            Fault::ProxyKill(spoke) | Fault::NetworkCut(spoke) => {
+            Fault::NetworkCut(spoke) => {
                 fleet_kmm::wait_proxy_ready(fleet.spoke(spoke)?, RECOVERY).await?;
-            }
-            Fault::AgentKill(node) => {
-                let agent = agent(fleet, node)?;
-                fleet_kmm::wait_agents_ready(fleet.spoke(&agent.cluster)?, RECOVERY).await?;
             }
             Fault::ApiserverDown(cluster) => {
                 let client = if cluster == "hub" {
@@ -395,7 +445,12 @@ impl Active {
                 })
                 .await?;
             }
-            Fault::RegistryDown => {}
+            Fault::HubLeaderKill
+            | Fault::HubStandbyKill
+            | Fault::LeaderCut
+            | Fault::ProxyKill(_)
+            | Fault::AgentKill(_)
+            | Fault::RegistryDown => {}
         }
         Ok(())
     }

@@ -47,8 +47,8 @@ pub const CLIENT_CERT_SECRET: &str = "kmm-kmm.sigs.x-k8s.io-hub-client-client-ce
 const HUB_CA_SECRET: &str = "kmm-hub-ca";
 /// Modules carrying this label belong to a hub started by a test, not the fleet's.
 pub const TEST_HUB_LABEL: &str = "test.kmm.sigs.x-k8s.io/hub";
-const PROXY_LABEL: &str = "app.kubernetes.io/name=kmm-spoke-proxy";
-const AGENT_LABEL: &str = "app.kubernetes.io/name=kmm-node-agent";
+pub const PROXY_LABEL: &str = "app.kubernetes.io/name=kmm-spoke-proxy";
+pub const AGENT_LABEL: &str = "app.kubernetes.io/name=kmm-node-agent";
 const AGENT_DAEMONSET: &str = "kmm-node-agent";
 /// The proxy's and the agents' ports, as the AddOnTemplate sets them.
 pub const PROXY_AGENTS_PORT: u16 = 7444;
