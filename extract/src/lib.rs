@@ -20,6 +20,11 @@
 //! - is a device, a FIFO or another type a module directory never holds;
 //! - or when a layer is not valid gzip / zstd / tar.
 //!
+//! One link may leave the root: upstream's in-tree dependency link (see
+//! [`Selection::host_modules`]), written as an absolute link to the host's module tree
+//! for the same kernel. Nothing resolves through it during extraction: an entry, link or
+//! hard link that would is refused like any other escape.
+//!
 //! Whiteouts (`.wh.<name>` and the opaque marker `.wh..wh..opq`) remove what earlier
 //! layers wrote. Links are written with relative targets computed from their resolved
 //! location, so no link on disk points outside the root even when the image's target
@@ -75,6 +80,13 @@ pub struct Selection {
     pub kernel: String,
     /// Directory in the image whose files are firmware (upstream's `firmwarePath`).
     pub firmware_path: Option<String>,
+    /// Where the host's module tree (`/lib/modules`) is mounted, read-only, for the
+    /// extracting process. With it, upstream's in-tree dependency link is kept: a link
+    /// directly in the kernel's module directory to `/lib/modules/<kernel>` or
+    /// `/usr/lib/modules/<kernel>` (the same kernel) is written to point at
+    /// `<host_modules>/<kernel>`, so `modprobe` finds the host's in-tree modules. Nothing
+    /// is ever written or linked through it. `None` refuses such links as escapes.
+    pub host_modules: Option<PathBuf>,
 }
 
 impl Selection {
@@ -259,9 +271,17 @@ pub fn extract_into<R: Read>(
     limits: &Limits,
     root: &Path,
 ) -> Result<Report, ExtractError> {
+    let allowed = selection.allowed()?;
+    let host_link = selection.host_modules.as_ref().map(|host| HostLink {
+        // The kernel's module directory: the first allowed directory.
+        modules_dir: allowed[0].clone(),
+        kernel: selection.kernel.clone().into(),
+        on_disk: host.join(&selection.kernel),
+    });
     let mut extractor = Extractor {
         root: root.to_path_buf(),
-        allowed: selection.allowed()?,
+        allowed,
+        host_link,
         limits: *limits,
         nodes: BTreeMap::new(),
         report: Report::default(),
@@ -284,6 +304,43 @@ enum Node {
         absolute: bool,
         target: Rel,
     },
+    /// The in-tree dependency link to the host's module tree: never resolved through.
+    HostModules,
+}
+
+/// Where the in-tree dependency link may be, and what it is written as.
+struct HostLink {
+    modules_dir: Rel,
+    kernel: OsString,
+    on_disk: PathBuf,
+}
+
+impl HostLink {
+    /// Whether a link at `real` to `target` is upstream's in-tree dependency link:
+    /// directly in the kernel's module directory, to that kernel's host module tree.
+    fn admits(&self, real: &[OsString], target: &Path) -> bool {
+        let (_, parent) = real.split_last().expect("non-empty");
+        let mut components = Vec::new();
+        for component in target.components() {
+            match component {
+                Component::RootDir => {}
+                Component::Normal(name) => components.push(name),
+                // `..`, `.`: only the plain path upstream documents.
+                _ => return false,
+            }
+        }
+        let host_tree = |prefix: &[&str]| {
+            components.len() == prefix.len() + 1
+                && components
+                    .iter()
+                    .zip(prefix)
+                    .all(|(c, p)| *c == OsStr::new(p))
+                && components[prefix.len()] == self.kernel.as_os_str()
+        };
+        parent == self.modules_dir.as_slice()
+            && target.has_root()
+            && (host_tree(&["lib", "modules"]) || host_tree(&["usr", "lib", "modules"]))
+    }
 }
 
 #[derive(Debug)]
@@ -295,6 +352,7 @@ struct Tracked {
 struct Extractor {
     root: PathBuf,
     allowed: Vec<Rel>,
+    host_link: Option<HostLink>,
     limits: Limits,
     /// Everything written so far, by real (symlink-free) relative path.
     nodes: BTreeMap<Rel, Tracked>,
@@ -453,6 +511,15 @@ impl Extractor {
             }
             real.push(component);
             let is_last = pending.is_empty();
+            if let Some(Tracked {
+                node: Node::HostModules,
+                ..
+            }) = self.nodes.get(&real)
+                && (!is_last || follow_last)
+            {
+                // The host's module tree is outside the root: nothing goes through it.
+                return Ok(None);
+            }
             if let Some(Tracked {
                 node: Node::Symlink { absolute, target },
                 ..
@@ -648,6 +715,12 @@ impl Extractor {
         if target_components.is_empty() {
             return Err(escape());
         }
+        if let Some(host) = &self.host_link
+            && host.admits(real, target)
+        {
+            let on_disk = host.on_disk.clone();
+            return self.host_modules_link(layer, real, shown, &on_disk);
+        }
         // Where the link points to, resolved like the kernel would inside the root.
         let (_, parent) = real.split_last().expect("non-empty");
         let mut from: Rel = if absolute {
@@ -680,6 +753,28 @@ impl Extractor {
                     absolute: true,
                     target: resolved,
                 },
+                layer,
+            },
+        );
+        Ok(())
+    }
+
+    /// Writes the in-tree dependency link, absolute, to the host's module tree.
+    fn host_modules_link(
+        &mut self,
+        layer: usize,
+        real: &[OsString],
+        shown: &str,
+        on_disk: &Path,
+    ) -> Result<(), ExtractError> {
+        self.make_parents(layer, real, shown)?;
+        self.remove(real)?;
+        let path = self.path_of(real);
+        std::os::unix::fs::symlink(on_disk, &path).map_err(io_err("creating link", path))?;
+        self.nodes.insert(
+            real.to_vec(),
+            Tracked {
+                node: Node::HostModules,
                 layer,
             },
         );

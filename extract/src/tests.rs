@@ -7,14 +7,6 @@ use super::*;
 
 const K: &str = "6.1.0-56-amd64";
 
-fn selection() -> Selection {
-    Selection {
-        dir_name: "/opt".into(),
-        kernel: K.into(),
-        firmware_path: Some("/firmware".into()),
-    }
-}
-
 /// An entry of a test archive; names are written as raw bytes, hostile ones included.
 #[derive(Clone, Debug)]
 enum E {
@@ -78,7 +70,22 @@ impl Sandbox {
         let dir = tempfile::tempdir().unwrap();
         fs::create_dir(dir.path().join("outside")).unwrap();
         fs::write(dir.path().join("outside/victim"), b"original").unwrap();
+        // The host's module tree, as the agent sees it mounted: outside the root too.
+        let in_tree = dir.path().join(format!("host/lib/modules/{K}/kernel"));
+        fs::create_dir_all(&in_tree).unwrap();
+        fs::write(in_tree.join("in_tree.ko"), b"in-tree").unwrap();
         Self { dir }
+    }
+    fn host_modules(&self) -> PathBuf {
+        self.dir.path().join("host/lib/modules")
+    }
+    fn selection(&self) -> Selection {
+        Selection {
+            dir_name: "/opt".into(),
+            kernel: K.into(),
+            firmware_path: Some("/firmware".into()),
+            host_modules: Some(self.host_modules()),
+        }
     }
     fn root(&self) -> PathBuf {
         self.dir.path().join("root")
@@ -98,7 +105,7 @@ impl Sandbox {
             compression,
             reader: io::Cursor::new(data),
         });
-        extract_image(layers, &selection(), limits, &self.root())
+        extract_image(layers, &self.selection(), limits, &self.root())
     }
     /// Every path in the sandbox outside the root, and the victim's content.
     fn outside_state(&self) -> (BTreeSet<PathBuf>, Vec<u8>) {
@@ -495,6 +502,7 @@ fn invalid_selection_is_refused() {
             dir_name: dir_name.into(),
             kernel: K.into(),
             firmware_path: firmware.map(Into::into),
+            host_modules: None,
         };
         let dir = tempfile::tempdir().unwrap();
         let err = extract_image(
@@ -519,6 +527,102 @@ fn media_types() {
         Compression::Gzip
     );
     assert!(Compression::from_media_type("application/json").is_err());
+}
+
+#[test]
+fn the_in_tree_dependency_link_points_at_the_host_module_tree() {
+    for target in [format!("/lib/modules/{K}"), format!("/usr/lib/modules/{K}")] {
+        let sandbox = Sandbox::new();
+        let before = sandbox.outside_state();
+        sandbox
+            .extract(vec![(
+                Compression::None,
+                tar(&[
+                    file(&m("extra/oot.ko"), b"oot"),
+                    E::Symlink(m("host"), target.clone()),
+                ]),
+            )])
+            .unwrap();
+        let link = sandbox.root().join(m("host"));
+        assert_eq!(
+            fs::read_link(&link).unwrap(),
+            sandbox.host_modules().join(K)
+        );
+        // modprobe -d follows it to the host's in-tree modules.
+        assert_eq!(
+            fs::read(link.join("kernel/in_tree.ko")).unwrap(),
+            b"in-tree"
+        );
+        assert_eq!(sandbox.outside_state(), before, "{target}");
+    }
+}
+
+#[test]
+fn the_in_tree_dependency_link_opens_no_escape() {
+    let cases = [
+        // Anything written, linked or hard-linked through it.
+        vec![
+            E::Symlink(m("host"), format!("/lib/modules/{K}")),
+            file(&m("host/kernel/in_tree.ko"), b"pwned"),
+        ],
+        vec![
+            E::Symlink(m("host"), format!("/lib/modules/{K}")),
+            file(&m("host/new.ko"), b"pwned"),
+        ],
+        vec![
+            E::Symlink(m("host"), format!("/lib/modules/{K}")),
+            E::Symlink(m("via"), "host/kernel".into()),
+        ],
+        vec![
+            E::Symlink(m("host"), format!("/lib/modules/{K}")),
+            E::HardLink(m("copy.ko"), m("host/kernel/in_tree.ko")),
+        ],
+        // Another kernel's tree, the tree's root, a deeper place, a climb.
+        vec![E::Symlink(m("host"), "/lib/modules/5.14.0-1-other".into())],
+        vec![E::Symlink(m("host"), "/lib/modules".into())],
+        vec![E::Symlink(m("host"), format!("/lib/modules/{K}/kernel"))],
+        vec![E::Symlink(
+            m("host"),
+            format!("/lib/modules/{K}/../../../etc"),
+        )],
+        vec![E::Symlink(m("host"), format!("/lib/../etc/modules/{K}"))],
+        // Relative, or placed anywhere but directly in the kernel's module directory.
+        vec![E::Symlink(
+            m("host"),
+            format!("../../../../lib/modules/{K}"),
+        )],
+        vec![E::Symlink(m("extra/host"), format!("/lib/modules/{K}"))],
+        vec![E::Symlink(
+            "firmware/host".into(),
+            format!("/lib/modules/{K}"),
+        )],
+    ];
+    for entries in cases {
+        let (_, err) = refused(&entries);
+        assert!(
+            matches!(
+                err,
+                ExtractError::SymlinkEscape { .. }
+                    | ExtractError::PathEscape { .. }
+                    | ExtractError::HardLinkEscape { .. }
+            ),
+            "{entries:?}: {err}"
+        );
+    }
+}
+
+#[test]
+fn without_a_host_module_tree_the_link_is_refused() {
+    let sandbox = Sandbox::new();
+    let mut selection = sandbox.selection();
+    selection.host_modules = None;
+    let layer = Layer {
+        compression: Compression::None,
+        reader: io::Cursor::new(tar(&[E::Symlink(m("host"), format!("/lib/modules/{K}"))])),
+    };
+    let err = extract_image([layer], &selection, &Limits::default(), &sandbox.root())
+        .expect_err("the link is refused");
+    assert!(matches!(err, ExtractError::SymlinkEscape { .. }), "{err}");
 }
 
 fn arb_path() -> impl Strategy<Value = String> {
@@ -565,11 +669,15 @@ proptest! {
         prop_assert_eq!(sandbox.outside_state(), before);
         if result.is_ok() {
             let root = sandbox.root().canonicalize().unwrap();
+            let host_tree = sandbox.host_modules().join(K).canonicalize().unwrap();
             let mut inside = BTreeSet::new();
             walk(&root, &mut inside);
             for path in inside {
                 if let Ok(real) = path.canonicalize() {
-                    prop_assert!(real.starts_with(&root), "{} -> {}", path.display(), real.display());
+                    prop_assert!(
+                        real.starts_with(&root) || real == host_tree,
+                        "{} -> {}", path.display(), real.display()
+                    );
                 }
             }
         } else {

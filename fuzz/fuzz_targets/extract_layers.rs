@@ -140,11 +140,16 @@ fuzz_target!(|data: &[u8]| {
 
     let sandbox = tempfile::tempdir().expect("temp dir");
     fs::create_dir(sandbox.path().join("outside")).expect("outside");
+    // The host's module tree for the kernel: the in-tree dependency link may reach it,
+    // and nothing may be written in it.
+    let host_modules = sandbox.path().join("host");
+    fs::create_dir_all(host_modules.join(KERNEL)).expect("host module tree");
     let root = sandbox.path().join("root");
     let selection = Selection {
         dir_name: "/opt".into(),
         kernel: KERNEL.into(),
         firmware_path: Some("/firmware".into()),
+        host_modules: Some(host_modules.clone()),
     };
     let limits = Limits {
         max_file_bytes: 200,
@@ -170,7 +175,11 @@ fuzz_target!(|data: &[u8]| {
         .collect();
     assert_eq!(
         outside,
-        vec![&sandbox.path().join("outside")],
+        vec![
+            &host_modules,
+            &host_modules.join(KERNEL),
+            &sandbox.path().join("outside")
+        ],
         "written outside the root"
     );
     assert!(
@@ -184,9 +193,14 @@ fuzz_target!(|data: &[u8]| {
         Ok(report) => {
             assert!(report.bytes <= limits.max_image_bytes);
             let real_root = root.canonicalize().expect("root exists");
+            let host_tree = host_modules.join(KERNEL).canonicalize().expect("host tree");
             for path in everything.iter().filter(|p| p.starts_with(&root)) {
                 if let Ok(real) = path.canonicalize() {
-                    assert!(real.starts_with(&real_root), "{} escapes", path.display());
+                    assert!(
+                        real.starts_with(&real_root) || real == host_tree,
+                        "{} escapes",
+                        path.display()
+                    );
                 }
             }
         }

@@ -144,6 +144,7 @@ pub async fn check_image(options: &CheckOptions) -> Result<CheckReport, CheckErr
             dir_name: options.dir_name.clone(),
             kernel: options.kernel.clone(),
             firmware_path: options.firmware_path.clone(),
+            host_modules: Some(modprobe::HOST_MODULES.into()),
         },
     };
     let fetched = store.fetch(&request).await?;

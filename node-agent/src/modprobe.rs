@@ -166,6 +166,11 @@ pub enum ToolError {
     Unexpected { command: String, why: String },
 }
 
+/// Where the agent sees the host's module tree (its DaemonSet mounts the host's
+/// `/lib/modules` there, read-only): what upstream's in-tree dependency link in an image
+/// (`<dirName>/lib/modules/<kernel>/<name> -> /lib/modules/<kernel>`) is written to reach.
+pub const HOST_MODULES: &str = "/lib/modules";
+
 /// How long a kmod tool may run: a `modprobe` stuck in a module's init or exit is
 /// reported as a failure (and retried later) instead of holding the agent forever.
 pub const TOOL_TIMEOUT: Duration = Duration::from_secs(120);

@@ -93,6 +93,7 @@ fn fetch_request<'a>(desired: &'a DesiredModule, release: &str) -> FetchRequest<
             dir_name: desired.modprobe.dir_name().to_string(),
             kernel: release.to_string(),
             firmware_path: desired.modprobe.firmware_path.clone(),
+            host_modules: Some(modprobe::HOST_MODULES.into()),
         },
     }
 }

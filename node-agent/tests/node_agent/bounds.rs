@@ -327,6 +327,7 @@ fn request(image: &str) -> FetchRequest<'_> {
             dir_name: "/opt".into(),
             kernel: KERNEL.into(),
             firmware_path: None,
+            host_modules: None,
         },
     }
 }

@@ -15,6 +15,7 @@ fn selection(kernel: &str) -> kmm_extract::Selection {
         dir_name: "/opt".into(),
         kernel: kernel.into(),
         firmware_path: Some("/firmware".into()),
+        host_modules: None,
     }
 }
 

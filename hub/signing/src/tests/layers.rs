@@ -575,6 +575,7 @@ fn the_node_agent_extracts_the_signed_module_from_the_image_plus_the_layer() {
             dir_name: "/opt".into(),
             kernel: "6.1.0-47-amd64".into(),
             firmware_path: None,
+            host_modules: None,
         },
         &kmm_extract::Limits::default(),
         &root,
