@@ -193,6 +193,7 @@ mod tests {
             },
             duration_ms: 5,
             desired_revision: revision,
+            kept: Vec::new(),
         }
     }
 

@@ -797,6 +797,7 @@ mod tests {
             },
             duration_ms: 1,
             desired_revision: revision,
+            kept: Vec::new(),
         }
     }
 
