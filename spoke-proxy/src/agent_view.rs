@@ -123,7 +123,10 @@ impl AgentView {
             .retain(|module, _| sent(module) || self.loaded.contains_key(module));
         let error = || truncated(&event.error, ERROR_TEXT).to_owned();
         let outcome = Outcome::try_from(event.outcome).unwrap_or(Outcome::Unspecified);
-        if action != Action::Unspecified && outcome != Outcome::Unspecified {
+        // The agent confirms an unload again with every snapshot still asking for it: that
+        // says nothing new about what the unload kept.
+        let unload_again = action == Action::Unload && !self.loaded.contains_key(&id);
+        if action != Action::Unspecified && outcome != Outcome::Unspecified && !unload_again {
             self.shared
                 .retain(|shared| shared.unloaded != id && shared.kept_for != id);
         }
@@ -449,6 +452,14 @@ mod tests {
         assert_eq!(view.shared, std::slice::from_ref(&shared));
         assert_eq!(view.shared_by(&id("first")).collect::<Vec<_>>(), [&shared]);
         assert_eq!(view.shared_by(&id("second")).collect::<Vec<_>>(), [&shared]);
+        // The unload confirmed again (the agent does with every snapshot asking for it).
+        view.record(
+            "n",
+            &event("second", Action::Unload, Outcome::Succeeded, 3),
+            |_| true,
+        )
+        .unwrap();
+        assert_eq!(view.shared, std::slice::from_ref(&shared));
         // The module that kept it unloads too: the kernel module is gone, and so is the note.
         view.record(
             "n",
