@@ -42,5 +42,5 @@ pub use rollout::{
 pub use status::{
     ClusterCounts, ClusterDevicePlugins, DevicePluginCounts, FailureSample, HeldCluster,
     ImageStatus, KernelCounts, MAX_FAILURE_SAMPLES, MAX_IMAGE_KERNELS, MAX_IMAGE_STATUSES,
-    ManagedClusterModuleStatus, NodeCounts,
+    MAX_SHARED_KERNEL_MODULES, ManagedClusterModuleStatus, NodeCounts, SharedKernelModule,
 };

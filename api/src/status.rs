@@ -11,6 +11,8 @@ use serde_with::skip_serializing_none;
 
 /// Most failure samples kept in status; the counts still cover every failure.
 pub const MAX_FAILURE_SAMPLES: usize = 10;
+/// Most nodes listed in `sharedKernelModules`.
+pub const MAX_SHARED_KERNEL_MODULES: usize = 10;
 
 /// Observed state of a ManagedClusterModule.
 #[skip_serializing_none]
@@ -43,6 +45,13 @@ pub struct ManagedClusterModuleStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 10))]
     pub failures: Vec<FailureSample>,
+
+    /// Nodes where the module shares a kernel module with another module: an unload of
+    /// one left it loaded for the other, which needs it. Not a failure; at most 10, by
+    /// cluster and node.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 10))]
+    pub shared_kernel_modules: Vec<SharedKernelModule>,
 
     /// The kmod images the fleet needs, sorted by image; at most 100.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -168,6 +177,21 @@ pub struct FailureSample {
     /// Machine-readable reason, e.g. `NoKernelMapping`, `ImageNotFound`, `LoadFailed`.
     pub reason: String,
     /// Human-readable detail, e.g. the node agent's full error text.
+    pub message: String,
+}
+
+/// A node where the module shares a kernel module with another module.
+#[derive(
+    Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, KubeSchema,
+)]
+#[serde(rename_all = "camelCase")]
+pub struct SharedKernelModule {
+    /// Managed cluster name.
+    pub cluster: String,
+    /// Node name.
+    pub node: String,
+    /// The kernel modules and the other module (`namespace/name`), e.g. "kernel module
+    /// kmm_hello stays loaded: kmm-ops/kmm-hello needs it".
     pub message: String,
 }
 

@@ -10,6 +10,7 @@ use tokio::sync::watch;
 
 use crate::desired::DesiredSnapshot;
 pub use crate::event_queue::{EventReceiver, EventSender};
+pub use crate::shared_modules::Kept;
 
 /// Sent first on every connection.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -70,6 +71,10 @@ pub struct AgentEvent {
     pub at_unix_ms: u64,
     /// Revision of the snapshot this attempt acted on.
     pub revision: u64,
+    /// A successful unload's kernel modules left loaded for other served modules: the
+    /// control plane reports the overlap on both modules.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kept: Vec<Kept>,
 }
 
 impl AgentEvent {

@@ -143,6 +143,7 @@ mod tests {
             duration_ms: 0,
             at_unix_ms: 0,
             revision: 1,
+            kept: vec![],
         }
     }
 

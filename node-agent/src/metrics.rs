@@ -142,6 +142,7 @@ mod tests {
             duration_ms,
             at_unix_ms: 0,
             revision: 1,
+            kept: vec![],
         }
     }
 

@@ -237,6 +237,19 @@ pub fn module_event(event: &AgentEvent) -> pb::ModuleEvent {
         error,
         duration_ms: event.pull_ms.saturating_add(event.duration_ms),
         desired_revision: event.revision,
+        kept: event
+            .kept
+            .iter()
+            .map(|kept| pb::KeptKernelModule {
+                name: kept.module.clone(),
+                needed_by: kept
+                    .needed_by
+                    .iter()
+                    .map(String::as_str)
+                    .map(module_key)
+                    .collect(),
+            })
+            .collect(),
     }
 }
 
@@ -501,6 +514,7 @@ mod tests {
             duration_ms: 12,
             at_unix_ms: 5,
             revision: 17,
+            kept: vec![],
         };
         let pb = module_event(&event);
         assert_eq!(pb.key, key("ns", "a"));
@@ -520,5 +534,33 @@ mod tests {
         assert_eq!(pb.action(), pb::Action::Unload);
         assert_eq!(pb.outcome(), pb::Outcome::Succeeded);
         assert!(pb.error.is_empty() && pb.image_digest.is_empty() && pb.version.is_empty());
+        assert!(pb.kept.is_empty());
+    }
+
+    #[test]
+    fn an_unload_names_the_kernel_modules_it_kept_and_the_modules_needing_them() {
+        let event = AgentEvent {
+            key: "kmm-ops/second".into(),
+            version: Some("1".into()),
+            action: EventAction::Unload,
+            outcome: Outcome::Success,
+            image: "r/hello:1".into(),
+            digest: Some("sha256:aa".into()),
+            pull_ms: 0,
+            duration_ms: 3,
+            at_unix_ms: 5,
+            revision: 2,
+            kept: vec![crate::control::Kept {
+                module: "kmm_hello".into(),
+                needed_by: vec!["kmm-ops/kmm-hello".into()],
+            }],
+        };
+        assert_eq!(
+            module_event(&event).kept,
+            [pb::KeptKernelModule {
+                name: "kmm_hello".into(),
+                needed_by: vec![key("kmm-ops", "kmm-hello").unwrap()],
+            }]
+        );
     }
 }

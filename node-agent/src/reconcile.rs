@@ -209,6 +209,7 @@ impl Reconciler {
                 duration_ms: 0,
                 at_unix_ms: now_unix_ms(),
                 revision: snapshot.revision,
+                kept: vec![],
             })
             .collect()
     }
@@ -315,6 +316,7 @@ impl Reconciler {
                     duration_ms: 0,
                     at_unix_ms: now_unix_ms(),
                     revision: snapshot.revision,
+                    kept: vec![],
                 }
             } else {
                 let fetch = self.fetches.get_mut(&key).expect("started above");
@@ -438,6 +440,7 @@ impl Reconciler {
             duration_ms: 0,
             at_unix_ms: 0,
             revision,
+            kept: vec![],
         };
         let fetched = match fetched {
             Ok(f) => f,
@@ -525,10 +528,11 @@ impl Reconciler {
             duration_ms: millis(started.elapsed()),
             at_unix_ms: now_unix_ms(),
             revision,
+            kept: vec![],
         };
         match result {
             Ok(kept) => {
-                for Kept { module, needed_by } in kept {
+                for Kept { module, needed_by } in &kept {
                     tracing::warn!(
                         module = record.key,
                         kernel_module = module,
@@ -537,9 +541,12 @@ impl Reconciler {
                     );
                 }
                 self.state.modules.remove(&record.key);
-                if let Err(e) = self.save() {
-                    event.outcome =
-                        Outcome::Failure(format!("unloaded, but saving the state failed: {e}"));
+                match self.save() {
+                    Ok(()) => event.kept = kept,
+                    Err(e) => {
+                        event.outcome =
+                            Outcome::Failure(format!("unloaded, but saving the state failed: {e}"))
+                    }
                 }
             }
             Err(e) => event.outcome = Outcome::Failure(error_chain(&e)),

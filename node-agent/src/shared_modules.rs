@@ -42,7 +42,8 @@ fn dependencies(users: &Users, module: &str) -> Vec<String> {
 }
 
 /// A kernel module left loaded because other served modules need it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub struct Kept {
     pub module: String,
     /// The served modules (their keys) that need it.

@@ -7,6 +7,10 @@
 
 pub mod codec;
 
+/// `ModuleNodeStatus.reason` of a module sharing a kernel module with another module of
+/// the node (see `hub.proto`): set by the proxy, shown by the hub, never a failure.
+pub const REASON_KERNEL_MODULE_SHARED: &str = "KernelModuleShared";
+
 /// Largest messages each side accepts, part of the contract: a peer sending more gets
 /// `RESOURCE_EXHAUSTED`, never an unbounded allocation on the receiving side. Sizes are of
 /// the encoded message.

@@ -5,12 +5,13 @@
 //! proxy sent the node, an unload also of one the agent holds loaded (its hello names at
 //! most `AGENT_LOADED`), each error cut to [`ERROR_TEXT`] bytes and each version and
 //! digest to [`MODULE_VERSION`], so a node's view holds at most one proof and one
-//! failure per such module.
+//! failure per such module, and at most [`SHARED_KERNEL_MODULES`] kernel modules that
+//! unloads left loaded for other modules.
 
 use std::collections::BTreeMap;
 
 use kmm_proto::limits::{ERROR_TEXT, MODULE_VERSION, truncated};
-use kmm_proto::v1::{Action, AgentHello, ModuleEvent, Outcome};
+use kmm_proto::v1::{Action, AgentHello, KeptKernelModule, ModuleEvent, Outcome};
 
 use crate::module_id::ModuleId;
 
@@ -22,6 +23,24 @@ pub struct LoadedProof {
     /// The DesiredModules revision the load acted on; `None` when known from the
     /// agent's hello (loaded before this stream).
     pub revision: Option<u64>,
+}
+
+/// The most kernel modules left loaded for other modules a node's view keeps (the
+/// newest): a node serves a handful of modules, which share fewer.
+pub const SHARED_KERNEL_MODULES: usize = 64;
+/// The bytes of a kernel module's name kept (the kernel allows 55).
+const KERNEL_MODULE_NAME: usize = 64;
+
+/// A kernel module that one module's unload left loaded because another module of the
+/// node needs it: the two modules share it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SharedKernelModule {
+    /// As the kernel names it.
+    pub name: String,
+    /// The module whose unload left it loaded.
+    pub unloaded: ModuleId,
+    /// The module that needs it.
+    pub kept_for: ModuleId,
 }
 
 /// A failed attempt and the revision it acted on.
@@ -49,6 +68,9 @@ pub struct AgentView {
     pub kernel_release: String,
     pub loaded: BTreeMap<ModuleId, LoadedProof>,
     pub failures: BTreeMap<ModuleId, Failure>,
+    /// What the latest unloads left loaded for other modules, oldest first: an event of
+    /// either module replaces what it said.
+    pub shared: Vec<SharedKernelModule>,
 }
 
 impl AgentView {
@@ -72,6 +94,7 @@ impl AgentView {
                 })
                 .collect(),
             failures: BTreeMap::new(),
+            shared: Vec::new(),
         }
     }
 
@@ -100,6 +123,13 @@ impl AgentView {
             .retain(|module, _| sent(module) || self.loaded.contains_key(module));
         let error = || truncated(&event.error, ERROR_TEXT).to_owned();
         let outcome = Outcome::try_from(event.outcome).unwrap_or(Outcome::Unspecified);
+        // The agent confirms an unload again with every snapshot still asking for it: that
+        // says nothing new about what the unload kept.
+        let unload_again = action == Action::Unload && !self.loaded.contains_key(&id);
+        if action != Action::Unspecified && outcome != Outcome::Unspecified && !unload_again {
+            self.shared
+                .retain(|shared| shared.unloaded != id && shared.kept_for != id);
+        }
         match (action, outcome) {
             (Action::Load, Outcome::Succeeded) => {
                 self.failures.remove(&id);
@@ -115,6 +145,7 @@ impl AgentView {
             (Action::Unload, Outcome::Succeeded) => {
                 self.failures.remove(&id);
                 self.loaded.remove(&id);
+                self.keep_shared(&id, &event.kept);
             }
             (Action::Load, Outcome::Failed) => {
                 self.loaded.remove(&id);
@@ -143,6 +174,34 @@ impl AgentView {
         Ok(())
     }
 
+    /// Notes what `unloaded`'s unload left loaded, for the modules still loaded on the
+    /// node (another one was unloaded too, or is none of the proxy's business).
+    fn keep_shared(&mut self, unloaded: &ModuleId, kept: &[KeptKernelModule]) {
+        for kernel_module in kept {
+            let name = truncated(&kernel_module.name, KERNEL_MODULE_NAME);
+            for kept_for in kernel_module.needed_by.iter() {
+                let kept_for = ModuleId::from_key(Some(kept_for));
+                if kept_for != *unloaded && self.loaded.contains_key(&kept_for) {
+                    self.shared.push(SharedKernelModule {
+                        name: name.to_owned(),
+                        unloaded: unloaded.clone(),
+                        kept_for,
+                    });
+                }
+            }
+        }
+        let excess = self.shared.len().saturating_sub(SHARED_KERNEL_MODULES);
+        self.shared.drain(..excess);
+    }
+
+    /// The kernel modules `id` shares with other modules of the node: those its unload
+    /// left loaded for them, and those their unloads left loaded for it.
+    pub fn shared_by(&self, id: &ModuleId) -> impl Iterator<Item = &SharedKernelModule> {
+        self.shared
+            .iter()
+            .filter(move |shared| shared.unloaded == *id || shared.kept_for == *id)
+    }
+
     /// The bytes the view holds beyond its fixed size (strings, map entries; approximate,
     /// on the high side): what the bounds above keep small.
     pub fn bytes(&self) -> usize {
@@ -159,6 +218,11 @@ impl AgentView {
                 .failures
                 .iter()
                 .map(|(m, f)| id(m) + f.error.len())
+                .sum::<usize>()
+            + self
+                .shared
+                .iter()
+                .map(|s| s.name.len() + id(&s.unloaded) + id(&s.kept_for))
                 .sum::<usize>()
     }
 }
@@ -193,6 +257,7 @@ mod tests {
             },
             duration_ms: 5,
             desired_revision: revision,
+            kept: Vec::new(),
         }
     }
 
@@ -355,5 +420,76 @@ mod tests {
         )
         .unwrap();
         assert_eq!(view, AgentView::default());
+    }
+
+    fn kept(name: &str, needed_by: &[&str]) -> KeptKernelModule {
+        KeptKernelModule {
+            name: name.into(),
+            needed_by: needed_by.iter().map(|m| key(m)).collect(),
+        }
+    }
+
+    #[test]
+    fn an_unload_that_kept_a_kernel_module_notes_it_on_both_modules_until_either_acts() {
+        let mut view = AgentView::default();
+        for m in ["first", "second"] {
+            view.record("n", &event(m, Action::Load, Outcome::Succeeded, 1), |_| {
+                true
+            })
+            .unwrap();
+        }
+        let unloaded = ModuleEvent {
+            // "gone" is not loaded: nothing is kept for it.
+            kept: vec![kept("kmm_hello", &["first", "gone"])],
+            ..event("second", Action::Unload, Outcome::Succeeded, 2)
+        };
+        view.record("n", &unloaded, |_| true).unwrap();
+        let shared = SharedKernelModule {
+            name: "kmm_hello".into(),
+            unloaded: id("second"),
+            kept_for: id("first"),
+        };
+        assert_eq!(view.shared, std::slice::from_ref(&shared));
+        assert_eq!(view.shared_by(&id("first")).collect::<Vec<_>>(), [&shared]);
+        assert_eq!(view.shared_by(&id("second")).collect::<Vec<_>>(), [&shared]);
+        // The unload confirmed again (the agent does with every snapshot asking for it).
+        view.record(
+            "n",
+            &event("second", Action::Unload, Outcome::Succeeded, 3),
+            |_| true,
+        )
+        .unwrap();
+        assert_eq!(view.shared, std::slice::from_ref(&shared));
+        // The module that kept it unloads too: the kernel module is gone, and so is the note.
+        view.record(
+            "n",
+            &event("first", Action::Unload, Outcome::Succeeded, 3),
+            |_| true,
+        )
+        .unwrap();
+        assert!(view.shared.is_empty());
+    }
+
+    #[test]
+    fn kept_kernel_modules_are_held_to_the_limit() {
+        let mut view = AgentView::default();
+        view.record(
+            "n",
+            &event("first", Action::Load, Outcome::Succeeded, 1),
+            |_| true,
+        )
+        .unwrap();
+        let name = "k".repeat(1 << 10);
+        let unloaded = ModuleEvent {
+            kept: (0..1_000).map(|_| kept(&name, &["first"])).collect(),
+            ..event("second", Action::Unload, Outcome::Succeeded, 2)
+        };
+        view.record("n", &unloaded, |_| true).unwrap();
+        assert_eq!(view.shared.len(), SHARED_KERNEL_MODULES);
+        assert!(
+            view.shared
+                .iter()
+                .all(|s| s.name.len() == KERNEL_MODULE_NAME)
+        );
     }
 }

@@ -676,9 +676,10 @@ impl ClusterState {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kmm_proto::REASON_KERNEL_MODULE_SHARED;
     use kmm_proto::v1::{
-        Action, KernelTarget, LoadedModule, ModuleKey, ModuleNodeStatus, Outcome, PullCredential,
-        Unresolved, kernel_target::Target, module_intent, pull_credential::Content,
+        Action, KeptKernelModule, KernelTarget, LoadedModule, ModuleKey, ModuleNodeStatus, Outcome,
+        PullCredential, Unresolved, kernel_target::Target, module_intent, pull_credential::Content,
     };
 
     const NODES: [&str; 2] = ["a", "b"];
@@ -797,6 +798,7 @@ mod tests {
             },
             duration_ms: 1,
             desired_revision: revision,
+            kept: Vec::new(),
         }
     }
 
@@ -1352,6 +1354,54 @@ mod tests {
         assert_eq!(state_of(&s, "m", "b"), Some(ModuleState::Pending));
         s.agent_hello("a", &hello("a", &[]));
         assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Unloaded));
+    }
+
+    #[test]
+    fn an_unload_that_kept_a_kernel_module_for_another_module_reports_it_on_both() {
+        let mut s = cluster();
+        s.set_intents(snapshot(
+            1,
+            vec![intent("first", "v1"), intent("second", "v1")],
+        ));
+        s.agent_hello("a", &hello("a", &[]));
+        let revision = s.desired_modules("a").revision;
+        for m in ["first", "second"] {
+            s.agent_event("a", &event(m, Action::Load, Outcome::Succeeded, revision))
+                .unwrap();
+        }
+        let mut gone = intent("second", "v1");
+        gone.unload = true;
+        s.set_intents(snapshot(2, vec![intent("first", "v1"), gone]));
+        s.take_status_dirty();
+        let unloaded = ModuleEvent {
+            kept: vec![KeptKernelModule {
+                name: "kmm_hello".into(),
+                needed_by: vec![key("first")],
+            }],
+            ..event(
+                "second",
+                Action::Unload,
+                Outcome::Succeeded,
+                s.desired_modules("a").revision,
+            )
+        };
+        s.agent_event("a", &unloaded).unwrap();
+        assert!(s.take_status_dirty().contains("a"));
+        let statuses = statuses(&s);
+        let first = &statuses[&(id("first"), "a".to_owned())];
+        assert_eq!(first.state(), ModuleState::Loaded, "{first:?}");
+        assert_eq!(first.reason, REASON_KERNEL_MODULE_SHARED);
+        assert!(
+            first.message.contains("kmm_hello with ns/second"),
+            "{first:?}"
+        );
+        let second = &statuses[&(id("second"), "a".to_owned())];
+        assert_eq!(second.state(), ModuleState::Unloaded, "{second:?}");
+        assert_eq!(second.reason, REASON_KERNEL_MODULE_SHARED);
+        assert!(
+            second.message.contains("kmm_hello stays loaded: ns/first"),
+            "{second:?}"
+        );
     }
 
     #[test]

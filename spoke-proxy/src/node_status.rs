@@ -3,6 +3,8 @@
 
 use std::collections::BTreeMap;
 
+use kmm_proto::REASON_KERNEL_MODULE_SHARED;
+use kmm_proto::limits::{ERROR_TEXT, truncate};
 use kmm_proto::v1::{Action, ModuleNodeKey, ModuleNodeStatus, ModuleState, NodeStatusReport};
 
 use crate::agent_view::AgentView;
@@ -35,6 +37,40 @@ impl Assessment {
             message,
         }
     }
+}
+
+/// A loaded or unloaded module's state, with what it shares with other modules of the
+/// node as its note: shown, but it is still loaded (or unloaded), not failed.
+fn noting_shared(
+    mut assessment: Assessment,
+    view: Option<&AgentView>,
+    id: &ModuleId,
+) -> Assessment {
+    let Some(view) = view else {
+        return assessment;
+    };
+    let notes: Vec<String> = view
+        .shared_by(id)
+        .map(|shared| {
+            if shared.unloaded == *id {
+                format!(
+                    "kernel module {} stays loaded: {} needs it",
+                    shared.name, shared.kept_for
+                )
+            } else {
+                format!(
+                    "shares kernel module {} with {}, whose unload left it loaded for this module",
+                    shared.name, shared.unloaded
+                )
+            }
+        })
+        .collect();
+    if !notes.is_empty() {
+        assessment.reason = REASON_KERNEL_MODULE_SHARED.to_owned();
+        assessment.message = notes.join("; ");
+        truncate(&mut assessment.message, ERROR_TEXT);
+    }
+    assessment
 }
 
 /// Whether a module loaded from an image with `digest` satisfies `image`: an image
@@ -95,12 +131,16 @@ pub fn assess(
                     )
             });
             match (current, failure) {
-                (Some(p), _) => Assessment {
-                    state: ModuleState::Loaded,
-                    loaded_version: p.version.clone(),
-                    reason: String::new(),
-                    message: String::new(),
-                },
+                (Some(p), _) => noting_shared(
+                    Assessment {
+                        state: ModuleState::Loaded,
+                        loaded_version: p.version.clone(),
+                        reason: String::new(),
+                        message: String::new(),
+                    },
+                    view,
+                    id,
+                ),
                 (None, Some(f)) => Assessment::new(
                     ModuleState::Failed,
                     if f.action == Action::Unload {
@@ -132,7 +172,11 @@ pub fn assess(
             }
         }
         Placement::Unload => match (view, proof, failure) {
-            (Some(_), None, _) => Assessment::new(ModuleState::Unloaded, "", String::new()),
+            (Some(_), None, _) => noting_shared(
+                Assessment::new(ModuleState::Unloaded, "", String::new()),
+                view,
+                id,
+            ),
             (_, _, Some(f)) if f.action == Action::Unload => {
                 Assessment::new(ModuleState::Failed, REASON_UNLOAD_FAILED, f.error.clone())
             }
@@ -252,7 +296,7 @@ impl StatusReporter {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::agent_view::{Failure, LoadedProof};
+    use crate::agent_view::{Failure, LoadedProof, SharedKernelModule};
     use kmm_proto::v1::{ModuleLoad, Unresolved};
 
     fn id() -> ModuleId {
@@ -298,6 +342,43 @@ mod tests {
 
     fn state(placement: &Placement, view: Option<&AgentView>, since: u64) -> ModuleState {
         assess(placement, view, &id(), "6.1", since).unwrap().state
+    }
+
+    /// `ns/m` loaded, and `ns/second`'s unload left `kmm_hello` loaded for it.
+    fn sharing_kmm_hello() -> AgentView {
+        let mut view = view_with("v1", Some(5));
+        view.shared.push(SharedKernelModule {
+            name: "kmm_hello".into(),
+            unloaded: ModuleId {
+                namespace: "ns".into(),
+                name: "second".into(),
+            },
+            kept_for: id(),
+        });
+        view
+    }
+
+    #[test]
+    fn a_shared_kernel_module_is_noted_on_both_modules_and_fails_neither() {
+        let view = sharing_kmm_hello();
+        let keeper = assess(&load("v1", "reg/m:v1"), Some(&view), &id(), "6.1", 5).unwrap();
+        assert_eq!(keeper.state, ModuleState::Loaded);
+        assert_eq!(keeper.reason, REASON_KERNEL_MODULE_SHARED);
+        assert_eq!(
+            keeper.message,
+            "shares kernel module kmm_hello with ns/second, whose unload left it loaded for this module"
+        );
+        let second = ModuleId {
+            namespace: "ns".into(),
+            name: "second".into(),
+        };
+        let unloaded = assess(&Placement::Unload, Some(&view), &second, "6.1", 5).unwrap();
+        assert_eq!(unloaded.state, ModuleState::Unloaded);
+        assert_eq!(unloaded.reason, REASON_KERNEL_MODULE_SHARED);
+        assert_eq!(
+            unloaded.message,
+            "kernel module kmm_hello stays loaded: ns/m needs it"
+        );
     }
 
     #[test]

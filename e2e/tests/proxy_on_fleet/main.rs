@@ -83,6 +83,7 @@ fn event(spoke: &Spoke, name: &str, action: Action, revision: u64) -> ModuleEven
         error: String::new(),
         duration_ms: 3,
         desired_revision: revision,
+        kept: Vec::new(),
     }
 }
 

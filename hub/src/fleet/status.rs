@@ -1,12 +1,15 @@
 //! A ManagedClusterModule's status from what its clusters report: counts over the whole
-//! fleet and a bounded, deterministic sample of failures. Pure.
+//! fleet, a bounded, deterministic sample of failures, and the nodes where it shares a
+//! kernel module with another module. Pure.
 
 use std::collections::BTreeSet;
 
 use kmm_api::{
     ClusterCounts, FailureSample, HeldCluster, KernelCounts, MAX_FAILURE_SAMPLES,
-    ManagedClusterModuleStatus, NodeCounts, PlacementRef,
+    MAX_SHARED_KERNEL_MODULES, ManagedClusterModuleStatus, NodeCounts, PlacementRef,
+    SharedKernelModule,
 };
+use kmm_proto::REASON_KERNEL_MODULE_SHARED;
 use kmm_proto::v1::{KernelTarget, ModuleState, kernel_target::Target};
 
 use super::node_statuses::NodeStatus;
@@ -52,6 +55,9 @@ pub struct StatusTally {
     failures: Vec<FailureSample>,
     /// The held clusters with the smallest names, at most [`MAX_FAILURE_SAMPLES`].
     held: Vec<HeldCluster>,
+    /// The nodes sharing a kernel module by (cluster, node), at most
+    /// [`MAX_SHARED_KERNEL_MODULES`].
+    shared: Vec<SharedKernelModule>,
     /// Clusters with a failed node.
     degraded: i32,
 }
@@ -82,6 +88,7 @@ impl StatusTally {
         let mut matching = 0;
         let mut loaded = 0;
         let mut failure = None;
+        self.note_shared(report.cluster, report.nodes);
         for status in report.nodes {
             match status.state {
                 ModuleState::Loaded => loaded += 1,
@@ -141,6 +148,29 @@ impl StatusTally {
         }
     }
 
+    /// Notes the nodes of `cluster` where the module shares a kernel module with another
+    /// module (whatever their state: loaded stays loaded, unloaded stays unloaded).
+    pub fn note_shared(&mut self, cluster: &str, nodes: &[NodeStatus]) {
+        self.shared.extend(
+            nodes
+                .iter()
+                .filter(|status| status.reason() == REASON_KERNEL_MODULE_SHARED)
+                .map(|status| SharedKernelModule {
+                    cluster: cluster.to_owned(),
+                    node: status.node.name.to_string(),
+                    message: status.message().to_owned(),
+                }),
+        );
+        if self.shared.len() > 4 * MAX_SHARED_KERNEL_MODULES {
+            self.trim_shared();
+        }
+    }
+
+    fn trim_shared(&mut self) {
+        self.shared.sort();
+        self.shared.truncate(MAX_SHARED_KERNEL_MODULES);
+    }
+
     fn trim_failures(&mut self) {
         self.failures.sort_by(|a, b| {
             (&a.cluster, &a.node, &a.kernel).cmp(&(&b.cluster, &b.node, &b.kernel))
@@ -151,6 +181,7 @@ impl StatusTally {
     pub fn finish(mut self, generation: Option<i64>) -> ManagedClusterModuleStatus {
         self.trim_failures();
         self.trim_held();
+        self.trim_shared();
         let (selected, converged) = (self.clusters.selected, self.clusters.converged);
         ManagedClusterModuleStatus {
             observed_generation: generation,
@@ -165,12 +196,26 @@ impl StatusTally {
             number_applied: converged,
             number_degraded: self.degraded,
             failures: self.failures,
+            shared_kernel_modules: self.shared,
             images: Vec::new(),
             rollout: None,
             device_plugins: None,
             conditions: Vec::new(),
         }
     }
+}
+
+/// The shared kernel modules `next` lists that `previous` (the status on record) did not:
+/// each is announced once, when it first shows, however often the module is reconciled.
+pub fn newly_shared<'a>(
+    previous: Option<&ManagedClusterModuleStatus>,
+    next: &'a ManagedClusterModuleStatus,
+) -> Vec<&'a SharedKernelModule> {
+    let known = previous.map_or(&[][..], |p| &p.shared_kernel_modules[..]);
+    next.shared_kernel_modules
+        .iter()
+        .filter(|shared| !known.contains(shared))
+        .collect()
 }
 
 fn count(n: usize) -> i32 {
@@ -363,5 +408,90 @@ mod tests {
                 1
             );
         }
+    }
+
+    fn shared_on(cluster: &str, nodes: &[NodeStatus]) -> ManagedClusterModuleStatus {
+        module_status(
+            Some(1),
+            &[ClusterReport {
+                cluster,
+                connected: true,
+                reflects_generation: true,
+                kernels: &[],
+                nodes,
+            }],
+        )
+    }
+
+    fn shared(cluster: &str, node: &str) -> SharedKernelModule {
+        SharedKernelModule {
+            cluster: cluster.into(),
+            node: node.into(),
+            message: format!("{REASON_KERNEL_MODULE_SHARED} on {node}"),
+        }
+    }
+
+    #[test]
+    fn a_shared_kernel_module_is_listed_and_fails_nothing() {
+        let nodes = [
+            node("a1", ModuleState::Loaded, REASON_KERNEL_MODULE_SHARED),
+            node("a2", ModuleState::Unloaded, REASON_KERNEL_MODULE_SHARED),
+            node("a3", ModuleState::Loaded, ""),
+        ];
+        let status = shared_on("a", &nodes);
+        assert_eq!(
+            (
+                status.nodes.matching,
+                status.nodes.loaded,
+                status.nodes.failed
+            ),
+            (2, 2, 0),
+            "loaded is loaded, unloaded is not matching"
+        );
+        assert_eq!(status.clusters.converged, 1);
+        assert!(status.failures.is_empty());
+        assert_eq!(
+            status.shared_kernel_modules,
+            [shared("a", "a1"), shared("a", "a2")]
+        );
+    }
+
+    #[test]
+    fn shared_kernel_modules_stay_bounded_and_deterministic() {
+        let many: Vec<NodeStatus> = (0..500)
+            .rev()
+            .map(|i| {
+                node(
+                    &format!("n{i:03}"),
+                    ModuleState::Loaded,
+                    REASON_KERNEL_MODULE_SHARED,
+                )
+            })
+            .collect();
+        let status = shared_on("big", &many);
+        assert_eq!(status.nodes.loaded, 500);
+        assert_eq!(
+            status.shared_kernel_modules.len(),
+            MAX_SHARED_KERNEL_MODULES
+        );
+        assert_eq!(status.shared_kernel_modules[0], shared("big", "n000"));
+    }
+
+    #[test]
+    fn each_shared_kernel_module_is_announced_once() {
+        let before = shared_on(
+            "a",
+            &[node("a1", ModuleState::Loaded, REASON_KERNEL_MODULE_SHARED)],
+        );
+        assert_eq!(newly_shared(None, &before), [&shared("a", "a1")]);
+        assert!(newly_shared(Some(&before), &before).is_empty());
+        let after = shared_on(
+            "a",
+            &[
+                node("a1", ModuleState::Loaded, REASON_KERNEL_MODULE_SHARED),
+                node("a2", ModuleState::Unloaded, REASON_KERNEL_MODULE_SHARED),
+            ],
+        );
+        assert_eq!(newly_shared(Some(&before), &after), [&shared("a", "a2")]);
     }
 }

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use kmm_node_agent::control::{AgentEvent, EventAction, Outcome};
+use kmm_node_agent::control::{AgentEvent, EventAction, Kept, Outcome};
 use kmm_node_agent::desired::{DesiredModule, DesiredSnapshot, Modprobe, RegistryTls};
 use kmm_node_agent::image::cache::Cache;
 use kmm_node_agent::image::{ImageStore, Limits};
@@ -506,7 +506,7 @@ fn second(image: String) -> DesiredModule {
 
 /// Two served modules share `kmm_hello` (one loads it by name, the other loads
 /// `kmm_hello_dep`, which depends on it): either unload completes without taking it from
-/// the other, in either order.
+/// the other, in either order, and its event names what it kept and for whom.
 #[tokio::test]
 async fn an_unload_never_takes_a_kernel_module_another_served_module_needs() {
     let k = kernel();
@@ -536,6 +536,15 @@ async fn an_unload_never_takes_a_kernel_module_another_served_module_needs() {
             })
             .await;
         assert_success(&events, &[EventAction::Unload]);
+        assert_eq!(
+            events[0].kept,
+            [Kept {
+                module: MODULE.into(),
+                needed_by: vec![stays.key.clone()],
+            }],
+            "after unloading {}",
+            unloaded.key
+        );
         assert_eq!(node.loaded(), left, "after unloading {}", unloaded.key);
         assert!(
             agent

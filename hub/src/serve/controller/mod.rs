@@ -19,7 +19,8 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::apps::v1::ControllerRevision;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kmm_api::{ManagedClusterModule, ManagedClusterModuleStatus};
+use kmm_api::{ManagedClusterModule, ManagedClusterModuleStatus, SharedKernelModule};
+use kmm_proto::REASON_KERNEL_MODULE_SHARED;
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::{Api, ResourceExt};
@@ -35,6 +36,7 @@ use crate::fleet::module_view::ModuleView;
 use crate::fleet::readiness::{READY, is_transition, phase, ready_condition, summary};
 use crate::fleet::rollout::{Milestone, assignment_changed, milestones};
 use crate::fleet::served_revisions::is_progressive;
+use crate::fleet::status::newly_shared;
 
 use super::events::EventPublisher;
 use super::fleet_view::FleetView;
@@ -81,6 +83,8 @@ struct Outcome {
     /// The Event of a transition: the phase, its reason and message.
     transition: Option<(EventType, &'static str, String)>,
     milestones: Vec<Milestone>,
+    /// Nodes newly sharing a kernel module with another module, each announced once.
+    shared: Vec<SharedKernelModule>,
     /// Whether the write must not wait for the status pacing.
     urgent: bool,
     requeue: Duration,
@@ -148,7 +152,32 @@ pub async fn reconcile(
             )
             .await;
     }
+    for shared in &outcome.shared {
+        announce_shared(&ctx.events, &module, shared).await;
+    }
     Ok(Action::requeue(outcome.requeue))
+}
+
+/// A Warning Event on `module`: on a node, it shares a kernel module with another module
+/// (an unload of either left it loaded for the other).
+async fn announce_shared(
+    events: &EventPublisher,
+    module: &ManagedClusterModule,
+    shared: &SharedKernelModule,
+) {
+    let note = format!(
+        "cluster {}, node {}: {}",
+        shared.cluster, shared.node, shared.message
+    );
+    events
+        .publish(
+            module,
+            EventType::Warning,
+            REASON_KERNEL_MODULE_SHARED,
+            "Reconcile",
+            note,
+        )
+        .await;
 }
 
 /// The rollout's step and the deletion's verdict, and the status they make; `None` once
@@ -166,6 +195,10 @@ async fn decide_outcome(
         leftovers,
         observed,
     } = view;
+    let shared: Vec<SharedKernelModule> = newly_shared(module.status.as_ref(), &status)
+        .into_iter()
+        .cloned()
+        .collect();
     let mut detail = invalid.clone().unwrap_or_default();
     let mut requeue = RESYNC;
     let previous_rollout = module.status.as_ref().and_then(|s| s.rollout.as_ref());
@@ -210,6 +243,10 @@ async fn decide_outcome(
         match decide(leftovers, elapsed, ctx.unload_timeout) {
             Deletion::Complete => {
                 tracing::info!("unload confirmed everywhere; releasing the finalizer");
+                // No status is written any more: what the unload kept is announced now.
+                for shared in &shared {
+                    announce_shared(&ctx.events, module, shared).await;
+                }
                 ctx.events
                     .publish(
                         module,
@@ -225,6 +262,9 @@ async fn decide_outcome(
             Deletion::TimedOut(leftovers) => {
                 let list = leftovers.to_string();
                 tracing::warn!(leftovers = %list, timeout = ?ctx.unload_timeout, "unload not confirmed in time; releasing the finalizer");
+                for shared in &shared {
+                    announce_shared(&ctx.events, module, shared).await;
+                }
                 // The leftovers must be on record before the module can go.
                 ctx.events
                     .publish_required(
@@ -278,6 +318,7 @@ async fn decide_outcome(
         status,
         transition,
         milestones,
+        shared,
         urgent,
         requeue,
     }))

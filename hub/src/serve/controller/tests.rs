@@ -21,8 +21,14 @@ use serde_json::{Value, json};
 use tower_test::mock::{Handle, SendResponse};
 
 use super::*;
-use crate::serve::fleet_view::Stores;
+use crate::images::ImageRecord;
+use crate::serve::fleet_view::{ClusterStreams, SessionId, Stores};
+use crate::serve::outbound::{Outbound, OutboundSender};
 use kmm_api::ocm;
+use kmm_proto::v1::{
+    Kernel, KernelInventory, ModuleKey, ModuleNodeKey, ModuleNodeStatus, ModuleState,
+    NodeStatusReport,
+};
 
 type ApiServer = Handle<Request<Body>, Response<Body>>;
 
@@ -54,6 +60,7 @@ struct Harness {
     server: ApiServer,
     /// Keeps the stores' writers alive.
     _clusters: Writer<DynamicObject>,
+    modules: Writer<ManagedClusterModule>,
 }
 
 fn harness(clusters: &[&str], unload_timeout: Duration) -> Harness {
@@ -70,8 +77,9 @@ fn harness(clusters: &[&str], unload_timeout: Duration) -> Harness {
         .unwrap();
         cluster_writer.apply_watcher_event(&watcher::Event::Apply(cluster));
     }
+    let modules = Writer::<ManagedClusterModule>::default();
     let stores = Stores {
-        modules: Writer::default().as_reader(),
+        modules: modules.as_reader(),
         clusters: cluster_writer.as_reader(),
         secrets: Writer::default().as_reader(),
         revisions: Writer::default().as_reader(),
@@ -102,6 +110,47 @@ fn harness(clusters: &[&str], unload_timeout: Duration) -> Harness {
         ctx,
         server,
         _clusters: cluster_writer,
+        modules,
+    }
+}
+
+impl Harness {
+    /// The module as its watch gives it to the fleet view.
+    fn watch(&mut self, module: &ManagedClusterModule) {
+        self.modules
+            .apply_watcher_event(&watcher::Event::Apply(module.clone()));
+        self.ctx.state.note_module(module);
+    }
+}
+
+/// The revision of the last snapshot `cluster`'s stream was sent.
+fn last_revision(sent: &tokio::sync::watch::Receiver<Outbound>) -> u64 {
+    match &*sent.borrow() {
+        Outbound::Snapshot(snapshot) => snapshot.revision,
+        other => panic!("no snapshot sent: {other:?}"),
+    }
+}
+
+/// A full report of `hello` on node n1, made with the intents of `revision` applied.
+fn hello_on_n1(revision: u64, state: ModuleState, reason: &str, message: &str) -> NodeStatusReport {
+    NodeStatusReport {
+        full: true,
+        statuses: vec![ModuleNodeStatus {
+            key: Some(ModuleNodeKey {
+                module: Some(ModuleKey {
+                    namespace: "drivers".into(),
+                    name: "hello".into(),
+                }),
+                node: "n1".into(),
+            }),
+            kernel: "6.1".into(),
+            state: state.into(),
+            reason: reason.into(),
+            message: message.into(),
+            ..ModuleNodeStatus::default()
+        }],
+        intent_revision: revision,
+        ..NodeStatusReport::default()
     }
 }
 
@@ -408,4 +457,138 @@ async fn an_apiserver_clock_ahead_of_the_hub_releases_nothing_early() {
     assert_ne!(reason, "UnloadTimedOut");
     let action = reconciling.await.unwrap().expect("waiting");
     assert_eq!(action, Action::requeue(UNLOAD_RECHECK));
+}
+
+/// Module `hello` loaded on node n1 of spoke1, its proxy connected; returns the stream's
+/// session and what it was sent.
+fn loaded_on_spoke1(
+    harness: &mut Harness,
+    reason: &str,
+    message: &str,
+) -> (SessionId, tokio::sync::watch::Receiver<Outbound>) {
+    harness.watch(&module(&[FINALIZER], false));
+    let outbound = OutboundSender::default();
+    let sent = outbound.subscribe();
+    let state = &harness.ctx.state;
+    let id = state.open_session("spoke1", 0, outbound);
+    state.inventory(
+        "spoke1",
+        id,
+        KernelInventory {
+            revision: 1,
+            kernels: vec![Kernel {
+                release: "6.1".into(),
+            }],
+        },
+    );
+    for (key, need) in state.image_needs() {
+        state.set_image(
+            key,
+            ImageRecord::seeded(&need, "sha256:0123".into(), Timestamp::now()),
+        );
+    }
+    let loaded_at = last_revision(&sent);
+    state.status(
+        "spoke1",
+        id,
+        hello_on_n1(loaded_at, ModuleState::Loaded, reason, message),
+    );
+    (id, sent)
+}
+
+#[tokio::test]
+async fn a_module_sharing_a_kernel_module_lists_it_in_status_and_announces_it() {
+    let mut harness = harness(&["spoke1"], Duration::from_secs(600));
+    let shares = "shares kernel module kmm_hello with kmm-ops/other, whose unload left it loaded for this module";
+    loaded_on_spoke1(&mut harness, REASON_KERNEL_MODULE_SHARED, shares);
+    let Harness {
+        ctx, mut server, ..
+    } = harness;
+    let reconciling = tokio::spawn(reconcile(module(&[FINALIZER], false), ctx));
+    let (method, path, body, respond) = next(&mut server).await;
+    assert_eq!(
+        (method, path.as_str()),
+        (
+            Method::POST,
+            "/apis/apps/v1/namespaces/kmm-hub/controllerrevisions"
+        )
+    );
+    answer(respond, StatusCode::CREATED, &body);
+    let (method, path, body, respond) = next(&mut server).await;
+    assert_eq!(
+        (method, path.as_str()),
+        (Method::PATCH, &*format!("{MODULES}/hello/status"))
+    );
+    let status = &body["status"];
+    assert_eq!(status["nodes"]["loaded"], 1, "{status}");
+    assert_eq!(status["nodes"]["failed"], 0, "{status}");
+    assert_eq!(
+        status["sharedKernelModules"],
+        json!([{"cluster": "spoke1", "node": "n1", "message": shares}])
+    );
+    answer(
+        respond,
+        StatusCode::OK,
+        &serde_json::to_value(&*module(&[FINALIZER], false)).unwrap(),
+    );
+    let (type_, reason, _) = expect_event(&mut server).await;
+    assert_eq!(
+        (type_.as_str(), reason.as_str()),
+        ("Normal", "Converged"),
+        "sharing is no failure: the module is ready"
+    );
+    let (type_, reason, note) = expect_event(&mut server).await;
+    assert_eq!(
+        (type_.as_str(), reason.as_str()),
+        ("Warning", REASON_KERNEL_MODULE_SHARED)
+    );
+    assert_eq!(note, format!("cluster spoke1, node n1: {shares}"));
+    reconciling.await.unwrap().expect("reconciled");
+    assert_quiet(&mut server);
+}
+
+#[tokio::test]
+async fn a_deleted_module_announces_the_kernel_modules_its_unload_kept_before_it_goes() {
+    let mut harness = harness(&["spoke1"], Duration::from_secs(600));
+    let (id, sent) = loaded_on_spoke1(&mut harness, "", "");
+    let loaded_at = last_revision(&sent);
+    let deleting = module(&[FINALIZER], true);
+    harness.watch(&deleting);
+    let unload_at = last_revision(&sent);
+    assert!(unload_at > loaded_at, "the unload is sent");
+    let kept = "kernel module kmm_hello stays loaded: kmm-ops/other needs it";
+    harness.ctx.state.status(
+        "spoke1",
+        id,
+        hello_on_n1(
+            unload_at,
+            ModuleState::Unloaded,
+            REASON_KERNEL_MODULE_SHARED,
+            kept,
+        ),
+    );
+
+    let Harness {
+        ctx, mut server, ..
+    } = harness;
+    let reconciling = tokio::spawn(reconcile(deleting, ctx));
+    // No status is written any more: the Event is the record of what stayed loaded.
+    let (type_, reason, note) = expect_event(&mut server).await;
+    assert_eq!(
+        (type_.as_str(), reason.as_str()),
+        ("Warning", REASON_KERNEL_MODULE_SHARED)
+    );
+    assert_eq!(note, format!("cluster spoke1, node n1: {kept}"));
+    let (type_, reason, _) = expect_event(&mut server).await;
+    assert_eq!((type_.as_str(), reason.as_str()), ("Normal", "Unloaded"));
+    let (method, _, body, respond) = next(&mut server).await;
+    assert_eq!(method, Method::PATCH);
+    assert_eq!(body["metadata"]["finalizers"], json!([]));
+    answer(
+        respond,
+        StatusCode::OK,
+        &serde_json::to_value(&*module(&[], true)).unwrap(),
+    );
+    assert_eq!(reconciling.await.unwrap().unwrap(), Action::await_change());
+    assert_quiet(&mut server);
 }
