@@ -730,8 +730,33 @@ async fn the_readme_example_loads_on_every_node_of_the_labelled_cluster() -> Res
     label_cluster_with(&fleet.hub, &spoke, "kmm.fleet/demo", Some("true")).await?;
     create(&fleet.hub, &module).await?;
     wait_labelled_in(&fleet, &namespace, &name, &expected).await?;
+    // The real node's story, as `kubectl describe node` tells it (upstream's Events).
+    let real = &cluster.real_nodes.first().context("a real node")?.name;
+    let told = |reason: &'static str| {
+        let fleet = &fleet;
+        let spoke = &spoke;
+        let module = format!("Module {namespace}/{name} ");
+        move || {
+            let module = module.clone();
+            async move {
+                let described = describe_node(fleet, spoke, real).map_err(|e| e.to_string())?;
+                described
+                    .lines()
+                    .any(|line| line.contains(reason) && line.contains(&module))
+                    .then_some(())
+                    .ok_or_else(|| format!("no {reason} Event for {module}in:\n{described}"))
+            }
+        }
+    };
+    wait_until("ModuleLoaded on the real node", WAIT, told("ModuleLoaded")).await?;
     delete(&fleet.hub, &name).await?;
     wait_labelled_in(&fleet, &namespace, &name, &[]).await?;
+    wait_until(
+        "ModuleUnloaded on the real node",
+        WAIT,
+        told("ModuleUnloaded"),
+    )
+    .await?;
     label_cluster_with(&fleet.hub, &spoke, "kmm.fleet/demo", None).await?;
     Ok(())
 }

@@ -18,6 +18,7 @@ use tracing::Instrument;
 
 use crate::agent_auth::{AuthError, Authenticated, TokenAuthenticator};
 use crate::metrics::Metrics;
+use crate::node_events::NodeEvents;
 use crate::review_cache;
 use crate::shared_state::SharedState;
 use kmm_proto::limits::{AGENT_LOADED, truncated};
@@ -67,6 +68,7 @@ pub struct AgentService {
     streams: Arc<Mutex<HashMap<String, Replacement>>>,
     next_stream: Arc<std::sync::atomic::AtomicU64>,
     events: Arc<EventBudgets>,
+    node_events: NodeEvents,
 }
 
 impl AgentService {
@@ -74,6 +76,7 @@ impl AgentService {
         state: SharedState,
         auth: TokenAuthenticator,
         metrics: Metrics,
+        node_events: NodeEvents,
         cancel: CancellationToken,
     ) -> Self {
         Self {
@@ -84,6 +87,7 @@ impl AgentService {
             streams: Arc::default(),
             next_stream: Arc::default(),
             events: Arc::default(),
+            node_events,
         }
     }
 
@@ -316,9 +320,12 @@ impl AgentService {
                             error = truncated(&event.error, LOGGED_ERROR),
                             "agent event"
                         );
-                        if let Err(refused) = self.state.update(|s| s.agent_event(node, &event)) {
-                            self.metrics.agent_events_refused.inc();
-                            tracing::warn!(error = %refused, "agent event dropped");
+                        match self.state.update(|s| s.agent_event(node, &event)) {
+                            Ok(()) => self.node_events.record(node, &event),
+                            Err(refused) => {
+                                self.metrics.agent_events_refused.inc();
+                                tracing::warn!(error = %refused, "agent event dropped");
+                            }
                         }
                     }
                     Ok(Some(_)) => tracing::debug!("unexpected message from the agent ignored"),

@@ -20,6 +20,7 @@ pub mod inventory;
 pub mod labels;
 pub mod metrics;
 pub mod module_id;
+pub mod node_events;
 pub mod node_facts;
 pub mod node_labels;
 pub mod node_status;

@@ -142,6 +142,8 @@ async fn main() -> anyhow::Result<()> {
             backoff_max: Duration::from_secs(args.reconnect_max_seconds),
         },
         namespace: args.namespace,
+        // The Pod's name (the kubelet sets HOSTNAME to it): the Events' reporting instance.
+        instance: std::env::var("HOSTNAME").unwrap_or_else(|_| args.cluster_name.clone()),
         cluster_name: args.cluster_name,
         agent_addr: args.agent_addr,
         agent_sans,

@@ -21,6 +21,8 @@ pub struct Metrics {
     pub agent_refusals: Family<ReasonLabel, Counter>,
     pub agent_events: Counter,
     pub agent_events_refused: Counter,
+    pub node_events: Counter,
+    pub node_events_dropped: Counter,
     pub label_patches: Counter,
     pub label_patch_errors: Counter,
     pub token_reviews: Counter,
@@ -76,6 +78,16 @@ impl Metrics {
             "agent_events_refused",
             "Node agent events dropped for naming a module the proxy never sent the node",
             self.agent_events_refused.clone(),
+        );
+        r.register(
+            "node_events",
+            "Events recorded on Nodes for their agents' loads and unloads",
+            self.node_events.clone(),
+        );
+        r.register(
+            "node_events_dropped",
+            "Node Events not recorded: the queue was full or the apiserver refused them",
+            self.node_events_dropped.clone(),
         );
         r.register(
             "label_patches",

@@ -1,6 +1,6 @@
 //! Wires the proxy together: agent TLS material, the agent server, the Node watch, the
-//! hub link, the label patcher, the device plugins' DaemonSets and the observability
-//! endpoint, until shutdown.
+//! hub link, the label patcher, the Node events, the device plugins' DaemonSets and the
+//! observability endpoint, until shutdown.
 
 use std::net::SocketAddr;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -20,6 +20,7 @@ use crate::agent_tls::{self, AgentTlsError};
 use crate::cluster_state::ClusterState;
 use crate::hub_connection::{self, HubLink};
 use crate::metrics::Metrics;
+use crate::node_events::{self, NodeEvents};
 use crate::shared_state::SharedState;
 use crate::{device_plugin_sync, node_labels, nodes};
 
@@ -28,6 +29,8 @@ use crate::{device_plugin_sync, node_labels, nodes};
 pub struct ProxyConfig {
     pub hub: HubLink,
     pub namespace: String,
+    /// This proxy's name among the Events' reporters (its Pod's name).
+    pub instance: String,
     pub cluster_name: String,
     pub agent_addr: SocketAddr,
     pub agent_sans: Vec<String>,
@@ -152,7 +155,15 @@ pub async fn run(
         config.agent_service_account.clone(),
         metrics.clone(),
     );
-    let service = AgentService::new(state, auth, metrics, cancel.clone());
+    let (node_events, queued) = NodeEvents::new(metrics.clone());
+    tasks.spawn(node_events::run(
+        client.clone(),
+        config.instance.clone(),
+        queued,
+        metrics.clone(),
+        cancel.clone(),
+    ));
+    let service = AgentService::new(state, auth, metrics, node_events, cancel.clone());
     let tls = serving::server_config(certificate.clone(), None, &[b"h2"])
         .map_err(RunError::AgentServing)?;
     tasks.spawn(agent_tls::keep_current(

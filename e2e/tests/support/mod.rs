@@ -279,6 +279,25 @@ pub async fn agent_attempts(fleet: &Fleet, agent: &Agent, what: &str) -> Result<
         .sum())
 }
 
+/// What `kubectl describe node` prints for `node` of `cluster`, as a person reads it.
+pub fn describe_node(fleet: &Fleet, cluster: &str, node: &str) -> Result<String> {
+    let toolchain = kmm_e2e::toolchain::Toolchain::locate(
+        &kmm_e2e::versions::Versions::pinned(),
+        settings()?.bin_dir.as_deref(),
+    )?;
+    let output = std::process::Command::new(toolchain.bin("kubectl"))
+        .arg("--kubeconfig")
+        .arg(&fleet.state.cluster(cluster)?.kubeconfig)
+        .args(["describe", "node", node])
+        .output()?;
+    anyhow::ensure!(
+        output.status.success(),
+        "kubectl describe node {node}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
 pub fn settings() -> Result<Settings> {
     Ok(Settings::from_env()?)
 }
