@@ -610,7 +610,13 @@ impl ClusterState {
         for intent in &snapshot.modules {
             let id = ModuleId::from_key(intent.key.as_ref());
             let key = (id.clone(), name.to_owned());
-            let placement = place(intent, facts, self.may_have.contains(&key));
+            // What the agent says it has loaded counts even after the module left a
+            // snapshot (and `may_have` forgot it): it came back, maybe narrowed.
+            let agent_has_it = self
+                .agents
+                .get(name)
+                .is_some_and(|view| view.loaded.contains_key(&id));
+            let placement = place(intent, facts, agent_has_it || self.may_have.contains(&key));
             let placement = match check_agent_kernel(placement, &facts.kernel, agent_kernel) {
                 Placement::Load(load) => self
                     .held(name, &id, intent, &load, facts)
@@ -1335,6 +1341,30 @@ mod tests {
                 .get("kmm.node.kubernetes.io/ns.m.ready")
                 .is_none()),
             "labels of a forgotten module are not touched"
+        );
+    }
+
+    /// Seen in the chaos soak: a new hub leader, its images not yet checked, sends a
+    /// snapshot without a module; the module comes back narrowed away from a node whose
+    /// agent still has it loaded. The agent's word decides that the node may have it.
+    #[test]
+    fn a_module_back_in_the_snapshot_narrowed_unloads_where_the_agent_has_it() {
+        let mut s = cluster();
+        s.set_intents(snapshot(1, vec![intent("m", "v1")]));
+        let rev = s.desired_modules("a").revision;
+        s.agent_event("a", &event("m", Action::Load, Outcome::Succeeded, rev))
+            .unwrap();
+        s.set_intents(snapshot(2, vec![]));
+        let mut narrowed = intent("m", "v1");
+        narrowed.node_selector = [("role".to_string(), "infra".to_string())].into();
+        s.set_intents(snapshot(3, vec![narrowed]));
+        let desired = s.desired_modules("a");
+        assert!(
+            desired
+                .modules
+                .iter()
+                .any(|m| ModuleId::from_key(m.key.as_ref()) == id("m") && m.unload),
+            "{desired:?}"
         );
     }
 
