@@ -75,7 +75,11 @@ pub fn of(node: &str, event: &ModuleEvent) -> Option<NodeEvent> {
         module: module.to_string(),
         warning,
         reason,
-        note: truncate(note, MAX_NOTE),
+        note: {
+            let mut note = note;
+            kmm_proto::limits::truncate(&mut note, MAX_NOTE);
+            note
+        },
     })
 }
 
@@ -188,18 +192,6 @@ pub async fn run(
             }
         }
     }
-}
-
-/// `text` cut to at most `max` bytes, on a character boundary.
-fn truncate(mut text: String, max: usize) -> String {
-    if text.len() > max {
-        let mut end = max;
-        while !text.is_char_boundary(end) {
-            end -= 1;
-        }
-        text.truncate(end);
-    }
-    text
 }
 
 #[cfg(test)]

@@ -55,34 +55,14 @@ impl EventPublisher {
         let event = Event {
             type_,
             reason: reason.to_owned(),
-            note: Some(truncate(note, MAX_NOTE)),
+            note: Some({
+                let mut note = note;
+                kmm_proto::limits::truncate(&mut note, MAX_NOTE);
+                note
+            }),
             action: action.to_owned(),
             secondary: None,
         };
         self.recorder.publish(&event, &module.object_ref(&())).await
-    }
-}
-
-/// `text` cut to at most `max` bytes, on a character boundary.
-fn truncate(mut text: String, max: usize) -> String {
-    if text.len() > max {
-        let mut end = max;
-        while !text.is_char_boundary(end) {
-            end -= 1;
-        }
-        text.truncate(end);
-    }
-    text
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_long_note_is_cut_on_a_character_boundary() {
-        assert_eq!(truncate("short".into(), 10), "short");
-        assert_eq!(truncate("ééé".into(), 3), "é", "never half a character");
-        assert_eq!(truncate("x".repeat(2000), MAX_NOTE).len(), MAX_NOTE);
     }
 }
