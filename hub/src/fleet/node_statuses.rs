@@ -553,6 +553,13 @@ impl NodeStatuses {
             .map_or(&[], Vec::as_slice)
     }
 
+    /// Every module's node statuses, by module.
+    pub fn modules(&self) -> impl Iterator<Item = (&ModuleId, &[NodeStatus])> {
+        self.modules
+            .iter()
+            .map(|(module, statuses)| (module, statuses.as_slice()))
+    }
+
     /// Nodes on which the module may still be loaded: any reported state but UNLOADED or
     /// SKIPPED.
     pub fn not_unloaded(&self, namespace: &str, name: &str) -> impl Iterator<Item = &str> {

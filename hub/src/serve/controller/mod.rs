@@ -165,6 +165,7 @@ async fn decide_outcome(
         mut status,
         leftovers,
         observed,
+        ..
     } = view;
     let mut detail = invalid.clone().unwrap_or_default();
     let mut requeue = RESYNC;
