@@ -56,6 +56,8 @@ pub struct StandbyPage {
     pub namespace: String,
     /// The Pod holding the Lease, when one does.
     pub leader: Option<String>,
+    /// The port replicas serve the UI on (as this one does).
+    pub port: u16,
     /// Why the Lease could not be read, when it could not.
     pub lookup_error: Option<String>,
 }

@@ -62,10 +62,11 @@ pub async fn serve(
         limits: LIMITS,
         metrics,
     };
+    let port = listener.local_addr().map_or(0, |addr| addr.port());
     let replica = Arc::new(replica);
     let handler = move |request: Request<Incoming>| {
         let replica = replica.clone();
-        async move { answer(&replica, &request).await }
+        async move { answer(&replica, port, &request).await }
     };
     http_server::serve(listener, endpoint, handler, shutdown).await;
 }
@@ -80,7 +81,7 @@ pub enum Answer {
     Events,
 }
 
-async fn answer(replica: &Replica, request: &Request<Incoming>) -> Response<UiBody> {
+async fn answer(replica: &Replica, port: u16, request: &Request<Incoming>) -> Response<UiBody> {
     if request.method() != Method::GET && request.method() != Method::HEAD {
         return plain(StatusCode::METHOD_NOT_ALLOWED, "GET only\n");
     }
@@ -101,7 +102,7 @@ async fn answer(replica: &Replica, request: &Request<Incoming>) -> Response<UiBo
         (Ok(Route::Events), _) => Answer::Events,
         (Ok(Route::Asset(asset)), _) => Answer::Asset(asset),
         (Err(error), _) => problem(&chrome, &error),
-        (Ok(_), Role::Standby) => standby(replica, &chrome).await,
+        (Ok(_), Role::Standby) => standby(replica, port, &chrome).await,
         (route, Role::Leading(view)) => {
             match tokio::task::spawn_blocking(move || leader_answer(&view, &chrome, route)).await {
                 Ok(answer) => answer,
@@ -186,7 +187,7 @@ fn problem(chrome: &Chrome, error: &RouteError) -> Answer {
     )
 }
 
-async fn standby(replica: &Replica, chrome: &Chrome) -> Answer {
+async fn standby(replica: &Replica, port: u16, chrome: &Chrome) -> Answer {
     let Some(lease) = &replica.lease else {
         // Without an election this replica leads as soon as it has started.
         return Answer::Page(
@@ -207,6 +208,7 @@ async fn standby(replica: &Replica, chrome: &Chrome) -> Answer {
         lease: format!("{}/{}", lease.namespace, lease.name),
         namespace: lease.namespace.clone(),
         leader,
+        port,
         lookup_error,
     };
     match render::standby(chrome, &page) {
@@ -307,7 +309,102 @@ fn events(live: Live) -> UiBody {
 
 #[cfg(test)]
 mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+    use tokio::sync::watch;
+    use tokio_util::sync::CancellationToken;
+
     use super::*;
+
+    /// Sends `request` to `addr` and reads until the answer holds `until` (or ends).
+    async fn exchange(addr: std::net::SocketAddr, request: &str, until: &str) -> String {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut answer = Vec::new();
+        let mut buffer = [0; 4096];
+        while !String::from_utf8_lossy(&answer).contains(until) {
+            let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut buffer))
+                .await
+                .expect("the server answers")
+                .unwrap();
+            if n == 0 {
+                break;
+            }
+            answer.extend_from_slice(&buffer[..n]);
+        }
+        String::from_utf8_lossy(&answer).into_owned()
+    }
+
+    #[tokio::test]
+    async fn a_standby_without_election_says_it_starts_and_live_pages_get_events() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (_role, role) = watch::channel(Role::Standby);
+        let replica = Replica {
+            instance: "kmm-hub-0".into(),
+            role,
+            lease: None,
+        };
+        let stop = CancellationToken::new();
+        let server = tokio::spawn(serve(
+            listener,
+            replica,
+            ConnectionMetrics::default(),
+            stop.clone().cancelled_owned(),
+        ));
+
+        let page = exchange(
+            addr,
+            "GET / HTTP/1.1\r\nHost: localhost:8090\r\nConnection: close\r\n\r\n",
+            "</html>",
+        )
+        .await;
+        assert!(page.starts_with("HTTP/1.1 503"), "{page}");
+        assert!(
+            page.contains("content-security-policy: default-src 'none'"),
+            "{page}"
+        );
+        assert!(page.contains("The hub is starting"), "{page}");
+
+        let css = exchange(
+            addr,
+            "GET /assets/fleet.css HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+            "form.filter",
+        )
+        .await;
+        assert!(css.starts_with("HTTP/1.1 200"), "{css}");
+        assert!(css.contains("content-type: text/css"), "{css}");
+
+        let events = exchange(
+            addr,
+            "GET /events HTTP/1.1\r\nHost: localhost\r\n\r\n",
+            "event: changed",
+        )
+        .await;
+        assert!(
+            events.contains("content-type: text/event-stream"),
+            "{events}"
+        );
+        assert!(events.contains("retry: 1000"), "{events}");
+
+        let rebound = exchange(
+            addr,
+            "GET / HTTP/1.1\r\nHost: evil.example\r\nConnection: close\r\n\r\n",
+            "port-forward",
+        )
+        .await;
+        assert!(rebound.starts_with("HTTP/1.1 421"), "{rebound}");
+
+        let posted = exchange(
+            addr,
+            "POST / HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+            "GET only",
+        )
+        .await;
+        assert!(posted.starts_with("HTTP/1.1 405"), "{posted}");
+        stop.cancel();
+        server.await.unwrap();
+    }
 
     #[test]
     fn only_localhost_and_addresses_are_answered() {

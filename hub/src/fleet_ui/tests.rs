@@ -27,7 +27,7 @@ use super::fleet_page::fleet_page;
 use super::live::{Live, MIN_INTERVAL};
 use super::module_page::module_page;
 use super::node_page::node_page;
-use super::render::{self, Chrome};
+use super::render::{self, Chrome, StandbyPage};
 use super::replica::Role;
 use super::routes::route;
 use super::server::{Answer, leader_answer};
@@ -389,6 +389,23 @@ fn unknown_pages_are_not_found_and_bad_names_bad_requests() {
     let (status, html) = page(&fleet, "/modules/hello", Some("q=%3Cscript%3E"));
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert!(!html.contains("<script>"), "{html}");
+}
+
+#[test]
+fn a_standby_says_so_and_names_the_leaders_pod() {
+    let page = StandbyPage {
+        lease: "kmm-hub/kmm-hub".into(),
+        namespace: "kmm-hub".into(),
+        leader: Some("kmm-hub-7d9f-x2".into()),
+        port: 8090,
+        lookup_error: None,
+    };
+    let html = render::standby(&chrome(), &page).unwrap();
+    assert!(html.contains("This replica is the standby"), "{html}");
+    assert!(
+        html.contains("kubectl -n kmm-hub port-forward pod/kmm-hub-7d9f-x2 8090"),
+        "{html}"
+    );
 }
 
 #[test]
