@@ -5,6 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 use kmm_proto::v1::kernel_target::Target;
+use kmm_resolver::ResolveErrorKind;
 use kube::ResourceExt;
 
 use crate::serve::fleet_view::{ClusterReadout, FleetView};
@@ -47,7 +48,8 @@ pub struct KernelRow {
     pub width: String,
     /// Modules an image resolves for on this kernel.
     pub resolving: Vec<String>,
-    /// Modules without an image for it, with the first reason a cluster was given.
+    /// Modules meant for it (a kernel mapping matches) without an image, with the first
+    /// reason a cluster was given.
     pub lacking: Vec<(String, String)>,
 }
 
@@ -88,6 +90,9 @@ impl KernelChart {
                             .or_default()
                             .insert(name.clone());
                     }
+                    // No mapping: the module does not apply to the kernel, no image lacks.
+                    Some(Target::Unresolved(unresolved))
+                        if unresolved.reason == ResolveErrorKind::NoMatchingMapping.reason() => {}
                     Some(Target::Unresolved(unresolved)) => {
                         self.lacking
                             .entry(target.kernel.clone())

@@ -107,14 +107,25 @@ impl Fleet {
 
     /// Connects `cluster` with kernel 6.1, its images found: the stream and what it gets.
     fn connect(&self, cluster: &str) -> (SessionId, watch::Receiver<Outbound>) {
+        self.connect_with(cluster, &["6.1"])
+    }
+
+    fn connect_with(
+        &self,
+        cluster: &str,
+        kernels: &[&str],
+    ) -> (SessionId, watch::Receiver<Outbound>) {
         let outbound = OutboundSender::default();
         let sent = outbound.subscribe();
         let id = self.view.open_session(cluster, 0, outbound);
         let inventory = KernelInventory {
             revision: 1,
-            kernels: vec![Kernel {
-                release: "6.1".into(),
-            }],
+            kernels: kernels
+                .iter()
+                .map(|k| Kernel {
+                    release: (*k).into(),
+                })
+                .collect(),
         };
         self.view.inventory(cluster, id, inventory);
         for (key, need) in self.view.image_needs() {
@@ -243,6 +254,32 @@ fn the_fleet_page_counts_each_modules_clusters_and_the_fleets_kernels() {
         "{html}"
     );
     assert!(html.contains("2 of 2 clusters connected"), "{html}");
+}
+
+#[test]
+fn the_kernel_chart_names_modules_lacking_an_image_but_not_those_that_do_not_apply() {
+    let mut fleet = Fleet::new();
+    fleet.add_cluster("spoke1");
+    fleet.add_module(module("hello").build());
+    fleet.add_module(
+        module("pulls")
+            .with("/spec/moduleSpec/imageRepoSecret/name", "absent")
+            .build(),
+    );
+    fleet.connect_with("spoke1", &["6.1", "5.14"]);
+    let kernels = fleet_page(&fleet.view).kernels;
+    let releases: Vec<_> = kernels.iter().map(|k| k.release.as_str()).collect();
+    assert_eq!(releases, ["5.14", "6.1"]);
+    assert!(
+        kernels[0].resolving.is_empty() && kernels[0].lacking.is_empty(),
+        "no mapping for 5.14: {:?}",
+        kernels[0]
+    );
+    assert_eq!(kernels[1].resolving, ["hello"]);
+    assert_eq!(
+        kernels[1].lacking,
+        [("pulls".to_owned(), "PullSecretNotFound".to_owned())]
+    );
 }
 
 #[test]
