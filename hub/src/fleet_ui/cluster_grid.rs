@@ -1,137 +1,34 @@
 //! A module's clusters as a grid of cells coloured by state, grouped by state so that
 //! 3,500 clusters stay readable, each group bounded so that the page stays small.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
-use crate::fleet::module_view::ModuleView;
+use crate::fleet::cluster_states::{ClusterState, StateCounts};
 
 /// Most cells a group shows; the rest are counted, and found with the filter.
 pub const CELLS_PER_GROUP: usize = 1_000;
 
-/// Where a selected cluster stands with one module.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum ClusterState {
-    /// A node fails (or cannot load) the module.
-    Failed,
-    /// Its proxy is not connected: what it runs is not known now.
-    Disconnected,
-    /// Kept running the module though no Placement decides it any more.
-    Held,
-    /// Not every matching node runs the revision it was given yet.
-    Pending,
-    /// Every matching node runs it.
-    Loaded,
-}
-
-impl ClusterState {
-    pub const ALL: [Self; 5] = [
-        Self::Failed,
-        Self::Disconnected,
-        Self::Held,
-        Self::Pending,
-        Self::Loaded,
-    ];
-
-    /// Its name in pages, CSS classes and the `state` query parameter.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Failed => "failed",
-            Self::Disconnected => "disconnected",
-            Self::Held => "held",
-            Self::Pending => "pending",
-            Self::Loaded => "loaded",
-        }
-    }
-
-    pub fn parse(value: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|s| s.as_str() == value)
-    }
-}
-
-/// Each selected cluster's state with the module, by cluster name.
-pub fn cluster_states(
-    view: &ModuleView,
-    connected: &BTreeSet<String>,
-) -> BTreeMap<String, ClusterState> {
-    view.observed
-        .iter()
-        .map(|(cluster, observation)| {
-            let state = if observation.failure.is_some() {
-                ClusterState::Failed
-            } else if !connected.contains(cluster) {
-                ClusterState::Disconnected
-            } else if view.held.contains(cluster) {
-                ClusterState::Held
-            } else if observation.converged {
-                ClusterState::Loaded
-            } else {
-                ClusterState::Pending
+/// The states with clusters, each with its count and its share of a bar `width` wide and
+/// where its segment starts, for the rollout bars.
+pub fn segments(counts: StateCounts, width: u32) -> Vec<Segment> {
+    let total = counts.total().max(1) as f64;
+    let mut x = 0.0;
+    ClusterState::ALL
+        .into_iter()
+        .rev()
+        .filter(|s| counts.get(*s) > 0)
+        .map(|state| {
+            let w = counts.get(state) as f64 / total * f64::from(width);
+            let segment = Segment {
+                state,
+                count: counts.get(state),
+                x: format!("{x:.1}"),
+                width: format!("{w:.1}"),
             };
-            (cluster.clone(), state)
+            x += w;
+            segment
         })
         .collect()
-}
-
-/// How many clusters are in each state.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StateCounts {
-    pub failed: usize,
-    pub disconnected: usize,
-    pub held: usize,
-    pub pending: usize,
-    pub loaded: usize,
-}
-
-impl StateCounts {
-    pub fn of<'a>(states: impl IntoIterator<Item = &'a ClusterState>) -> Self {
-        let mut counts = Self::default();
-        for state in states {
-            *counts.slot(*state) += 1;
-        }
-        counts
-    }
-
-    fn slot(&mut self, state: ClusterState) -> &mut usize {
-        match state {
-            ClusterState::Failed => &mut self.failed,
-            ClusterState::Disconnected => &mut self.disconnected,
-            ClusterState::Held => &mut self.held,
-            ClusterState::Pending => &mut self.pending,
-            ClusterState::Loaded => &mut self.loaded,
-        }
-    }
-
-    pub fn get(self, state: ClusterState) -> usize {
-        let mut counts = self;
-        *counts.slot(state)
-    }
-
-    pub fn total(self) -> usize {
-        self.failed + self.disconnected + self.held + self.pending + self.loaded
-    }
-
-    /// The states with clusters, each with its count and its share of a bar `width`
-    /// wide and where its segment starts, for the rollout bars.
-    pub fn segments(self, width: u32) -> Vec<Segment> {
-        let total = self.total().max(1) as f64;
-        let mut x = 0.0;
-        ClusterState::ALL
-            .into_iter()
-            .rev()
-            .filter(|s| self.get(*s) > 0)
-            .map(|state| {
-                let w = self.get(state) as f64 / total * f64::from(width);
-                let segment = Segment {
-                    state,
-                    count: self.get(state),
-                    x: format!("{x:.1}"),
-                    width: format!("{w:.1}"),
-                };
-                x += w;
-                segment
-            })
-            .collect()
-    }
 }
 
 /// One state's part of a bar.
@@ -238,7 +135,7 @@ mod tests {
             failed: 1,
             ..StateCounts::default()
         };
-        let segments = counts.segments(100);
+        let segments = segments(counts, 100);
         assert_eq!(segments.len(), 2);
         assert_eq!(segments[0].state, ClusterState::Loaded);
         assert_eq!(

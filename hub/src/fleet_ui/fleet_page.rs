@@ -2,15 +2,18 @@
 //! the fleet's kernels (how many nodes run each, which modules resolve for it, which
 //! lack an image).
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use kmm_proto::v1::kernel_target::Target;
 use kmm_resolver::ResolveErrorKind;
 use kube::ResourceExt;
 
+use crate::fleet::node_statuses::Node;
 use crate::serve::fleet_view::{ClusterReadout, FleetView};
 
-use super::cluster_grid::{Segment, StateCounts, cluster_states};
+use super::cluster_grid::{Segment, segments};
+use crate::fleet::cluster_states::StateCounts;
 
 /// Width of the bars, in SVG user units.
 pub const BAR_WIDTH: u32 = 1_000;
@@ -57,7 +60,8 @@ pub struct KernelRow {
 #[derive(Debug, Default)]
 pub struct KernelChart {
     nodes: BTreeMap<String, usize>,
-    resolving: BTreeMap<String, BTreeSet<String>>,
+    /// Per kernel, the modules resolving (with no reason) and lacking (with the first).
+    resolving: BTreeMap<String, BTreeMap<String, String>>,
     lacking: BTreeMap<String, BTreeMap<String, String>>,
 }
 
@@ -65,42 +69,50 @@ impl KernelChart {
     /// Counts one cluster: its nodes by kernel, and each module's resolution for each of
     /// its kernels. `modules` are (spoke namespace, name).
     pub fn add(&mut self, cluster: ClusterReadout<'_>, modules: &[(String, String)]) {
-        let mut seen: HashSet<(&str, &str)> = HashSet::new();
-        for (_, statuses) in cluster.statuses().modules() {
-            for status in statuses {
-                if seen.insert((&status.node.name, &status.node.kernel)) {
-                    *self
-                        .nodes
-                        .entry(status.node.kernel.to_string())
-                        .or_default() += 1;
+        // A node's statuses share one `Node`: its address tells the nodes apart without
+        // hashing names (this runs for every node status of the fleet).
+        let mut nodes: Vec<&Arc<Node>> = cluster
+            .statuses()
+            .modules()
+            .flat_map(|(_, statuses)| statuses.iter().map(|s| &s.node))
+            .collect();
+        nodes.sort_unstable_by_key(|node| Arc::as_ptr(node));
+        nodes.dedup_by_key(|node| Arc::as_ptr(node));
+        for node in nodes {
+            // The kernel's name is copied only the first time.
+            match self.nodes.get_mut(&*node.kernel) {
+                Some(count) => *count += 1,
+                None => {
+                    self.nodes.insert(node.kernel.to_string(), 1);
                 }
             }
         }
-        if let Some(kernels) = cluster.kernels() {
-            for kernel in kernels {
-                self.nodes.entry(kernel.clone()).or_default();
-            }
+        for kernel in cluster.kernels().into_iter().flatten() {
+            self.nodes.entry(kernel.clone()).or_default();
         }
         for (namespace, name) in modules {
             for target in cluster.resolutions(namespace, name) {
-                match &target.target {
-                    Some(Target::Load(_)) => {
-                        self.resolving
-                            .entry(target.kernel.clone())
-                            .or_default()
-                            .insert(name.clone());
-                    }
+                let by_kernel = match &target.target {
+                    Some(Target::Load(_)) => &mut self.resolving,
                     // No mapping: the module does not apply to the kernel, no image lacks.
                     Some(Target::Unresolved(unresolved))
-                        if unresolved.reason == ResolveErrorKind::NoMatchingMapping.reason() => {}
-                    Some(Target::Unresolved(unresolved)) => {
-                        self.lacking
-                            .entry(target.kernel.clone())
-                            .or_default()
-                            .entry(name.clone())
-                            .or_insert_with(|| unresolved.reason.clone());
+                        if unresolved.reason == ResolveErrorKind::NoMatchingMapping.reason() =>
+                    {
+                        continue;
                     }
-                    None => {}
+                    Some(Target::Unresolved(_)) => &mut self.lacking,
+                    None => continue,
+                };
+                let modules = match by_kernel.get_mut(target.kernel.as_str()) {
+                    Some(modules) => modules,
+                    None => by_kernel.entry(target.kernel.clone()).or_default(),
+                };
+                if modules.get(name.as_str()).is_none() {
+                    let reason = match &target.target {
+                        Some(Target::Unresolved(unresolved)) => unresolved.reason.clone(),
+                        _ => String::new(),
+                    };
+                    modules.insert(name.clone(), reason);
                 }
             }
         }
@@ -117,7 +129,7 @@ impl KernelChart {
                     .resolving
                     .remove(&release)
                     .unwrap_or_default()
-                    .into_iter()
+                    .into_keys()
                     .collect(),
                 lacking: self
                     .lacking
@@ -140,13 +152,14 @@ pub fn fleet_page(view: &FleetView) -> FleetPage {
     let rows = modules
         .iter()
         .map(|module| {
-            let module_view = view.module_view(module);
-            let states = cluster_states(&module_view, &connected);
-            let counts = StateCounts::of(states.values());
+            // As last counted: counting each module's clusters anew for every page would
+            // take most of a second at 3,500 clusters; the counts follow each change
+            // within the controller's pacing.
+            let counts = view.state_counts(module);
             ModuleRow {
                 name: module.name_any(),
                 counts,
-                bar: counts.segments(BAR_WIDTH),
+                bar: segments(counts, BAR_WIDTH),
                 rollout: module
                     .status
                     .as_ref()

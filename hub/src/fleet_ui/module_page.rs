@@ -7,7 +7,8 @@ use kube::ResourceExt;
 
 use crate::serve::fleet_view::FleetView;
 
-use super::cluster_grid::{GridFilter, GridGroup, StateCounts, cluster_states, grid};
+use super::cluster_grid::{GridFilter, GridGroup, grid};
+use crate::fleet::cluster_states::{StateCounts, cluster_states};
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModulePage {

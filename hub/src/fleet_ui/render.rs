@@ -3,11 +3,11 @@
 
 use askama::Template;
 
-use super::cluster_grid::ClusterState;
 use super::cluster_page::ClusterPage;
 use super::fleet_page::{BAR_WIDTH, FleetPage};
 use super::module_page::ModulePage;
 use super::node_page::NodePage;
+use crate::fleet::cluster_states::ClusterState;
 
 /// What every page shows around its content: which replica serves it.
 #[derive(Clone, Debug, PartialEq, Eq)]

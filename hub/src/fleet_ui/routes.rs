@@ -3,7 +3,8 @@
 
 use thiserror::Error;
 
-use super::cluster_grid::{ClusterState, GridFilter};
+use super::cluster_grid::GridFilter;
+use crate::fleet::cluster_states::ClusterState;
 
 /// What a request asks for.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -21,7 +21,7 @@ use kube::runtime::reflector::store::{Writer, store};
 use kube::runtime::watcher;
 use tokio::sync::watch;
 
-use super::cluster_grid::{ClusterState, GridFilter};
+use super::cluster_grid::GridFilter;
 use super::cluster_page::cluster_page;
 use super::fleet_page::fleet_page;
 use super::live::{Live, MIN_INTERVAL};
@@ -32,6 +32,7 @@ use super::replica::Role;
 use super::routes::route;
 use super::server::{Answer, leader_answer};
 use crate::fleet::assignment::FINALIZER;
+use crate::fleet::cluster_states::ClusterState;
 use crate::images::ImageRecord;
 use crate::serve::fleet_view::{ClusterStreams, FleetView, SessionId, Stores};
 use crate::serve::metrics::Metrics;

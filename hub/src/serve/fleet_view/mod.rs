@@ -89,6 +89,7 @@ impl FleetView {
     pub fn changes(&self) -> Changes {
         Changes {
             touched: self.signals.touched.versions(),
+            counted: self.signals.counted.subscribe(),
             connections: self.sessions.connections(),
             needs: self.signals.needs.subscribe(),
         }

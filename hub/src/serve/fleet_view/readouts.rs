@@ -8,7 +8,9 @@ use std::sync::Arc;
 
 use kmm_api::ManagedClusterModule;
 use kmm_proto::v1::KernelTarget;
+use kube::ResourceExt;
 
+use crate::fleet::cluster_states::{StateCounts, state_counts};
 use crate::fleet::node_statuses::NodeStatuses;
 
 use super::sessions::ClusterSession;
@@ -52,6 +54,18 @@ impl FleetView {
 
     pub fn known_module(&self, name: &str) -> Option<Arc<ManagedClusterModule>> {
         self.index.module(name)
+    }
+
+    /// The module's selected clusters by state, as its view was last counted (counted now
+    /// if it never was).
+    pub fn state_counts(&self, module: &ManagedClusterModule) -> StateCounts {
+        match self.caches.state_counts(&module.name_any()) {
+            Some(counts) => counts,
+            None => {
+                let view = self.module_view(module);
+                state_counts(&view, &self.sessions.connections().borrow().open)
+            }
+        }
     }
 
     /// Every ManagedCluster, by name.

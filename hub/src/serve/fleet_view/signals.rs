@@ -74,6 +74,9 @@ pub struct Signals {
     pub unchecked_images: Notify,
     /// An image record or a PreflightValidation changed: wakes the preflight writer.
     pub preflight_changed: Notify,
+    /// Bumped when a module's clusters by state, counted anew, changed: readers showing
+    /// them follow it (it lags the touch by the controller's reconciliation).
+    pub counted: watch::Sender<u64>,
 }
 
 impl Default for Signals {
@@ -84,6 +87,7 @@ impl Default for Signals {
             needs: watch::Sender::new(0),
             unchecked_images: Notify::new(),
             preflight_changed: Notify::new(),
+            counted: watch::Sender::new(0),
         }
     }
 }
@@ -96,14 +100,20 @@ impl Signals {
     pub fn is_synced(&self) -> bool {
         *self.synced.borrow()
     }
+
+    pub fn bump_counted(&self) {
+        self.counted.send_modify(|n| *n = n.wrapping_add(1));
+    }
 }
 
 /// Everything a reader of the view follows to know that what it shows may be stale: a
-/// module touched (statuses, images, selection), a session opened or closed, the fleet's
-/// kernels changed. Each wait returns once any of them changed since the last.
+/// module touched (statuses, images, selection) or counted anew, a session opened or
+/// closed, the fleet's kernels changed. Each wait returns once any of them changed since
+/// the last.
 #[derive(Debug)]
 pub struct Changes {
     pub(super) touched: watch::Receiver<u64>,
+    pub(super) counted: watch::Receiver<u64>,
     pub(super) connections: watch::Receiver<super::Connections>,
     pub(super) needs: watch::Receiver<u64>,
 }
@@ -113,6 +123,7 @@ impl Changes {
     pub async fn changed(&mut self) -> bool {
         let changed = tokio::select! {
             changed = self.touched.changed() => changed,
+            changed = self.counted.changed() => changed,
             changed = self.connections.changed() => changed,
             changed = self.needs.changed() => changed,
         };
@@ -124,6 +135,7 @@ impl Changes {
     /// Takes every change so far as seen: the next wait is for a later one.
     pub fn mark_seen(&mut self) {
         self.touched.mark_unchanged();
+        self.counted.mark_unchanged();
         self.connections.mark_unchanged();
         self.needs.mark_unchanged();
     }
