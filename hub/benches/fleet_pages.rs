@@ -104,7 +104,7 @@ fn report(c: usize, nodes: usize, modules: usize, revision: u64) -> NodeStatusRe
     let mut statuses = Vec::with_capacity(nodes * modules);
     for n in 0..nodes {
         for m in 0..modules {
-            let (state, reason, message) = if c % 50 == 0 && n == 0 && m == 3 {
+            let (state, reason, message) = if c.is_multiple_of(50) && n == 0 && m == 3 {
                 (
                     ModuleState::Failed,
                     "LoadFailed",
