@@ -3,13 +3,11 @@
 //! lack an image).
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
 use kmm_proto::v1::kernel_target::Target;
 use kmm_resolver::ResolveErrorKind;
 use kube::ResourceExt;
 
-use crate::fleet::node_statuses::Node;
 use crate::serve::fleet_view::{ClusterReadout, FleetView};
 
 use super::cluster_grid::{Segment, segments};
@@ -69,16 +67,7 @@ impl KernelChart {
     /// Counts one cluster: its nodes by kernel, and each module's resolution for each of
     /// its kernels. `modules` are (spoke namespace, name).
     pub fn add(&mut self, cluster: ClusterReadout<'_>, modules: &[(String, String)]) {
-        // A node's statuses share one `Node`: its address tells the nodes apart without
-        // hashing names (this runs for every node status of the fleet).
-        let mut nodes: Vec<&Arc<Node>> = cluster
-            .statuses()
-            .modules()
-            .flat_map(|(_, statuses)| statuses.iter().map(|s| &s.node))
-            .collect();
-        nodes.sort_unstable_by_key(|node| Arc::as_ptr(node));
-        nodes.dedup_by_key(|node| Arc::as_ptr(node));
-        for node in nodes {
+        for node in cluster.statuses().nodes() {
             // The kernel's name is copied only the first time.
             match self.nodes.get_mut(&*node.kernel) {
                 Some(count) => *count += 1,
