@@ -3,6 +3,7 @@
 pub mod admission;
 pub mod build;
 pub mod fleet;
+pub mod fleet_ui;
 pub mod images;
 pub mod resolutions;
 pub mod serve;

@@ -55,6 +55,13 @@ pub struct Args {
     #[arg(long, default_value = "0.0.0.0:9443")]
     webhook_addr: SocketAddr,
 
+    /// Address of the read-only fleet view (plain HTTP; docs/fleet-view.md). Loopback by
+    /// default: `kubectl port-forward` reaches it there, and nothing else in the cluster
+    /// can. An empty value serves no view.
+    // Spelled out so that clap takes the parser's `Option` as the value, not as "optional".
+    #[arg(long, default_value = "127.0.0.1:8090", value_parser = optional_address)]
+    ui_addr: std::option::Option<SocketAddr>,
+
     /// Subject alternative name of the webhook's serving certificate; repeatable.
     /// Default: kmm-hub-webhook.<namespace>.svc (and .svc.cluster.local), localhost,
     /// 127.0.0.1.
@@ -165,6 +172,14 @@ async fn serve_main(args: Args) -> anyhow::Result<()> {
     let webhook = TcpListener::bind(args.webhook_addr)
         .await
         .with_context(|| format!("cannot listen on --webhook-addr {}", args.webhook_addr))?;
+    let ui = match args.ui_addr {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen on --ui-addr {addr}"))?,
+        ),
+        None => None,
+    };
     let metrics = Metrics::default();
     let mut registry = Registry::default();
     metrics.register(&mut registry);
@@ -210,6 +225,7 @@ async fn serve_main(args: Args) -> anyhow::Result<()> {
     let listeners = Listeners {
         grpc,
         webhook: Some(webhook),
+        ui,
     };
     let served = serve::run(client, settings, listeners, health, metrics, shutdown).await;
     // The process exits; a replica that lost its leadership restarts as standby.
@@ -218,6 +234,14 @@ async fn serve_main(args: Args) -> anyhow::Result<()> {
     served?;
     endpoint?;
     Ok(())
+}
+
+/// An address, or none for an empty value.
+fn optional_address(value: &str) -> Result<Option<SocketAddr>, std::net::AddrParseError> {
+    if value.is_empty() {
+        return Ok(None);
+    }
+    value.parse().map(Some)
 }
 
 /// The process id and start time, in hex: distinct for every start of the binary.

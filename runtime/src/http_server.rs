@@ -16,8 +16,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response, StatusCode, header};
-use http_body_util::Full;
-use hyper::body::Incoming;
+use http_body_util::{Either, Full};
+use hyper::body::{Body, Incoming};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -116,14 +116,18 @@ pub struct Endpoint {
 
 /// Serves `handler` on `listener` until `shutdown` resolves; then the open connections
 /// end too, so a stopped server never answers from a kept-alive connection.
-pub async fn serve<H, F>(
+/// [`Limits::request_timeout`] bounds the handler's answer up to its response head: a
+/// streamed body (the fleet UI's events) runs on, bounded by the handler itself.
+pub async fn serve<H, F, B>(
     listener: TcpListener,
     endpoint: Endpoint,
     handler: H,
     shutdown: impl Future<Output = ()>,
 ) where
     H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
-    F: Future<Output = Response<Full<Bytes>>> + Send + 'static,
+    F: Future<Output = Response<B>> + Send + 'static,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let slots = Arc::new(Semaphore::new(endpoint.limits.max_connections));
     let acceptor = endpoint.tls.clone().map(TlsAcceptor::from);
@@ -170,21 +174,26 @@ pub async fn serve<H, F>(
     }
 }
 
-async fn serve_connection<I, H, F>(io: I, endpoint: &Endpoint, handler: H)
+async fn serve_connection<I, H, F, B>(io: I, endpoint: &Endpoint, handler: H)
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     H: Fn(Request<Incoming>) -> F + Send + Sync + 'static,
-    F: Future<Output = Response<Full<Bytes>>> + Send + 'static,
+    F: Future<Output = Response<B>> + Send + 'static,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let (limit, metrics) = (endpoint.limits.request_timeout, endpoint.metrics.clone());
     let service = service_fn(move |request: Request<Incoming>| {
         let answer = tokio::time::timeout(limit, handler(request));
         let metrics = metrics.clone();
         async move {
-            Ok::<_, Infallible>(answer.await.unwrap_or_else(|_| {
-                metrics.timed_out("request");
-                timed_out()
-            }))
+            Ok::<_, Infallible>(match answer.await {
+                Ok(response) => response.map(Either::Left),
+                Err(_) => {
+                    metrics.timed_out("request");
+                    timed_out().map(Either::Right)
+                }
+            })
         }
     });
     let served = http1::Builder::new()

@@ -149,6 +149,7 @@ impl TestHub {
             Listeners {
                 grpc: listener,
                 webhook,
+                ui: None,
             },
             health.clone(),
             metrics.clone(),

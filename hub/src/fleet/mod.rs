@@ -6,6 +6,7 @@ pub mod addon_config;
 pub mod addon_status;
 pub mod assignment;
 pub mod cluster_identity;
+pub mod cluster_states;
 pub mod cluster_view;
 pub mod credentials;
 pub mod deletion;

@@ -3,7 +3,7 @@
 //! its unload is not yet confirmed. Pure: counted one cluster at a time, from what each
 //! cluster's session holds, so that no more than one cluster need be at hand at once.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use kmm_api::{ImageStatus, ManagedClusterModule, ManagedClusterModuleStatus, PlacementRef};
 use kmm_proto::v1::KernelTarget;
@@ -26,6 +26,8 @@ pub struct ModuleView {
     pub leftovers: Leftovers,
     /// What each selected cluster shows, for its rollout.
     pub observed: BTreeMap<String, Observation>,
+    /// The selected clusters held (status lists only a sample of them).
+    pub held: BTreeSet<String>,
 }
 
 /// What one cluster's session holds about one module.
@@ -56,6 +58,7 @@ pub struct ModuleViewBuilder<'m> {
     deleting: bool,
     tally: StatusTally,
     observed: BTreeMap<String, Observation>,
+    held: BTreeSet<String>,
     plugins: Vec<(String, (u32, u32))>,
     leftovers: Leftovers,
 }
@@ -68,6 +71,7 @@ impl<'m> ModuleViewBuilder<'m> {
             deleting: is_deleting(module),
             tally: StatusTally::default(),
             observed: BTreeMap::new(),
+            held: BTreeSet::new(),
             plugins: Vec::new(),
             leftovers: Leftovers::default(),
         }
@@ -94,6 +98,7 @@ impl<'m> ModuleViewBuilder<'m> {
         sight: ClusterSight<'_>,
     ) {
         self.tally.hold(cluster, placement, *reason);
+        self.held.insert(cluster.to_owned());
         self.count(cluster, None, Some(sight));
     }
 
@@ -162,6 +167,7 @@ impl<'m> ModuleViewBuilder<'m> {
             status,
             leftovers: self.leftovers,
             observed: self.observed,
+            held: self.held,
         }
     }
 }

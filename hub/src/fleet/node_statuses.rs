@@ -553,6 +553,25 @@ impl NodeStatuses {
             .map_or(&[], Vec::as_slice)
     }
 
+    /// Every node a status names, with the kernel it reported, each once (a report still
+    /// arriving may add its own): without going through every status.
+    pub fn nodes(&self) -> impl Iterator<Item = &Node> {
+        // The set holds one reference of its own: a node nothing else holds is no longer
+        // named, and goes at the next sweep.
+        self.strings
+            .nodes
+            .iter()
+            .filter(|node| Arc::strong_count(node) > 1)
+            .map(AsRef::as_ref)
+    }
+
+    /// Every module's node statuses, by module.
+    pub fn modules(&self) -> impl Iterator<Item = (&ModuleId, &[NodeStatus])> {
+        self.modules
+            .iter()
+            .map(|(module, statuses)| (module, statuses.as_slice()))
+    }
+
     /// Nodes on which the module may still be loaded: any reported state but UNLOADED or
     /// SKIPPED.
     pub fn not_unloaded(&self, namespace: &str, name: &str) -> impl Iterator<Item = &str> {
@@ -665,6 +684,27 @@ mod tests {
 
     fn nodes(list: &[NodeStatus]) -> Vec<String> {
         list.iter().map(|s| s.node.name.to_string()).collect()
+    }
+
+    #[test]
+    fn the_nodes_are_those_a_status_names_each_once() {
+        let mut statuses = NodeStatuses::reported(&[
+            ("a", "n1", ModuleState::Loaded),
+            ("b", "n1", ModuleState::Loaded),
+            ("a", "n2", ModuleState::Failed),
+        ]);
+        let names = |statuses: &NodeStatuses| {
+            let mut names: Vec<String> = statuses.nodes().map(|n| n.name.to_string()).collect();
+            names.sort();
+            names
+        };
+        assert_eq!(names(&statuses), ["n1", "n2"]);
+        statuses
+            .apply(full_report(&[("a", "n2", ModuleState::Loaded)]), |_, _| {
+                true
+            })
+            .unwrap();
+        assert_eq!(names(&statuses), ["n2"], "n1 is named no more");
     }
 
     #[test]

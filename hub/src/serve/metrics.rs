@@ -62,6 +62,8 @@ pub struct Metrics {
     pub rollout_clusters: Family<RolloutLabels, Gauge>,
     /// The admission webhook's connections: open, refused over the cap, timed out.
     pub webhook_connections: ConnectionMetrics,
+    /// The fleet UI's connections, live pages' event streams included.
+    pub ui_connections: ConnectionMetrics,
     /// Proxy messages (or their entries) refused for breaking a bound.
     pub proxy_bounds: Family<BoundLabels, Counter>,
 }
@@ -82,6 +84,7 @@ impl Default for Metrics {
             status_writes: Counter::default(),
             rollout_clusters: Family::default(),
             webhook_connections: ConnectionMetrics::default(),
+            ui_connections: ConnectionMetrics::default(),
             proxy_bounds: Family::default(),
         }
     }
@@ -139,6 +142,8 @@ impl Metrics {
     pub fn register(&self, registry: &mut Registry) {
         self.webhook_connections
             .register(registry.sub_registry_with_prefix(super::webhook::METRICS_PREFIX));
+        self.ui_connections
+            .register(registry.sub_registry_with_prefix(crate::fleet_ui::server::METRICS_PREFIX));
         registry.register(
             "kmm_hub_leader",
             "1 while this replica leads (reconciles, writes status, serves proxies), 0 while it stands by",

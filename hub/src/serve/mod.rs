@@ -58,6 +58,7 @@ use crate::build::BuildJobs;
 use crate::fleet::cluster_view::trim_managed_cluster;
 use crate::fleet::pacer::Pacer;
 use crate::fleet::revisions;
+use crate::fleet_ui::replica::{LeaseLookup, Replica, Role};
 
 /// Everything `serve` needs besides its clients and listeners.
 #[derive(Clone, Debug)]
@@ -94,6 +95,9 @@ pub struct Listeners {
     pub grpc: TcpListener,
     /// The admission webhook (TLS); served by every replica.
     pub webhook: Option<TcpListener>,
+    /// The fleet UI (plain HTTP, reached by port-forward); served by every replica, a
+    /// standby saying it is one.
+    pub ui: Option<TcpListener>,
 }
 
 #[derive(Debug, Error)]
@@ -168,6 +172,30 @@ pub async fn run(
             stop.clone().cancelled_owned(),
         ))));
     }
+    // Until this replica leads, its UI says it stands by (or starts).
+    let role = tokio::sync::watch::Sender::new(Role::Standby);
+    if let Some(listener) = listeners.ui {
+        let replica = Replica {
+            instance: settings.instance.clone(),
+            role: role.subscribe(),
+            lease: settings
+                .leader_election
+                .as_ref()
+                .map(|election| LeaseLookup {
+                    api: Api::namespaced(client.clone(), &settings.namespace),
+                    namespace: settings.namespace.clone(),
+                    name: election.lease.clone(),
+                }),
+        };
+        background.push(AbortOnDropHandle::new(tokio::spawn(
+            crate::fleet_ui::server::serve(
+                listener,
+                replica,
+                metrics.ui_connections.clone(),
+                stop.clone().cancelled_owned(),
+            ),
+        )));
+    }
     if let Some(name) = &settings.webhook_configuration {
         background.push(AbortOnDropHandle::new(tokio::spawn(
             webhook_configuration::keep_ca_bundle(
@@ -241,6 +269,7 @@ pub async fn run(
         decisions: decisions_writer.as_reader(),
     };
     let state = Arc::new(FleetView::new(stores.clone(), metrics.clone()));
+    role.send_replace(Role::Leading(state.clone()));
 
     let modules_watched = watch_into(
         state.clone(),

@@ -194,6 +194,7 @@ async fn decide_outcome(
         mut status,
         leftovers,
         observed,
+        ..
     } = view;
     let shared: Vec<SharedKernelModule> = newly_shared(module.status.as_ref(), &status)
         .into_iter()

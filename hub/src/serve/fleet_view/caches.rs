@@ -1,9 +1,12 @@
 //! What the fleet view computes once and reuses: each module's resolutions per
-//! generation, its revisions, and the distinct intents of every cluster's snapshot.
+//! generation, its revisions, the distinct intents of every cluster's snapshot, and
+//! each module's clusters by state as its view was last counted.
 //! Lock order, where two are held: the image book, then resolutions.
 
+use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
+use crate::fleet::cluster_states::StateCounts;
 use crate::fleet::revisions::Revisions;
 use crate::fleet::shared_snapshot::IntentPool;
 use crate::resolutions::Resolutions;
@@ -16,6 +19,10 @@ pub struct Caches {
     revisions: Mutex<Revisions>,
     /// The intents of every cluster's snapshot, each distinct one held once.
     intents: Mutex<IntentPool>,
+    /// Per module, its clusters by state when its view was last counted (the controller
+    /// counts it on every touch): the fleet UI shows every module without counting each
+    /// one's 3,500 clusters again.
+    state_counts: Mutex<HashMap<String, StateCounts>>,
 }
 
 impl Caches {
@@ -31,9 +38,19 @@ impl Caches {
         lock(&self.intents)
     }
 
+    /// Remembers the module's latest counts; whether they changed.
+    pub fn remember_counts(&self, module: &str, counts: StateCounts) -> bool {
+        lock(&self.state_counts).insert(module.to_owned(), counts) != Some(counts)
+    }
+
+    pub fn state_counts(&self, module: &str) -> Option<StateCounts> {
+        lock(&self.state_counts).get(module).copied()
+    }
+
     /// Forgets a module that is gone.
     pub fn forget(&self, module: &str) {
         self.resolutions().retain(|n| n != module);
         self.revisions().retain(|n| n != module);
+        lock(&self.state_counts).remove(module);
     }
 }

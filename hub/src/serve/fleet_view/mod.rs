@@ -16,6 +16,7 @@ pub mod image_book;
 pub mod index;
 mod on_stream;
 mod on_watch;
+mod readouts;
 mod reads;
 pub mod sessions;
 pub mod signals;
@@ -27,7 +28,9 @@ use tokio::sync::{Notify, watch};
 
 pub use self::cluster_streams::ClusterStreams;
 pub use self::index::Stores;
+pub use self::readouts::ClusterReadout;
 pub use self::sessions::{Connections, SessionId};
+pub use self::signals::Changes;
 
 use self::caches::Caches;
 use self::image_book::ImageBook;
@@ -80,6 +83,16 @@ impl FleetView {
     /// Changes whenever the images the fleet needs may have changed.
     pub fn needs_changed(&self) -> watch::Receiver<u64> {
         self.signals.needs.subscribe()
+    }
+
+    /// Follows what may change what the view shows (see [`Changes`]).
+    pub fn changes(&self) -> Changes {
+        Changes {
+            touched: self.signals.touched.versions(),
+            counted: self.signals.counted.subscribe(),
+            connections: self.sessions.connections(),
+            needs: self.signals.needs.subscribe(),
+        }
     }
 
     /// The modules whose status may have changed, for the controller.

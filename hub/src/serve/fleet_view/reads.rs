@@ -7,6 +7,7 @@ use k8s_openapi::jiff::Timestamp;
 use kmm_api::{ManagedClusterModule, PreflightModuleStatus, PreflightValidation};
 use kube::ResourceExt;
 
+use crate::fleet::cluster_states::state_counts;
 use crate::fleet::cluster_view::ClusterView;
 use crate::fleet::image_needs::ServedKernels;
 use crate::fleet::module_view::{ModuleView, ModuleViewBuilder};
@@ -54,7 +55,12 @@ impl FleetView {
             }
         }
         let persisted = module.status.as_ref().map_or(&[][..], |s| &s.images[..]);
-        view.finish(self.images.statuses(&name, persisted))
+        let view = view.finish(self.images.statuses(&name, persisted));
+        let counts = state_counts(&view, &self.sessions.connections().borrow().open);
+        if self.caches.remember_counts(&name, counts) {
+            self.signals.bump_counted();
+        }
+        view
     }
 
     /// Why the module's spec is invalid, when it is (validated once per generation).

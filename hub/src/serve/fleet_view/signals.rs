@@ -10,20 +10,43 @@ use tokio::sync::{Notify, watch};
 use super::lock;
 
 /// Modules whose status an event may have changed, waiting for their reconciliation.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Touched {
     modules: Mutex<BTreeSet<String>>,
     notify: Notify,
+    /// Bumped on every touch, even of a module already waiting: the controller takes
+    /// touched modules, readers of the view (the fleet UI) only follow that they were.
+    version: watch::Sender<u64>,
+}
+
+impl Default for Touched {
+    fn default() -> Self {
+        Self {
+            modules: Mutex::default(),
+            notify: Notify::new(),
+            version: watch::Sender::new(0),
+        }
+    }
 }
 
 impl Touched {
     pub fn add(&self, modules: impl IntoIterator<Item = String>) {
         let mut touched = lock(&self.modules);
         let before = touched.len();
-        touched.extend(modules);
+        let mut any = false;
+        touched.extend(modules.into_iter().inspect(|_| any = true));
         if touched.len() != before {
             self.notify.notify_one();
         }
+        drop(touched);
+        if any {
+            self.version.send_modify(|n| *n = n.wrapping_add(1));
+        }
+    }
+
+    /// Changes whenever a module is touched.
+    pub fn versions(&self) -> watch::Receiver<u64> {
+        self.version.subscribe()
     }
 
     /// Waits for touched modules and takes them all.
@@ -51,6 +74,9 @@ pub struct Signals {
     pub unchecked_images: Notify,
     /// An image record or a PreflightValidation changed: wakes the preflight writer.
     pub preflight_changed: Notify,
+    /// Bumped when a module's clusters by state, counted anew, changed: readers showing
+    /// them follow it (it lags the touch by the controller's reconciliation).
+    pub counted: watch::Sender<u64>,
 }
 
 impl Default for Signals {
@@ -61,6 +87,7 @@ impl Default for Signals {
             needs: watch::Sender::new(0),
             unchecked_images: Notify::new(),
             preflight_changed: Notify::new(),
+            counted: watch::Sender::new(0),
         }
     }
 }
@@ -72,6 +99,45 @@ impl Signals {
 
     pub fn is_synced(&self) -> bool {
         *self.synced.borrow()
+    }
+
+    pub fn bump_counted(&self) {
+        self.counted.send_modify(|n| *n = n.wrapping_add(1));
+    }
+}
+
+/// Everything a reader of the view follows to know that what it shows may be stale: a
+/// module touched (statuses, images, selection) or counted anew, a session opened or
+/// closed, the fleet's kernels changed. Each wait returns once any of them changed since
+/// the last.
+#[derive(Debug)]
+pub struct Changes {
+    pub(super) touched: watch::Receiver<u64>,
+    pub(super) counted: watch::Receiver<u64>,
+    pub(super) connections: watch::Receiver<super::Connections>,
+    pub(super) needs: watch::Receiver<u64>,
+}
+
+impl Changes {
+    /// Waits for the next change; `false` once the view is gone (no change can come).
+    pub async fn changed(&mut self) -> bool {
+        let changed = tokio::select! {
+            changed = self.touched.changed() => changed,
+            changed = self.counted.changed() => changed,
+            changed = self.connections.changed() => changed,
+            changed = self.needs.changed() => changed,
+        };
+        // What changed at once with it is taken too: one wake-up for a burst.
+        self.mark_seen();
+        changed.is_ok()
+    }
+
+    /// Takes every change so far as seen: the next wait is for a later one.
+    pub fn mark_seen(&mut self) {
+        self.touched.mark_unchanged();
+        self.counted.mark_unchanged();
+        self.connections.mark_unchanged();
+        self.needs.mark_unchanged();
     }
 }
 
