@@ -23,6 +23,7 @@ pub mod fleet;
 pub mod guest;
 pub mod kmod;
 pub mod kmod_builder;
+pub mod monitoring;
 mod pki;
 mod process;
 pub mod scale;

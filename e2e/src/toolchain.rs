@@ -122,6 +122,34 @@ pub fn components(v: &Versions) -> Vec<Component> {
     ]
 }
 
+/// Prometheus' server and promtool, which the monitoring tests check the alerting rules
+/// and the dashboard with. Nothing in the fleet runs them, so they are not among
+/// [`components`] (`cargo xtask env build` does not spend minutes on them): see
+/// [`Toolchain::ensure_monitoring`].
+pub fn monitoring(v: &Versions) -> Component {
+    Component {
+        name: "prometheus",
+        version: v.prometheus.version.clone(),
+        packages: vec![
+            "github.com/prometheus/prometheus/cmd/prometheus",
+            "github.com/prometheus/prometheus/cmd/promtool",
+        ],
+        substitutions: vec![],
+        version_vars: vec![format!(
+            "github.com/prometheus/common/version.Version={}",
+            prometheus_release(&v.prometheus.version)
+        )],
+    }
+}
+
+/// The release a Go module version of Prometheus 3 stands for: `v0.316.0` is 3.16.0.
+fn prometheus_release(module_version: &str) -> String {
+    let mut parts = module_version.trim_start_matches("v0.").splitn(2, '.');
+    let combined: u32 = parts.next().unwrap_or_default().parse().unwrap_or_default();
+    let patch = parts.next().unwrap_or("0");
+    format!("{}.{}.{patch}", combined / 100, combined % 100)
+}
+
 /// Where each upstream binary is, by name (`kube-apiserver`, `etcd`, `registration`, ...).
 #[derive(Debug, Clone)]
 pub struct Toolchain {
@@ -132,8 +160,12 @@ impl Toolchain {
     /// Locate every binary without building, in `prebuilt` if given, else in the
     /// cache; fails naming the first one missing.
     pub fn locate(v: &Versions, prebuilt: Option<&Path>) -> Result<Self> {
+        Self::locate_components(components(v), prebuilt)
+    }
+
+    fn locate_components(components: Vec<Component>, prebuilt: Option<&Path>) -> Result<Self> {
         let mut bins = BTreeMap::new();
-        for c in components(v) {
+        for c in components {
             let dir = prebuilt.map_or_else(|| c.out_dir(), Path::to_path_buf);
             for b in c.binaries() {
                 let path = dir.join(b);
@@ -159,9 +191,19 @@ impl Toolchain {
     /// Build every component that is not cached yet (unless `prebuilt` binaries are
     /// given), then locate them. Prints one line per component with the time it took.
     pub fn ensure(v: &Versions, prebuilt: Option<&Path>) -> Result<Self> {
+        Self::ensure_components(components(v), prebuilt)
+    }
+
+    /// [`Toolchain::ensure`] for the [`monitoring`] programs alone (`prometheus`,
+    /// `promtool`): the first call builds them (minutes), later ones find them cached.
+    pub fn ensure_monitoring(v: &Versions, prebuilt: Option<&Path>) -> Result<Self> {
+        Self::ensure_components(vec![monitoring(v)], prebuilt)
+    }
+
+    fn ensure_components(components: Vec<Component>, prebuilt: Option<&Path>) -> Result<Self> {
         if prebuilt.is_none() {
             let total = Instant::now();
-            for c in components(v) {
+            for c in &components {
                 if c.is_built() {
                     eprintln!(
                         "toolchain: {} {} cached at {}",
@@ -172,7 +214,7 @@ impl Toolchain {
                     continue;
                 }
                 let started = Instant::now();
-                build(&c)?;
+                build(c)?;
                 eprintln!(
                     "toolchain: built {} {} in {}",
                     c.name,
@@ -182,7 +224,7 @@ impl Toolchain {
             }
             eprintln!("toolchain: ready in {}", human(total.elapsed()));
         }
-        Self::locate(v, prebuilt)
+        Self::locate_components(components, prebuilt)
     }
 
     /// Path of one binary; panics on a name that is not part of the toolchain, which is
@@ -392,5 +434,12 @@ mod tests {
         assert!(names.contains(&"kube-proxy"));
         assert!(names.contains(&"etcd"));
         assert!(names.contains(&"registration-operator"));
+        assert_eq!(monitoring(&v).binaries(), ["prometheus", "promtool"]);
+    }
+
+    #[test]
+    fn prometheus_module_versions_name_their_release() {
+        assert_eq!(prometheus_release("v0.316.0"), "3.16.0");
+        assert_eq!(prometheus_release("v0.305.2"), "3.5.2");
     }
 }

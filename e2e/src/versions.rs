@@ -12,6 +12,7 @@ pub struct Versions {
     pub ocm: Ocm,
     pub clusteradm: Pinned,
     pub kwok: Pinned,
+    pub prometheus: Pinned,
     pub kernels: Kernels,
 }
 

@@ -84,6 +84,20 @@ impl Metrics {
             "Pulls refused or stopped by one of their limits, by limit",
             metrics.pull_limits.clone(),
         );
+        // Every series from the start, at 0: a counter first seen at 1 has no increase
+        // to rate, and a dashboard panel on it would be empty until something failed.
+        for labels in [SUCCEEDED, FAILED] {
+            metrics.loads.get_or_create(&labels).inc_by(0);
+            metrics.unloads.get_or_create(&labels).inc_by(0);
+        }
+        for limit in PullLimit::ALL {
+            metrics
+                .pull_limits
+                .get_or_create(&LimitLabels {
+                    limit: limit.name(),
+                })
+                .inc_by(0);
+        }
         metrics
     }
 
@@ -174,6 +188,8 @@ mod tests {
             "kmm_agent_proxy_connected 1",
             "kmm_agent_modules_loaded 3",
             r#"kmm_agent_pull_limits_exceeded_total{limit="layer_bytes"} 1"#,
+            r#"kmm_agent_pull_limits_exceeded_total{limit="cache_bytes"} 0"#,
+            r#"kmm_agent_unloads_total{outcome="failed"} 0"#,
         ] {
             assert!(
                 text.lines().any(|l| l == line),

@@ -7,13 +7,14 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, header};
 use http_body_util::Full;
 use hyper::body::Incoming;
 use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 
@@ -102,6 +103,11 @@ pub async fn serve_on(
 ) {
     let metrics = ConnectionMetrics::default();
     metrics.register(registry.sub_registry_with_prefix(METRICS_PREFIX));
+    registry.register(
+        "process_start_time_seconds",
+        "When this process started serving metrics, in Unix seconds: a change means it restarted",
+        process_start_time(),
+    );
     let registry = Arc::new(registry);
     let endpoint = Endpoint {
         name: "metrics",
@@ -114,6 +120,18 @@ pub async fn serve_on(
         async move { response }
     };
     http_server::serve(listener, endpoint, handler, shutdown).await;
+}
+
+/// The standard name Prometheus' own clients use, so that restart alerts and dashboards
+/// written for them (`changes(process_start_time_seconds[1h])`) work unchanged. Every
+/// binary serves its metrics from its first moments, so this is close to the start.
+fn process_start_time() -> Gauge {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    let gauge = Gauge::default();
+    gauge.set(i64::try_from(now.as_secs()).unwrap_or(i64::MAX));
+    gauge
 }
 
 fn respond<B>(request: &Request<B>, registry: &Registry, health: &Health) -> Response<Full<Bytes>> {
@@ -191,6 +209,12 @@ mod tests {
         assert!(standing_by.ends_with("ok: standing by\n"), "{standing_by}");
         let metrics = get(addr, "/metrics").await;
         assert!(metrics.contains("kmm_test_events_total 3"), "{metrics}");
+        let started: i64 = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("process_start_time_seconds "))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no process_start_time_seconds in {metrics}"));
+        assert!(started > 1_700_000_000, "{started}");
         assert!(get(addr, "/nothing").await.starts_with("HTTP/1.1 404"));
 
         stop.send(()).unwrap();

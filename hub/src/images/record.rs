@@ -34,6 +34,16 @@ pub enum ImageState {
 }
 
 impl ImageState {
+    pub const ALL: [Self; 7] = [
+        Self::Exists,
+        Self::NeedsBuild,
+        Self::NeedsSign,
+        Self::Building,
+        Self::Signing,
+        Self::Failed,
+        Self::NotFound,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Exists => "Exists",

@@ -16,9 +16,11 @@ use kmm_runtime::pki::{CertificateAuthority, Leaf};
 use kmm_runtime::serving::{ServingCertificate, ServingError, renew_at};
 use kube::api::{ObjectMeta, PostParams};
 use kube::{Api, Client};
+use prometheus_client::metrics::gauge::Gauge;
 use thiserror::Error;
 use time::OffsetDateTime;
 use tokio_util::sync::CancellationToken;
+use x509_parser::pem::parse_x509_pem;
 
 /// Name of the CA Secret in the hub's namespace.
 pub const CA_SECRET: &str = "kmm-hub-ca";
@@ -92,6 +94,14 @@ pub async fn load_or_create(
     }
 }
 
+/// NotAfter of the CA's certificate, in Unix seconds; `None` for a PEM that does not parse
+/// (the CA was read from it, so this does not happen).
+pub fn ca_not_after(ca: &CertificateAuthority) -> Option<i64> {
+    let (_, pem) = parse_x509_pem(ca.cert_pem().as_bytes()).ok()?;
+    let cert = pem.parse_x509().ok()?;
+    Some(cert.validity().not_after.timestamp())
+}
+
 /// The `kubernetes.io/tls` Secret holding `ca`, as OCM's CustomSigner reads it.
 fn ca_secret(ca: &CertificateAuthority, namespace: &str) -> Secret {
     Secret {
@@ -156,6 +166,8 @@ pub struct RenewingCertificate {
     sans: Vec<String>,
     validity: Duration,
     not_after: OffsetDateTime,
+    /// Follows `not_after`, for the expiry alert.
+    expiry: Gauge,
 }
 
 impl std::fmt::Debug for RenewingCertificate {
@@ -173,15 +185,18 @@ impl RenewingCertificate {
         common_name: &'static str,
         sans: &[String],
         validity: Duration,
+        expiry: Gauge,
     ) -> Result<Self, CaError> {
         let leaf = serving_leaf(common_name, sans, validity);
         let issued = ca.issue(&leaf).map_err(CaError::Issue)?;
+        expiry.set(leaf.not_after.unix_timestamp());
         Ok(Self {
             certificate: ServingCertificate::new(&issued.cert_pem, &issued.key_pem)?,
             common_name,
             sans: sans.to_vec(),
             validity,
             not_after: leaf.not_after,
+            expiry,
         })
     }
 
@@ -233,6 +248,7 @@ impl RenewingCertificate {
         self.certificate
             .replace(&issued.cert_pem, &issued.key_pem)?;
         self.not_after = leaf.not_after;
+        self.expiry.set(self.not_after.unix_timestamp());
         Ok(())
     }
 }
@@ -260,13 +276,24 @@ mod tests {
         let read = from_secret(&secret, "kmm-hub").unwrap();
         assert!(read.is_rsa());
         assert_eq!(read.cert_pem(), ca.cert_pem());
+        let now = OffsetDateTime::now_utc().unix_timestamp();
+        let ca_expiry = ca_not_after(&read).unwrap();
+        assert!((ca_expiry - now - 86_400).abs() < 120, "{ca_expiry}");
+        let expiry = Gauge::default();
         RenewingCertificate::issue(
             &read,
             "kmm-hub",
             &["localhost".into(), "127.0.0.1".into()],
             SERVING_VALIDITY,
+            expiry.clone(),
         )
         .unwrap();
+        let serving = i64::try_from(SERVING_VALIDITY.as_secs()).unwrap();
+        assert!(
+            (expiry.get() - now - serving).abs() < 120,
+            "{}",
+            expiry.get()
+        );
     }
 
     #[test]

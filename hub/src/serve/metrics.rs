@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use kmm_api::RolloutCounts;
+use kmm_api::ManagedClusterModuleStatus;
 use kmm_runtime::http_server::ConnectionMetrics;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -10,6 +10,11 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+use tokio::sync::watch;
+
+use super::fleet_view::Connections;
+use crate::fleet::rollout::HALTED;
+use crate::images::ImageState;
 
 /// Admission decisions, by outcome.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -33,6 +38,29 @@ pub struct RolloutLabels {
     /// `succeeded`, `progressing`, `failed` or `to_apply`.
     pub state: &'static str,
 }
+
+/// A module's nodes, clusters or images in one state. Per module rather than per cluster:
+/// a fleet has a handful of modules but thousands of clusters.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModuleStateLabels {
+    pub module: String,
+    pub state: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModuleLabels {
+    pub module: String,
+}
+
+/// One of the hub's certificates.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CertificateLabels {
+    /// `ca`, `grpc` or `webhook`.
+    pub certificate: &'static str,
+}
+
+const NODE_STATES: [&str; 4] = ["loaded", "pending", "failed", "skipped"];
+const CLUSTER_STATES: [&str; 4] = ["selected", "connected", "converged", "held"];
 
 /// What a proxy sent that broke a bound, by the bound's name.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -60,6 +88,20 @@ pub struct Metrics {
     /// ManagedClusterModule status writes (server-side apply of `status`).
     pub status_writes: Counter,
     pub rollout_clusters: Family<RolloutLabels, Gauge>,
+    /// 1 while a module's rollout is halted (too many failed clusters), else 0.
+    pub rollout_halted: Family<ModuleLabels, Gauge>,
+    /// Each module's matching nodes by state, as its status counts them.
+    pub module_nodes: Family<ModuleStateLabels, Gauge>,
+    /// Each module's clusters by state, as its status counts them.
+    pub module_clusters: Family<ModuleStateLabels, Gauge>,
+    /// Each module's images (as listed in status) by lifecycle state.
+    pub module_images: Family<ModuleStateLabels, Gauge>,
+    /// Clusters whose proxy connected to this hub and has no stream now.
+    pub disconnected_clusters: Gauge,
+    /// When the longest-disconnected of them lost its stream (Unix seconds); 0 when none.
+    pub oldest_disconnection: Gauge,
+    /// NotAfter of the hub's CA and serving certificates, in Unix seconds.
+    pub certificate_expiry: Family<CertificateLabels, Gauge>,
     /// The admission webhook's connections: open, refused over the cap, timed out.
     pub webhook_connections: ConnectionMetrics,
     /// The fleet UI's connections, live pages' event streams included.
@@ -83,9 +125,26 @@ impl Default for Metrics {
             controller_results: Family::default(),
             status_writes: Counter::default(),
             rollout_clusters: Family::default(),
+            rollout_halted: Family::default(),
+            module_nodes: Family::default(),
+            module_clusters: Family::default(),
+            module_images: Family::default(),
+            disconnected_clusters: Gauge::default(),
+            oldest_disconnection: Gauge::default(),
+            certificate_expiry: Family::default(),
             webhook_connections: ConnectionMetrics::default(),
             ui_connections: ConnectionMetrics::default(),
             proxy_bounds: Family::default(),
+        }
+    }
+}
+
+/// Keeps the disconnection gauges following the sessions as they open and close.
+pub async fn follow_connections(mut connections: watch::Receiver<Connections>, metrics: Metrics) {
+    loop {
+        metrics.observe_connections(&connections.borrow_and_update());
+        if connections.changed().await.is_err() {
+            return;
         }
     }
 }
@@ -112,8 +171,40 @@ impl Metrics {
             .inc();
     }
 
-    /// A module's clusters by rollout state, as its status says.
-    pub fn observe_rollout(&self, module: &str, counts: &RolloutCounts) {
+    /// A module's nodes, clusters, images and rollout, as the status about to be written
+    /// says. Every state is set, zeros included, so that a count dropping to zero shows.
+    pub fn observe_module(&self, module: &str, status: &ManagedClusterModuleStatus) {
+        let nodes = &status.nodes;
+        let pending = nodes.matching - nodes.loaded - nodes.failed;
+        for (state, value) in
+            NODE_STATES
+                .into_iter()
+                .zip([nodes.loaded, pending.max(0), nodes.failed, nodes.skipped])
+        {
+            set(&self.module_nodes, module, state, value);
+        }
+        let clusters = &status.clusters;
+        for (state, value) in CLUSTER_STATES.into_iter().zip([
+            clusters.selected,
+            clusters.connected,
+            clusters.converged,
+            clusters.held,
+        ]) {
+            set(&self.module_clusters, module, state, value);
+        }
+        for state in ImageState::ALL.map(ImageState::as_str) {
+            let count = status.images.iter().filter(|i| i.state == state).count();
+            set(
+                &self.module_images,
+                module,
+                state,
+                i32::try_from(count).unwrap_or(i32::MAX),
+            );
+        }
+        let Some(rollout) = &status.rollout else {
+            return;
+        };
+        let counts = &rollout.counts;
         for (state, value) in [
             ("succeeded", counts.succeeded),
             ("progressing", counts.progressing),
@@ -127,16 +218,60 @@ impl Metrics {
                 })
                 .set(i64::from(value));
         }
+        self.rollout_halted
+            .get_or_create(&ModuleLabels {
+                module: module.to_owned(),
+            })
+            .set(i64::from(rollout.state == HALTED));
     }
 
-    /// A module that is gone has no rollout.
-    pub fn forget_rollout(&self, module: &str) {
+    /// A module that is gone has no series left.
+    pub fn forget_module(&self, module: &str) {
         for state in ["succeeded", "progressing", "failed", "to_apply"] {
             self.rollout_clusters.remove(&RolloutLabels {
                 module: module.to_owned(),
                 state,
             });
         }
+        self.rollout_halted.remove(&ModuleLabels {
+            module: module.to_owned(),
+        });
+        let forget = |family: &Family<ModuleStateLabels, Gauge>, states: &[&'static str]| {
+            for &state in states {
+                family.remove(&ModuleStateLabels {
+                    module: module.to_owned(),
+                    state,
+                });
+            }
+        };
+        forget(&self.module_nodes, &NODE_STATES);
+        forget(&self.module_clusters, &CLUSTER_STATES);
+        forget(
+            &self.module_images,
+            &ImageState::ALL.map(ImageState::as_str),
+        );
+    }
+
+    /// The clusters that connected and lost their stream: how many, and since when the
+    /// longest-lost one. Only clusters seen since this hub started count: one that never
+    /// connected shows in its modules' `kmm_hub_module_clusters` (selected > connected).
+    pub fn observe_connections(&self, connections: &Connections) {
+        self.disconnected_clusters
+            .set(i64::try_from(connections.closed_at.len()).unwrap_or(i64::MAX));
+        let oldest = connections
+            .closed_at
+            .values()
+            .map(|t| t.0.as_second())
+            .min()
+            .unwrap_or(0);
+        self.oldest_disconnection.set(oldest);
+    }
+
+    /// The gauge of one certificate's NotAfter (Unix seconds); whoever renews it sets it.
+    pub fn certificate_expiry(&self, certificate: &'static str) -> Gauge {
+        self.certificate_expiry
+            .get_or_create(&CertificateLabels { certificate })
+            .clone()
     }
 
     pub fn register(&self, registry: &mut Registry) {
@@ -200,9 +335,164 @@ impl Metrics {
             self.rollout_clusters.clone(),
         );
         registry.register(
+            "kmm_hub_rollout_halted",
+            "1 while the ManagedClusterModule's rollout is halted (more failed clusters than it tolerates), else 0",
+            self.rollout_halted.clone(),
+        );
+        registry.register(
+            "kmm_hub_module_nodes",
+            "Nodes of each ManagedClusterModule, by state (loaded, pending, failed, skipped), as its status counts them",
+            self.module_nodes.clone(),
+        );
+        registry.register(
+            "kmm_hub_module_clusters",
+            "Clusters of each ManagedClusterModule, by state (selected, connected, converged, held), as its status counts them",
+            self.module_clusters.clone(),
+        );
+        registry.register(
+            "kmm_hub_module_images",
+            "Images of each ManagedClusterModule listed in its status, by state (Exists, NeedsBuild, NeedsSign, Building, Signing, Failed, NotFound)",
+            self.module_images.clone(),
+        );
+        registry.register(
+            "kmm_hub_disconnected_clusters",
+            "Clusters whose spoke proxy connected to this hub since it started and has no stream now",
+            self.disconnected_clusters.clone(),
+        );
+        registry.register(
+            "kmm_hub_oldest_disconnection_timestamp_seconds",
+            "When the longest-disconnected cluster's proxy lost its stream, in Unix seconds (0 when none is disconnected)",
+            self.oldest_disconnection.clone(),
+        );
+        registry.register(
+            "kmm_hub_certificate_expiry_timestamp_seconds",
+            "NotAfter of the hub's certificates, in Unix seconds, by certificate (ca, grpc, webhook)",
+            self.certificate_expiry.clone(),
+        );
+        registry.register(
             "kmm_hub_proxy_bounds_tripped",
             "Proxy messages refused, or entries dropped, for breaking a bound, by limit (inventory_kernels, kernel_release, status_entries, status_bytes, report_deadline, device_plugin_module)",
             self.proxy_bounds.clone(),
+        );
+    }
+}
+
+fn set(family: &Family<ModuleStateLabels, Gauge>, module: &str, state: &'static str, value: i32) {
+    family
+        .get_or_create(&ModuleStateLabels {
+            module: module.to_owned(),
+            state,
+        })
+        .set(i64::from(value));
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    use k8s_openapi::jiff::Timestamp;
+    use kmm_api::{ClusterCounts, ImageStatus, NodeCounts, RolloutCounts, RolloutStatus};
+    use prometheus_client::encoding::text::encode;
+
+    use super::*;
+
+    fn text(metrics: &Metrics) -> String {
+        let mut registry = Registry::default();
+        metrics.register(&mut registry);
+        let mut text = String::new();
+        encode(&mut text, &registry).unwrap();
+        text
+    }
+
+    fn image(state: &str) -> ImageStatus {
+        ImageStatus {
+            state: state.into(),
+            ..ImageStatus::default()
+        }
+    }
+
+    #[test]
+    fn a_module_status_shows_per_state_and_goes_with_the_module() {
+        let metrics = Metrics::default();
+        let status = ManagedClusterModuleStatus {
+            nodes: NodeCounts {
+                matching: 10,
+                loaded: 6,
+                failed: 1,
+                skipped: 2,
+            },
+            clusters: ClusterCounts {
+                selected: 3,
+                connected: 2,
+                converged: 1,
+                held: 1,
+            },
+            images: vec![image("Exists"), image("Failed"), image("Exists")],
+            rollout: Some(RolloutStatus {
+                state: HALTED.into(),
+                counts: RolloutCounts {
+                    failed: 2,
+                    ..RolloutCounts::default()
+                },
+                ..RolloutStatus::default()
+            }),
+            ..ManagedClusterModuleStatus::default()
+        };
+        metrics.observe_module("kmod-a", &status);
+        let shown = text(&metrics);
+        for line in [
+            r#"kmm_hub_module_nodes{module="kmod-a",state="loaded"} 6"#,
+            r#"kmm_hub_module_nodes{module="kmod-a",state="pending"} 3"#,
+            r#"kmm_hub_module_nodes{module="kmod-a",state="failed"} 1"#,
+            r#"kmm_hub_module_nodes{module="kmod-a",state="skipped"} 2"#,
+            r#"kmm_hub_module_clusters{module="kmod-a",state="connected"} 2"#,
+            r#"kmm_hub_module_clusters{module="kmod-a",state="held"} 1"#,
+            r#"kmm_hub_module_images{module="kmod-a",state="Exists"} 2"#,
+            r#"kmm_hub_module_images{module="kmod-a",state="Failed"} 1"#,
+            r#"kmm_hub_module_images{module="kmod-a",state="NotFound"} 0"#,
+            r#"kmm_hub_rollout_halted{module="kmod-a"} 1"#,
+            r#"kmm_hub_rollout_clusters{module="kmod-a",state="failed"} 2"#,
+        ] {
+            assert!(
+                shown.lines().any(|l| l == line),
+                "{line} missing in:\n{shown}"
+            );
+        }
+
+        metrics.forget_module("kmod-a");
+        let shown = text(&metrics);
+        assert!(!shown.contains("kmod-a"), "{shown}");
+    }
+
+    #[test]
+    fn disconnections_count_and_date_the_oldest() {
+        let metrics = Metrics::default();
+        let mut connections = Connections::default();
+        metrics.observe_connections(&connections);
+        assert_eq!(metrics.disconnected_clusters.get(), 0);
+        assert_eq!(metrics.oldest_disconnection.get(), 0);
+
+        connections.open.insert("c".into());
+        for (cluster, at) in [("a", 2_000), ("b", 1_000)] {
+            connections
+                .closed_at
+                .insert(cluster.into(), Time(Timestamp::from_second(at).unwrap()));
+        }
+        metrics.observe_connections(&connections);
+        assert_eq!(metrics.disconnected_clusters.get(), 2);
+        assert_eq!(metrics.oldest_disconnection.get(), 1_000);
+    }
+
+    #[test]
+    fn certificate_expiry_gauges_share_their_value() {
+        let metrics = Metrics::default();
+        metrics.certificate_expiry("grpc").set(42);
+        let shown = text(&metrics);
+        assert!(
+            shown
+                .lines()
+                .any(|l| l
+                    == r#"kmm_hub_certificate_expiry_timestamp_seconds{certificate="grpc"} 42"#),
+            "{shown}"
         );
     }
 }

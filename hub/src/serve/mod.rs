@@ -135,11 +135,15 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), ServeError> {
     let ca = ca::load_or_create(&client, &settings.namespace).await?;
+    if let Some(not_after) = ca::ca_not_after(&ca) {
+        metrics.certificate_expiry("ca").set(not_after);
+    }
     let grpc_certificate = RenewingCertificate::issue(
         &ca,
         "kmm-hub",
         &settings.grpc_sans,
         settings.serving_validity,
+        metrics.certificate_expiry("grpc"),
     )?;
     let grpc_tls = serving::server_config(
         grpc_certificate.certificate.clone(),
@@ -158,6 +162,7 @@ pub async fn run(
             "kmm-hub-webhook",
             &settings.webhook_sans,
             settings.serving_validity,
+            metrics.certificate_expiry("webhook"),
         )?;
         let tls = webhook::tls_config(certificate.certificate.clone())?;
         background.push(AbortOnDropHandle::new(tokio::spawn(
@@ -347,6 +352,9 @@ pub async fn run(
     )));
     tokio::spawn(wait_synced(stores.clone(), state.clone(), health.clone()));
     let departures = AbortOnDropHandle::new(tokio::spawn(settle_departures(state.clone())));
+    background.push(AbortOnDropHandle::new(tokio::spawn(
+        metrics::follow_connections(state.connections(), metrics.clone()),
+    )));
     let addon = AbortOnDropHandle::new(tokio::spawn(addon::run(
         client.clone(),
         settings.addon_name.clone(),

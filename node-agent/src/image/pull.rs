@@ -65,6 +65,13 @@ pub enum PullLimit {
 }
 
 impl PullLimit {
+    pub const ALL: [Self; 4] = [
+        Self::Deadline,
+        Self::ManifestBytes,
+        Self::LayerBytes,
+        Self::CacheBytes,
+    ];
+
     /// The metric label.
     pub fn name(self) -> &'static str {
         match self {

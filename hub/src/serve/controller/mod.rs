@@ -235,9 +235,7 @@ async fn decide_outcome(
         .filter(|_| is_progressive(module))
         .map(|next| milestones(previous_rollout, next))
         .unwrap_or_default();
-    if let Some(rollout) = &status.rollout {
-        ctx.metrics.observe_rollout(&name, &rollout.counts);
-    }
+    ctx.metrics.observe_module(&name, &status);
     if deleting {
         let uid = module.uid().unwrap_or_else(|| name.clone());
         let elapsed = ctx.deletion_clock.elapsed(&uid, Instant::now());
@@ -350,7 +348,7 @@ async fn release(ctx: &Context, module: &ManagedClusterModule) -> Result<(), Rec
     )
     .await?;
     ctx.state.forget_module(module);
-    ctx.metrics.forget_rollout(&module.name_any());
+    ctx.metrics.forget_module(&module.name_any());
     ctx.deletion_clock
         .forget(&module.uid().unwrap_or_else(|| module.name_any()));
     Ok(())

@@ -269,12 +269,15 @@ impl Sessions {
             .collect()
     }
 
-    /// Forgets a cluster's session (its ManagedCluster is gone).
+    /// Forgets a cluster's session (its ManagedCluster is gone): a cluster that left the
+    /// fleet is not disconnected.
     pub fn remove(&self, cluster: &str) {
         self.clusters
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .remove(cluster);
+        self.connections
+            .send_if_modified(|c| c.closed_at.remove(cluster).is_some());
     }
 
     pub fn next_id(&self) -> SessionId {

@@ -249,6 +249,10 @@ fn a_deleted_managed_cluster_holds_no_later_deletion() {
         .open_session("spoke1", 0, OutboundSender::default());
     fleet.view.status("spoke1", id, loaded_on("n1"));
     fleet.delete_cluster("spoke1");
+    assert!(
+        fleet.view.connections().borrow().closed_at.is_empty(),
+        "a cluster gone from the fleet counts as disconnected"
+    );
     let deleting = module.deleting().build();
     fleet.add_module(deleting.clone());
     let view = fleet.view.module_view(&deleting);
