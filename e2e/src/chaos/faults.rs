@@ -202,11 +202,12 @@ impl Fault {
 }
 
 /// Deletes the Pods (their controller starts fresh ones) whose container the kubelet
-/// holds in its crash back-off after an exit the soak caused: its own SIGKILL (137, not
-/// an OOM kill), or, for the hub, the exit of a replica that lost its Lease (1). Over a
-/// long soak the back-off of a component stopped again and again grows to five minutes;
-/// sitting it out tests nothing of kmm's. Any other exit (a panic's 101) is left alone,
-/// and fails the recovery wait that follows.
+/// holds in a long crash back-off (a minute or more) after an exit the soak caused: its
+/// own SIGKILL (137, not an OOM kill), or, for the hub, the exit of a replica that lost
+/// its Lease (1). Over a long soak the back-off of a component stopped again and again
+/// grows to five minutes; sitting it out tests nothing of kmm's. A short back-off is
+/// waited for (the kubelet restarting the container is the fault's point), and any other
+/// exit (a panic's 101) is left alone, to fail the recovery wait that follows.
 async fn replace_backed_off(
     client: &Client,
     namespace: &str,
@@ -225,6 +226,9 @@ async fn replace_backed_off(
                 let waiting = c.state.as_ref().and_then(|s| s.waiting.as_ref());
                 let last = c.last_state.as_ref().and_then(|s| s.terminated.as_ref());
                 waiting.and_then(|w| w.reason.as_deref()) == Some("CrashLoopBackOff")
+                    && waiting
+                        .and_then(|w| back_off(w.message.as_deref()?))
+                        .is_some_and(|b| b >= LONG_BACK_OFF)
                     && last.is_some_and(|t| {
                         caused.contains(&t.exit_code) && t.reason.as_deref() != Some("OOMKilled")
                     })
@@ -238,6 +242,35 @@ async fn replace_backed_off(
         }
     }
     Ok(())
+}
+
+/// A back-off the soak does not sit out.
+const LONG_BACK_OFF: Duration = Duration::from_secs(60);
+
+/// The back-off the kubelet names in a waiting container's message, `back-off 2m40s
+/// restarting failed container=...` (a Go duration of hours, minutes and seconds).
+fn back_off(message: &str) -> Option<Duration> {
+    let go = message
+        .strip_prefix("back-off ")?
+        .split_whitespace()
+        .next()?;
+    let (mut seconds, mut number) = (0u64, String::new());
+    for c in go.chars() {
+        match c {
+            '0'..='9' => number.push(c),
+            'h' | 'm' | 's' => {
+                let unit = match c {
+                    'h' => 3600,
+                    'm' => 60,
+                    _ => 1,
+                };
+                seconds += number.parse::<u64>().ok()? * unit;
+                number.clear();
+            }
+            _ => return None,
+        }
+    }
+    number.is_empty().then(|| Duration::from_secs(seconds))
 }
 
 /// The hub's real node (where kmm-hub runs).
@@ -493,5 +526,22 @@ impl Drop for Active {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_kubelets_back_off_is_read_from_its_message() {
+        let message = |d: &str| format!("back-off {d} restarting failed container=kmm-hub pod=x");
+        assert_eq!(back_off(&message("10s")), Some(Duration::from_secs(10)));
+        assert_eq!(back_off(&message("2m40s")), Some(Duration::from_secs(160)));
+        assert_eq!(back_off(&message("5m0s")), Some(Duration::from_secs(300)));
+        assert!(back_off(&message("5m0s")).unwrap() >= LONG_BACK_OFF);
+        assert!(back_off(&message("40s")).unwrap() < LONG_BACK_OFF);
+        assert_eq!(back_off("container is waiting"), None);
+        assert_eq!(back_off(&message("1.5s")), None);
     }
 }
