@@ -52,12 +52,17 @@ pub fn normalize_module_name(name: &str) -> String {
     name.replace('-', "_")
 }
 
-/// Whether a record still satisfies a desired entry. A tag is resolved once: the
-/// same image reference keeps the recorded digest even if the tag has moved since.
+/// Whether a record still satisfies a desired entry. A pinned digest decides alone: the
+/// same bytes under another reference (a retag, a mirror) are no reason to unload a
+/// running driver. Unpinned, a tag is resolved once: the same image reference keeps the
+/// recorded digest even if the tag has moved since.
 pub fn satisfies(record: &ModuleRecord, desired: &DesiredModule) -> bool {
+    let same_bytes = match &desired.digest {
+        Some(digest) => *digest == record.digest,
+        None => record.image == desired.image,
+    };
     record.version == desired.version
-        && record.image == desired.image
-        && desired.digest.as_ref().is_none_or(|d| *d == record.digest)
+        && same_bytes
         && record.modprobe == desired.modprobe
         && record.in_tree_modules_to_remove == desired.in_tree_modules_to_remove
 }
@@ -328,6 +333,12 @@ mod tests {
     fn same_digest_or_same_tag_is_not_a_change() {
         let old = desired("ns/a", None);
         let mut d = old.clone();
+        d.digest = Some("sha256:aa".into());
+        assert!(plan(&want(&[d]), &records(&[&old]), &loaded(&["ns_a"])).is_empty());
+        // The pinned bytes under another reference (seen in the chaos soak: a retag
+        // reloaded every node running the module).
+        let mut d = old.clone();
+        d.image = "mirror.example/other:retagged".into();
         d.digest = Some("sha256:aa".into());
         assert!(plan(&want(&[d]), &records(&[&old]), &loaded(&["ns_a"])).is_empty());
         // Registry TLS and credentials do not change what runs.

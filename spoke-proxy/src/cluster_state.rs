@@ -73,7 +73,8 @@ fn same_task(a: Option<&NodeModule>, b: &NodeModule) -> bool {
             m.unload,
             m.load.as_ref().map(|l: &ModuleLoad| {
                 (
-                    l.image.clone(),
+                    // The bytes, not their name: a retag of the pinned digest is no task.
+                    crate::node_status::image_bytes(&l.image).to_owned(),
                     l.version.clone(),
                     l.modprobe.clone(),
                     l.in_tree_modules_to_remove.clone(),
@@ -1342,6 +1343,29 @@ mod tests {
                 .is_none()),
             "labels of a forgotten module are not touched"
         );
+    }
+
+    /// Seen in the chaos soak: the module's image retagged (the same pinned digest under
+    /// another tag) made the node pending again, for a load its agent rightly skips.
+    #[test]
+    fn a_retag_of_the_pinned_digest_keeps_the_module_loaded() {
+        let pinned = |tag: &str| {
+            let mut m = intent("m", "v1");
+            for kernel in &mut m.kernels {
+                if let Some(Target::Load(load)) = &mut kernel.target {
+                    load.image = format!("reg/m:{tag}@sha256:aa");
+                }
+            }
+            m
+        };
+        let mut s = cluster();
+        s.set_intents(snapshot(1, vec![pinned("6.1-v1")]));
+        let rev = s.desired_modules("a").revision;
+        s.agent_event("a", &event("m", Action::Load, Outcome::Succeeded, rev))
+            .unwrap();
+        assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Loaded));
+        s.set_intents(snapshot(2, vec![pinned("6.1-v1-retagged")]));
+        assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Loaded));
     }
 
     /// Seen in the chaos soak: a new hub leader, its images not yet checked, sends a

@@ -73,6 +73,12 @@ fn noting_shared(
     assessment
 }
 
+/// What an image reference loads: its pinned digest when it has one (the same bytes
+/// under any name), else the reference itself.
+pub fn image_bytes(image: &str) -> &str {
+    image.split_once('@').map_or(image, |(_, pinned)| pinned)
+}
+
 /// Whether a module loaded from an image with `digest` satisfies `image`: an image
 /// pinned by digest must match it; a tag is resolved by the agent once, so any digest.
 pub fn digest_matches(image: &str, digest: &str) -> bool {
