@@ -32,8 +32,8 @@ const MAX_NOTE: usize = 1024;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NodeEvent {
     pub node: String,
-    /// The module (`namespace/name`) it is about.
-    pub module: String,
+    /// The module it is about.
+    pub module: ModuleId,
     pub warning: bool,
     pub reason: &'static str,
     pub note: String,
@@ -72,7 +72,7 @@ pub fn of(node: &str, event: &ModuleEvent) -> Option<NodeEvent> {
     };
     Some(NodeEvent {
         node: node.to_owned(),
-        module: module.to_string(),
+        module: module.clone(),
         warning,
         reason,
         note: {
@@ -83,11 +83,24 @@ pub fn of(node: &str, event: &ModuleEvent) -> Option<NodeEvent> {
     })
 }
 
+/// The ManagedClusterModule an Event is about, as its related object. Besides telling a
+/// reader which module, it keeps each module's Events apart: the recorder merges Events
+/// of the same reason on the same Node into one series unless their related objects
+/// differ, and the note of the first would then stand for every module.
+pub fn related(module: &ModuleId) -> ObjectReference {
+    ObjectReference {
+        api_version: Some("hub.kmm.sigs.x-k8s.io/v1beta1".into()),
+        kind: Some("ManagedClusterModule".into()),
+        name: Some(module.name.clone()),
+        ..ObjectReference::default()
+    }
+}
+
 /// Leaves out a repeat of the last event of the same node and module within
 /// [`REPEAT_AFTER`].
 #[derive(Debug, Default)]
 pub struct Repeats {
-    last: HashMap<(String, String), (NodeEvent, Instant)>,
+    last: HashMap<(String, ModuleId), (NodeEvent, Instant)>,
 }
 
 impl Repeats {
@@ -177,7 +190,7 @@ pub async fn run(
                     reason: event.reason.to_owned(),
                     note: Some(event.note),
                     action: event.reason.to_owned(),
-                    secondary: None,
+                    secondary: Some(related(&event.module)),
                 },
                 &node,
             )
@@ -236,6 +249,17 @@ mod tests {
     }
 
     #[test]
+    fn each_modules_events_name_it_as_their_related_object() {
+        let made = of("n1", &event(Action::Load, Outcome::Succeeded, "")).unwrap();
+        let other = ModuleId {
+            namespace: "ops".into(),
+            name: "other".into(),
+        };
+        assert_eq!(related(&made.module).name.as_deref(), Some("nic"));
+        assert_ne!(related(&made.module), related(&other));
+    }
+
+    #[test]
     fn a_long_error_is_cut() {
         let made = of(
             "n1",
@@ -259,7 +283,10 @@ mod tests {
         };
         assert!(repeats.admit(&elsewhere, start));
         let other_module = NodeEvent {
-            module: "ops/other".into(),
+            module: ModuleId {
+                namespace: "ops".into(),
+                name: "other".into(),
+            },
             ..failed.clone()
         };
         assert!(repeats.admit(&other_module, start));
