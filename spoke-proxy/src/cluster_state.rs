@@ -32,6 +32,11 @@ struct NodeWork {
     placements: BTreeMap<ModuleId, Placement>,
     /// Per module, the revision at which what the agent must do for it last changed.
     since: BTreeMap<ModuleId, u64>,
+    /// Modules that left `modules` while the agent still holds them, with their last
+    /// task: one that comes back unchanged (a new hub leader's first snapshot leaves out
+    /// a module whose images it has not checked yet) is still proved by the agent's
+    /// earlier report, for the agent has nothing new to do or say.
+    departed: BTreeMap<ModuleId, NodeModule>,
 }
 
 /// See the module documentation. Its `Debug` shows counts only: the intents and the
@@ -667,15 +672,32 @@ impl ClusterState {
                 let old = work
                     .modules
                     .iter()
-                    .find(|m| ModuleId::from_key(m.key.as_ref()) == id);
+                    .find(|m| ModuleId::from_key(m.key.as_ref()) == id)
+                    .or_else(|| work.departed.get(&id));
                 if !same_task(old, module) {
                     work.since.insert(id, revision);
                 }
             }
+            let staying: BTreeSet<ModuleId> = modules
+                .iter()
+                .map(|m| ModuleId::from_key(m.key.as_ref()))
+                .collect();
+            for old in std::mem::take(&mut work.modules) {
+                let id = ModuleId::from_key(old.key.as_ref());
+                if !staying.contains(&id) {
+                    work.departed.insert(id, old);
+                }
+            }
+            work.departed.retain(|id, _| !staying.contains(id));
             work.revision = revision;
             work.modules = modules;
         }
-        work.since.retain(|id, _| placements.contains_key(id));
+        let held = self.agents.get(name).map(|view| &view.loaded);
+        work.departed
+            .retain(|id, _| held.is_some_and(|loaded| loaded.contains_key(id)));
+        let departed = &work.departed;
+        work.since
+            .retain(|id, _| placements.contains_key(id) || departed.contains_key(id));
         work.placements = placements;
     }
 }
@@ -1343,6 +1365,26 @@ mod tests {
                 .is_none()),
             "labels of a forgotten module are not touched"
         );
+    }
+
+    /// Seen on the fleet after a hub leader change: the new leader's first snapshot left
+    /// the module out (its images not checked yet), the next brought it back unchanged,
+    /// and the node stayed pending, waiting for a report its agent had no reason to make.
+    #[test]
+    fn a_module_back_unchanged_in_the_snapshot_stays_loaded() {
+        let mut s = cluster();
+        s.set_intents(snapshot(1, vec![intent("m", "v1")]));
+        let rev = s.desired_modules("a").revision;
+        s.agent_event("a", &event("m", Action::Load, Outcome::Succeeded, rev))
+            .unwrap();
+        assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Loaded));
+        s.set_intents(snapshot(2, vec![]));
+        s.set_intents(snapshot(3, vec![intent("m", "v1")]));
+        assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Loaded));
+        // Back changed, it waits for the agent's new proof.
+        s.set_intents(snapshot(4, vec![]));
+        s.set_intents(snapshot(5, vec![intent("m", "v2")]));
+        assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Pending));
     }
 
     /// Seen in the chaos soak: the module's image retagged (the same pinned digest under
