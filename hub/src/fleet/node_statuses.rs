@@ -38,6 +38,26 @@ pub const MAX_BYTES: usize = 32 << 20;
 /// a cluster has at most one report in parts (another one starting drops it).
 pub const REPORT_DEADLINE: Duration = Duration::from_secs(120);
 
+/// When a report's part arrived: the monotonic instant bounds a report in parts, the
+/// wall-clock second stamps the statuses it changes ([`NodeStatus::since`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Arrival {
+    pub at: Instant,
+    pub unix_seconds: u32,
+}
+
+impl Arrival {
+    pub fn now() -> Self {
+        let unix_seconds = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u32::try_from(d.as_secs()).unwrap_or(u32::MAX));
+        Self {
+            at: Instant::now(),
+            unix_seconds,
+        }
+    }
+}
+
 /// What a held string, node or detail, and a module's entry in a map, cost beyond their
 /// text: allocation headers, pointers and map slots (approximate, on the high side).
 const STRING_OVERHEAD: usize = 32;
@@ -77,7 +97,7 @@ impl ReportRefused {
 /// One node's status of one module, as held: 24 bytes, the rest shared. The version
 /// loaded is not kept: a proxy reports `Loaded` only at the version its intent asks for,
 /// and the intent revision it acknowledges says which that is.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct NodeStatus {
     /// The node and the kernel it reported, shared by the node's statuses.
     pub node: Arc<Node>,
@@ -85,6 +105,17 @@ pub struct NodeStatus {
     /// Why it failed or cannot load, when the proxy said; shared by the cluster's
     /// statuses that say the same (every node waiting for the same image, say).
     pub detail: Option<Arc<Detail>>,
+    /// When this hub first held the status as it is (seconds since the Unix epoch; 0 for
+    /// a status not yet applied). Lives in what would be padding, so it costs nothing.
+    pub since: u32,
+}
+
+/// Statuses are equal when they say the same: `since` is when this hub heard it, not
+/// part of what the proxy said.
+impl PartialEq for NodeStatus {
+    fn eq(&self, other: &Self) -> bool {
+        (&self.node, self.state, &self.detail) == (&other.node, other.state, &other.detail)
+    }
 }
 
 /// A node as its statuses name it.
@@ -123,6 +154,7 @@ impl NodeStatus {
             node: strings.node(node, &status.kernel),
             state: ModuleState::try_from(status.state).unwrap_or_default(),
             detail,
+            since: 0,
         }
     }
 
@@ -250,11 +282,11 @@ struct Staged {
 }
 
 impl Staged {
-    fn new(part: &NodeStatusReport, now: Instant) -> Self {
+    fn new(part: &NodeStatusReport, now: Arrival) -> Self {
         Self {
             full: part.full,
             intent_revision: part.intent_revision,
-            started: now,
+            started: now.at,
             updates: BTreeMap::new(),
             removals: BTreeMap::new(),
             bytes: 0,
@@ -329,7 +361,7 @@ impl NodeStatuses {
         &mut self,
         part: NodeStatusReport,
         known: impl Fn(&str, &str) -> bool,
-        now: Instant,
+        now: Arrival,
     ) -> Result<Option<Applied>, ReportRefused> {
         let result = self.stage(part, known, now);
         if result.is_err() {
@@ -345,13 +377,13 @@ impl NodeStatuses {
         &mut self,
         part: NodeStatusReport,
         known: impl Fn(&str, &str) -> bool,
-        now: Instant,
+        now: Arrival,
     ) -> Result<Option<Applied>, ReportRefused> {
         let mut staged = match self.receiving.take() {
             Some(staged)
                 if staged.full == part.full && staged.intent_revision == part.intent_revision =>
             {
-                if now.saturating_duration_since(staged.started) > REPORT_DEADLINE {
+                if now.at.saturating_duration_since(staged.started) > REPORT_DEADLINE {
                     return Err(ReportRefused::Unfinished);
                 }
                 staged
@@ -395,7 +427,7 @@ impl NodeStatuses {
             return Ok(None);
         }
         let (full, intent_revision) = (staged.full, staged.intent_revision);
-        let changed = self.commit(staged)?;
+        let changed = self.commit(staged, now.unix_seconds)?;
         Ok(Some(Applied {
             changed,
             full,
@@ -412,7 +444,7 @@ impl NodeStatuses {
     ) -> Result<BTreeSet<ModuleId>, ReportRefused> {
         assert!(!report.continued, "a report in one part");
         Ok(self
-            .receive(report, known, Instant::now())?
+            .receive(report, known, Arrival::now())?
             .expect("a whole report")
             .changed)
     }
@@ -433,7 +465,9 @@ impl NodeStatuses {
         self.receiving = None;
     }
 
-    fn commit(&mut self, staged: Staged) -> Result<BTreeSet<ModuleId>, ReportRefused> {
+    /// Applies a whole report; a status it changes, or a node's first, is stamped `since`,
+    /// one it repeats keeps its stamp.
+    fn commit(&mut self, staged: Staged, since: u32) -> Result<BTreeSet<ModuleId>, ReportRefused> {
         let Staged {
             full,
             updates,
@@ -470,9 +504,17 @@ impl NodeStatuses {
         let mut changed = BTreeSet::new();
         if full {
             let before = std::mem::take(&mut self.modules);
-            for (module, nodes) in updates {
-                if before.get(&module) != Some(&nodes) {
+            for (module, mut nodes) in updates {
+                let held = before.get(&module).map_or(&[][..], Vec::as_slice);
+                if held != nodes.as_slice() {
                     changed.insert(module.clone());
+                }
+                for status in &mut nodes {
+                    status.since =
+                        match held.binary_search_by(|s| s.node.name.cmp(&status.node.name)) {
+                            Ok(i) if held[i] == *status => held[i].since,
+                            _ => since,
+                        };
                 }
                 self.modules.insert(module, nodes);
             }
@@ -498,7 +540,8 @@ impl NodeStatuses {
             for (module, nodes) in updates {
                 let statuses = self.modules.entry(module.clone()).or_default();
                 reserve_for(statuses, &nodes);
-                for status in nodes {
+                for mut status in nodes {
+                    status.since = since;
                     match statuses.binary_search_by(|s| s.node.name.cmp(&status.node.name)) {
                         Ok(i) if statuses[i] == status => {}
                         Ok(i) => {
@@ -867,13 +910,13 @@ mod tests {
         let all = |_: &str, _: &str| true;
         assert_eq!(
             statuses
-                .receive(part("n1", 3, true), all, Instant::now())
+                .receive(part("n1", 3, true), all, Arrival::now())
                 .unwrap(),
             None
         );
         assert_eq!(
             statuses
-                .receive(part("n2", 3, true), all, Instant::now())
+                .receive(part("n2", 3, true), all, Arrival::now())
                 .unwrap(),
             None
         );
@@ -882,7 +925,7 @@ mod tests {
             "nothing is applied before the last part"
         );
         let whole = statuses
-            .receive(part("n3", 3, false), all, Instant::now())
+            .receive(part("n3", 3, false), all, Arrival::now())
             .unwrap()
             .unwrap();
         assert_eq!(nodes(statuses.module("drivers", "a")), ["n1", "n2", "n3"]);
@@ -898,12 +941,12 @@ mod tests {
         // A report left unfinished is dropped when another starts.
         assert_eq!(
             statuses
-                .receive(part("n1", 4, true), all, Instant::now())
+                .receive(part("n1", 4, true), all, Arrival::now())
                 .unwrap(),
             None
         );
         let other = statuses
-            .receive(part("n9", 5, false), all, Instant::now())
+            .receive(part("n9", 5, false), all, Arrival::now())
             .unwrap()
             .unwrap();
         assert_eq!(other.intent_revision, 5);
@@ -912,7 +955,7 @@ mod tests {
         // And when its stream ended.
         assert_eq!(
             statuses
-                .receive(part("n1", 6, true), all, Instant::now())
+                .receive(part("n1", 6, true), all, Arrival::now())
                 .unwrap(),
             None
         );
@@ -923,7 +966,7 @@ mod tests {
             ..NodeStatusReport::default()
         };
         statuses
-            .receive(delta, all, Instant::now())
+            .receive(delta, all, Arrival::now())
             .unwrap()
             .unwrap();
         assert_eq!(nodes(statuses.module("drivers", "a")), ["n2", "n9"]);
@@ -936,11 +979,11 @@ mod tests {
             ..NodeStatusReport::default()
         };
         assert!(
-            statuses.receive(huge, all, Instant::now()).is_err(),
+            statuses.receive(huge, all, Arrival::now()).is_err(),
             "parts cannot pile up without bound"
         );
         let next = statuses
-            .receive(part("n1", 7, false), all, Instant::now())
+            .receive(part("n1", 7, false), all, Arrival::now())
             .unwrap()
             .unwrap();
         assert_eq!(next.intent_revision, 7);
@@ -958,7 +1001,7 @@ mod tests {
                 ..NodeStatusReport::default()
             };
             assert_eq!(
-                statuses.receive(part, |_, _| true, Instant::now()).unwrap(),
+                statuses.receive(part, |_, _| true, Arrival::now()).unwrap(),
                 None
             );
         }
@@ -1008,7 +1051,7 @@ mod tests {
         };
         let mut refused = None;
         for first in (0..MAX_BYTES / ERROR_TEXT).step_by(1_000) {
-            match statuses.receive(part(first), all, Instant::now()) {
+            match statuses.receive(part(first), all, Arrival::now()) {
                 Ok(None) => assert!(statuses.bytes() <= MAX_BYTES, "{}", statuses.bytes()),
                 Ok(Some(_)) => unreachable!("every part continues"),
                 Err(error) => {
@@ -1048,7 +1091,7 @@ mod tests {
         };
         let known = |_: &str, name: &str| name == "a";
         assert_eq!(
-            statuses.receive(strangers, known, Instant::now()).unwrap(),
+            statuses.receive(strangers, known, Arrival::now()).unwrap(),
             None
         );
         assert!(statuses.bytes() < 1 << 10, "{}", statuses.bytes());
@@ -1065,17 +1108,21 @@ mod tests {
             continued,
             ..NodeStatusReport::default()
         };
-        let start = Instant::now();
+        let start = Arrival::now();
+        let at = |instant| Arrival {
+            at: instant,
+            ..start
+        };
         assert_eq!(
             statuses.receive(part("n1", true), all, start).unwrap(),
             None
         );
-        let within = start + REPORT_DEADLINE;
+        let within = at(start.at + REPORT_DEADLINE);
         assert_eq!(
             statuses.receive(part("n2", true), all, within).unwrap(),
             None
         );
-        let late = within + Duration::from_secs(1);
+        let late = at(within.at + Duration::from_secs(1));
         assert_eq!(
             statuses.receive(part("n3", true), all, late),
             Err(ReportRefused::Unfinished)
@@ -1105,15 +1152,72 @@ mod tests {
         };
         let all = |_: &str, _: &str| true;
         statuses
-            .receive(part(ModuleState::Pending, true), all, Instant::now())
+            .receive(part(ModuleState::Pending, true), all, Arrival::now())
             .unwrap();
         statuses
-            .receive(part(ModuleState::Loaded, false), all, Instant::now())
+            .receive(part(ModuleState::Loaded, false), all, Arrival::now())
             .unwrap();
         let held = statuses.module("drivers", "a");
         assert_eq!(nodes(held), ["n1", "n2"]);
         assert_eq!(held[1].state, ModuleState::Loaded);
         assert_eq!(statuses.len(), 2);
+    }
+
+    #[test]
+    fn a_status_keeps_when_it_was_first_heard_until_it_changes() {
+        let mut statuses = NodeStatuses::default();
+        let all = |_: &str, _: &str| true;
+        let at = |unix_seconds| Arrival {
+            at: Instant::now(),
+            unix_seconds,
+        };
+        let report = |full, entries: &[(&str, ModuleState)]| NodeStatusReport {
+            full,
+            statuses: entries
+                .iter()
+                .map(|(node, state)| status("a", node, *state))
+                .collect(),
+            ..NodeStatusReport::default()
+        };
+        let since = |statuses: &NodeStatuses| -> Vec<(String, u32)> {
+            statuses
+                .module("drivers", "a")
+                .iter()
+                .map(|s| (s.node.name.to_string(), s.since))
+                .collect()
+        };
+        let pending = ModuleState::Pending;
+        let loaded = ModuleState::Loaded;
+        statuses
+            .receive(
+                report(true, &[("n1", pending), ("n2", pending)]),
+                all,
+                at(100),
+            )
+            .unwrap();
+        assert_eq!(since(&statuses), [("n1".into(), 100), ("n2".into(), 100)]);
+        // A delta: n1 changes, n2 is repeated as it was.
+        statuses
+            .receive(
+                report(false, &[("n1", loaded), ("n2", pending)]),
+                all,
+                at(200),
+            )
+            .unwrap();
+        assert_eq!(since(&statuses), [("n1".into(), 200), ("n2".into(), 100)]);
+        // A full report after a reconnect: what it repeats keeps its time, what changed
+        // and what is new get the report's.
+        statuses
+            .receive(
+                report(true, &[("n1", loaded), ("n2", loaded), ("n3", pending)]),
+                all,
+                at(300),
+            )
+            .unwrap();
+        assert_eq!(
+            since(&statuses),
+            [("n1".into(), 200), ("n2".into(), 300), ("n3".into(), 300)]
+        );
     }
 
     #[test]

@@ -49,6 +49,8 @@ pub struct NodeRow {
     pub idle: usize,
     /// The first [`PROBLEMS_PER_NODE`] failing modules.
     pub problems: Vec<ModuleOnNode>,
+    /// When the latest of its modules' statuses changed, as this hub heard it.
+    pub changed: Option<String>,
 }
 
 /// One module on one node.
@@ -61,6 +63,17 @@ pub struct ModuleOnNode {
     pub version: Option<String>,
     pub reason: String,
     pub message: String,
+    /// When the status became what it is, as this hub heard it.
+    pub since: Option<String>,
+}
+
+/// A status's [`NodeStatus::since`] as pages show it: UTC to the second; `None` when the
+/// status was never stamped.
+pub fn heard_at(unix_seconds: u32) -> Option<String> {
+    (unix_seconds > 0)
+        .then(|| k8s_openapi::jiff::Timestamp::from_second(i64::from(unix_seconds)).ok())
+        .flatten()
+        .map(|t| t.strftime("%Y-%m-%d %H:%M:%S UTC").to_string())
 }
 
 /// A node status's state as pages name it.
@@ -96,12 +109,15 @@ pub fn module_on_node(
         version,
         reason: status.reason().to_owned(),
         message: status.message().to_owned(),
+        since: heard_at(status.since),
     }
 }
 
 /// The session's nodes as rows, those whose name contains `filter`.
 pub fn session_model(cluster: ClusterReadout<'_>, filter: Option<&str>) -> ClusterSessionModel {
     let mut nodes: BTreeMap<Arc<str>, NodeRow> = BTreeMap::new();
+    // Stamps compare as numbers; only the shown rows' are formatted.
+    let mut changed: BTreeMap<Arc<str>, u32> = BTreeMap::new();
     for (module, statuses) in cluster.statuses().modules() {
         for status in statuses {
             let Node { name, kernel } = &*status.node;
@@ -116,7 +132,10 @@ pub fn session_model(cluster: ClusterReadout<'_>, filter: Option<&str>) -> Clust
                 failed: 0,
                 idle: 0,
                 problems: Vec::new(),
+                changed: None,
             });
+            let latest = changed.entry(name.clone()).or_default();
+            *latest = (*latest).max(status.since);
             match status.state {
                 ModuleState::Loaded => row.loaded += 1,
                 ModuleState::Failed => {
@@ -131,7 +150,14 @@ pub fn session_model(cluster: ClusterReadout<'_>, filter: Option<&str>) -> Clust
         }
     }
     let matching = nodes.len();
-    let nodes: Vec<NodeRow> = nodes.into_values().take(NODES_SHOWN).collect();
+    let nodes: Vec<NodeRow> = nodes
+        .into_iter()
+        .take(NODES_SHOWN)
+        .map(|(name, row)| NodeRow {
+            changed: changed.get(&name).copied().and_then(heard_at),
+            ..row
+        })
+        .collect();
     ClusterSessionModel {
         connected: cluster.connected(),
         kernels: cluster
@@ -154,4 +180,18 @@ pub fn cluster_page(view: &FleetView, name: &str, filter: Option<String>) -> Opt
         session,
         filter,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::heard_at;
+
+    #[test]
+    fn a_stamp_reads_as_utc_to_the_second_and_none_is_shown_for_no_stamp() {
+        assert_eq!(heard_at(0), None);
+        assert_eq!(
+            heard_at(1_795_737_600).as_deref(),
+            Some("2026-11-27 00:00:00 UTC")
+        );
+    }
 }

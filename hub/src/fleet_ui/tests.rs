@@ -349,7 +349,19 @@ fn cluster_and_node_pages_show_each_nodes_modules_with_state_version_and_reason(
         ("hello", "failed", "LoadFailed")
     );
     assert!(hello.version.is_some(), "the version sent for kernel 6.1");
-    assert_escaped(&render::node(&chrome(), &node).unwrap());
+    let since = hello
+        .since
+        .as_deref()
+        .expect("the hub stamps what it applies");
+    assert!(since.ends_with(" UTC"), "{since}");
+    assert_eq!(
+        n1.changed.as_deref(),
+        Some(since),
+        "the node's latest change"
+    );
+    let html = render::node(&chrome(), &node).unwrap();
+    assert!(html.contains(since), "{html}");
+    assert_escaped(&html);
     assert!(node_page(&fleet.view, "spoke2", "n9").is_none());
 }
 

@@ -13,13 +13,12 @@
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::time::Instant;
 
 use kmm_api::ManagedClusterModule;
 use kmm_proto::v1::{DevicePluginReport, KernelInventory, NodeStatusReport};
 use tokio::sync::watch;
 
-use crate::fleet::node_statuses::Applied;
+use crate::fleet::node_statuses::{Applied, Arrival};
 use crate::fleet::outbox::Outbox;
 use crate::serve::outbound::OutboundSender;
 
@@ -145,7 +144,7 @@ impl ClusterStreams for FleetView {
             changed,
             full,
             intent_revision: acked,
-        } = match statuses.receive(part, known, Instant::now()) {
+        } = match statuses.receive(part, known, Arrival::now()) {
             Ok(Some(applied)) => applied,
             Ok(None) => return,
             Err(refused) => {
