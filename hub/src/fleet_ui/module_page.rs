@@ -1,6 +1,6 @@
 //! A module's page: its clusters by state as a grid, the rollout's waves and where it
-//! stands or why it halted, failures with node, kernel, reason and message, and its
-//! images with digest and build or signature state.
+//! stands or why it halted, failures with node, kernel, reason and message, its
+//! images with digest and build or signature state, and its recent Events.
 
 use kmm_api::{FailureSample, HeldCluster, ImageStatus, ManagedClusterModule, NodeCounts};
 use kube::ResourceExt;
@@ -9,6 +9,7 @@ use crate::serve::fleet_view::FleetView;
 
 use super::cluster_grid::{GridFilter, GridGroup, grid};
 use crate::fleet::cluster_states::{StateCounts, cluster_states};
+use crate::fleet::module_events::RecentEvent;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModulePage {
@@ -30,6 +31,8 @@ pub struct ModulePage {
     /// A sample of the clusters held, with why.
     pub held: Vec<HeldCluster>,
     pub images: Vec<ImageStatus>,
+    /// The newest Events about it, newest first.
+    pub events: Vec<RecentEvent>,
 }
 
 /// Where the rollout stands, as the controller last wrote it in status.
@@ -97,5 +100,6 @@ pub fn module_page(
         failures: status.failures,
         held: status.held,
         images: status.images,
+        events: view.recent_events(&module.name_any()),
     }
 }

@@ -33,6 +33,7 @@ use super::routes::route;
 use super::server::{Answer, leader_answer};
 use crate::fleet::assignment::FINALIZER;
 use crate::fleet::cluster_states::ClusterState;
+use crate::fleet::module_events::RecentEvent;
 use crate::images::ImageRecord;
 use crate::serve::fleet_view::{ClusterStreams, FleetView, SessionId, Stores};
 use crate::serve::metrics::Metrics;
@@ -327,6 +328,43 @@ fn the_module_page_groups_clusters_by_state_and_shows_failures_escaped() {
         },
     );
     assert_eq!(failed_only.grid.len(), 1);
+}
+
+#[test]
+fn the_module_page_lists_its_recent_events_newest_first_escaped() {
+    let fleet = two_clusters();
+    let module = fleet.view.known_module("hello").unwrap();
+    let mut changes = fleet.view.changes();
+    changes.mark_seen();
+    let event = |uid: &str, at: i64, reason: &str| RecentEvent {
+        uid: uid.into(),
+        type_: "Warning".into(),
+        reason: reason.into(),
+        note: "<b>not bold</b>".into(),
+        count: 2,
+        last: Timestamp::from_second(at).unwrap(),
+        reporter: "kmm-hub".into(),
+    };
+    fleet
+        .view
+        .note_event("hello", event("a", 1_000, "BuildFailed"));
+    fleet
+        .view
+        .note_event("hello", event("b", 2_000, "SignFailed"));
+    fleet
+        .view
+        .note_event("other", event("c", 3_000, "ImageExists"));
+    assert!(
+        futures::FutureExt::now_or_never(changes.changed()).is_some(),
+        "live pages are told"
+    );
+    let page = module_page(&fleet.view, &module, GridFilter::default());
+    let reasons: Vec<&str> = page.events.iter().map(|e| e.reason.as_str()).collect();
+    assert_eq!(reasons, ["SignFailed", "BuildFailed"]);
+    let html = render::module(&chrome(), &page).unwrap();
+    assert!(html.contains("SignFailed"), "{html}");
+    assert!(html.contains("&#60;b&#62;not bold"), "{html}");
+    assert_escaped(&html);
 }
 
 #[test]

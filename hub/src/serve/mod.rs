@@ -11,6 +11,7 @@ mod image_tasks;
 pub mod images;
 pub mod leadership;
 pub mod metrics;
+pub mod module_events;
 pub mod outbound;
 pub mod preflight;
 pub mod signing;
@@ -179,6 +180,7 @@ pub async fn run(
     }
     // Until this replica leads, its UI says it stands by (or starts).
     let role = tokio::sync::watch::Sender::new(Role::Standby);
+    let serves_ui = listeners.ui.is_some();
     if let Some(listener) = listeners.ui {
         let replica = Replica {
             instance: settings.instance.clone(),
@@ -345,6 +347,12 @@ pub async fn run(
         "PlacementDecisions",
         |state, _, _| state.decisions_changed(),
     );
+    if serves_ui {
+        background.push(AbortOnDropHandle::new(tokio::spawn(module_events::follow(
+            Api::namespaced(client.clone(), module_events::NAMESPACE),
+            state.clone(),
+        ))));
+    }
     let preflight_writer = AbortOnDropHandle::new(tokio::spawn(preflight::run(
         state.clone(),
         preflights_api,

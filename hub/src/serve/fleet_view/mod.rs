@@ -38,6 +38,7 @@ use self::index::FleetIndex;
 use self::sessions::Sessions;
 use self::signals::{Signals, Touched};
 use super::metrics::Metrics;
+use crate::fleet::module_events::{RecentEvent, RecentEvents};
 
 /// The shared fleet view.
 #[derive(Debug)]
@@ -47,6 +48,8 @@ pub struct FleetView {
     images: ImageBook,
     caches: Caches,
     signals: Signals,
+    /// Fed by its own watch, read by the fleet view's module page only.
+    recent_events: Mutex<RecentEvents>,
     metrics: Metrics,
 }
 
@@ -66,8 +69,34 @@ impl FleetView {
             images: ImageBook::default(),
             caches: Caches::default(),
             signals: Signals::default(),
+            recent_events: Mutex::default(),
             metrics,
         }
+    }
+
+    /// Keeps an Event of `module` among its recent ones.
+    pub fn note_event(&self, module: &str, event: RecentEvent) {
+        if lock(&self.recent_events).note(module, event) {
+            self.signals.bump_events();
+        }
+    }
+
+    /// Forgets an Event of `module` that expired or was deleted.
+    pub fn forget_event(&self, module: &str, uid: &str) {
+        if lock(&self.recent_events).forget(module, uid) {
+            self.signals.bump_events();
+        }
+    }
+
+    /// Forgets every Event: the watch lists them anew.
+    pub fn clear_events(&self) {
+        lock(&self.recent_events).clear();
+        self.signals.bump_events();
+    }
+
+    /// The module's recent Events, newest first.
+    pub fn recent_events(&self, module: &str) -> Vec<RecentEvent> {
+        lock(&self.recent_events).of(module).to_vec()
     }
 
     /// Follows the clusters' sessions as they open and close.
@@ -92,6 +121,7 @@ impl FleetView {
             counted: self.signals.counted.subscribe(),
             connections: self.sessions.connections(),
             needs: self.signals.needs.subscribe(),
+            events: self.signals.events.subscribe(),
         }
     }
 

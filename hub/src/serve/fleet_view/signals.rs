@@ -77,6 +77,8 @@ pub struct Signals {
     /// Bumped when a module's clusters by state, counted anew, changed: readers showing
     /// them follow it (it lags the touch by the controller's reconciliation).
     pub counted: watch::Sender<u64>,
+    /// Bumped when a module's recent Events changed.
+    pub events: watch::Sender<u64>,
 }
 
 impl Default for Signals {
@@ -88,6 +90,7 @@ impl Default for Signals {
             unchecked_images: Notify::new(),
             preflight_changed: Notify::new(),
             counted: watch::Sender::new(0),
+            events: watch::Sender::new(0),
         }
     }
 }
@@ -104,11 +107,15 @@ impl Signals {
     pub fn bump_counted(&self) {
         self.counted.send_modify(|n| *n = n.wrapping_add(1));
     }
+
+    pub fn bump_events(&self) {
+        self.events.send_modify(|n| *n = n.wrapping_add(1));
+    }
 }
 
 /// Everything a reader of the view follows to know that what it shows may be stale: a
 /// module touched (statuses, images, selection) or counted anew, a session opened or
-/// closed, the fleet's kernels changed. Each wait returns once any of them changed since
+/// closed, the fleet's kernels changed, a module's recent Events changed. Each wait returns once any of them changed since
 /// the last.
 #[derive(Debug)]
 pub struct Changes {
@@ -116,6 +123,7 @@ pub struct Changes {
     pub(super) counted: watch::Receiver<u64>,
     pub(super) connections: watch::Receiver<super::Connections>,
     pub(super) needs: watch::Receiver<u64>,
+    pub(super) events: watch::Receiver<u64>,
 }
 
 impl Changes {
@@ -126,6 +134,7 @@ impl Changes {
             changed = self.counted.changed() => changed,
             changed = self.connections.changed() => changed,
             changed = self.needs.changed() => changed,
+            changed = self.events.changed() => changed,
         };
         // What changed at once with it is taken too: one wake-up for a burst.
         self.mark_seen();
@@ -138,6 +147,7 @@ impl Changes {
         self.counted.mark_unchanged();
         self.connections.mark_unchanged();
         self.needs.mark_unchanged();
+        self.events.mark_unchanged();
     }
 }
 
