@@ -105,8 +105,9 @@ struct RunArgs {
     #[arg(long, default_value_t = kmm_node_agent::reconcile::DEFAULT_UNUSED_IMAGE_RETENTION.as_secs())]
     unused_image_retention_seconds: u64,
     /// Host directory firmware is copied to; when it is not /lib/firmware the kernel's
-    /// firmware_class search path is set to it.
-    #[arg(long, default_value = kmm_node_agent::firmware::DEFAULT_FIRMWARE_DIR)]
+    /// firmware_class search path is set to it. In a Pod it is mounted at the same path,
+    /// since the kernel is told the host's.
+    #[arg(long, default_value = kmm_node_agent::firmware::DEFAULT_FIRMWARE_DIR, value_parser = absolute_dir)]
     firmware_dir: PathBuf,
     /// Which kernel to act on.
     #[arg(long, value_enum, default_value = "host")]
@@ -264,6 +265,17 @@ fn main() -> ExitCode {
     code
 }
 
+/// An absolute directory (the kernel is told it as is): a relative or empty one, as an
+/// unset add-on variable renders, is refused at startup.
+fn absolute_dir(value: &str) -> Result<PathBuf, String> {
+    let path = PathBuf::from(value);
+    if path.is_absolute() {
+        Ok(path)
+    } else {
+        Err(format!("{value:?} is not an absolute path"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use clap::CommandFactory;
@@ -386,5 +398,28 @@ mod tests {
         };
         assert_eq!(args.metrics_addr.to_string(), "0.0.0.0:8082");
         assert_eq!(args.proxy_server_name, None);
+    }
+
+    #[test]
+    fn a_firmware_dir_that_is_not_absolute_is_refused_naming_it() {
+        for value in ["", "lib/firmware"] {
+            let error = Cli::try_parse_from([
+                "kmm-node-agent",
+                "run",
+                "--node-name",
+                "n",
+                "--proxy-address",
+                "https://127.0.0.1:7444",
+                "--proxy-ca-file",
+                "ca",
+                "--token-file",
+                "t",
+                &format!("--firmware-dir={value}"),
+            ])
+            .unwrap_err()
+            .to_string();
+            assert!(error.contains("--firmware-dir"), "{error}");
+            assert!(error.contains("is not an absolute path"), "{error}");
+        }
     }
 }

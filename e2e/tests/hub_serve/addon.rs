@@ -265,6 +265,7 @@ async fn the_hub_ca_is_published_next_to_the_users_variables() {
         json!([
             variable("HUB_ADDRESS", "https://kmm-hub.example:7443"),
             variable("LOG_LEVEL", "info"),
+            variable("FIRMWARE_DIR", "/lib/firmware"),
             variable("USER_NOTE", "kept"),
         ]),
     )
@@ -292,6 +293,7 @@ async fn the_hub_ca_is_published_next_to_the_users_variables() {
         .user_applies(json!([
             variable("HUB_ADDRESS", "https://kmm-hub.example:7443"),
             variable("LOG_LEVEL", "debug"),
+            variable("FIRMWARE_DIR", "/lib/firmware"),
             variable("USER_NOTE", "changed"),
         ]))
         .await;
@@ -306,6 +308,7 @@ async fn the_hub_ca_is_published_next_to_the_users_variables() {
     let patch = json!({"spec": {"customizedVariables": [
         variable("HUB_ADDRESS", "https://kmm-hub.example:7443"),
         variable("LOG_LEVEL", "debug"),
+        variable("FIRMWARE_DIR", "/lib/firmware"),
         variable("USER_NOTE", "replaced"),
     ]}});
     addon
@@ -380,12 +383,34 @@ async fn a_missing_hub_address_degrades_the_add_on_naming_the_config_and_variabl
         conditions(&current)
     );
 
+    // A firmware directory that is not a plain absolute path is named with its value.
+    addon
+        .user_applies(json!([
+            variable("HUB_ADDRESS", "https://kmm-hub.example:7443"),
+            variable("LOG_LEVEL", "info"),
+            variable("FIRMWARE_DIR", "var/lib/firmware"),
+        ]))
+        .await;
+    let invalid = addon
+        .wait_degraded("Degraded for the relative FIRMWARE_DIR", WAIT, |c| {
+            c.reason == "ConfigurationIncomplete" && c.message.contains("var/lib/firmware")
+        })
+        .await;
+    assert!(
+        invalid
+            .message
+            .contains("FIRMWARE_DIR \"var/lib/firmware\" must be an absolute path"),
+        "{}",
+        invalid.message
+    );
+
     // Once set, the add-on is still degraded (no proxy), for another reason: the
     // condition's status holds, so does its transition time.
     addon
         .user_applies(json!([
             variable("HUB_ADDRESS", "https://kmm-hub.example:7443"),
             variable("LOG_LEVEL", "info"),
+            variable("FIRMWARE_DIR", "/lib/firmware"),
         ]))
         .await;
     let no_session = addon
@@ -409,6 +434,7 @@ async fn a_proxy_session_clears_degraded_until_it_closes() {
         json!([
             variable("HUB_ADDRESS", "https://kmm-hub.example:7443"),
             variable("LOG_LEVEL", "info"),
+            variable("FIRMWARE_DIR", "/lib/firmware"),
         ]),
     )
     .await;

@@ -22,8 +22,13 @@ pub const CA_BUNDLE_PARTS: usize = 4;
 /// OCM's CRD limits a variable's value to 1024 characters, and the base64 of an RSA-2048
 /// CA's PEM is about 1460: the bundle is split over several variables.
 pub const MAX_VALUE_LEN: usize = 1024;
-/// Variables users must set, non-empty, for the proxy to work.
-pub const REQUIRED_VARIABLES: [&str; 2] = ["HUB_ADDRESS", "LOG_LEVEL"];
+/// Variables users must set, non-empty, for the proxy and the agents to work.
+pub const REQUIRED_VARIABLES: [&str; 3] = ["HUB_ADDRESS", "LOG_LEVEL", "FIRMWARE_DIR"];
+
+/// The host directory the agents copy firmware to, mounted at the same path in their
+/// Pods (`/lib/firmware` by default; a writable one where that is read-only, as on
+/// CoreOS); the kernel is told to search it when it is not `/lib/firmware`.
+pub const FIRMWARE_DIR: &str = "FIRMWARE_DIR";
 
 /// Parses a watched object's field leniently: a field OCM left out, or shaped unlike the
 /// subset read here, reads as empty rather than stopping the controller.
@@ -241,6 +246,13 @@ pub enum ConfigProblem {
         config: ConfigName,
         variables: Vec<&'static str>,
     },
+    /// A variable's value cannot work.
+    Invalid {
+        config: ConfigName,
+        variable: &'static str,
+        value: String,
+        why: &'static str,
+    },
 }
 
 impl fmt::Display for ConfigProblem {
@@ -263,6 +275,16 @@ impl fmt::Display for ConfigProblem {
                 "AddOnDeploymentConfig {config} does not set {} (required, non-empty, in \
                  spec.customizedVariables)",
                 variables.join(", ")
+            ),
+            Self::Invalid {
+                config,
+                variable,
+                value,
+                why,
+            } => write!(
+                f,
+                "AddOnDeploymentConfig {config}: spec.customizedVariables {variable} {value:?} \
+                 {why}"
             ),
         }
     }
@@ -288,10 +310,45 @@ pub fn config_problem<'a>(
                 .any(|v| v.name == *required && !v.value.trim().is_empty())
         })
         .collect();
-    (!variables.is_empty()).then(|| ConfigProblem::Missing {
+    if !variables.is_empty() {
+        return Some(ConfigProblem::Missing {
+            config: config.clone(),
+            variables,
+        });
+    }
+    let firmware = spec
+        .customized_variables
+        .iter()
+        .rev()
+        .find(|v| v.name == FIRMWARE_DIR)
+        .map_or("", |v| v.value.as_str());
+    firmware_dir_problem(firmware).map(|why| ConfigProblem::Invalid {
         config: config.clone(),
-        variables,
+        variable: FIRMWARE_DIR,
+        value: firmware.to_owned(),
+        why,
     })
+}
+
+/// Why `dir` cannot be the host firmware directory: it becomes a hostPath, a mount path
+/// and the kernel's firmware search path, so it must be a plain absolute path.
+pub fn firmware_dir_problem(dir: &str) -> Option<&'static str> {
+    if !dir.starts_with('/') {
+        Some("must be an absolute path")
+    } else if dir == "/" {
+        Some("must not be the root directory")
+    } else if dir.ends_with('/') || dir.contains("//") {
+        Some("must not end in / or hold an empty component")
+    } else if dir.split('/').any(|part| part == "." || part == "..") {
+        Some("must not hold . or .. components")
+    } else if !dir
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"/._-".contains(&b))
+    {
+        Some("may hold only letters, digits, /, ., _ and -")
+    } else {
+        None
+    }
 }
 
 #[cfg(test)]
@@ -433,11 +490,27 @@ mod tests {
         let configs = BTreeMap::from([
             (
                 ConfigName::new("kmm", "complete"),
-                variables(&[("HUB_ADDRESS", "https://hub:7443"), ("LOG_LEVEL", "info")]),
+                variables(&[
+                    ("HUB_ADDRESS", "https://hub:7443"),
+                    ("LOG_LEVEL", "info"),
+                    ("FIRMWARE_DIR", "/lib/firmware"),
+                ]),
             ),
             (
                 ConfigName::new("kmm", "partial"),
-                variables(&[("HUB_ADDRESS", " "), ("LOG_LEVEL", "info")]),
+                variables(&[
+                    ("HUB_ADDRESS", " "),
+                    ("LOG_LEVEL", "info"),
+                    ("FIRMWARE_DIR", "/lib/firmware"),
+                ]),
+            ),
+            (
+                ConfigName::new("kmm", "relative-firmware"),
+                variables(&[
+                    ("HUB_ADDRESS", "https://hub:7443"),
+                    ("LOG_LEVEL", "info"),
+                    ("FIRMWARE_DIR", "var/lib/firmware"),
+                ]),
             ),
             (ConfigName::new("kmm", "empty"), variables(&[])),
         ]);
@@ -462,7 +535,13 @@ mod tests {
             problem("empty")
                 .unwrap()
                 .to_string()
-                .contains("does not set HUB_ADDRESS, LOG_LEVEL"),
+                .contains("does not set HUB_ADDRESS, LOG_LEVEL, FIRMWARE_DIR"),
+        );
+        let relative = problem("relative-firmware").unwrap();
+        assert_eq!(
+            relative.to_string(),
+            "AddOnDeploymentConfig kmm/relative-firmware: spec.customizedVariables \
+             FIRMWARE_DIR \"var/lib/firmware\" must be an absolute path"
         );
         let absent = problem("absent").unwrap();
         assert_eq!(
@@ -472,9 +551,31 @@ mod tests {
         assert!(absent.to_string().contains("kmm/absent"), "{absent}");
         let none = config_problem(None, |c| configs.get(c)).unwrap();
         assert!(
-            none.to_string().contains("HUB_ADDRESS, LOG_LEVEL"),
+            none.to_string()
+                .contains("HUB_ADDRESS, LOG_LEVEL, FIRMWARE_DIR"),
             "{none}"
         );
+    }
+
+    #[test]
+    fn a_firmware_dir_is_a_plain_absolute_path() {
+        for good in ["/lib/firmware", "/var/lib/firmware", "/opt/kmm-fw_1.2"] {
+            assert_eq!(firmware_dir_problem(good), None, "{good}");
+        }
+        for (bad, why) in [
+            ("", "absolute"),
+            ("lib/firmware", "absolute"),
+            ("/", "root"),
+            ("/var/lib/firmware/", "end in /"),
+            ("/var//firmware", "empty component"),
+            ("/var/lib/../etc", ".."),
+            ("/var/./firmware", ".."),
+            ("/var/lib/firm ware", "only letters"),
+            ("/var/lib/$(HOME)", "only letters"),
+        ] {
+            let problem = firmware_dir_problem(bad).unwrap_or_else(|| panic!("{bad:?} accepted"));
+            assert!(problem.contains(why), "{bad:?}: {problem}");
+        }
     }
 
     #[test]
