@@ -14,9 +14,13 @@ use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
 use k8s_openapi::api::core::v1::{Namespace, Secret};
-use kmm_api::ocm::{self, ADD_ON_TEMPLATE, CLUSTER_MANAGEMENT_ADD_ON, MANIFEST_WORK};
+use kmm_api::ocm::{
+    self, ADD_ON_DEPLOYMENT_CONFIG, ADD_ON_TEMPLATE, CLUSTER_MANAGEMENT_ADD_ON, MANIFEST_WORK,
+};
 use kmm_e2e::fixture::{Fleet, wait_until};
-use kmm_e2e::fleet::kmm::{self as fleet_kmm, ADDON, CLIENT_CERT_SECRET, SPOKE_NAMESPACE};
+use kmm_e2e::fleet::kmm::{
+    self as fleet_kmm, ADDON, CLIENT_CERT_SECRET, HUB_NAMESPACE, SPOKE_NAMESPACE,
+};
 use kmm_e2e::toolchain::Toolchain;
 use kmm_e2e::versions::Versions;
 use kube::api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
@@ -526,6 +530,153 @@ async fn a_new_template_version_rolls_the_proxy_and_agents_without_unloading() -
     templates
         .delete(&next_name, &DeleteParams::default())
         .await?;
+    wait_labelled(&fleet, &name, &targets).await?;
+    unload_module(&fleet, &spoke, &id, &name).await
+}
+
+/// The agents' firmware directory as the spoke's DaemonSet has it: the `--firmware-dir`
+/// argument, the firmware volume's hostPath and its mount path.
+fn firmware_dirs(daemonset: &DaemonSet) -> (Option<String>, Option<String>, Option<String>) {
+    let pod = daemonset
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref());
+    let container = pod.map(|p| &p.containers[0]);
+    let argument = container
+        .and_then(|c| c.args.as_ref())
+        .and_then(|args| args.iter().find_map(|a| a.strip_prefix("--firmware-dir=")))
+        .map(str::to_owned);
+    let host_path = pod
+        .and_then(|p| p.volumes.as_ref())
+        .and_then(|v| v.iter().find(|v| v.name == "firmware"))
+        .and_then(|v| v.host_path.as_ref())
+        .map(|h| h.path.clone());
+    let mount = container
+        .and_then(|c| c.volume_mounts.as_ref())
+        .and_then(|m| m.iter().find(|m| m.name == "firmware"))
+        .map(|m| m.mount_path.clone());
+    (argument, host_path, mount)
+}
+
+/// Waits until the agents of `spoke` use `dir` as their firmware directory everywhere
+/// and are ready again.
+async fn wait_firmware_dir(spoke: &Client, dir: &str) -> Result<()> {
+    let daemonsets = Api::<DaemonSet>::namespaced(spoke.clone(), SPOKE_NAMESPACE);
+    wait_until(
+        &format!("the agents on firmware dir {dir}"),
+        WAIT,
+        || async {
+            let daemonset = daemonsets
+                .get("kmm-node-agent")
+                .await
+                .map_err(|e| e.to_string())?;
+            let dirs = firmware_dirs(&daemonset);
+            let status = daemonset.status.clone().unwrap_or_default();
+            let wanted = Some(dir.to_owned());
+            let rolled = status.observed_generation == daemonset.metadata.generation
+                && status.updated_number_scheduled == Some(status.desired_number_scheduled)
+                && status.number_ready == status.desired_number_scheduled;
+            if (&dirs.0, &dirs.1, &dirs.2) == (&wanted, &wanted, &wanted) && rolled {
+                Ok(())
+            } else {
+                Err(format!("argument, hostPath, mount: {dirs:?}; {status:?}"))
+            }
+        },
+    )
+    .await?;
+    fleet_kmm::wait_agents_ready(spoke, WAIT).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_clusters_own_config_moves_its_agents_firmware_dir_and_unloads_nothing() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let fleet = Fleet::get().await?;
+    let spoke = fleet.spoke_names()[0].clone();
+    let client = fleet.spoke(&spoke)?;
+    let (id, name, targets) = loaded_module(&fleet, &spoke, "firmware-dir").await?;
+    wait_firmware_dir(client, "/lib/firmware").await?;
+
+    // The cluster's own AddOnDeploymentConfig: the fleet's variables, another firmware
+    // directory (as on hosts whose /lib/firmware is read-only).
+    let configs = Api::<DynamicObject>::namespaced_with(
+        fleet.hub.clone(),
+        &spoke,
+        &ADD_ON_DEPLOYMENT_CONFIG.api_resource(),
+    );
+    let default = Api::<DynamicObject>::namespaced_with(
+        fleet.hub.clone(),
+        HUB_NAMESPACE,
+        &ADD_ON_DEPLOYMENT_CONFIG.api_resource(),
+    )
+    .get(ADDON)
+    .await?;
+    let dir = "/var/lib/kmm-e2e-firmware";
+    let variables: Vec<Value> = default.data["spec"]["customizedVariables"]
+        .as_array()
+        .context("the default config's variables")?
+        .iter()
+        .filter(|v| v["name"] != "FIRMWARE_DIR")
+        .cloned()
+        .chain([json!({"name": "FIRMWARE_DIR", "value": dir})])
+        .collect();
+    let own = unique("kmm-firmware");
+    configs
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "apiVersion": ADD_ON_DEPLOYMENT_CONFIG.api_version(),
+                "kind": ADD_ON_DEPLOYMENT_CONFIG.kind,
+                "metadata": {"name": own, "namespace": spoke},
+                "spec": {
+                    "agentInstallNamespace": default.data["spec"]["agentInstallNamespace"],
+                    "customizedVariables": variables,
+                },
+            }))?,
+        )
+        .await?;
+    let (loads, unloads) = (
+        attempts_on(&fleet, &spoke, "loads").await?,
+        attempts_on(&fleet, &spoke, "unloads").await?,
+    );
+    let addons = fleet_kmm::addons(&fleet.hub, &spoke);
+    let use_configs = |configs: Value| {
+        let addons = addons.clone();
+        async move {
+            addons
+                .patch(
+                    ADDON,
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"spec": {"configs": configs}})),
+                )
+                .await
+        }
+    };
+    use_configs(json!([{
+        "group": ADD_ON_DEPLOYMENT_CONFIG.group,
+        "resource": ADD_ON_DEPLOYMENT_CONFIG.plural,
+        "namespace": spoke,
+        "name": own,
+    }]))
+    .await?;
+    let moved = async {
+        wait_firmware_dir(client, dir).await?;
+        wait_labelled(&fleet, &name, &targets).await?;
+        // The agents are new processes: their counters start at zero.
+        ensure!(
+            attempts_on(&fleet, &spoke, "loads").await? == 0
+                && attempts_on(&fleet, &spoke, "unloads").await? == 0,
+            "moving the firmware directory loaded or unloaded something (before: {loads} \
+             loads, {unloads} unloads)"
+        );
+        Ok(())
+    }
+    .await;
+    // Back to the fleet's default whatever happened, so that other tests find it.
+    use_configs(Value::Null).await?;
+    moved?;
+    wait_firmware_dir(client, "/lib/firmware").await?;
+    configs.delete(&own, &DeleteParams::default()).await?;
     wait_labelled(&fleet, &name, &targets).await?;
     unload_module(&fleet, &spoke, &id, &name).await
 }
