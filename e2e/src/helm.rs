@@ -99,7 +99,10 @@ pub fn render_kustomize(kubectl: &Path, dirs: &[&Path]) -> Result<Objects> {
     for dir in dirs {
         let mut cmd = Command::new(kubectl);
         cmd.arg("kustomize").arg(dir);
-        let rendered = parse(&format!("kubectl kustomize {}", dir.display()), &output(&mut cmd)?)?;
+        let rendered = parse(
+            &format!("kubectl kustomize {}", dir.display()),
+            &output(&mut cmd)?,
+        )?;
         for (key, object) in rendered {
             if objects.insert(key.clone(), object).is_some() {
                 return Err(Error::Invalid(format!(
@@ -234,9 +237,7 @@ fn output(cmd: &mut Command) -> Result<String> {
             .collect::<Vec<_>>()
             .join(" ")
     );
-    let out = cmd
-        .output()
-        .context(|| format!("running {described}"))?;
+    let out = cmd.output().context(|| format!("running {described}"))?;
     if !out.status.success() {
         return Err(Error::Command {
             command: described,

@@ -191,8 +191,8 @@ fn non_default_values_land_where_they_belong() -> Result<()> {
             ])
     );
 
-    let proxy = &template_manifest(&objects, "Deployment")?["spec"]["template"]["spec"]
-        ["containers"][0];
+    let proxy =
+        &template_manifest(&objects, "Deployment")?["spec"]["template"]["spec"]["containers"][0];
     ensure!(
         proxy["image"] == "registry.example.com/kmm-fleet/kmm-spoke-proxy:0.2.0",
         "proxy image {}",
@@ -215,8 +215,8 @@ fn non_default_values_land_where_they_belong() -> Result<()> {
         "proxy args {}",
         proxy["args"]
     );
-    let agent = &template_manifest(&objects, "DaemonSet")?["spec"]["template"]["spec"]
-        ["containers"][0];
+    let agent =
+        &template_manifest(&objects, "DaemonSet")?["spec"]["template"]["spec"]["containers"][0];
     ensure!(
         agent["image"] == "registry.example.com/kmm-fleet/kmm-node-agent:0.2.1",
         "agent image {}",
