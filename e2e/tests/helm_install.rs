@@ -156,16 +156,6 @@ fn release_objects(objects: &Objects, dir: &Path) -> Result<PathBuf> {
     Ok(file)
 }
 
-/// The tag of the image the fleet's hub Deployment runs.
-async fn installed_tag(hub: &Client) -> Result<String> {
-    let deployment = Api::<Deployment>::namespaced(hub.clone(), HUB_NAMESPACE)
-        .get(DEPLOYMENT)
-        .await?;
-    container_image(&deployment)
-        .and_then(|i| i.rsplit_once(':').map(|(_, tag)| tag.to_owned()))
-        .context("the hub Deployment's image has a tag")
-}
-
 fn container_image(deployment: &Deployment) -> Option<String> {
     deployment
         .spec
@@ -271,11 +261,13 @@ impl NoLoss {
         for (cluster, node) in targets {
             by_cluster.entry(cluster).or_default().push(node.clone());
         }
-        let (listed_tx, mut listed_rx) = tokio::sync::mpsc::channel(by_cluster.len());
+        let mut listings = vec![];
         for (cluster, nodes) in by_cluster {
             let api: Api<Node> = Api::all(fleet.spoke(cluster)?.clone());
             let (cluster, label, losses) = (cluster.to_owned(), label.to_owned(), losses.clone());
-            let listed = listed_tx.clone();
+            let (listed_tx, listed) = tokio::sync::oneshot::channel();
+            listings.push(listed);
+            let mut listed = Some(listed_tx);
             tasks.push(tokio::spawn(async move {
                 let mut events = std::pin::pin!(
                     watcher::watcher(api, watcher::Config::default()).default_backoff()
@@ -286,9 +278,11 @@ impl NoLoss {
                     let node = match event {
                         watcher::Event::Apply(n) | watcher::Event::InitApply(n) => n,
                         watcher::Event::InitDone => {
-                            // Only the first listing's end matters; later sends find the
-                            // receiver gone or full, which is fine.
-                            let _ = listed.try_send(());
+                            // The first listing's end; a relist after a failed watch
+                            // replays every node above and needs no signal.
+                            if let Some(listed) = listed.take() {
+                                listed.send(()).ok();
+                            }
                             continue;
                         }
                         watcher::Event::Init | watcher::Event::Delete(_) => continue,
@@ -305,10 +299,11 @@ impl NoLoss {
         }
         let watching = Self { tasks, losses };
         // Every spoke's first listing is in before anything changes.
-        for _ in 0..watching.tasks.len() {
-            tokio::time::timeout(WAIT, listed_rx.recv())
+        for listed in listings {
+            tokio::time::timeout(WAIT, listed)
                 .await
-                .context("the Node watches' first listing")?;
+                .context("the Node watches' first listing")?
+                .context("a Node watch ended before its first listing")?;
         }
         Ok(watching)
     }
@@ -342,7 +337,9 @@ async fn helm_takes_over_the_hub_in_place_and_upgrades_its_images_without_unload
         .context("the hub's real node")?
         .ip
         .to_string();
-    let tag = installed_tag(&fleet.hub).await?;
+    // What the fleet installed (`kmm_images::Options::new`'s tag), not what runs now: a
+    // run that died mid-upgrade left the new tag behind, and this one hands back to this.
+    let tag = kmm_images::VERSION.to_owned();
     let overlay = Overlay {
         registry: &fleet.state.node_registry,
         tag: &tag,
@@ -366,7 +363,11 @@ async fn helm_takes_over_the_hub_in_place_and_upgrades_its_images_without_unload
             .join("\n")
     );
     let objects = release_objects(&chart, work.path())?;
-    let template = format!("kmm-{}", kmm_images::VERSION);
+    let template = chart
+        .keys()
+        .find(|k| k.kind == ADD_ON_TEMPLATE.kind)
+        .map(|k| k.name.clone())
+        .context("an AddOnTemplate in the chart's render")?;
 
     let outcome = take_over_and_upgrade(&fleet, &tools, &objects, &values, &tag, &template).await;
     let restored = hand_back(&fleet, &tools, &objects, &overlay_dir, &tag).await;
