@@ -390,7 +390,6 @@ async fn take_over_and_upgrade(
 ) -> Result<()> {
     // A run that died before handing back may have left its records.
     tools.forget_release()?;
-    let before = generations(&fleet.hub, template).await?;
     let file = objects.to_string_lossy();
     tools.kubectl(&[
         "label",
@@ -407,6 +406,9 @@ async fn take_over_and_upgrade(
         &format!("{RELEASE_NAME}={RELEASE}"),
         &format!("{RELEASE_NAMESPACE_ANNOTATION}={RELEASE_NAMESPACE}"),
     ])?;
+    // After the annotations: a Deployment's generation counts annotation changes too (they
+    // are copied to its ReplicaSets), though its Pods stay.
+    let before = generations(&fleet.hub, template).await?;
     tools.helm_release("install", values)?;
     let status = tools.helm(&["status", RELEASE, "--namespace", RELEASE_NAMESPACE])?;
     ensure!(status.contains("STATUS: deployed"), "helm status: {status}");
