@@ -11,6 +11,7 @@
 //! * [`binaries`] finds kmm-fleet's debug binaries for the tests that run them.
 //! * [`kmod_builder`] assembles the fleet's base for kmod builds, the way `kmm-images`
 //!   (which builds kmm-fleet's container images, `cargo xtask images`) assembles bases.
+//! * [`helm`] renders `charts/kmm-fleet` and the kustomize bases and compares them.
 //! * [`scale`] puts a real kmm-hub in front of thousands of simulated clusters.
 //! * [`watched`] keeps a kind's objects current by a watch and waits on them;
 //!   [`wait`] polls until a probe answers.
@@ -21,6 +22,7 @@ pub mod chaos;
 pub mod fixture;
 pub mod fleet;
 pub mod guest;
+pub mod helm;
 pub mod kmod;
 pub mod kmod_builder;
 pub mod monitoring;

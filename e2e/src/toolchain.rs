@@ -142,6 +142,25 @@ pub fn monitoring(v: &Versions) -> Component {
     }
 }
 
+/// Helm, which the chart test renders `charts/kmm-fleet` with and the Helm fleet test
+/// installs it with. Like [`monitoring`], not among [`components`]: the fleet itself
+/// installs kmm with `kubectl apply -k`. See [`Toolchain::ensure_helm`].
+pub fn helm(v: &Versions) -> Component {
+    Component {
+        name: "helm",
+        version: v.helm.version.clone(),
+        packages: vec!["helm.sh/helm/v3/cmd/helm"],
+        substitutions: vec![],
+        // What upstream's release build stamps for `helm version`. Its Makefile also
+        // stamps the Kubernetes version `helm template` assumes (the client-go minor);
+        // the chart asks for no Kubernetes version, so the built-in default does.
+        version_vars: vec![format!(
+            "helm.sh/helm/v3/internal/version.version={}",
+            v.helm.version
+        )],
+    }
+}
+
 /// The release a Go module version of Prometheus 3 stands for: `v0.316.0` is 3.16.0.
 fn prometheus_release(module_version: &str) -> String {
     let mut parts = module_version.trim_start_matches("v0.").splitn(2, '.');
@@ -198,6 +217,16 @@ impl Toolchain {
     /// `promtool`): the first call builds them (minutes), later ones find them cached.
     pub fn ensure_monitoring(v: &Versions, prebuilt: Option<&Path>) -> Result<Self> {
         Self::ensure_components(vec![monitoring(v)], prebuilt)
+    }
+
+    /// `helm` (the [`helm`] component, built on first use) and the fleet's `kubectl`
+    /// (the `kubernetes` component: the chart test renders the kustomize bases with it).
+    pub fn ensure_helm(v: &Versions, prebuilt: Option<&Path>) -> Result<Self> {
+        let kubernetes = components(v)
+            .into_iter()
+            .filter(|c| c.name == "kubernetes")
+            .collect::<Vec<_>>();
+        Self::ensure_components([vec![helm(v)], kubernetes].concat(), prebuilt)
     }
 
     fn ensure_components(components: Vec<Component>, prebuilt: Option<&Path>) -> Result<Self> {
@@ -435,6 +464,7 @@ mod tests {
         assert!(names.contains(&"etcd"));
         assert!(names.contains(&"registration-operator"));
         assert_eq!(monitoring(&v).binaries(), ["prometheus", "promtool"]);
+        assert_eq!(helm(&v).binaries(), ["helm"]);
     }
 
     #[test]

@@ -13,6 +13,7 @@ pub struct Versions {
     pub clusteradm: Pinned,
     pub kwok: Pinned,
     pub prometheus: Pinned,
+    pub helm: Pinned,
     pub kernels: Kernels,
 }
 

@@ -18,7 +18,7 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Generate the CRD YAML under addon-manifests/crds/ from the Rust API types.
+    /// Generate the CRD YAML under addon-manifests/crds/ (and the chart's crds/) from the Rust API types.
     Crdgen {
         /// Fail instead of writing when the committed YAML differs from the types.
         #[arg(long)]

@@ -117,6 +117,41 @@ images:
     }
 }
 
+impl Overlay<'_> {
+    /// The values under which `charts/kmm-fleet` renders what [`Overlay::kustomization`]
+    /// does (e2e/tests/helm_chart.rs compares the two): the same registry and tag, the
+    /// gRPC NodePort and its address, the fleet's module selector and builder image, and
+    /// the simulated kernel backend of the node agents.
+    pub fn helm_values(&self) -> serde_json::Value {
+        serde_json::json!({
+            "global": { "imageRegistry": self.registry, "imageTag": self.tag },
+            "hub": {
+                "grpcSANs": [self.node_ip],
+                "moduleSelector": format!("!{TEST_HUB_LABEL}"),
+                "grpcService": { "type": "NodePort", "nodePort": GRPC_NODE_PORT },
+            },
+            "addon": {
+                "hubAddress": format!("https://{}:{GRPC_NODE_PORT}", self.node_ip),
+                "proxy": { "nodeSelector": { super::nodes::NODE_TYPE_LABEL: "real" } },
+                "agent": {
+                    "extraArgs": [
+                        "--kernel-backend=simulated",
+                        format!("--simulated-dir={SIMULATED_KERNEL_DIR}"),
+                        "--retry-seconds=1",
+                    ],
+                    "extraVolumeMounts": [
+                        { "name": "simulated-kernel", "mountPath": SIMULATED_KERNEL_DIR },
+                    ],
+                    "extraVolumes": [{
+                        "name": "simulated-kernel",
+                        "hostPath": { "path": SIMULATED_KERNEL_DIR, "type": "DirectoryOrCreate" },
+                    }],
+                },
+            },
+        })
+    }
+}
+
 /// Where the proxy's Deployment and the agents' DaemonSet are among the AddOnTemplate's
 /// manifests: the overlay patches them (the proxy stays off KWOK nodes, whose Pods do not
 /// run; the agents use the simulated kernel).
@@ -171,6 +206,12 @@ fn relative_path(from: &Path, to: &Path) -> Result<PathBuf> {
 /// Writes the overlay into `dir` and applies it with `kubectl apply --server-side -k`
 /// (kmm-hub owns one entry of the AddOnDeploymentConfig's variables, the user the others).
 pub fn apply(kubectl: &Path, kubeconfig: &Path, dir: &Path, overlay: &Overlay<'_>) -> Result<()> {
+    write(dir, overlay)?;
+    apply_written(kubectl, kubeconfig, dir, false)
+}
+
+/// Writes the overlay's `kustomization.yaml` into `dir`.
+pub fn write(dir: &Path, overlay: &Overlay<'_>) -> Result<()> {
     std::fs::create_dir_all(dir).context(|| format!("creating {}", dir.display()))?;
     let manifests = Path::new(env!("CARGO_MANIFEST_DIR")).join("../addon-manifests");
     let template = manifests.join("addon/addon-template.yaml");
@@ -185,11 +226,27 @@ pub fn apply(kubectl: &Path, kubeconfig: &Path, dir: &Path, overlay: &Overlay<'_
             TemplateManifests::of(&template)?,
         )?,
     )
-    .context(|| format!("writing {}", file.display()))?;
-    let output = Command::new(kubectl)
-        .arg("--kubeconfig")
+    .context(|| format!("writing {}", file.display()))
+}
+
+/// `kubectl apply --server-side -k dir` of an overlay [`write`] wrote. `force_conflicts`
+/// takes back the fields another manager changed since (e.g. Helm's, after the Helm test
+/// upgraded the install it had adopted).
+pub fn apply_written(
+    kubectl: &Path,
+    kubeconfig: &Path,
+    dir: &Path,
+    force_conflicts: bool,
+) -> Result<()> {
+    let mut cmd = Command::new(kubectl);
+    cmd.arg("--kubeconfig")
         .arg(kubeconfig)
-        .args(["apply", "--server-side", "-k"])
+        .args(["apply", "--server-side"]);
+    if force_conflicts {
+        cmd.arg("--force-conflicts");
+    }
+    let output = cmd
+        .arg("-k")
         .arg(dir)
         .output()
         .context(|| format!("running {}", kubectl.display()))?;
