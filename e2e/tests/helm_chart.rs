@@ -141,6 +141,7 @@ fn non_default_values_land_where_they_belong() -> Result<()> {
         "addon": {
             "hubAddress": "https://kmm-hub.example.com:30443",
             "logLevel": "debug",
+            "firmwareDir": "/var/lib/firmware",
             "proxy": { "resources": { "limits": { "memory": "1Gi" } } },
             "agent": { "resources": { "limits": { "memory": "2Gi" } } },
         },
@@ -187,6 +188,7 @@ fn non_default_values_land_where_they_belong() -> Result<()> {
         *field(&objects, &config, "/spec/customizedVariables")?
             == json!([
                 { "name": "LOG_LEVEL", "value": "debug" },
+                { "name": "FIRMWARE_DIR", "value": "/var/lib/firmware" },
                 { "name": "HUB_ADDRESS", "value": "https://kmm-hub.example.com:30443" },
             ])
     );
