@@ -2,10 +2,12 @@
 //! the `/metrics` `/healthz` `/readyz` endpoint, the bounded HTTP accept loop it and the
 //! admission webhook share, shutdown on SIGTERM, reconnect backoff,
 //! the certificates the components issue to each other and the TLS servers that renew
-//! them while running.
+//! them while running, and (feature `events`) Events on Kubernetes objects.
 
 pub mod backoff;
 pub mod cli;
+#[cfg(feature = "events")]
+pub mod events;
 pub mod health;
 pub mod http_server;
 pub mod logging;

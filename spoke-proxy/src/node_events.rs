@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use kmm_proto::v1::{Action, ModuleEvent, Outcome};
+use kmm_runtime::events::{EventType, Record, Recorder};
 use kube::Client;
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -153,13 +153,7 @@ pub async fn run(
     metrics: Metrics,
     cancel: CancellationToken,
 ) {
-    let recorder = Recorder::new(
-        client,
-        Reporter {
-            controller: "kmm-spoke-proxy".into(),
-            instance: Some(instance),
-        },
-    );
+    let recorder = Recorder::new(client, "kmm-spoke-proxy", &instance);
     let mut repeats = Repeats::default();
     loop {
         let event = tokio::select! {
@@ -180,20 +174,18 @@ pub async fn run(
             ..ObjectReference::default()
         };
         let recorded = recorder
-            .publish(
-                &Event {
-                    type_: if event.warning {
-                        EventType::Warning
-                    } else {
-                        EventType::Normal
-                    },
-                    reason: event.reason.to_owned(),
-                    note: Some(event.note),
-                    action: event.reason.to_owned(),
-                    secondary: Some(related(&event.module)),
+            .publish(&Record {
+                type_: if event.warning {
+                    EventType::Warning
+                } else {
+                    EventType::Normal
                 },
-                &node,
-            )
+                reason: event.reason.to_owned(),
+                action: event.reason.to_owned(),
+                note: event.note,
+                regarding: node,
+                related: Some(related(&event.module)),
+            })
             .await;
         match recorded {
             Ok(()) => {

@@ -2,9 +2,11 @@
 //! Best effort: a failure to record one is logged and never fails the work that
 //! announced it (but for the Events that must be on record, see `publish_required`).
 
+use std::sync::Arc;
+
 use kmm_api::ManagedClusterModule;
+use kmm_runtime::events::{EventType, Record, Recorder};
 use kube::Resource;
-use kube::runtime::events::{Event, EventType, Recorder};
 
 /// Event notes are bounded by the API; longer ones are cut.
 const MAX_NOTE: usize = 1024;
@@ -12,7 +14,7 @@ const MAX_NOTE: usize = 1024;
 /// Records Events as the hub (`kmm-hub`, this replica).
 #[derive(Clone)]
 pub struct EventPublisher {
-    recorder: Recorder,
+    recorder: Arc<Recorder>,
 }
 
 impl std::fmt::Debug for EventPublisher {
@@ -22,8 +24,11 @@ impl std::fmt::Debug for EventPublisher {
 }
 
 impl EventPublisher {
-    pub fn new(recorder: Recorder) -> Self {
-        Self { recorder }
+    /// Records as `kmm-hub`, instance `instance` (this replica).
+    pub fn new(client: kube::Client, instance: &str) -> Self {
+        Self {
+            recorder: Arc::new(Recorder::new(client, "kmm-hub", instance)),
+        }
     }
 
     /// Records an Event on `module`; a failure is logged.
@@ -52,17 +57,16 @@ impl EventPublisher {
         action: &str,
         note: String,
     ) -> Result<(), kube::Error> {
-        let event = Event {
+        let mut note = note;
+        kmm_proto::limits::truncate(&mut note, MAX_NOTE);
+        let record = Record {
             type_,
             reason: reason.to_owned(),
-            note: Some({
-                let mut note = note;
-                kmm_proto::limits::truncate(&mut note, MAX_NOTE);
-                note
-            }),
             action: action.to_owned(),
-            secondary: None,
+            note,
+            regarding: module.object_ref(&()),
+            related: None,
         };
-        self.recorder.publish(&event, &module.object_ref(&())).await
+        self.recorder.publish(&record).await
     }
 }

@@ -11,8 +11,8 @@ use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use k8s_openapi::jiff::Timestamp;
 use kmm_api::{ManagedClusterModule, TlsOptions};
 use kmm_registry::{PullSecret, RegistryError, RegistryTls, error_chain};
+use kmm_runtime::events::EventType;
 use kube::Api;
-use kube::runtime::events::EventType;
 use kube::runtime::reflector::{ObjectRef, Store};
 
 use super::events::EventPublisher;

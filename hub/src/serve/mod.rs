@@ -34,7 +34,6 @@ use kmm_runtime::health::Health;
 use kmm_runtime::serving;
 use kube::ResourceExt;
 use kube::core::DynamicObject;
-use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::{Controller, WatchStreamExt, watcher};
 use kube::{Api, Client};
@@ -370,13 +369,7 @@ pub async fn run(
         state.connections(),
     )));
 
-    let events = EventPublisher::new(Recorder::new(
-        client.clone(),
-        Reporter {
-            controller: "kmm-hub".into(),
-            instance: Some(settings.instance.clone()),
-        },
-    ));
+    let events = EventPublisher::new(client.clone(), &settings.instance);
     let image_worker = AbortOnDropHandle::new(tokio::spawn(images::run(images::ImageWorker {
         state: state.clone(),
         modules: stores.modules.clone(),

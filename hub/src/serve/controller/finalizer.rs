@@ -5,8 +5,8 @@
 //! webhook, RBAC) is never taken for done: it is reported as a Warning Event and retried.
 
 use kmm_api::ManagedClusterModule;
+use kmm_runtime::events::EventType;
 use kube::api::{Patch, PatchParams};
-use kube::runtime::events::EventType;
 use kube::{Api, ResourceExt};
 use serde_json::json;
 

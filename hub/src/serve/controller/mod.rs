@@ -21,8 +21,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kmm_api::{ManagedClusterModule, ManagedClusterModuleStatus, SharedKernelModule};
 use kmm_proto::REASON_KERNEL_MODULE_SHARED;
+use kmm_runtime::events::EventType;
 use kube::runtime::controller::Action;
-use kube::runtime::events::EventType;
 use kube::{Api, ResourceExt};
 
 use self::deletion_clock::DeletionClock;

@@ -13,7 +13,6 @@ use k8s_openapi::jiff::Timestamp;
 use kmm_api::testing::ModuleBuilder;
 use kube::client::Body;
 use kube::core::DynamicObject;
-use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::store::Writer;
 use kube::runtime::watcher;
 use kube::{Api, Client};
@@ -88,13 +87,7 @@ fn harness(clusters: &[&str], unload_timeout: Duration) -> Harness {
     };
     let state = Arc::new(FleetView::new(stores, Metrics::default()));
     state.set_synced();
-    let events = EventPublisher::new(Recorder::new(
-        client.clone(),
-        Reporter {
-            controller: "kmm-hub".into(),
-            instance: Some("test".into()),
-        },
-    ));
+    let events = EventPublisher::new(client.clone(), "test");
     let ctx = Arc::new(Context {
         api: Api::all(client.clone()),
         revisions: Api::namespaced(client, "kmm-hub"),
