@@ -483,6 +483,45 @@ async fn status_reports_become_counts_failures_and_events() {
         note.contains("1 converged") && note.contains("3 loaded, 0 failed"),
         "the convergence's Event gives the counts: {note}"
     );
+
+    // Another failure of the same reason is an Event of its own, with its own note (kube's
+    // recorder counted it on the first one, whose note names spoke1-node2).
+    proxy
+        .send_status(
+            false,
+            vec![node_status(
+                "hello-d",
+                "spoke1-node3",
+                ModuleState::Failed,
+                "LoadFailed",
+            )],
+        )
+        .await;
+    kmm_e2e::fixture::wait_until(
+        "an Event naming the failure on spoke1-node3",
+        WAIT,
+        || async {
+            let list = events
+                .list(&ListParams::default().fields("regarding.name=hello-d"))
+                .await
+                .map_err(|e| e.to_string())?;
+            let failures: Vec<&str> = list
+                .items
+                .iter()
+                .filter(|e| e.reason.as_deref() == Some("LoadFailed"))
+                .filter_map(|e| e.note.as_deref())
+                .collect();
+            if failures.iter().any(|n| n.contains("node spoke1-node3"))
+                && failures.iter().any(|n| n.contains("node spoke1-node2"))
+            {
+                Ok(())
+            } else {
+                Err(format!("LoadFailed notes: {failures:?}"))
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
     hub.clean_up(namespace, &["hello-d"], &["spoke1"]).await;
 }
 
