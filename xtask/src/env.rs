@@ -15,8 +15,9 @@ pub struct EnvArgs {
 
 #[derive(Debug, Subcommand)]
 enum EnvCommand {
-    /// Install the Debian packages the fleet needs that are missing (apt-get; as root),
-    /// and the real-kernel test's virt-fw-vars (PyPI virt-firmware, into a venv).
+    /// Install the Debian packages the fleet and the tests need that are missing (apt-get;
+    /// as root: chromium for the fleet view's browser tests among them), and the
+    /// real-kernel test's virt-fw-vars (PyPI virt-firmware, into a venv).
     Setup,
     /// Build the pinned upstream programs from the Go module proxy (cached by version).
     Build,
@@ -164,6 +165,8 @@ fn install_packages() -> Result<()> {
     );
     // `cargo xtask images` and its test build the container images with buildah.
     packages.push("buildah".into());
+    // The fleet view's browser tests drive Debian's headless Chromium (kmm_e2e::browser).
+    packages.push("chromium".into());
     packages.sort();
     packages.dedup();
     let missing: Vec<&String> = packages.iter().filter(|p| !installed(p)).collect();
