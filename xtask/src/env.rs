@@ -41,6 +41,10 @@ enum EnvCommand {
     Status,
     /// Print the admin kubeconfig path of `hub`, `spoke1`, ...
     Kubeconfig { cluster: String },
+    /// Print the URL of the hub's fleet view, reachable from this machine: a `kubectl
+    /// port-forward` to the leading hub Pod on 127.0.0.1 (base port + 90), left running
+    /// in the background and stopped by `env down`; reused while it reaches the leader.
+    Ui,
     /// Print the address of the fleet's OCI registry (on loopback: where to push).
     Registry {
         /// The address the nodes and their Pods pull from (the fleet's bridge; this
@@ -109,6 +113,11 @@ pub fn run(args: EnvArgs) -> Result<()> {
                     .kubeconfig
                     .display()
             );
+            Ok(())
+        }
+        EnvCommand::Ui => {
+            let rt = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
+            println!("{}/", rt.block_on(fleet::ui::ensure(&settings))?);
             Ok(())
         }
         EnvCommand::Registry { nodes } => {

@@ -10,6 +10,7 @@ use super::kmm;
 use super::network::Network;
 use super::nodes::RealNode;
 use super::nodes::images::NodeImages;
+use super::ui::UiForward;
 use crate::process::{Tracked, spawn};
 use crate::toolchain::BIN_DIR_ENV;
 use crate::{Error, IoContext, Result, cache_dir, kmod};
@@ -36,6 +37,11 @@ pub struct State {
     /// kmm-fleet's components, unless started with `--no-kmm`.
     #[serde(default)]
     pub kmm: Option<kmm::Kmm>,
+    /// The port-forward to the fleet view `cargo xtask env ui` left running: not one of
+    /// [`State::processes`], whose every member must run for the fleet to be up (a
+    /// forward ends with the Pod it reaches).
+    #[serde(default)]
+    pub ui_forward: Option<UiForward>,
 }
 
 /// One cluster of the fleet.
@@ -152,16 +158,27 @@ pub fn running(settings: &Settings) -> Result<State> {
 }
 
 /// The processes in `state.json`, read on their own: a state written by another
-/// version of this crate still names what `down` must stop.
+/// version of this crate still names what `down` must stop. The fleet view's
+/// port-forward, when one runs, comes last.
 pub(super) fn recorded_processes(dir: &Path) -> Result<Vec<Tracked>> {
     #[derive(Deserialize)]
     struct Recorded {
         processes: Vec<Tracked>,
+        #[serde(default)]
+        ui_forward: Option<Forward>,
+    }
+    #[derive(Deserialize)]
+    struct Forward {
+        process: Tracked,
     }
     let path = dir.join("state.json");
     match std::fs::read(&path) {
         Ok(bytes) => serde_json::from_slice::<Recorded>(&bytes)
-            .map(|r| r.processes)
+            .map(|r| {
+                let mut processes = r.processes;
+                processes.extend(r.ui_forward.map(|f| f.process));
+                processes
+            })
             .map_err(|e| Error::Invalid(format!("{}: {e}", path.display()))),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(vec![]),
         Err(e) => Err(Error::Io {
