@@ -34,7 +34,7 @@ const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// How often a wait reads the page again.
 const POLL: Duration = Duration::from_millis(100);
 /// The window every page is laid out and photographed in.
-const WINDOW: &str = "--window-size=1280,900";
+const WINDOW: &str = "--window-size=1200,700";
 
 /// Why driving the browser failed.
 #[derive(Debug, thiserror::Error)]
@@ -375,6 +375,7 @@ impl Screenshots {
         let path = self.dir.join(format!("{name}.png"));
         page.screenshot(&path).await?;
         if let Some(docs) = &self.docs {
+            std::fs::create_dir_all(docs).map_err(io(format!("creating {}", docs.display())))?;
             let copy = docs.join(format!("fleet-view-{name}.png"));
             std::fs::copy(&path, &copy).map_err(io(format!(
                 "copying {} to {}",
