@@ -67,14 +67,10 @@ impl UiForward {
                 "port-forward".into(),
                 "--address=127.0.0.1".into(),
                 format!("pod/{pod}"),
-                format!(
-                    "{}:{UI_PORT_NAME}",
-                    if port == 0 {
-                        String::new()
-                    } else {
-                        port.to_string()
-                    }
-                ),
+                match port {
+                    0 => format!(":{UI_PORT_NAME}"),
+                    port => format!("{port}:{UI_PORT_NAME}"),
+                },
             ];
             // The log is read for the port kubectl picked: it holds this run only.
             std::fs::write(&log, "").context(|| format!("emptying {}", log.display()))?;
@@ -148,13 +144,7 @@ async fn listening_port(process: &Tracked) -> Result<u16> {
     let deadline = Instant::now() + FORWARD_TIMEOUT;
     loop {
         let log = std::fs::read_to_string(&process.log).unwrap_or_default();
-        if let Some(port) = log.lines().find_map(|line| {
-            line.strip_prefix("Forwarding from 127.0.0.1:")?
-                .split_whitespace()
-                .next()?
-                .parse()
-                .ok()
-        }) {
+        if let Some(port) = forwarded_port(&log) {
             return Ok(port);
         }
         if !process.alive() || Instant::now() >= deadline {
@@ -169,6 +159,17 @@ async fn listening_port(process: &Tracked) -> Result<u16> {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// The port of kubectl's `Forwarding from 127.0.0.1:PORT -> 8090` line.
+fn forwarded_port(log: &str) -> Option<u16> {
+    log.lines().find_map(|line| {
+        line.strip_prefix("Forwarding from 127.0.0.1:")?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    })
 }
 
 /// The fleet view's URL for `cargo xtask env ui`: the recorded forward while it still
@@ -195,4 +196,20 @@ pub async fn ensure(settings: &super::Settings) -> Result<String> {
     state.ui_forward = Some(forward);
     state.save(&settings.state_dir)?;
     Ok(url)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::forwarded_port;
+
+    #[test]
+    fn the_port_is_the_one_kubectl_says_it_forwards_from() {
+        let log = "Forwarding from 127.0.0.1:43117 -> 8090\nHandling connection for 43117\n";
+        assert_eq!(forwarded_port(log), Some(43117));
+        assert_eq!(
+            forwarded_port("Forwarding from [::1]:43117 -> 8090\n"),
+            None
+        );
+        assert_eq!(forwarded_port("error: unable to forward port\n"), None);
+    }
 }
