@@ -237,3 +237,39 @@ pub fn start_process(
     state.save(dir)?;
     Ok(started)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::recorded_processes;
+
+    fn tracked(name: &str, pid: i32) -> serde_json::Value {
+        serde_json::json!({"name": name, "pid": pid, "program": "/bin/true", "log": "/dev/null"})
+    }
+
+    #[test]
+    fn down_stops_env_uis_forward_first_and_a_state_without_one_reads_as_before() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.json");
+        let forward = serde_json::json!({
+            "url": "http://127.0.0.1:16090",
+            "pod": "kmm-hub-7d9f-x2",
+            "process": tracked("hub-ui-forward", 12),
+        });
+        let state = serde_json::json!({
+            "processes": [tracked("etcd", 10), tracked("hub/kube-apiserver", 11)],
+            "ui_forward": forward,
+        });
+        std::fs::write(&path, state.to_string()).unwrap();
+        let names: Vec<String> = recorded_processes(dir.path())
+            .unwrap()
+            .into_iter()
+            .rev()
+            .map(|p| p.name)
+            .collect();
+        assert_eq!(names, ["hub-ui-forward", "hub/kube-apiserver", "etcd"]);
+
+        let state = serde_json::json!({"processes": [tracked("etcd", 10)]});
+        std::fs::write(&path, state.to_string()).unwrap();
+        assert_eq!(recorded_processes(dir.path()).unwrap().len(), 1);
+    }
+}
