@@ -250,7 +250,12 @@ async fn the_pages_follow_the_fleet_without_a_reload_and_read_without_javascript
             failure,
         )
         .await?;
+    let pid = browser.pid();
     drop(browser);
+    ensure!(
+        !Path::new(&format!("/proc/{pid}")).exists(),
+        "Chromium (pid {pid}) outlived its driver"
+    );
     eprintln!("the test took {} ms", started.elapsed().as_millis());
     Ok(())
 }
