@@ -10,7 +10,8 @@
 //! One room per concern: [`state`] (what runs, where), `control_plane` (etcd and each
 //! cluster's Kubernetes control plane), `ocm` (Open Cluster Management), [`nodes`] and
 //! `simulated_nodes` (real and KWOK nodes), `registry`, [`kmm`] and [`hub_install`]
-//! (kmm-fleet itself). This file starts, inspects and stops them in order.
+//! (kmm-fleet itself), [`ui`] (the hub's fleet view, forwarded to this machine). This
+//! file starts, inspects and stops them in order.
 
 use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
@@ -34,6 +35,7 @@ mod ocm;
 mod registry;
 mod simulated_nodes;
 mod state;
+pub mod ui;
 
 use control_plane::{APISERVER, ControlPlane, Credentials, Ports, get_text, write_kubeconfig};
 // The scale harness reads its own hub's /metrics and /readyz with it.
@@ -156,6 +158,7 @@ pub async fn up(settings: &Settings, opts: &Options) -> Result<State> {
             images: vec![],
             processes: vec![],
             kmm: None,
+            ui_forward: None,
         },
     };
     let started = Instant::now();
@@ -180,7 +183,8 @@ pub async fn up(settings: &Settings, opts: &Options) -> Result<State> {
     }
 }
 
-/// Stop every process of the fleet, release what its real nodes hold on the host
+/// Stop every process of the fleet (`env ui`'s port-forward too, by its recorded PID),
+/// release what its real nodes hold on the host
 /// (cgroups with containerd's shims and the containers, mount and network namespaces,
 /// the bridge) and remove its state directory.
 pub fn down(settings: &Settings) -> Result<()> {
@@ -290,6 +294,19 @@ pub async fn status(settings: &Settings) -> Result<Vec<String>> {
             rss / 1024,
             peak / 1024,
             p.log.display()
+        ));
+    }
+    if let Some(forward) = &state.ui_forward {
+        lines.push(format!(
+            "fleet view {}/ -> pod/{}  pid {} {}",
+            forward.url,
+            forward.pod,
+            forward.process.pid,
+            if forward.process.alive() {
+                "running"
+            } else {
+                "NOT RUNNING (`cargo xtask env ui` starts another)"
+            }
         ));
     }
     if let Some(kmm) = &state.kmm {

@@ -8,6 +8,7 @@
 //! * [`fleet`] starts, inspects and stops the environment (`cargo xtask env ...`).
 //! * [`chaos`] the chaos soak: seeded faults and changes, and an invariant checker.
 //! * [`fixture`] attaches tests to a running environment (or starts one).
+//! * [`browser`] drives a headless Chromium, for the tests of the fleet view's pages.
 //! * [`binaries`] finds kmm-fleet's debug binaries for the tests that run them.
 //! * [`kmod_builder`] assembles the fleet's base for kmod builds, the way `kmm-images`
 //!   (which builds kmm-fleet's container images, `cargo xtask images`) assembles bases.
@@ -17,6 +18,7 @@
 //!   [`wait`] polls until a probe answers.
 
 pub mod binaries;
+pub mod browser;
 mod cgroup;
 pub mod chaos;
 pub mod fixture;

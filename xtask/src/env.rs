@@ -15,8 +15,9 @@ pub struct EnvArgs {
 
 #[derive(Debug, Subcommand)]
 enum EnvCommand {
-    /// Install the Debian packages the fleet needs that are missing (apt-get; as root),
-    /// and the real-kernel test's virt-fw-vars (PyPI virt-firmware, into a venv).
+    /// Install the Debian packages the fleet and the tests need that are missing (apt-get;
+    /// as root: chromium for the fleet view's browser tests among them), and the
+    /// real-kernel test's virt-fw-vars (PyPI virt-firmware, into a venv).
     Setup,
     /// Build the pinned upstream programs from the Go module proxy (cached by version).
     Build,
@@ -40,6 +41,10 @@ enum EnvCommand {
     Status,
     /// Print the admin kubeconfig path of `hub`, `spoke1`, ...
     Kubeconfig { cluster: String },
+    /// Print the URL of the hub's fleet view, reachable from this machine: a `kubectl
+    /// port-forward` to the leading hub Pod on 127.0.0.1 (base port + 90), left running
+    /// in the background and stopped by `env down`; reused while it reaches the leader.
+    Ui,
     /// Print the address of the fleet's OCI registry (on loopback: where to push).
     Registry {
         /// The address the nodes and their Pods pull from (the fleet's bridge; this
@@ -110,6 +115,11 @@ pub fn run(args: EnvArgs) -> Result<()> {
             );
             Ok(())
         }
+        EnvCommand::Ui => {
+            let rt = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
+            println!("{}/", rt.block_on(fleet::ui::ensure(&settings))?);
+            Ok(())
+        }
         EnvCommand::Registry { nodes } => {
             let state = fleet::running(&settings)?;
             println!(
@@ -164,6 +174,8 @@ fn install_packages() -> Result<()> {
     );
     // `cargo xtask images` and its test build the container images with buildah.
     packages.push("buildah".into());
+    // The fleet view's browser tests drive Debian's headless Chromium (kmm_e2e::browser).
+    packages.push("chromium".into());
     packages.sort();
     packages.dedup();
     let missing: Vec<&String> = packages.iter().filter(|p| !installed(p)).collect();

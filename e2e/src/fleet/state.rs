@@ -10,6 +10,7 @@ use super::kmm;
 use super::network::Network;
 use super::nodes::RealNode;
 use super::nodes::images::NodeImages;
+use super::ui::UiForward;
 use crate::process::{Tracked, spawn};
 use crate::toolchain::BIN_DIR_ENV;
 use crate::{Error, IoContext, Result, cache_dir, kmod};
@@ -36,6 +37,11 @@ pub struct State {
     /// kmm-fleet's components, unless started with `--no-kmm`.
     #[serde(default)]
     pub kmm: Option<kmm::Kmm>,
+    /// The port-forward to the fleet view `cargo xtask env ui` left running: not one of
+    /// [`State::processes`], whose every member must run for the fleet to be up (a
+    /// forward ends with the Pod it reaches).
+    #[serde(default)]
+    pub ui_forward: Option<UiForward>,
 }
 
 /// One cluster of the fleet.
@@ -152,16 +158,27 @@ pub fn running(settings: &Settings) -> Result<State> {
 }
 
 /// The processes in `state.json`, read on their own: a state written by another
-/// version of this crate still names what `down` must stop.
+/// version of this crate still names what `down` must stop. The fleet view's
+/// port-forward, when one runs, comes last.
 pub(super) fn recorded_processes(dir: &Path) -> Result<Vec<Tracked>> {
     #[derive(Deserialize)]
     struct Recorded {
         processes: Vec<Tracked>,
+        #[serde(default)]
+        ui_forward: Option<Forward>,
+    }
+    #[derive(Deserialize)]
+    struct Forward {
+        process: Tracked,
     }
     let path = dir.join("state.json");
     match std::fs::read(&path) {
         Ok(bytes) => serde_json::from_slice::<Recorded>(&bytes)
-            .map(|r| r.processes)
+            .map(|r| {
+                let mut processes = r.processes;
+                processes.extend(r.ui_forward.map(|f| f.process));
+                processes
+            })
             .map_err(|e| Error::Invalid(format!("{}: {e}", path.display()))),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(vec![]),
         Err(e) => Err(Error::Io {
@@ -219,4 +236,40 @@ pub fn start_process(
     let started = process.clone();
     state.save(dir)?;
     Ok(started)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::recorded_processes;
+
+    fn tracked(name: &str, pid: i32) -> serde_json::Value {
+        serde_json::json!({"name": name, "pid": pid, "program": "/bin/true", "log": "/dev/null"})
+    }
+
+    #[test]
+    fn down_stops_env_uis_forward_first_and_a_state_without_one_reads_as_before() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.json");
+        let forward = serde_json::json!({
+            "url": "http://127.0.0.1:16090",
+            "pod": "kmm-hub-7d9f-x2",
+            "process": tracked("hub-ui-forward", 12),
+        });
+        let state = serde_json::json!({
+            "processes": [tracked("etcd", 10), tracked("hub/kube-apiserver", 11)],
+            "ui_forward": forward,
+        });
+        std::fs::write(&path, state.to_string()).unwrap();
+        let names: Vec<String> = recorded_processes(dir.path())
+            .unwrap()
+            .into_iter()
+            .rev()
+            .map(|p| p.name)
+            .collect();
+        assert_eq!(names, ["hub-ui-forward", "hub/kube-apiserver", "etcd"]);
+
+        let state = serde_json::json!({"processes": [tracked("etcd", 10)]});
+        std::fs::write(&path, state.to_string()).unwrap();
+        assert_eq!(recorded_processes(dir.path()).unwrap().len(), 1);
+    }
 }

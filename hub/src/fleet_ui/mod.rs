@@ -18,6 +18,8 @@ pub mod render;
 pub mod replica;
 pub mod routes;
 pub mod server;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 
 #[cfg(test)]
 mod tests;

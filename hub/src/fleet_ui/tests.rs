@@ -2,23 +2,13 @@
 //! would: what each page says, that every value is escaped, that no credential is ever
 //! rendered, how requests are answered, and how live pages are told of changes.
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::Duration;
 
 use http::StatusCode;
-use k8s_openapi::ByteString;
-use k8s_openapi::api::core::v1::Secret;
-use k8s_openapi::jiff::Timestamp;
-use kmm_api::testing::ModuleBuilder;
-use kmm_api::{ManagedClusterModule, ocm};
-use kmm_proto::v1::{
-    Kernel, KernelInventory, ModuleKey, ModuleNodeKey, ModuleNodeStatus, ModuleState,
-    NodeStatusReport,
-};
+use kmm_api::ocm;
+use kmm_proto::v1::ModuleState;
 use kube::core::DynamicObject;
 use kube::runtime::reflector::store::{Writer, store};
-use kube::runtime::watcher;
 use tokio::sync::watch;
 
 use super::cluster_grid::GridFilter;
@@ -31,159 +21,13 @@ use super::render::{self, Chrome, StandbyPage};
 use super::replica::Role;
 use super::routes::route;
 use super::server::{Answer, leader_answer};
-use crate::fleet::assignment::FINALIZER;
+use super::testing::{Fleet, TOKEN, module};
 use crate::fleet::cluster_states::ClusterState;
 use crate::fleet::module_events::RecentEvent;
-use crate::images::ImageRecord;
-use crate::serve::fleet_view::{ClusterStreams, FleetView, SessionId, Stores};
+use crate::serve::fleet_view::{FleetView, Stores};
 use crate::serve::metrics::Metrics;
-use crate::serve::outbound::{Outbound, OutboundSender};
-
-/// A pull credential's secret part, as a Secret holds it.
-const TOKEN: &str = "s3cr3t-t0ken-never-shown";
-
-/// A synced fleet view over stores the test writes.
-struct Fleet {
-    view: Arc<FleetView>,
-    modules: Writer<ManagedClusterModule>,
-    clusters: Writer<DynamicObject>,
-    secrets: Writer<Secret>,
-}
-
-impl Fleet {
-    fn new() -> Self {
-        let modules = Writer::<ManagedClusterModule>::default();
-        let clusters = Writer::<DynamicObject>::new(ocm::MANAGED_CLUSTER.api_resource());
-        let secrets = Writer::<Secret>::default();
-        let stores = Stores {
-            modules: modules.as_reader(),
-            clusters: clusters.as_reader(),
-            secrets: secrets.as_reader(),
-            revisions: store().0,
-            preflights: store().0,
-            decisions: Writer::<DynamicObject>::new(ocm::PLACEMENT_DECISION.api_resource())
-                .as_reader(),
-        };
-        let view = Arc::new(FleetView::new(stores, Metrics::default()));
-        view.set_synced();
-        Self {
-            view,
-            modules,
-            clusters,
-            secrets,
-        }
-    }
-
-    fn add_module(&mut self, module: ManagedClusterModule) {
-        self.modules
-            .apply_watcher_event(&watcher::Event::Apply(module.clone()));
-        self.view.note_module(&module);
-    }
-
-    fn add_cluster(&mut self, name: &str) {
-        let cluster = serde_json::from_value(serde_json::json!({
-            "apiVersion": "cluster.open-cluster-management.io/v1",
-            "kind": "ManagedCluster",
-            "metadata": {"name": name, "labels": {"env": "prod"}},
-            "spec": {"hubAcceptsClient": true},
-        }))
-        .unwrap();
-        self.clusters
-            .apply_watcher_event(&watcher::Event::Apply(cluster));
-        self.view.cluster_changed(name);
-    }
-
-    /// Pull Secret `pull`, its Docker config holding [`TOKEN`].
-    fn add_pull_secret(&mut self) {
-        let config = format!(r#"{{"auths":{{"r.example":{{"auth":"{TOKEN}"}}}}}}"#);
-        let mut secret = Secret::default();
-        secret.metadata.name = Some("pull".into());
-        secret.data = Some(BTreeMap::from([(
-            ".dockerconfigjson".to_owned(),
-            ByteString(config.into_bytes()),
-        )]));
-        self.secrets
-            .apply_watcher_event(&watcher::Event::Apply(secret));
-        self.view.secret_changed("pull");
-    }
-
-    /// Connects `cluster` with kernel 6.1, its images found: the stream and what it gets.
-    fn connect(&self, cluster: &str) -> (SessionId, watch::Receiver<Outbound>) {
-        self.connect_with(cluster, &["6.1"])
-    }
-
-    fn connect_with(
-        &self,
-        cluster: &str,
-        kernels: &[&str],
-    ) -> (SessionId, watch::Receiver<Outbound>) {
-        let outbound = OutboundSender::default();
-        let sent = outbound.subscribe();
-        let id = self.view.open_session(cluster, 0, outbound);
-        let inventory = KernelInventory {
-            revision: 1,
-            kernels: kernels
-                .iter()
-                .map(|k| Kernel {
-                    release: (*k).into(),
-                })
-                .collect(),
-        };
-        self.view.inventory(cluster, id, inventory);
-        for (key, need) in self.view.image_needs() {
-            if self.view.image(&key).is_none() {
-                let record = ImageRecord::seeded(&need, "sha256:0123".into(), Timestamp::now());
-                self.view.set_image(key, record);
-            }
-        }
-        (id, sent)
-    }
-
-    /// The cluster reports each (module, node, state, reason, message), as made with the
-    /// snapshot it was last sent.
-    fn report(
-        &self,
-        cluster: &str,
-        (id, sent): &(SessionId, watch::Receiver<Outbound>),
-        entries: &[(&str, &str, ModuleState, &str, &str)],
-    ) {
-        let revision = match &*sent.borrow() {
-            Outbound::Snapshot(snapshot) => snapshot.revision,
-            other => panic!("no snapshot sent: {other:?}"),
-        };
-        let statuses = entries
-            .iter()
-            .map(|(module, node, state, reason, message)| ModuleNodeStatus {
-                key: Some(ModuleNodeKey {
-                    module: Some(ModuleKey {
-                        namespace: "drivers".into(),
-                        name: (*module).into(),
-                    }),
-                    node: (*node).into(),
-                }),
-                kernel: "6.1".into(),
-                state: (*state).into(),
-                reason: (*reason).into(),
-                message: (*message).into(),
-                ..ModuleNodeStatus::default()
-            })
-            .collect();
-        let report = NodeStatusReport {
-            full: true,
-            statuses,
-            intent_revision: revision,
-            ..NodeStatusReport::default()
-        };
-        self.view.status(cluster, *id, report);
-    }
-}
-
+use crate::serve::outbound::Outbound;
 const MESSAGE: &str = "insmod: <script>alert(1)</script> & more";
-
-/// Module `name`, guarded by the hub's finalizer (the hub serves no module without).
-fn module(name: &str) -> ModuleBuilder {
-    ModuleBuilder::new(name).uid("u1").finalizers(&[FINALIZER])
-}
 
 /// Module `hello` on two clusters: loaded on spoke1's n1, failing on spoke2's n1.
 fn two_clusters() -> Fleet {
@@ -342,7 +186,7 @@ fn the_module_page_lists_its_recent_events_newest_first_escaped() {
         reason: reason.into(),
         note: "<b>not bold</b>".into(),
         count: 2,
-        last: Timestamp::from_second(at).unwrap(),
+        last: k8s_openapi::jiff::Timestamp::from_second(at).unwrap(),
         reporter: "kmm-hub".into(),
     };
     fleet
