@@ -199,13 +199,21 @@ async fn the_pages_follow_the_fleet_without_a_reload_and_read_without_javascript
     let cluster_page = browser.open(&server.url("/clusters/spoke1")).await?;
     let nodes = cluster_page.texts("main table tbody tr").await?;
     let nodes: Vec<Vec<&str>> = nodes.iter().map(|n| cells(n)).collect();
+    // The last column is when the node's statuses last changed, as the hub heard it.
+    let (counted, changed): (Vec<&[&str]>, Vec<Option<&&str>>) = nodes
+        .iter()
+        .map(|n| (&n[..n.len().min(7)], n.get(7)))
+        .unzip();
     ensure!(
-        nodes
+        counted
             == [
-                vec!["worker-1", "6.1", "1", "0", "0", "0", ""],
-                vec!["worker-2", "6.1", "1", "0", "0", "0", ""],
-            ],
-        "spoke1's nodes, each with hello loaded: {nodes:?}"
+                &["worker-1", "6.1", "1", "0", "0", "0", ""][..],
+                &["worker-2", "6.1", "1", "0", "0", "0", ""][..],
+            ]
+            && changed
+                .iter()
+                .all(|c| c.is_some_and(|c| c.ends_with(" UTC"))),
+        "spoke1's nodes, each with hello loaded and when it last changed: {nodes:?}"
     );
     shots.take(&cluster_page, "cluster").await?;
 
