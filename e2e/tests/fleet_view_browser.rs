@@ -58,6 +58,11 @@ fn counts(row: &str) -> Option<[&str; 3]> {
     }
 }
 
+/// The fleet page's "Nodes loaded" of a module's row (`L of M`), its last cell.
+fn nodes_loaded(row: &str) -> Option<&str> {
+    cells(row).get(8).copied()
+}
+
 /// The rollout's state and revision from the module page (`Succeeded ... (revision R)`).
 fn rollout(text: &str) -> Option<(&str, &str)> {
     let state = text.split_whitespace().next()?;
@@ -136,16 +141,17 @@ async fn the_fleet_view_follows_the_readme_example_in_a_browser() -> Result<()> 
     create(&fleet.hub, &module).await?;
     let row = format!("table.modules tbody tr:has(a[href=\"/modules/{name}\"])");
     let mut seen: Vec<String> = Vec::new();
+    let every_node = format!("{every} of {every}");
     fleet_page
         .wait_for_text(
-            &format!("{name}'s row: its one cluster loaded"),
+            &format!("{name}'s row: its one cluster and its {every} nodes loaded"),
             &row,
             WAIT,
             |r| {
                 if seen.last().is_none_or(|last| last != r) {
                     seen.push(r.to_owned());
                 }
-                counts(r) == Some(["1", "0", "0"])
+                counts(r) == Some(["1", "0", "0"]) && nodes_loaded(r) == Some(every_node.as_str())
             },
         )
         .await?;

@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 
+use kmm_api::NodeCounts;
 use kmm_proto::v1::kernel_target::Target;
 use kmm_resolver::ResolveErrorKind;
 use kube::ResourceExt;
@@ -37,6 +38,8 @@ pub struct ModuleRow {
     pub deleting: bool,
     /// Why its spec is invalid, when it is.
     pub invalid: Option<String>,
+    /// Its matching nodes and those loaded, as its status last said.
+    pub nodes: Option<NodeCounts>,
 }
 
 /// One kernel release of the fleet.
@@ -156,6 +159,7 @@ pub fn fleet_page(view: &FleetView) -> FleetPage {
                     .map(|r| r.state.clone()),
                 deleting: module.metadata.deletion_timestamp.is_some(),
                 invalid: view.invalid(module),
+                nodes: module.status.as_ref().map(|s| s.nodes.clone()),
             }
         })
         .collect();
