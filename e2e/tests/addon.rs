@@ -411,63 +411,6 @@ async fn use_template(hub: &Client, template: &str) -> Result<()> {
     Ok(())
 }
 
-/// Waits until the proxy Deployment and the agents' DaemonSet on `spoke` run `tag`
-/// everywhere and every agent is ready.
-async fn wait_rolled(spoke: &Client, tag: &str) -> Result<()> {
-    wait_until(&format!("the add-on on {tag} everywhere"), WAIT, || async {
-        let image_tag = |image: Option<&String>| {
-            image
-                .and_then(|i| i.rsplit_once(':'))
-                .map(|(_, t)| t.to_owned())
-                .unwrap_or_default()
-        };
-        let deployment = Api::<Deployment>::namespaced(spoke.clone(), SPOKE_NAMESPACE)
-            .get("kmm-spoke-proxy")
-            .await
-            .map_err(|e| e.to_string())?;
-        let proxy_image = deployment
-            .spec
-            .as_ref()
-            .and_then(|s| s.template.spec.as_ref())
-            .and_then(|s| s.containers[0].image.clone());
-        let status = deployment.status.clone().unwrap_or_default();
-        let daemonset = Api::<DaemonSet>::namespaced(spoke.clone(), SPOKE_NAMESPACE)
-            .get("kmm-node-agent")
-            .await
-            .map_err(|e| e.to_string())?;
-        let agent_image = daemonset
-            .spec
-            .as_ref()
-            .and_then(|s| s.template.spec.as_ref())
-            .and_then(|s| s.containers[0].image.clone());
-        let ds = daemonset.status.clone().unwrap_or_default();
-        // Counts of an older generation say nothing about the change just made.
-        let observed = status.observed_generation == deployment.metadata.generation
-            && ds.observed_generation == daemonset.metadata.generation;
-        let done = observed
-            && image_tag(proxy_image.as_ref()) == tag
-            && image_tag(agent_image.as_ref()) == tag
-            && status.updated_replicas == Some(1)
-            && status.ready_replicas == Some(1)
-            && status.replicas == Some(1)
-            && ds.updated_number_scheduled == Some(ds.desired_number_scheduled)
-            && ds.number_ready == ds.desired_number_scheduled;
-        match done {
-            true => Ok(()),
-            false => Err(format!(
-                "proxy {proxy_image:?} {status:?}; agents {agent_image:?} {} of {} updated, {} ready",
-                ds.updated_number_scheduled.unwrap_or_default(),
-                ds.desired_number_scheduled,
-                ds.number_ready
-            )),
-        }
-    })
-    .await?;
-    fleet_kmm::wait_proxy_ready(spoke, WAIT).await?;
-    fleet_kmm::wait_agents_ready(spoke, WAIT).await?;
-    Ok(())
-}
-
 #[tokio::test]
 async fn a_new_template_version_rolls_the_proxy_and_agents_without_unloading() -> Result<()> {
     let _serial = SERIAL.lock().await;
@@ -512,7 +455,7 @@ async fn a_new_template_version_rolls_the_proxy_and_agents_without_unloading() -
 
     let started = Instant::now();
     use_template(&fleet.hub, &next_name).await?;
-    wait_rolled(client, &new_tag).await?;
+    wait_addon_on(client, &new_tag, WAIT).await?;
     println!(
         "template {next_name}: proxy and agents rolled in {:.1}s",
         started.elapsed().as_secs_f64()
@@ -526,7 +469,7 @@ async fn a_new_template_version_rolls_the_proxy_and_agents_without_unloading() -
     );
 
     use_template(&fleet.hub, "kmm-0.1.0").await?;
-    wait_rolled(client, &old_tag).await?;
+    wait_addon_on(client, &old_tag, WAIT).await?;
     templates
         .delete(&next_name, &DeleteParams::default())
         .await?;

@@ -313,26 +313,8 @@ fn failing_label(name: &str) -> String {
 async fn failing_module(fleet: &Fleet) -> Result<(String, (String, String))> {
     let name = unique("view-failure");
     let id = failing_label(&name);
-    let images: Vec<&str> = fleet
-        .state
-        .images
-        .iter()
-        .map(|i| i.kernel.as_str())
-        .collect();
-    let (spoke, node) = fleet
-        .spoke_names()
-        .into_iter()
-        .find_map(|spoke| {
-            let cluster = fleet.state.cluster(&spoke).ok()?;
-            let node = cluster
-                .nodes
-                .iter()
-                .find(|n| !images.contains(&n.kernel.as_str()))?
-                .name
-                .clone();
-            Some((spoke, node))
-        })
-        .context("the fleet has a node whose kernel has no sample image")?;
+    let (spoke, node) = node_without_image(fleet)?;
+    let node = node.name;
     label_cluster(&fleet.hub, &spoke, &id, true).await?;
     label_node(fleet.spoke(&spoke)?, &node, &id, true).await?;
     create(&fleet.hub, &module(&name, &id, sample_mapping(fleet))?).await?;

@@ -35,13 +35,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
+use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Node;
 use kmm_api::labels::ready_label;
 use kmm_api::ocm::ADD_ON_TEMPLATE;
 use kmm_e2e::fixture::{Fleet, wait_until};
 use kmm_e2e::fleet::hub_install::{self, DEPLOYMENT, Overlay};
-use kmm_e2e::fleet::kmm::{self as fleet_kmm, Agent, HUB_NAMESPACE, SPOKE_NAMESPACE};
+use kmm_e2e::fleet::kmm::{Agent, HUB_NAMESPACE};
 use kmm_e2e::helm::{Objects, compare, render_chart, render_kustomize};
 use kmm_e2e::toolchain::Toolchain;
 use kmm_e2e::versions::Versions;
@@ -194,55 +194,6 @@ async fn wait_hub_on(hub: &Client, tag: &str) -> Result<()> {
     })
     .await?;
     hub_install::wait_installed(hub).await?;
-    Ok(())
-}
-
-/// Waits until the proxy Deployment and the agents' DaemonSet on `spoke` run `tag`
-/// everywhere, rolled out, and the proxy and every agent are ready.
-async fn wait_addon_on(spoke: &Client, tag: &str) -> Result<()> {
-    let suffix = format!(":{tag}");
-    wait_until(&format!("the add-on on {tag}"), ROLL, || async {
-        let deployment = Api::<Deployment>::namespaced(spoke.clone(), SPOKE_NAMESPACE)
-            .get("kmm-spoke-proxy")
-            .await
-            .map_err(|e| e.to_string())?;
-        let daemonset = Api::<DaemonSet>::namespaced(spoke.clone(), SPOKE_NAMESPACE)
-            .get("kmm-node-agent")
-            .await
-            .map_err(|e| e.to_string())?;
-        let proxy_image = container_image(&deployment);
-        let agent_image = daemonset
-            .spec
-            .as_ref()
-            .and_then(|s| s.template.spec.as_ref())
-            .and_then(|s| s.containers.first())
-            .and_then(|c| c.image.clone());
-        let status = deployment.status.clone().unwrap_or_default();
-        let ds = daemonset.status.clone().unwrap_or_default();
-        // Counts of an older generation say nothing about the change just made.
-        let done = status.observed_generation == deployment.metadata.generation
-            && ds.observed_generation == daemonset.metadata.generation
-            && proxy_image.as_ref().is_some_and(|i| i.ends_with(&suffix))
-            && agent_image.as_ref().is_some_and(|i| i.ends_with(&suffix))
-            && status.updated_replicas == Some(1)
-            && status.ready_replicas == Some(1)
-            && status.replicas == Some(1)
-            && ds.updated_number_scheduled == Some(ds.desired_number_scheduled)
-            && ds.number_ready == ds.desired_number_scheduled;
-        if done {
-            Ok(())
-        } else {
-            Err(format!(
-                "proxy {proxy_image:?} {status:?}; agents {agent_image:?} {} of {} updated, {} ready",
-                ds.updated_number_scheduled.unwrap_or_default(),
-                ds.desired_number_scheduled,
-                ds.number_ready
-            ))
-        }
-    })
-    .await?;
-    fleet_kmm::wait_proxy_ready(spoke, WAIT).await?;
-    fleet_kmm::wait_agents_ready(spoke, WAIT).await?;
     Ok(())
 }
 
@@ -487,7 +438,7 @@ async fn upgrade_without_unloading(
         tools.helm_release("upgrade", &upgraded)?;
         wait_hub_on(&fleet.hub, &new_tag).await?;
         for cluster in fleet.spoke_names() {
-            wait_addon_on(fleet.spoke(&cluster)?, &new_tag).await?;
+            wait_addon_on(fleet.spoke(&cluster)?, &new_tag, ROLL).await?;
         }
         wait_labelled(fleet, name, targets).await
     }
@@ -544,7 +495,7 @@ async fn hand_back(
     hub_install::apply_written(&tools.kubectl, &tools.kubeconfig, overlay_dir, true)?;
     wait_hub_on(&fleet.hub, tag).await?;
     for cluster in fleet.spoke_names() {
-        wait_addon_on(fleet.spoke(&cluster)?, tag).await?;
+        wait_addon_on(fleet.spoke(&cluster)?, tag, ROLL).await?;
     }
     let listed: Value = serde_json::from_str(&tools.kubectl(&["get", "-f", &file, "-o", "json"])?)?;
     let still: Vec<String> = listed["items"]

@@ -767,25 +767,7 @@ async fn a_node_whose_image_is_missing_is_reported_with_the_registrys_answer() -
     let fleet = Fleet::get().await?;
     kmm(&fleet)?;
     let (id, name) = (unique("kmm-e2e.dev/missing"), unique("missing"));
-    let images: Vec<&str> = fleet
-        .state
-        .images
-        .iter()
-        .map(|i| i.kernel.as_str())
-        .collect();
-    let (spoke, node) = fleet
-        .spoke_names()
-        .into_iter()
-        .find_map(|spoke| {
-            let cluster = fleet.state.cluster(&spoke).ok()?;
-            let node = cluster
-                .nodes
-                .iter()
-                .find(|n| !images.contains(&n.kernel.as_str()))?
-                .clone();
-            Some((spoke, node))
-        })
-        .context("the fleet has a node whose kernel has no sample image")?;
+    let (spoke, node) = node_without_image(&fleet)?;
     label_cluster(&fleet.hub, &spoke, &id, true).await?;
     label_node(fleet.spoke(&spoke)?, &node.name, &id, true).await?;
     create(&fleet.hub, &module(&name, &id, sample_mapping(&fleet))?).await?;

@@ -403,11 +403,7 @@ mod tests {
     #[test]
     fn a_firmware_dir_that_is_not_absolute_is_refused_naming_it() {
         for value in ["", "lib/firmware"] {
-            let error = Cli::try_parse_from([
-                "kmm-node-agent",
-                "run",
-                "--node-name",
-                "n",
+            let error = run_error(&[
                 "--proxy-address",
                 "https://127.0.0.1:7444",
                 "--proxy-ca-file",
@@ -415,9 +411,7 @@ mod tests {
                 "--token-file",
                 "t",
                 &format!("--firmware-dir={value}"),
-            ])
-            .unwrap_err()
-            .to_string();
+            ]);
             assert!(error.contains("--firmware-dir"), "{error}");
             assert!(error.contains("is not an absolute path"), "{error}");
         }

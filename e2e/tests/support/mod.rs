@@ -9,12 +9,13 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 use k8s_openapi::ByteString;
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kmm_api::ManagedClusterModule;
 use kmm_api::labels::{ready_label, version_ready_label};
 use kmm_e2e::fixture::{Fleet, wait_until};
-use kmm_e2e::fleet::kmm::{self as fleet_kmm, Agent, Kmm};
+use kmm_e2e::fleet::kmm::{self as fleet_kmm, Agent, Kmm, SPOKE_NAMESPACE};
 use kmm_e2e::fleet::{Settings, managed_clusters};
 use kmm_e2e::guest::firmware_image::{FIRMWARE_FILE, FIRMWARE_PATH};
 use kmm_e2e::guest::module_signing::TestKey;
@@ -511,4 +512,82 @@ pub fn first_event(agent: &Agent, from: usize, inserted: bool) -> Result<Option<
         .into_iter()
         .find(|(_, _, i, _)| *i == inserted)
         .map(|(at, ..)| at))
+}
+
+/// Waits until the proxy Deployment and the agents' DaemonSet on `spoke` run `tag`
+/// everywhere, rolled out, and the proxy and every agent are ready.
+pub async fn wait_addon_on(spoke: &Client, tag: &str, within: Duration) -> Result<()> {
+    let suffix = format!(":{tag}");
+    wait_until(&format!("the add-on on {tag}"), within, || async {
+        let deployment = Api::<Deployment>::namespaced(spoke.clone(), SPOKE_NAMESPACE)
+            .get("kmm-spoke-proxy")
+            .await
+            .map_err(|e| e.to_string())?;
+        let daemonset = Api::<DaemonSet>::namespaced(spoke.clone(), SPOKE_NAMESPACE)
+            .get("kmm-node-agent")
+            .await
+            .map_err(|e| e.to_string())?;
+        let proxy_image = deployment
+            .spec
+            .as_ref()
+            .and_then(|s| s.template.spec.as_ref())
+            .and_then(|s| s.containers.first())
+            .and_then(|c| c.image.clone());
+        let agent_image = daemonset
+            .spec
+            .as_ref()
+            .and_then(|s| s.template.spec.as_ref())
+            .and_then(|s| s.containers.first())
+            .and_then(|c| c.image.clone());
+        let status = deployment.status.clone().unwrap_or_default();
+        let ds = daemonset.status.clone().unwrap_or_default();
+        // Counts of an older generation say nothing about the change just made.
+        let done = status.observed_generation == deployment.metadata.generation
+            && ds.observed_generation == daemonset.metadata.generation
+            && proxy_image.as_ref().is_some_and(|i| i.ends_with(&suffix))
+            && agent_image.as_ref().is_some_and(|i| i.ends_with(&suffix))
+            && status.updated_replicas == Some(1)
+            && status.ready_replicas == Some(1)
+            && status.replicas == Some(1)
+            && ds.updated_number_scheduled == Some(ds.desired_number_scheduled)
+            && ds.number_ready == ds.desired_number_scheduled;
+        if done {
+            Ok(())
+        } else {
+            Err(format!(
+                "proxy {proxy_image:?} {status:?}; agents {agent_image:?} {} of {} updated, {} ready",
+                ds.updated_number_scheduled.unwrap_or_default(),
+                ds.desired_number_scheduled,
+                ds.number_ready
+            ))
+        }
+    })
+    .await?;
+    fleet_kmm::wait_proxy_ready(spoke, WAIT).await?;
+    fleet_kmm::wait_agents_ready(spoke, WAIT).await?;
+    Ok(())
+}
+
+/// A simulated node whose kernel has no sample image in the fleet's registry, and its
+/// cluster: where a module fails for want of an image.
+pub fn node_without_image(fleet: &Fleet) -> Result<(String, kmm_e2e::fleet::SimulatedNode)> {
+    let images: Vec<&str> = fleet
+        .state
+        .images
+        .iter()
+        .map(|i| i.kernel.as_str())
+        .collect();
+    fleet
+        .spoke_names()
+        .into_iter()
+        .find_map(|spoke| {
+            let cluster = fleet.state.cluster(&spoke).ok()?;
+            let node = cluster
+                .nodes
+                .iter()
+                .find(|n| !images.contains(&n.kernel.as_str()))?
+                .clone();
+            Some((spoke, node))
+        })
+        .context("the fleet has a node whose kernel has no sample image")
 }
