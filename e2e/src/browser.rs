@@ -281,11 +281,14 @@ impl Page {
     /// none does.
     pub async fn text(&self, selector: &str) -> Result<Option<String>> {
         let selector = serde_json::to_string(selector).expect("a string serialises");
+        // A list, empty when nothing matches: DevTools answers a JavaScript `null` with no
+        // value at all, which chromiumoxide cannot read as an `Option`.
         let expression = format!(
             "(() => {{ const e = document.querySelector({selector}); \
-             return e === null ? null : e.innerText; }})()"
+             return e === null ? [] : [e.innerText]; }})()"
         );
-        Ok(self.page.evaluate(expression).await?.into_value()?)
+        let found: Vec<String> = self.page.evaluate(expression).await?.into_value()?;
+        Ok(found.into_iter().next())
     }
 
     /// The rendered text of every element matching `selector`.
