@@ -484,8 +484,8 @@ async fn status_reports_become_counts_failures_and_events() {
         "the convergence's Event gives the counts: {note}"
     );
 
-    // Another failure of the same reason is an Event of its own, with its own note (kube's
-    // recorder counted it on the first one, whose note names spoke1-node2).
+    // Another failure of the same reason is an Event of its own, with its own note, not a
+    // repeat counted on the first one (whose note names spoke1-node2).
     proxy
         .send_status(
             false,
