@@ -441,19 +441,26 @@ async fn status_reports_become_counts_failures_and_events() {
         }
     })
     .await;
+    // Only this run's module's Events: an earlier run's hello-d left its own behind.
     let events: Api<Event> = Api::all(fleet.hub.clone());
-    let recorded = kmm_e2e::fixture::wait_until("Events for hello-d", WAIT, || async {
+    let uid = module.metadata.uid.clone();
+    let of_this_module = || async {
         let list = events
             .list(&ListParams::default().fields("regarding.name=hello-d"))
             .await
             .map_err(|e| e.to_string())?;
-        let reasons: Vec<&str> = list
-            .items
-            .iter()
-            .filter_map(|e| e.reason.as_deref())
-            .collect();
+        Ok::<_, String>(
+            list.items
+                .into_iter()
+                .filter(|e| e.regarding.as_ref().and_then(|r| r.uid.as_ref()) == uid.as_ref())
+                .collect::<Vec<_>>(),
+        )
+    };
+    let recorded = kmm_e2e::fixture::wait_until("Events for hello-d", WAIT, || async {
+        let items = of_this_module().await?;
+        let reasons: Vec<&str> = items.iter().filter_map(|e| e.reason.as_deref()).collect();
         if reasons.contains(&"LoadFailed") && reasons.contains(&"Converged") {
-            Ok(list.items)
+            Ok(items.clone())
         } else {
             Err(format!("{reasons:?}"))
         }
@@ -501,12 +508,8 @@ async fn status_reports_become_counts_failures_and_events() {
         "an Event naming the failure on spoke1-node3",
         WAIT,
         || async {
-            let list = events
-                .list(&ListParams::default().fields("regarding.name=hello-d"))
-                .await
-                .map_err(|e| e.to_string())?;
-            let failures: Vec<&str> = list
-                .items
+            let items = of_this_module().await?;
+            let failures: Vec<&str> = items
                 .iter()
                 .filter(|e| e.reason.as_deref() == Some("LoadFailed"))
                 .filter_map(|e| e.note.as_deref())
