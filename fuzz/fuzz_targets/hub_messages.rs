@@ -7,9 +7,9 @@
 
 #![no_main]
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use kmm_hub::fleet::node_statuses::{MAX_BYTES, MAX_ENTRIES};
+use kmm_hub::fleet::node_statuses::{Arrival, MAX_BYTES, MAX_ENTRIES};
 use kmm_hub::fleet::status::{ClusterReport, module_status};
 use kmm_hub::serve::fleet_view::sessions::{ClusterSession, reported_bytes_bound};
 use kmm_proto::limits::{ERROR_TEXT, INVENTORY_KERNELS, valid_kernel_release};
@@ -20,8 +20,7 @@ use prost::Message as _;
 fuzz_target!(|data: &[u8]| {
     let mut session = ClusterSession::default();
     let known = |namespace: &str, name: &str| namespace == "ns" && name == "m";
-    let start = Instant::now();
-    let mut now = start;
+    let mut now = Arrival::now();
     // Several messages in a row, as a stream carries them; each chunk's first byte is
     // the seconds elapsed since the one before (reports in parts may outlive their
     // deadline).
@@ -29,7 +28,10 @@ fuzz_target!(|data: &[u8]| {
         let Some((elapsed, chunk)) = chunk.split_first() else {
             continue;
         };
-        now += Duration::from_secs(u64::from(*elapsed));
+        now = Arrival {
+            at: now.at + Duration::from_secs(u64::from(*elapsed)),
+            unix_seconds: now.unix_seconds.saturating_add(u32::from(*elapsed)),
+        };
         let Ok(message) = ProxyMessage::decode(chunk) else {
             continue;
         };
