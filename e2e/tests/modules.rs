@@ -707,26 +707,14 @@ async fn the_readme_example_loads_on_every_node_of_the_labelled_cluster() -> Res
     let _serial = SERIAL.lock().await;
     let fleet = Fleet::get().await?;
     kmm(&fleet)?;
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../docs/examples/local-fleet.yaml"
-    );
-    let text =
-        std::fs::read_to_string(path)?.replace("registry.example.com", &fleet.state.node_registry);
-    let module: kmm_api::ManagedClusterModule = serde_yaml_ng::from_str(&text)?;
+    // The other spoke is not labelled.
+    let ReadmeExample {
+        module,
+        spoke,
+        nodes: expected,
+    } = readme_example(&fleet)?;
     let (namespace, name) = (module.spec.spoke_namespace.clone(), module.name_any());
-    let spoke = fleet.spoke_names()[0].clone();
-    // Every node of the spoke, KWOK and real, has a sample image; the other spoke is not
-    // labelled.
-    let expected: Vec<(String, String)> = nodes_with_images(&fleet, &spoke)?
-        .into_iter()
-        .map(|(node, _)| (spoke.clone(), node))
-        .collect();
     let cluster = fleet.state.cluster(&spoke)?;
-    ensure!(
-        expected.len() == cluster.nodes.len() + cluster.real_nodes.len(),
-        "the example expects images for every node of {spoke}"
-    );
     label_cluster_with(&fleet.hub, &spoke, "kmm.fleet/demo", Some("true")).await?;
     create(&fleet.hub, &module).await?;
     wait_labelled_in(&fleet, &namespace, &name, &expected).await?;

@@ -328,6 +328,16 @@ mod tests {
         );
     }
 
+    /// The flags of `run` with the proxy, all valid.
+    const WITH_PROXY: [&str; 6] = [
+        "--proxy-address",
+        "https://127.0.0.1:7444",
+        "--proxy-ca-file",
+        "ca",
+        "--token-file",
+        "t",
+    ];
+
     fn run_error(args: &[&str]) -> String {
         let mut argv = vec!["kmm-node-agent", "run", "--node-name", "n"];
         argv.extend_from_slice(args);
@@ -341,16 +351,7 @@ mod tests {
             e.contains("--proxy-address") && e.contains("--desired-file"),
             "{e}"
         );
-        let e = run_error(&[
-            "--desired-file",
-            "d",
-            "--proxy-address",
-            "https://127.0.0.1:7444",
-            "--proxy-ca-file",
-            "ca",
-            "--token-file",
-            "t",
-        ]);
+        let e = run_error(&[&["--desired-file", "d"][..], &WITH_PROXY].concat());
         assert!(e.contains("cannot be used with"), "{e}");
         let e = run_error(&["--proxy-address", "https://127.0.0.1:7444"]);
         assert!(
@@ -403,15 +404,8 @@ mod tests {
     #[test]
     fn a_firmware_dir_that_is_not_absolute_is_refused_naming_it() {
         for value in ["", "lib/firmware"] {
-            let error = run_error(&[
-                "--proxy-address",
-                "https://127.0.0.1:7444",
-                "--proxy-ca-file",
-                "ca",
-                "--token-file",
-                "t",
-                &format!("--firmware-dir={value}"),
-            ]);
+            let firmware_dir = format!("--firmware-dir={value}");
+            let error = run_error(&[&WITH_PROXY[..], &[firmware_dir.as_str()]].concat());
             assert!(error.contains("--firmware-dir"), "{error}");
             assert!(error.contains("is not an absolute path"), "{error}");
         }

@@ -591,3 +591,39 @@ pub fn node_without_image(fleet: &Fleet) -> Result<(String, kmm_e2e::fleet::Simu
         })
         .context("the fleet has a node whose kernel has no sample image")
 }
+
+/// The README's example on the local fleet.
+pub struct ReadmeExample {
+    /// `docs/examples/local-fleet.yaml`, its registry the fleet's.
+    pub module: ManagedClusterModule,
+    /// The spoke the README labels (the first).
+    pub spoke: String,
+    /// Every node of that spoke as (cluster, node): each, KWOK and real, has a sample
+    /// image.
+    pub nodes: Vec<(String, String)>,
+}
+
+pub fn readme_example(fleet: &Fleet) -> Result<ReadmeExample> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../docs/examples/local-fleet.yaml"
+    );
+    let text =
+        std::fs::read_to_string(path)?.replace("registry.example.com", &fleet.state.node_registry);
+    let module: ManagedClusterModule = serde_yaml_ng::from_str(&text)?;
+    let spoke = fleet.spoke_names()[0].clone();
+    let expected: Vec<(String, String)> = nodes_with_images(fleet, &spoke)?
+        .into_iter()
+        .map(|(node, _)| (spoke.clone(), node))
+        .collect();
+    let cluster = fleet.state.cluster(&spoke)?;
+    ensure!(
+        expected.len() == cluster.nodes.len() + cluster.real_nodes.len(),
+        "the example expects images for every node of {spoke}"
+    );
+    Ok(ReadmeExample {
+        module,
+        spoke,
+        nodes: expected,
+    })
+}
