@@ -4,6 +4,7 @@ mod crdgen;
 mod env;
 mod images;
 mod test;
+mod timings;
 
 use std::path::PathBuf;
 

@@ -3,10 +3,13 @@
 use std::{
     io::{BufRead, BufReader},
     path::Path,
-    process::{Command, Stdio},
+    process::Command,
+    time::Instant,
 };
 
 use anyhow::{Context, bail};
+
+use crate::timings::{SuiteClock, Timing, Timings};
 
 /// Fuzz targets run for a bounded time by `cargo xtask test`.
 const FUZZ_TARGETS: &[&str] = &[
@@ -24,27 +27,43 @@ pub struct Options {
 }
 
 pub fn run(root: &Path, options: &Options) -> anyhow::Result<()> {
-    cargo(root, &["fmt", "--all", "--", "--check"])?;
-    cargo(
-        root,
-        &[
-            "clippy",
-            "--workspace",
-            "--all-targets",
-            "--",
-            "-D",
-            "warnings",
-        ],
-    )?;
-    crate::crdgen::run(root, true)?;
+    let mut timings = Timings::default();
+    let outcome = pipeline(root, options, &mut timings);
+    // Also after a failure: the steps that ran, and where the time went.
+    println!("{}", timings.report());
+    outcome
+}
+
+fn pipeline(root: &Path, options: &Options, timings: &mut Timings) -> anyhow::Result<()> {
+    timings.step("fmt", || cargo(root, &["fmt", "--all", "--", "--check"]))?;
+    timings.step("clippy", || {
+        cargo(
+            root,
+            &[
+                "clippy",
+                "--workspace",
+                "--all-targets",
+                "--",
+                "-D",
+                "warnings",
+            ],
+        )
+    })?;
+    timings.step("crd drift", || crate::crdgen::run(root, true))?;
     for target in FUZZ_TARGETS {
-        fuzz(root, target, options.fuzz_seconds)?;
+        timings.step(&format!("fuzz {target}"), || {
+            fuzz(root, target, options.fuzz_seconds)
+        })?;
     }
-    eprintln!("==> local fleet prerequisites (Debian packages, upstream builds; cached)");
-    crate::env::prepare()?;
-    crate::env::build_kmm()?;
-    tests(root)?;
-    chaos(root)
+    timings.step("fleet prerequisites", || {
+        eprintln!("==> local fleet prerequisites (Debian packages, upstream builds; cached)");
+        crate::env::prepare()
+    })?;
+    timings.step("kmm images", crate::env::build_kmm)?;
+    let (suites, tested) = timings.step("cargo test --workspace", || tests(root));
+    timings.add_suites(suites);
+    tested?;
+    timings.step("chaos", || chaos(root))
 }
 
 /// The chaos soak's short run (issue #27), on the fleet the tests ran on. The seed is
@@ -76,20 +95,35 @@ fn chaos(root: &Path) -> anyhow::Result<()> {
 
 /// Runs the workspace's tests and closes the output with one summary line over all of
 /// them: cargo prints a summary per test binary, the last of which is often an empty one.
-fn tests(root: &Path) -> anyhow::Result<()> {
+/// cargo's stderr shares the pipe with its stdout, so that the line announcing each test
+/// binary comes in order with the binary's output: that times each suite.
+fn tests(root: &Path) -> (Vec<Timing>, anyhow::Result<()>) {
+    let started = Instant::now();
+    let mut clock = SuiteClock::new(started);
+    let outcome = run_tests(root, &mut clock);
+    (clock.finish(Instant::now()), outcome)
+}
+
+fn run_tests(root: &Path, clock: &mut SuiteClock) -> anyhow::Result<()> {
     let args = ["test", "--workspace"];
     eprintln!("==> cargo {}", args.join(" "));
-    let mut child = Command::new(env!("CARGO"))
-        .args(args)
-        .current_dir(root)
-        .stdout(Stdio::piped())
-        .spawn()
-        .context("running cargo test")?;
+    let (output, input) = std::io::pipe().context("a pipe for cargo test's output")?;
+    // The command holds the pipe's write ends until it is dropped, right after the spawn,
+    // so that the reading below ends when cargo does.
+    let mut child = {
+        let mut command = Command::new(env!("CARGO"));
+        command
+            .args(args)
+            .current_dir(root)
+            .stdout(input.try_clone().context("cloning the pipe")?)
+            .stderr(input);
+        command.spawn().context("running cargo test")?
+    };
     let (mut passed, mut failed) = (0u64, 0u64);
-    let stdout = child.stdout.take().expect("stdout is piped");
-    for line in BufReader::new(stdout).lines() {
+    for line in BufReader::new(output).lines() {
         let line = line.context("reading cargo test output")?;
         println!("{line}");
+        clock.line(Instant::now(), &line);
         if let Some((p, f)) = parse_summary(&line) {
             passed += p;
             failed += f;
