@@ -1098,10 +1098,8 @@ async fn a_device_plugin_runs_where_its_module_is_loaded_and_stops_before_it_cha
         ca,
     } = start("proxy-plugin").await?;
     let node = spoke.node_name(0).to_string();
-    let label = format!(
-        "kmm.node.kubernetes.io/{}.plug.device-plugin-ready",
-        spoke.namespace
-    );
+    let label = kmm_api::labels::device_plugin_scheduling_label(&spoke.namespace, "plug");
+    let plugin_ready = kmm_api::labels::device_plugin_ready_label(&spoke.namespace, "plug");
     let mut stream = hub.next_stream().await?;
     stream.send(snapshot(
         1,
@@ -1168,9 +1166,10 @@ async fn a_device_plugin_runs_where_its_module_is_loaded_and_stops_before_it_cha
         plugin_pods(&spoke, "plug").await?.is_empty(),
         "v2 was given while the plugin Pod still existed"
     );
+    let labels = spoke.node_labels(0).await?;
     ensure!(
-        !spoke.node_labels(0).await?.contains_key(&label),
-        "the plugin label stayed during the change"
+        !labels.contains_key(&label) && !labels.contains_key(&plugin_ready),
+        "a plugin label stayed during the change: {labels:?}"
     );
     agent
         .send(ModuleEvent {
