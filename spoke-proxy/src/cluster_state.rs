@@ -18,10 +18,12 @@ use kmm_api::labels::{
 
 use crate::agent_view::{AgentView, UnknownModule};
 use crate::inventory::{Inventory, kernels};
-use crate::labels::{LabelIntent, ModuleLabels, label_intent, merge_patch};
+use crate::labels::{
+    LabelIntent, ModuleLabels, device_plugin_only_intent, label_intent, merge_patch,
+};
 use crate::module_id::ModuleId;
 use crate::node_facts::NodeFacts;
-use crate::node_status::{NodeStatuses, StatusKey, assess, to_status};
+use crate::node_status::{NodeStatuses, StatusKey, assess, assess_device_plugin_only, to_status};
 use crate::node_upgrade::{self, Hold};
 use crate::placement::{Held, Placement, check_agent_kernel, place};
 
@@ -93,6 +95,16 @@ fn same_task(a: Option<&NodeModule>, b: &NodeModule) -> bool {
         )
     };
     a.is_some_and(|a| task(a) == task(b))
+}
+
+/// Whether the node carries the scheduling label or `device-plugin-ready` of the module's
+/// device plugin.
+fn carries_plugin_labels(node: &NodeFacts, id: &ModuleId) -> bool {
+    node.labels
+        .contains_key(&device_plugin_scheduling_label(&id.namespace, &id.name))
+        || node
+            .labels
+            .contains_key(&device_plugin_ready_label(&id.namespace, &id.name))
 }
 
 impl NodeWork {
@@ -278,19 +290,53 @@ impl ClusterState {
         true
     }
 
-    /// The plugin DaemonSets' Pod counts, as the hub is told them.
+    /// The plugins' Pod counts, as the hub is told them: a module's DaemonSet's, but for a
+    /// module that loads nothing, whose counts are the nodes it selects and those where
+    /// its plugin Pod is Ready, from the placements of this very state (the DaemonSet's
+    /// status lags behind the labels that schedule it, and would show a new module's
+    /// plugin available everywhere before any node was labelled). Those are left out until
+    /// the Pods were listed.
     pub fn device_plugin_report(&self) -> DevicePluginReport {
+        let only = self.device_plugin_only();
+        let mut counts: BTreeMap<&ModuleId, (u32, u32)> = self
+            .device_plugin_counts
+            .iter()
+            .filter(|(id, _)| !only.contains(*id))
+            .map(|(id, &counts)| (id, counts))
+            .collect();
+        if let Some(pods) = &self.device_plugin_pods {
+            for (id, _, _) in self.device_plugins() {
+                let Some(id) = only.get(&id) else { continue };
+                let entry = counts.entry(id).or_default();
+                for (node, work) in &self.work {
+                    if work.placements.get(id) == Some(&Placement::DevicePluginOnly) {
+                        entry.0 += 1;
+                        let ready = pods.get(&(id.clone(), node.clone())) == Some(&true);
+                        entry.1 += u32::from(ready);
+                    }
+                }
+            }
+        }
         DevicePluginReport {
-            plugins: self
-                .device_plugin_counts
-                .iter()
-                .map(|(id, &(desired, available))| DevicePluginCount {
+            plugins: counts
+                .into_iter()
+                .map(|(id, (desired, available))| DevicePluginCount {
                     module: Some(id.key()),
                     desired,
                     available,
                 })
                 .collect(),
         }
+    }
+
+    /// The modules of the snapshot that load nothing, only run a device plugin.
+    fn device_plugin_only(&self) -> BTreeSet<ModuleId> {
+        self.intents
+            .iter()
+            .flat_map(|s| &s.modules)
+            .filter(|m| m.device_plugin_only)
+            .map(|m| ModuleId::from_key(m.key.as_ref()))
+            .collect()
     }
 
     /// The device plugins to run: each module of the snapshot that has one and is not
@@ -347,12 +393,19 @@ impl ClusterState {
         let Some(work) = self.work.get(node) else {
             return NodeStatuses::new();
         };
-        let kernel = self.nodes.get(node).map_or("", |n| n.kernel.as_str());
+        let facts = self.nodes.get(node);
+        let kernel = facts.map_or("", |n| n.kernel.as_str());
+        let only = self.device_plugin_only();
         work.placements
             .iter()
             .filter_map(|(id, placement)| {
-                let since = work.since_of(id);
-                let a = assess(placement, self.agents.get(node), id, kernel, since)?;
+                let a = if only.contains(id) {
+                    let labelled = facts.is_some_and(|f| carries_plugin_labels(f, id));
+                    assess_device_plugin_only(placement, labelled)?
+                } else {
+                    let since = work.since_of(id);
+                    assess(placement, self.agents.get(node), id, kernel, since)?
+                };
                 Some((
                     id.clone(),
                     to_status(&(id.clone(), node.to_owned()), kernel, a),
@@ -393,15 +446,21 @@ impl ClusterState {
                     .unwrap_or(false)
             })
         };
+        let only = self.device_plugin_only();
         let mut modules: Vec<ModuleLabels> = work
             .placements
             .iter()
             .map(|(id, placement)| {
-                let since = work.since_of(id);
-                let a = assess(placement, view, id, &facts.kernel, since);
+                let intent = if only.contains(id) {
+                    device_plugin_only_intent(placement, with_plugin.contains(id))
+                } else {
+                    let since = work.since_of(id);
+                    let a = assess(placement, view, id, &facts.kernel, since);
+                    label_intent(placement, a.as_ref(), view, id, with_plugin.contains(id))
+                };
                 ModuleLabels {
                     id: id.clone(),
-                    intent: label_intent(placement, a.as_ref(), view, id, with_plugin.contains(id)),
+                    intent,
                     plugin_ready: plugin_ready(id),
                 }
             })
@@ -460,13 +519,8 @@ impl ClusterState {
         let nodes = &self.nodes;
         self.unlabel.retain(|(id, node)| {
             nodes.get(node).is_some_and(|f| {
-                [
-                    ready_label(&id.namespace, &id.name),
-                    device_plugin_scheduling_label(&id.namespace, &id.name),
-                    device_plugin_ready_label(&id.namespace, &id.name),
-                ]
-                .iter()
-                .any(|label| f.labels.contains_key(label))
+                f.labels.contains_key(&ready_label(&id.namespace, &id.name))
+                    || carries_plugin_labels(f, id)
             })
         });
         self.may_have
@@ -683,12 +737,15 @@ impl ClusterState {
                         .cloned(),
                     unload: false,
                 }),
-                (Placement::Unload, None) => modules.push(NodeModule {
-                    key: Some(id.key()),
-                    load: None,
-                    credential: None,
-                    unload: true,
-                }),
+                // A module that loads nothing is none of the agent's business.
+                (Placement::Unload, None) if !intent.device_plugin_only => {
+                    modules.push(NodeModule {
+                        key: Some(id.key()),
+                        load: None,
+                        credential: None,
+                        unload: true,
+                    })
+                }
                 _ => {}
             }
             placements.insert(id, placement);
@@ -800,6 +857,7 @@ mod tests {
             unload: false,
             max_unavailable: None,
             device_plugin: None,
+            device_plugin_only: false,
         }
     }
 
@@ -1814,5 +1872,123 @@ mod tests {
         assert!(s.desired_modules("a").modules.iter().all(|m| !m.unload));
         assert!(s.set_device_plugin_pods(BTreeMap::new()));
         assert!(s.desired_modules("a").modules.iter().any(|m| m.unload));
+    }
+
+    /// A module without a loader: its plugin on every selected node, nothing for agents.
+    fn plugin_only(name: &str) -> ModuleIntent {
+        ModuleIntent {
+            kernels: Vec::new(),
+            device_plugin: Some(DevicePlugin {
+                spec_json: r#"{"container":{"image":"reg/plugin:1"}}"#.into(),
+            }),
+            device_plugin_only: true,
+            ..intent(name, "")
+        }
+    }
+
+    fn plugin_counts(s: &ClusterState, name: &str) -> Option<(u32, u32)> {
+        s.device_plugin_report()
+            .plugins
+            .iter()
+            .find(|p| p.module.as_ref().is_some_and(|m| m.name == name))
+            .map(|p| (p.desired, p.available))
+    }
+
+    #[test]
+    fn a_module_that_loads_nothing_runs_its_plugin_on_every_selected_node() {
+        let mut s = cluster();
+        s.replace_nodes(vec![
+            node("a", "6.1", "worker"),
+            node("b", "6.1", "infra"),
+            node("c", "", "worker"),
+        ]);
+        s.set_intents(snapshot(1, vec![plugin_only("m")]));
+        for n in ["a", "b", "c"] {
+            assert!(
+                s.desired_modules(n).modules.is_empty(),
+                "{n}: nothing for the agent"
+            );
+        }
+        assert!(
+            s.agent_event("a", &event("m", Action::Load, Outcome::Succeeded, 1))
+                .is_err(),
+            "an agent cannot speak for a module it was never sent"
+        );
+        assert!(statuses(&s).is_empty(), "nothing is loaded: no status");
+        assert_eq!(s.device_plugins().len(), 1);
+        assert_eq!(plugin_counts(&s, "m"), None, "the Pods not listed yet");
+        for n in ["a", "c"] {
+            let patched = patch_labels(&mut s, n);
+            assert_eq!(
+                patched,
+                serde_json::json!({SCHEDULING: ""}),
+                "{n}: scheduled whatever its kernel, no ready label"
+            );
+        }
+        assert_eq!(s.label_patch("b"), None, "not selected");
+
+        s.set_device_plugin_pods(BTreeMap::new());
+        assert_eq!(plugin_counts(&s, "m"), Some((2, 0)));
+        s.set_device_plugin_pods(plugin_pod("m", "a", true));
+        assert_eq!(plugin_counts(&s, "m"), Some((2, 1)));
+        assert_eq!(
+            patch_labels(&mut s, "a"),
+            serde_json::json!({DEVICE_PLUGIN_READY: ""})
+        );
+        let mut both = plugin_pod("m", "a", true);
+        both.extend(plugin_pod("m", "c", true));
+        s.set_device_plugin_pods(both);
+        assert_eq!(plugin_counts(&s, "m"), Some((2, 2)));
+        assert_eq!(
+            patch_labels(&mut s, "c"),
+            serde_json::json!({DEVICE_PLUGIN_READY: ""})
+        );
+        // The DaemonSet's own counts are not the ones of a module that loads nothing.
+        s.set_device_plugin_counts(BTreeMap::from([(id("m"), (5, 0))]));
+        assert_eq!(plugin_counts(&s, "m"), Some((2, 2)));
+
+        // Node a leaves the selector: its plugin stops, then it counts as unloaded.
+        let mut infra = s.nodes["a"].clone();
+        infra.labels.insert("role".into(), "infra".into());
+        s.upsert_node(infra);
+        assert_eq!(plugin_counts(&s, "m"), Some((1, 1)));
+        let status = &statuses(&s)[&(id("m"), "a".to_string())];
+        assert_eq!(
+            (status.state(), status.reason.as_str()),
+            (ModuleState::Pending, "DevicePluginStopping")
+        );
+        assert!(
+            s.desired_modules("a").modules.is_empty(),
+            "no unload for the agent either"
+        );
+        s.set_device_plugin_pods(plugin_pod("m", "c", true));
+        assert_eq!(
+            state_of(&s, "m", "a"),
+            Some(ModuleState::Pending),
+            "the Pod is gone, its labels not yet"
+        );
+        assert_eq!(
+            patch_labels(&mut s, "a"),
+            serde_json::json!({SCHEDULING: null, DEVICE_PLUGIN_READY: null})
+        );
+        assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Unloaded));
+
+        // Deleted: every node is told, nothing reaches the agents, and the module is
+        // unloaded where its plugin is gone with its labels.
+        let mut gone = plugin_only("m");
+        gone.unload = true;
+        s.set_intents(snapshot(2, vec![gone]));
+        assert!(s.device_plugins().is_empty(), "the DaemonSet goes");
+        assert!(s.desired_modules("c").modules.is_empty());
+        assert_eq!(state_of(&s, "m", "b"), Some(ModuleState::Unloaded));
+        assert_eq!(state_of(&s, "m", "c"), Some(ModuleState::Pending));
+        assert_eq!(
+            patch_labels(&mut s, "c"),
+            serde_json::json!({SCHEDULING: null, DEVICE_PLUGIN_READY: null}),
+            "both at once, the Pod still Ready"
+        );
+        s.set_device_plugin_pods(BTreeMap::new());
+        assert_eq!(state_of(&s, "m", "c"), Some(ModuleState::Unloaded));
+        assert_eq!(plugin_counts(&s, "m"), None, "no plugin runs for it");
     }
 }

@@ -32,6 +32,9 @@ pub enum LabelIntent {
     StopDevicePlugin,
     /// The agent proved the module is not loaded.
     Remove,
+    /// A module that loads nothing: never a ready label; its device plugin scheduled on
+    /// the node or not.
+    DevicePluginOnly { scheduled: bool },
 }
 
 /// One module's labels on one node.
@@ -94,6 +97,24 @@ pub fn label_intent(
     }
 }
 
+/// The labels of a module that loads nothing (its intent's `device_plugin_only`): its
+/// device plugin is scheduled on every node the module selects, and unscheduled as soon as
+/// the node is to lose it (deselected, or the module unloaded).
+pub fn device_plugin_only_intent(
+    placement: &Placement,
+    has_device_plugin: bool,
+) -> Option<LabelIntent> {
+    match placement {
+        Placement::DevicePluginOnly => Some(LabelIntent::DevicePluginOnly {
+            scheduled: has_device_plugin,
+        }),
+        Placement::Unload | Placement::Held(_) => {
+            Some(LabelIntent::DevicePluginOnly { scheduled: false })
+        }
+        _ => None,
+    }
+}
+
 /// Whether `device-plugin-ready` must be on the node (`None`: as it is). Upstream's
 /// meaning: the plugin's Pod there is Ready. It goes at once when the plugin is no longer
 /// scheduled there (`scheduled`: the scheduling label after the patch), before the Pod
@@ -131,6 +152,11 @@ pub fn merge_patch(current: &BTreeMap<String, String>, modules: &[ModuleLabels])
                 want(ready, None);
                 want(version, None);
                 false
+            }
+            Some(LabelIntent::DevicePluginOnly { scheduled }) => {
+                want(ready, None);
+                want(version, None);
+                *scheduled
             }
             None => current.contains_key(&scheduling),
         };
@@ -510,5 +536,52 @@ mod tests {
         let patch = merge_patch(&current, &[module]).unwrap();
         let changes = &patch["metadata"]["labels"];
         assert!(changes[SCHEDULING].is_null() && changes[DEVICE_PLUGIN_READY].is_null());
+    }
+
+    #[test]
+    fn a_module_that_loads_nothing_schedules_its_plugin_where_selected_and_gets_no_ready_label() {
+        assert_eq!(
+            device_plugin_only_intent(&Placement::DevicePluginOnly, true),
+            Some(LabelIntent::DevicePluginOnly { scheduled: true })
+        );
+        assert_eq!(
+            device_plugin_only_intent(&Placement::DevicePluginOnly, false),
+            Some(LabelIntent::DevicePluginOnly { scheduled: false }),
+            "nothing to run (its spec invalid): nothing scheduled"
+        );
+        let stopping = Placement::Held(Box::new(crate::placement::Held {
+            hold: Hold::DevicePluginStopping { unload: true },
+            running: None,
+            target: String::new(),
+            keep: None,
+        }));
+        for leaving in [Placement::Unload, stopping] {
+            assert_eq!(
+                device_plugin_only_intent(&leaving, true),
+                Some(LabelIntent::DevicePluginOnly { scheduled: false }),
+                "{leaving:?}"
+            );
+        }
+        assert_eq!(
+            device_plugin_only_intent(&Placement::NotApplicable, true),
+            None
+        );
+        let module = |scheduled, plugin_ready| ModuleLabels {
+            id: id(),
+            intent: Some(LabelIntent::DevicePluginOnly { scheduled }),
+            plugin_ready,
+        };
+        assert_eq!(
+            merge_patch(&BTreeMap::new(), &[module(true, Some(true))]),
+            Some(json!({"metadata": {"labels": {SCHEDULING: "", DEVICE_PLUGIN_READY: ""}}})),
+            "no ready label: nothing is loaded"
+        );
+        assert_eq!(
+            merge_patch(
+                &node_labels(&[SCHEDULING, DEVICE_PLUGIN_READY]),
+                &[module(false, Some(true))]
+            ),
+            Some(json!({"metadata": {"labels": {SCHEDULING: null, DEVICE_PLUGIN_READY: null}}}))
+        );
     }
 }

@@ -58,6 +58,7 @@ fn intent_for_node(spoke: &Spoke, name: &str, i: usize) -> ModuleIntent {
         unload: false,
         max_unavailable: None,
         device_plugin: None,
+        device_plugin_only: false,
     }
 }
 
