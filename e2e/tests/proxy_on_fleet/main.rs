@@ -241,8 +241,12 @@ async fn inventory_and_agents_bound_to_their_own_node() -> Result<()> {
         got == expected,
         "inventory {got:?} != the nodes' distinct kernels, sorted {expected:?}"
     );
+    let proxy_message::Message::DevicePlugins(plugins) = stream.next().await? else {
+        bail!("third message is not DevicePluginReport");
+    };
+    ensure!(plugins.plugins.is_empty(), "{plugins:?}");
     let proxy_message::Message::Status(full) = stream.next().await? else {
-        bail!("third message is not NodeStatusReport");
+        bail!("fourth message is not NodeStatusReport: the plugin counts come before it");
     };
     ensure!(full.full && full.statuses.is_empty(), "{full:?}");
 
@@ -437,6 +441,9 @@ async fn labels_on_proof_hub_loss_changes_nothing_unload_removes_labels() -> Res
     ensure!(h.applied_intent_revision == 1, "{h:?}");
     let proxy_message::Message::Inventory(_) = stream.next().await? else {
         bail!("no inventory after reconnect");
+    };
+    let proxy_message::Message::DevicePlugins(_) = stream.next().await? else {
+        bail!("no device plugin counts after reconnect");
     };
     let proxy_message::Message::Status(full) = stream.next().await? else {
         bail!("no status after reconnect");
