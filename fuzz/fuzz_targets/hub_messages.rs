@@ -70,6 +70,8 @@ fuzz_target!(|data: &[u8]| {
                 reflects_generation: true,
                 kernels: &[],
                 nodes,
+                device_plugin_only: false,
+                device_plugin: None,
             }],
         );
         assert!(counted.nodes.loaded <= counted.nodes.matching);

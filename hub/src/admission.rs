@@ -93,6 +93,7 @@ pub fn review(
     problems.extend(rollout_problems(&module));
     problems.extend(placement_problems(&module, placements));
     problems.extend(version_switch_problem(&module, request));
+    problems.extend(loader_switch_problem(&module, request));
     if problems.is_empty() {
         with_warnings(response, ignored_fields(&module))
     } else {
@@ -164,6 +165,12 @@ fn version_switch_problem(
             .filter(|v| !v.is_empty())
     };
     let old = request.old_object.as_ref().and_then(|o| parse(o).ok())?;
+    // Adding or removing the loader is refused as such (`loader_switch_problem`).
+    if old.spec.module_spec.module_loader.is_none()
+        || module.spec.module_spec.module_loader.is_none()
+    {
+        return None;
+    }
     let (before, now) = (version(&old), version(module));
     if before.is_some() == now.is_some() {
         return None;
@@ -178,6 +185,29 @@ fn version_switch_problem(
             if now.is_some() { "set" } else { "empty" }
         ),
     ))
+}
+
+/// `moduleLoader` may not come or go on an update. Nodes that loaded the module would keep
+/// it loaded with nothing left to unload it (a module without a loader sends the node
+/// agents nothing), and nodes that only ran its device plugin would stop it without the
+/// order a version change keeps.
+fn loader_switch_problem(
+    module: &ManagedClusterModule,
+    request: &AdmissionRequest<DynamicObject>,
+) -> Option<FieldError> {
+    let old = request.old_object.as_ref().and_then(|o| parse(o).ok())?;
+    let before = old.spec.module_spec.module_loader.is_some();
+    let now = module.spec.module_spec.module_loader.is_some();
+    (before != now).then(|| {
+        problem(
+            "spec.moduleSpec.moduleLoader",
+            None,
+            &format!(
+                "cannot be {} on an update: delete the module and create it again",
+                if now { "added" } else { "removed" }
+            ),
+        )
+    })
 }
 
 fn node_upgrade_problem(module: &ManagedClusterModule) -> Option<FieldError> {

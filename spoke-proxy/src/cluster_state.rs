@@ -12,14 +12,18 @@ use kmm_proto::v1::{
 };
 use serde_json::Value;
 
-use kmm_api::labels::{ready_label, version_module_label};
+use kmm_api::labels::{
+    device_plugin_ready_label, device_plugin_scheduling_label, ready_label, version_module_label,
+};
 
 use crate::agent_view::{AgentView, UnknownModule};
 use crate::inventory::{Inventory, kernels};
-use crate::labels::{LabelIntent, label_intent, merge_patch};
+use crate::labels::{
+    LabelIntent, ModuleLabels, device_plugin_only_intent, label_intent, merge_patch,
+};
 use crate::module_id::ModuleId;
 use crate::node_facts::NodeFacts;
-use crate::node_status::{NodeStatuses, StatusKey, assess, to_status};
+use crate::node_status::{NodeStatuses, StatusKey, assess, assess_device_plugin_only, to_status};
 use crate::node_upgrade::{self, Hold};
 use crate::placement::{Held, Placement, check_agent_kernel, place};
 
@@ -53,7 +57,9 @@ pub struct ClusterState {
     /// (module, node) pairs whose module left the snapshot while the node may still carry
     /// its labels: they go once the node's agent says the module is not loaded (the hub
     /// forgets a module as soon as every node reported it unloaded, which can come before
-    /// the labels were patched), and are forgotten once the labels are gone.
+    /// the labels were patched), `device-plugin-ready` once the plugin's Pod is not Ready
+    /// there (its DaemonSet goes with the module), and the pairs are forgotten once the
+    /// labels are gone.
     unlabel: BTreeSet<StatusKey>,
     /// Nodes whose status or labels may have changed since the hub link, respectively
     /// the label patcher, last looked.
@@ -61,10 +67,11 @@ pub struct ClusterState {
     label_dirty: BTreeSet<String>,
     next_revision: u64,
     inventory: Inventory,
-    /// (module, node) pairs where a Pod of the module's device plugin exists: the module
-    /// is not unloaded nor replaced there until it is gone. `None` until the Pods were
-    /// listed: meanwhile every module that has a plugin counts as running it everywhere.
-    device_plugin_pods: Option<BTreeSet<StatusKey>>,
+    /// (module, node) pairs where a Pod of the module's device plugin exists, with whether
+    /// one is Ready there: the module is not unloaded nor replaced there until it is gone,
+    /// and `device-plugin-ready` follows its readiness. `None` until the Pods were listed:
+    /// meanwhile every module that has a plugin counts as running it everywhere.
+    device_plugin_pods: Option<BTreeMap<StatusKey, bool>>,
     /// Per module, its plugin DaemonSet's (desired, available) Pods, for the hub.
     device_plugin_counts: BTreeMap<ModuleId, (u32, u32)>,
 }
@@ -88,6 +95,16 @@ fn same_task(a: Option<&NodeModule>, b: &NodeModule) -> bool {
         )
     };
     a.is_some_and(|a| task(a) == task(b))
+}
+
+/// Whether the node carries the scheduling label or `device-plugin-ready` of the module's
+/// device plugin.
+fn carries_plugin_labels(node: &NodeFacts, id: &ModuleId) -> bool {
+    node.labels
+        .contains_key(&device_plugin_scheduling_label(&id.namespace, &id.name))
+        || node
+            .labels
+            .contains_key(&device_plugin_ready_label(&id.namespace, &id.name))
 }
 
 impl NodeWork {
@@ -238,16 +255,20 @@ impl ClusterState {
             .sum()
     }
 
-    /// Every device plugin Pod there is, by module and node; `false` when nothing
-    /// changed. A node whose plugin Pod went may now unload or replace its module.
-    pub fn set_device_plugin_pods(&mut self, pods: BTreeSet<StatusKey>) -> bool {
+    /// Every device plugin Pod there is, by module and node, with whether one is Ready
+    /// there; `false` when nothing changed. A node whose plugin Pod went may now unload or
+    /// replace its module, and one whose Pod became Ready or stopped being so is labelled
+    /// accordingly.
+    pub fn set_device_plugin_pods(&mut self, pods: BTreeMap<StatusKey, bool>) -> bool {
         if self.device_plugin_pods.as_ref() == Some(&pods) {
             return false;
         }
         let changed: BTreeSet<String> = match &self.device_plugin_pods {
             Some(before) => pods
-                .symmetric_difference(before)
-                .map(|(_, node)| node.clone())
+                .iter()
+                .filter(|(key, ready)| before.get(*key) != Some(ready))
+                .chain(before.iter().filter(|(key, _)| !pods.contains_key(*key)))
+                .map(|((_, node), _)| node.clone())
                 .filter(|node| self.nodes.contains_key(node))
                 .collect(),
             None => self.nodes.keys().cloned().collect(),
@@ -269,19 +290,53 @@ impl ClusterState {
         true
     }
 
-    /// The plugin DaemonSets' Pod counts, as the hub is told them.
+    /// The plugins' Pod counts, as the hub is told them: a module's DaemonSet's, but for a
+    /// module that loads nothing, whose counts are the nodes it selects and those where
+    /// its plugin Pod is Ready, from the placements of this very state (the DaemonSet's
+    /// status lags behind the labels that schedule it, and would show a new module's
+    /// plugin available everywhere before any node was labelled). Those are left out until
+    /// the Pods were listed.
     pub fn device_plugin_report(&self) -> DevicePluginReport {
+        let only = self.device_plugin_only();
+        let mut counts: BTreeMap<&ModuleId, (u32, u32)> = self
+            .device_plugin_counts
+            .iter()
+            .filter(|(id, _)| !only.contains(*id))
+            .map(|(id, &counts)| (id, counts))
+            .collect();
+        if let Some(pods) = &self.device_plugin_pods {
+            for (id, _, _) in self.device_plugins() {
+                let Some(id) = only.get(&id) else { continue };
+                let entry = counts.entry(id).or_default();
+                for (node, work) in &self.work {
+                    if work.placements.get(id) == Some(&Placement::DevicePluginOnly) {
+                        entry.0 += 1;
+                        let ready = pods.get(&(id.clone(), node.clone())) == Some(&true);
+                        entry.1 += u32::from(ready);
+                    }
+                }
+            }
+        }
         DevicePluginReport {
-            plugins: self
-                .device_plugin_counts
-                .iter()
-                .map(|(id, &(desired, available))| DevicePluginCount {
+            plugins: counts
+                .into_iter()
+                .map(|(id, (desired, available))| DevicePluginCount {
                     module: Some(id.key()),
                     desired,
                     available,
                 })
                 .collect(),
         }
+    }
+
+    /// The modules of the snapshot that load nothing, only run a device plugin.
+    fn device_plugin_only(&self) -> BTreeSet<ModuleId> {
+        self.intents
+            .iter()
+            .flat_map(|s| &s.modules)
+            .filter(|m| m.device_plugin_only)
+            .map(|m| ModuleId::from_key(m.key.as_ref()))
+            .collect()
     }
 
     /// The device plugins to run: each module of the snapshot that has one and is not
@@ -338,12 +393,19 @@ impl ClusterState {
         let Some(work) = self.work.get(node) else {
             return NodeStatuses::new();
         };
-        let kernel = self.nodes.get(node).map_or("", |n| n.kernel.as_str());
+        let facts = self.nodes.get(node);
+        let kernel = facts.map_or("", |n| n.kernel.as_str());
+        let only = self.device_plugin_only();
         work.placements
             .iter()
             .filter_map(|(id, placement)| {
-                let since = work.since_of(id);
-                let a = assess(placement, self.agents.get(node), id, kernel, since)?;
+                let a = if only.contains(id) {
+                    let labelled = facts.is_some_and(|f| carries_plugin_labels(f, id));
+                    assess_device_plugin_only(placement, labelled)?
+                } else {
+                    let since = work.since_of(id);
+                    assess(placement, self.agents.get(node), id, kernel, since)?
+                };
                 Some((
                     id.clone(),
                     to_status(&(id.clone(), node.to_owned()), kernel, a),
@@ -377,24 +439,45 @@ impl ClusterState {
             .into_iter()
             .map(|(id, _, _)| id)
             .collect();
-        let mut intents: Vec<_> = work
+        let plugin_ready = |id: &ModuleId| {
+            self.device_plugin_pods.as_ref().map(|pods| {
+                pods.get(&(id.clone(), node.to_owned()))
+                    .copied()
+                    .unwrap_or(false)
+            })
+        };
+        let only = self.device_plugin_only();
+        let mut modules: Vec<ModuleLabels> = work
             .placements
             .iter()
-            .filter_map(|(id, placement)| {
-                let since = work.since_of(id);
-                let a = assess(placement, view, id, &facts.kernel, since);
-                label_intent(placement, a.as_ref(), view, id, with_plugin.contains(id))
-                    .map(|i| (id.clone(), i))
+            .map(|(id, placement)| {
+                let intent = if only.contains(id) {
+                    device_plugin_only_intent(placement, with_plugin.contains(id))
+                } else {
+                    let since = work.since_of(id);
+                    let a = assess(placement, view, id, &facts.kernel, since);
+                    label_intent(placement, a.as_ref(), view, id, with_plugin.contains(id))
+                };
+                ModuleLabels {
+                    id: id.clone(),
+                    intent,
+                    plugin_ready: plugin_ready(id),
+                }
             })
             .collect();
-        intents.extend(
+        modules.extend(
             self.unlabel
                 .iter()
                 .filter(|(id, n)| n == node && !work.placements.contains_key(id))
-                .filter(|(id, _)| view.is_some_and(|v| !v.loaded.contains_key(id)))
-                .map(|(id, _)| (id.clone(), LabelIntent::Remove)),
+                .map(|(id, _)| ModuleLabels {
+                    id: id.clone(),
+                    intent: view
+                        .is_some_and(|v| !v.loaded.contains_key(id))
+                        .then_some(LabelIntent::Remove),
+                    plugin_ready: plugin_ready(id),
+                }),
         );
-        merge_patch(&facts.labels, &intents)
+        merge_patch(&facts.labels, &modules)
     }
 
     pub fn node_names(&self) -> Vec<String> {
@@ -435,9 +518,10 @@ impl ClusterState {
         }
         let nodes = &self.nodes;
         self.unlabel.retain(|(id, node)| {
-            nodes
-                .get(node)
-                .is_some_and(|f| f.labels.contains_key(&ready_label(&id.namespace, &id.name)))
+            nodes.get(node).is_some_and(|f| {
+                f.labels.contains_key(&ready_label(&id.namespace, &id.name))
+                    || carries_plugin_labels(f, id)
+            })
         });
         self.may_have
             .retain(|(id, node)| known.contains(id) && self.nodes.contains_key(node));
@@ -501,7 +585,7 @@ impl ClusterState {
 
     /// `placement`, unless it unloads or replaces the module on a node where the module's
     /// device plugin Pod still is: then the node keeps what it runs until the Pod went
-    /// (its `device-plugin-ready` label is removed meanwhile, so the DaemonSet lets go).
+    /// (its scheduling label is removed meanwhile, so the DaemonSet lets go).
     fn device_plugin_first(
         &self,
         node: &str,
@@ -510,7 +594,7 @@ impl ClusterState {
         placement: Placement,
     ) -> Placement {
         let present = match &self.device_plugin_pods {
-            Some(pods) => pods.contains(&(id.clone(), node.to_owned())),
+            Some(pods) => pods.contains_key(&(id.clone(), node.to_owned())),
             None => intent.device_plugin.is_some(),
         };
         if !present {
@@ -653,12 +737,15 @@ impl ClusterState {
                         .cloned(),
                     unload: false,
                 }),
-                (Placement::Unload, None) => modules.push(NodeModule {
-                    key: Some(id.key()),
-                    load: None,
-                    credential: None,
-                    unload: true,
-                }),
+                // A module that loads nothing is none of the agent's business.
+                (Placement::Unload, None) if !intent.device_plugin_only => {
+                    modules.push(NodeModule {
+                        key: Some(id.key()),
+                        load: None,
+                        credential: None,
+                        unload: true,
+                    })
+                }
                 _ => {}
             }
             placements.insert(id, placement);
@@ -770,6 +857,7 @@ mod tests {
             unload: false,
             max_unavailable: None,
             device_plugin: None,
+            device_plugin_only: false,
         }
     }
 
@@ -1602,10 +1690,34 @@ mod tests {
         assert_eq!(releases, ["6.1", "6.2"]);
     }
 
+    const SCHEDULING: &str = "device-plugin.kmm.sigs.x-k8s.io/ns.m";
+    const DEVICE_PLUGIN_READY: &str = "kmm.node.kubernetes.io/ns.m.device-plugin-ready";
+
+    /// Applies the node's label patch, as the label writer and the Node watch do; the
+    /// patched labels.
+    fn patch_labels(s: &mut ClusterState, node: &str) -> Value {
+        let Some(patch) = s.label_patch(node) else {
+            return Value::Null;
+        };
+        let mut facts = s.nodes[node].clone();
+        for (key, value) in patch["metadata"]["labels"].as_object().unwrap() {
+            match value.as_str() {
+                Some(value) => facts.labels.insert(key.clone(), value.to_owned()),
+                None => facts.labels.remove(key),
+            };
+        }
+        s.upsert_node(facts);
+        patch["metadata"]["labels"].clone()
+    }
+
+    fn plugin_pod(module: &str, node: &str, ready: bool) -> BTreeMap<StatusKey, bool> {
+        BTreeMap::from([((id(module), node.to_string()), ready)])
+    }
+
     #[test]
     fn a_device_plugin_pod_stops_before_its_module_moves_or_leaves() {
         let mut s = cluster();
-        s.set_device_plugin_pods(BTreeSet::new());
+        s.set_device_plugin_pods(BTreeMap::new());
         let mut with_plugin = intent("m", "v1");
         with_plugin.device_plugin = Some(DevicePlugin {
             spec_json: r#"{"container":{"image":"reg/plugin:1"}}"#.into(),
@@ -1616,42 +1728,47 @@ mod tests {
         let rev = s.desired_modules("a").revision;
         s.agent_event("a", &event("m", Action::Load, Outcome::Succeeded, rev))
             .unwrap();
-        let patch = s.label_patch("a").unwrap();
+        let patched = patch_labels(&mut s, "a");
+        assert_eq!(patched[SCHEDULING], "", "{patched}");
+        assert!(
+            patched.get(DEVICE_PLUGIN_READY).is_none(),
+            "no plugin Pod yet: {patched}"
+        );
+        // The DaemonSet put its Pod on a; device-plugin-ready waits for it to be Ready.
+        assert!(s.set_device_plugin_pods(plugin_pod("m", "a", false)));
+        assert!(
+            !s.set_device_plugin_pods(plugin_pod("m", "a", false)),
+            "no change, nothing to do"
+        );
+        assert_eq!(patch_labels(&mut s, "a"), Value::Null);
+        s.take_label_dirty();
+        assert!(s.set_device_plugin_pods(plugin_pod("m", "a", true)));
+        assert!(
+            s.take_label_dirty().contains("a"),
+            "the Pod's readiness relabels"
+        );
         assert_eq!(
-            patch["metadata"]["labels"]["kmm.node.kubernetes.io/ns.m.device-plugin-ready"],
-            ""
+            patch_labels(&mut s, "a"),
+            serde_json::json!({DEVICE_PLUGIN_READY: ""})
         );
-        // The DaemonSet put its Pod on a.
-        let pod = BTreeSet::from([(id("m"), "a".to_string())]);
-        assert!(s.set_device_plugin_pods(pod.clone()));
-        assert!(!s.set_device_plugin_pods(pod), "no change, nothing to do");
-        let mut labelled = node("a", "6.1", "worker");
-        labelled.labels.extend(
-            patch["metadata"]["labels"]
-                .as_object()
-                .unwrap()
-                .iter()
-                .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_owned())),
-        );
-        s.upsert_node(labelled);
 
-        // v2: the node keeps v1 and loses its plugin label until the Pod is gone.
+        // v2: the node keeps v1 and loses both plugin labels at once, the Pod still
+        // Ready, until the Pod is gone.
         let mut v2 = with_plugin.clone();
         v2.kernels = intent("m", "v2").kernels;
         s.set_intents(snapshot(2, vec![v2]));
         assert_eq!(desired_version(&s, "a").as_deref(), Some("v1"));
         let status = &statuses(&s)[&(id("m"), "a".to_string())];
         assert_eq!(status.reason, "DevicePluginStopping");
-        let patch = s.label_patch("a").unwrap();
-        assert!(
-            patch["metadata"]["labels"]["kmm.node.kubernetes.io/ns.m.device-plugin-ready"]
-                .is_null()
+        assert_eq!(
+            patch_labels(&mut s, "a"),
+            serde_json::json!({SCHEDULING: null, DEVICE_PLUGIN_READY: null})
         );
-        assert!(s.set_device_plugin_pods(BTreeSet::new()));
+        assert!(s.set_device_plugin_pods(BTreeMap::new()));
         assert_eq!(desired_version(&s, "a").as_deref(), Some("v2"));
 
         // An unload waits for the plugin's Pod too.
-        s.set_device_plugin_pods(BTreeSet::from([(id("m"), "a".to_string())]));
+        s.set_device_plugin_pods(plugin_pod("m", "a", true));
         let mut gone = with_plugin;
         gone.unload = true;
         s.set_intents(snapshot(3, vec![gone]));
@@ -1660,8 +1777,86 @@ mod tests {
             !s.desired_modules("a").modules.iter().any(|m| m.unload),
             "no unload while the plugin's Pod is there"
         );
-        s.set_device_plugin_pods(BTreeSet::new());
+        s.set_device_plugin_pods(BTreeMap::new());
         assert!(s.desired_modules("a").modules.iter().any(|m| m.unload));
+    }
+
+    #[test]
+    fn device_plugin_ready_goes_with_the_pods_readiness_and_comes_back_with_it() {
+        let mut s = cluster();
+        s.set_device_plugin_pods(BTreeMap::new());
+        let mut with_plugin = intent("m", "v1");
+        with_plugin.device_plugin = Some(DevicePlugin {
+            spec_json: r#"{"container":{"image":"reg/plugin:1"}}"#.into(),
+        });
+        s.set_intents(snapshot(1, vec![with_plugin]));
+        s.agent_hello("a", &hello("a", &[("m", "v1")]));
+        s.set_device_plugin_pods(plugin_pod("m", "a", true));
+        let patched = patch_labels(&mut s, "a");
+        assert_eq!(
+            (&patched[SCHEDULING], &patched[DEVICE_PLUGIN_READY]),
+            (&Value::from(""), &Value::from(""))
+        );
+        // The Pod stops being Ready (its container crashed), then is deleted and
+        // replaced: the label goes at once, and is back once the new Pod is Ready.
+        s.set_device_plugin_pods(plugin_pod("m", "a", false));
+        assert_eq!(
+            patch_labels(&mut s, "a"),
+            serde_json::json!({DEVICE_PLUGIN_READY: null})
+        );
+        s.set_device_plugin_pods(BTreeMap::new());
+        assert_eq!(patch_labels(&mut s, "a"), Value::Null, "the Pod deleted");
+        s.set_device_plugin_pods(plugin_pod("m", "a", true));
+        assert_eq!(
+            patch_labels(&mut s, "a"),
+            serde_json::json!({DEVICE_PLUGIN_READY: ""})
+        );
+        s.set_device_plugin_pods(BTreeMap::new());
+        assert_eq!(
+            patch_labels(&mut s, "a"),
+            serde_json::json!({DEVICE_PLUGIN_READY: null}),
+            "the Pod deleted while Ready"
+        );
+        assert_eq!(
+            s.nodes["a"].labels.get(SCHEDULING).map(String::as_str),
+            Some("")
+        );
+    }
+
+    /// The module leaves the snapshot once every node reported it unloaded: its plugin's
+    /// DaemonSet goes with it, and the labels still on a node go with the Pod.
+    #[test]
+    fn the_plugin_labels_of_a_forgotten_module_go_with_its_pod() {
+        let mut s = cluster();
+        s.set_device_plugin_pods(BTreeMap::new());
+        let mut with_plugin = intent("m", "v1");
+        with_plugin.device_plugin = Some(DevicePlugin {
+            spec_json: r#"{"container":{"image":"reg/plugin:1"}}"#.into(),
+        });
+        s.set_intents(snapshot(1, vec![with_plugin]));
+        s.agent_hello("a", &hello("a", &[("m", "v1")]));
+        s.set_device_plugin_pods(plugin_pod("m", "a", true));
+        patch_labels(&mut s, "a");
+        s.set_intents(snapshot(2, vec![]));
+        assert_eq!(
+            s.label_patch("a"),
+            None,
+            "its agent still has it loaded and its Pod is Ready: nothing changes"
+        );
+        s.set_device_plugin_pods(BTreeMap::new());
+        assert_eq!(
+            patch_labels(&mut s, "a"),
+            serde_json::json!({DEVICE_PLUGIN_READY: null})
+        );
+        s.agent_hello("a", &hello("a", &[]));
+        let patched = patch_labels(&mut s, "a");
+        assert!(patched[SCHEDULING].is_null(), "{patched}");
+        assert!(
+            patched["kmm.node.kubernetes.io/ns.m.ready"].is_null(),
+            "{patched}"
+        );
+        s.set_intents(snapshot(3, vec![]));
+        assert!(s.unlabel.is_empty(), "the labels are gone: forgotten");
     }
 
     #[test]
@@ -1675,7 +1870,125 @@ mod tests {
         s.set_intents(snapshot(1, vec![with_plugin, intent("plain", "v1")]));
         s.agent_hello("a", &hello("a", &[("m", "v1")]));
         assert!(s.desired_modules("a").modules.iter().all(|m| !m.unload));
-        assert!(s.set_device_plugin_pods(BTreeSet::new()));
+        assert!(s.set_device_plugin_pods(BTreeMap::new()));
         assert!(s.desired_modules("a").modules.iter().any(|m| m.unload));
+    }
+
+    /// A module without a loader: its plugin on every selected node, nothing for agents.
+    fn plugin_only(name: &str) -> ModuleIntent {
+        ModuleIntent {
+            kernels: Vec::new(),
+            device_plugin: Some(DevicePlugin {
+                spec_json: r#"{"container":{"image":"reg/plugin:1"}}"#.into(),
+            }),
+            device_plugin_only: true,
+            ..intent(name, "")
+        }
+    }
+
+    fn plugin_counts(s: &ClusterState, name: &str) -> Option<(u32, u32)> {
+        s.device_plugin_report()
+            .plugins
+            .iter()
+            .find(|p| p.module.as_ref().is_some_and(|m| m.name == name))
+            .map(|p| (p.desired, p.available))
+    }
+
+    #[test]
+    fn a_module_that_loads_nothing_runs_its_plugin_on_every_selected_node() {
+        let mut s = cluster();
+        s.replace_nodes(vec![
+            node("a", "6.1", "worker"),
+            node("b", "6.1", "infra"),
+            node("c", "", "worker"),
+        ]);
+        s.set_intents(snapshot(1, vec![plugin_only("m")]));
+        for n in ["a", "b", "c"] {
+            assert!(
+                s.desired_modules(n).modules.is_empty(),
+                "{n}: nothing for the agent"
+            );
+        }
+        assert!(
+            s.agent_event("a", &event("m", Action::Load, Outcome::Succeeded, 1))
+                .is_err(),
+            "an agent cannot speak for a module it was never sent"
+        );
+        assert!(statuses(&s).is_empty(), "nothing is loaded: no status");
+        assert_eq!(s.device_plugins().len(), 1);
+        assert_eq!(plugin_counts(&s, "m"), None, "the Pods not listed yet");
+        for n in ["a", "c"] {
+            let patched = patch_labels(&mut s, n);
+            assert_eq!(
+                patched,
+                serde_json::json!({SCHEDULING: ""}),
+                "{n}: scheduled whatever its kernel, no ready label"
+            );
+        }
+        assert_eq!(s.label_patch("b"), None, "not selected");
+
+        s.set_device_plugin_pods(BTreeMap::new());
+        assert_eq!(plugin_counts(&s, "m"), Some((2, 0)));
+        s.set_device_plugin_pods(plugin_pod("m", "a", true));
+        assert_eq!(plugin_counts(&s, "m"), Some((2, 1)));
+        assert_eq!(
+            patch_labels(&mut s, "a"),
+            serde_json::json!({DEVICE_PLUGIN_READY: ""})
+        );
+        let mut both = plugin_pod("m", "a", true);
+        both.extend(plugin_pod("m", "c", true));
+        s.set_device_plugin_pods(both);
+        assert_eq!(plugin_counts(&s, "m"), Some((2, 2)));
+        assert_eq!(
+            patch_labels(&mut s, "c"),
+            serde_json::json!({DEVICE_PLUGIN_READY: ""})
+        );
+        // The DaemonSet's own counts are not the ones of a module that loads nothing.
+        s.set_device_plugin_counts(BTreeMap::from([(id("m"), (5, 0))]));
+        assert_eq!(plugin_counts(&s, "m"), Some((2, 2)));
+
+        // Node a leaves the selector: its plugin stops, then it counts as unloaded.
+        let mut infra = s.nodes["a"].clone();
+        infra.labels.insert("role".into(), "infra".into());
+        s.upsert_node(infra);
+        assert_eq!(plugin_counts(&s, "m"), Some((1, 1)));
+        let status = &statuses(&s)[&(id("m"), "a".to_string())];
+        assert_eq!(
+            (status.state(), status.reason.as_str()),
+            (ModuleState::Pending, "DevicePluginStopping")
+        );
+        assert!(
+            s.desired_modules("a").modules.is_empty(),
+            "no unload for the agent either"
+        );
+        s.set_device_plugin_pods(plugin_pod("m", "c", true));
+        assert_eq!(
+            state_of(&s, "m", "a"),
+            Some(ModuleState::Pending),
+            "the Pod is gone, its labels not yet"
+        );
+        assert_eq!(
+            patch_labels(&mut s, "a"),
+            serde_json::json!({SCHEDULING: null, DEVICE_PLUGIN_READY: null})
+        );
+        assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Unloaded));
+
+        // Deleted: every node is told, nothing reaches the agents, and the module is
+        // unloaded where its plugin is gone with its labels.
+        let mut gone = plugin_only("m");
+        gone.unload = true;
+        s.set_intents(snapshot(2, vec![gone]));
+        assert!(s.device_plugins().is_empty(), "the DaemonSet goes");
+        assert!(s.desired_modules("c").modules.is_empty());
+        assert_eq!(state_of(&s, "m", "b"), Some(ModuleState::Unloaded));
+        assert_eq!(state_of(&s, "m", "c"), Some(ModuleState::Pending));
+        assert_eq!(
+            patch_labels(&mut s, "c"),
+            serde_json::json!({SCHEDULING: null, DEVICE_PLUGIN_READY: null}),
+            "both at once, the Pod still Ready"
+        );
+        s.set_device_plugin_pods(BTreeMap::new());
+        assert_eq!(state_of(&s, "m", "c"), Some(ModuleState::Unloaded));
+        assert_eq!(plugin_counts(&s, "m"), None, "no plugin runs for it");
     }
 }

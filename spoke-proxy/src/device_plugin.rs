@@ -1,12 +1,15 @@
 //! A module's device plugin (upstream's `spec.devicePlugin`) as the DaemonSet the proxy
 //! owns in the module's namespace, and which of its Pods are where. Pure.
 //!
-//! The DaemonSet selects only nodes labelled `device-plugin-ready` for the module, a
-//! label the proxy sets once the module runs there at the version it is to run, and
-//! removes before the module is unloaded or moves to another version: the kubelet stops
-//! the plugin before the module goes, and starts it after the new one is loaded.
+//! The DaemonSet selects only nodes carrying the module's scheduling label
+//! (`device-plugin.kmm.sigs.x-k8s.io/<ns>.<name>`), which the proxy sets once the module
+//! runs there at the version it is to run (on every selected node for a module that
+//! loads nothing), and removes before the module is unloaded or moves to another
+//! version: the kubelet stops the plugin before the module goes, and starts it after the
+//! new one is loaded. Upstream's `device-plugin-ready` label follows the readiness of the
+//! Pods found here.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::{DaemonSet, DaemonSetSpec};
 use k8s_openapi::api::core::v1::{
@@ -14,7 +17,7 @@ use k8s_openapi::api::core::v1::{
     Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
-use kmm_api::labels::device_plugin_ready_label;
+use kmm_api::labels::device_plugin_scheduling_label;
 use kmm_api::{DevicePluginContainerSpec, DevicePluginSpec};
 use kmm_proto::v1::{DevicePlugin, Toleration as WireToleration};
 use thiserror::Error;
@@ -92,7 +95,7 @@ pub fn daemon_set(
                 }),
                 spec: Some(PodSpec {
                     node_selector: Some(BTreeMap::from([(
-                        device_plugin_ready_label(&id.namespace, &id.name),
+                        device_plugin_scheduling_label(&id.namespace, &id.name),
                         String::new(),
                     )])),
                     containers: vec![container("device-plugin", &spec.container, true)],
@@ -186,20 +189,43 @@ pub fn counts<'a>(
         .collect()
 }
 
-/// Where the plugins' Pods are: (module, node) of every Pod bound to a node. A Pod
-/// counts until it is gone from the API, that is until the kubelet stopped it.
-pub fn pods_by_node<'a>(pods: impl IntoIterator<Item = &'a Pod>) -> BTreeSet<StatusKey> {
-    pods.into_iter()
-        .filter_map(|pod| {
-            let name = pod.metadata.labels.as_ref()?.get(MODULE_LABEL)?;
-            let node = pod.spec.as_ref()?.node_name.clone()?;
-            let id = ModuleId {
-                namespace: pod.metadata.namespace.clone()?,
-                name: name.clone(),
-            };
-            Some((id, node))
-        })
-        .collect()
+/// Where the plugins' Pods are: (module, node) of every Pod bound to a node, with
+/// whether one of them is Ready there. A Pod counts until it is gone from the API, that
+/// is until the kubelet stopped it; one being deleted is stopping, hence not Ready
+/// whatever its last condition said.
+pub fn pods_by_node<'a>(pods: impl IntoIterator<Item = &'a Pod>) -> BTreeMap<StatusKey, bool> {
+    let mut found = BTreeMap::new();
+    for pod in pods {
+        let Some(name) = pod
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(MODULE_LABEL))
+        else {
+            continue;
+        };
+        let (Some(namespace), Some(node)) = (
+            pod.metadata.namespace.clone(),
+            pod.spec.as_ref().and_then(|s| s.node_name.clone()),
+        ) else {
+            continue;
+        };
+        let id = ModuleId {
+            namespace,
+            name: name.clone(),
+        };
+        let ready = found.entry((id, node)).or_insert(false);
+        *ready |= pod.metadata.deletion_timestamp.is_none() && is_ready(pod);
+    }
+    found
+}
+
+/// Whether the Pod's `Ready` condition is True.
+fn is_ready(pod: &Pod) -> bool {
+    pod.status
+        .iter()
+        .flat_map(|s| s.conditions.iter().flatten())
+        .any(|c| c.type_ == "Ready" && c.status == "True")
 }
 
 #[cfg(test)]
@@ -247,7 +273,7 @@ mod tests {
         assert_eq!(
             pod.node_selector.unwrap(),
             BTreeMap::from([(
-                "kmm.node.kubernetes.io/drivers.hello.device-plugin-ready".to_owned(),
+                "device-plugin.kmm.sigs.x-k8s.io/drivers.hello".to_owned(),
                 String::new()
             )])
         );
@@ -285,24 +311,58 @@ mod tests {
         assert_eq!(error.module, "drivers/hello");
     }
 
+    fn pod(labels: serde_json::Value, node: Option<&str>, ready: Option<&str>) -> Pod {
+        let conditions: Vec<serde_json::Value> = ready
+            .map(|status| json!({"type": "Ready", "status": status}))
+            .into_iter()
+            .collect();
+        serde_json::from_value(json!({
+            "metadata": {"name": "p", "namespace": "drivers", "labels": labels},
+            "spec": {"containers": [], "nodeName": node},
+            "status": {"conditions": conditions},
+        }))
+        .unwrap()
+    }
+
     #[test]
     fn only_bound_pods_of_a_plugin_count() {
-        let pod = |labels: serde_json::Value, node: Option<&str>| -> Pod {
-            serde_json::from_value(json!({
-                "metadata": {"name": "p", "namespace": "drivers", "labels": labels},
-                "spec": {"containers": [], "nodeName": node},
-            }))
-            .unwrap()
-        };
         let pods = [
-            pod(json!({MODULE_LABEL: "hello"}), Some("n1")),
-            pod(json!({MODULE_LABEL: "hello"}), None),
-            pod(json!({"other": "x"}), Some("n2")),
+            pod(json!({MODULE_LABEL: "hello"}), Some("n1"), None),
+            pod(json!({MODULE_LABEL: "hello"}), None, Some("True")),
+            pod(json!({"other": "x"}), Some("n2"), Some("True")),
         ];
         assert_eq!(
             pods_by_node(&pods),
-            BTreeSet::from([(id(), "n1".to_owned())])
+            BTreeMap::from([((id(), "n1".to_owned()), false)])
         );
+    }
+
+    #[test]
+    fn a_node_has_a_ready_plugin_while_one_of_its_pods_is_ready_and_not_being_deleted() {
+        let on =
+            |node: &str, ready: &str| pod(json!({MODULE_LABEL: "hello"}), Some(node), Some(ready));
+        let deleted = |mut pod: Pod| {
+            pod.metadata.deletion_timestamp =
+                Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                    k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+                ));
+            pod
+        };
+        let pods = [
+            on("n1", "True"),
+            on("n2", "False"),
+            deleted(on("n3", "True")),
+            // A rolling update: the old Pod stopping, the new one Ready.
+            deleted(on("n4", "True")),
+            on("n4", "True"),
+        ];
+        let found = pods_by_node(&pods);
+        let ready = |node: &str| found.get(&(id(), node.to_owned())).copied();
+        assert_eq!(ready("n1"), Some(true));
+        assert_eq!(ready("n2"), Some(false));
+        assert_eq!(ready("n3"), Some(false), "being deleted: stopping");
+        assert_eq!(ready("n4"), Some(true));
+        assert_eq!(ready("n5"), None);
     }
 
     #[test]

@@ -223,16 +223,19 @@ async fn session(
     let mut inventory_revision = inventory.revision;
     let mut plugins_sent = plugins.clone();
     let applied = hello.applied_intent_revision;
+    // The plugin counts before the statuses made from the same state: the hub reads a
+    // module that loads nothing as converged from the counts once a status report
+    // acknowledges its intent, so the counts must never be older than that report.
     let mut first = vec![
         proxy_message::Message::Hello(hello),
         proxy_message::Message::Inventory(inventory),
+        proxy_message::Message::DevicePlugins(plugins),
     ];
     first.extend(
         report_parts(reporter.full(statuses, applied), REPORT_PART)
             .into_iter()
             .map(proxy_message::Message::Status),
     );
-    first.push(proxy_message::Message::DevicePlugins(plugins));
     let (tx, rx) = mpsc::channel::<ProxyMessage>(first.len() + 64);
     for message in first {
         // The channel is fresh and larger than these messages: this cannot block.

@@ -9,7 +9,7 @@ use kmm_proto::v1::{Action, ModuleNodeKey, ModuleNodeStatus, ModuleState, NodeSt
 
 use crate::agent_view::AgentView;
 use crate::module_id::ModuleId;
-use crate::node_upgrade::describe;
+use crate::node_upgrade::{REASON_DEVICE_PLUGIN_STOPPING, describe};
 use crate::placement::Placement;
 
 /// Reason for a load the agent reported failed.
@@ -103,7 +103,8 @@ pub fn assess(
         .and_then(|v| v.failures.get(id))
         .filter(|f| f.revision >= since);
     Some(match placement {
-        Placement::NotApplicable => return None,
+        // A module that loads nothing is assessed by `assess_device_plugin_only`.
+        Placement::NotApplicable | Placement::DevicePluginOnly => return None,
         Placement::Unresolved(unresolved) => Assessment::new(
             ModuleState::Failed,
             &unresolved.reason,
@@ -199,6 +200,30 @@ pub fn assess(
             ),
         },
     })
+}
+
+/// The state of a module that loads nothing (only runs a device plugin) on a node where
+/// it is placed as `placement`; `labelled`: the node still carries the plugin's
+/// scheduling or `device-plugin-ready` label. No status while the node runs the plugin:
+/// nothing is loaded there, and the plugin's counts say how it runs. PENDING while the
+/// plugin stops on a node the module leaves; UNLOADED once its Pod and its labels are
+/// gone, which is what the hub waits for before it forgets the module or completes a
+/// deletion.
+pub fn assess_device_plugin_only(placement: &Placement, labelled: bool) -> Option<Assessment> {
+    match placement {
+        Placement::Held(_) => Some(Assessment::new(
+            ModuleState::Pending,
+            REASON_DEVICE_PLUGIN_STOPPING,
+            "the module's device plugin Pod is stopping on the node".into(),
+        )),
+        Placement::Unload if labelled => Some(Assessment::new(
+            ModuleState::Pending,
+            REASON_DEVICE_PLUGIN_STOPPING,
+            "the module's device plugin labels are being removed from the node".into(),
+        )),
+        Placement::Unload => Some(Assessment::new(ModuleState::Unloaded, "", String::new())),
+        _ => None,
+    }
 }
 
 /// A status entry's identity: module and node.
@@ -583,5 +608,38 @@ mod tests {
             .unwrap();
         assert_eq!(changed.intent_revision, 4);
         assert_eq!(changed.statuses.len(), 1);
+    }
+
+    #[test]
+    fn a_module_that_loads_nothing_reports_only_where_its_plugin_stops() {
+        assert_eq!(
+            assess_device_plugin_only(&Placement::DevicePluginOnly, true),
+            None,
+            "running its plugin: nothing is loaded, nothing to report"
+        );
+        assert_eq!(
+            assess_device_plugin_only(&Placement::NotApplicable, false),
+            None
+        );
+        let stopping = Placement::Held(Box::new(crate::placement::Held {
+            hold: crate::node_upgrade::Hold::DevicePluginStopping { unload: true },
+            running: None,
+            target: String::new(),
+            keep: None,
+        }));
+        for (placement, labelled) in [
+            (&stopping, true),
+            (&stopping, false),
+            (&Placement::Unload, true),
+        ] {
+            let a = assess_device_plugin_only(placement, labelled).unwrap();
+            assert_eq!(
+                (a.state, a.reason.as_str()),
+                (ModuleState::Pending, REASON_DEVICE_PLUGIN_STOPPING),
+                "{placement:?}, labelled: {labelled}"
+            );
+        }
+        let gone = assess_device_plugin_only(&Placement::Unload, false).unwrap();
+        assert_eq!(gone.state, ModuleState::Unloaded);
     }
 }

@@ -32,6 +32,9 @@ pub enum Placement {
     Held(Box<Held>),
     /// No kernel mapping matches the node's kernel: the module does not apply there.
     Skipped(Unresolved),
+    /// The module loads nothing (its intent's `device_plugin_only`): the node runs its
+    /// device plugin, whatever its kernel.
+    DevicePluginOnly,
 }
 
 /// The reason the hub gives a kernel no mapping of the module matches.
@@ -61,6 +64,7 @@ impl Placement {
                 | Self::AwaitingKernel
                 | Self::KernelMismatch { .. }
                 | Self::Held(_)
+                | Self::DevicePluginOnly
         )
     }
 }
@@ -96,6 +100,9 @@ pub fn place(intent: &ModuleIntent, node: &NodeFacts, may_have_it: bool) -> Plac
     // starts nothing new.
     if matches!(taints, TaintVerdict::HoldsNewLoads(_)) && !may_have_it {
         return Placement::NotApplicable;
+    }
+    if intent.device_plugin_only {
+        return Placement::DevicePluginOnly;
     }
     if node.kernel.is_empty() {
         return Placement::AwaitingKernel;
@@ -184,6 +191,7 @@ mod tests {
             unload: false,
             max_unavailable: None,
             device_plugin: None,
+            device_plugin_only: false,
         }
     }
 
@@ -375,5 +383,39 @@ mod tests {
                 placement
             );
         }
+    }
+
+    #[test]
+    fn a_module_that_loads_nothing_is_placed_by_selector_and_tolerations_alone() {
+        let plugin_only = ModuleIntent {
+            kernels: Vec::new(),
+            device_plugin_only: true,
+            ..intent()
+        };
+        for kernel in ["6.1", "5.14", "7.0", ""] {
+            assert_eq!(
+                place(&plugin_only, &node(kernel), false),
+                Placement::DevicePluginOnly,
+                "kernel {kernel:?}"
+            );
+        }
+        assert!(Placement::DevicePluginOnly.is_selected());
+        let mut other = node("6.1");
+        other.labels.clear();
+        assert_eq!(place(&plugin_only, &other, false), Placement::NotApplicable);
+        assert_eq!(place(&plugin_only, &other, true), Placement::Unload);
+        let mut tainted = node("6.1");
+        tainted.taints.push(Taint {
+            key: "dedicated".into(),
+            value: "gpu".into(),
+            effect: "NoSchedule".into(),
+        });
+        assert_eq!(
+            place(&plugin_only, &tainted, false),
+            Placement::NotApplicable
+        );
+        let mut gone = plugin_only;
+        gone.unload = true;
+        assert_eq!(place(&gone, &node("6.1"), false), Placement::Unload);
     }
 }

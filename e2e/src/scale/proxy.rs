@@ -625,6 +625,7 @@ mod tests {
             unload,
             max_unavailable: None,
             device_plugin: None,
+            device_plugin_only: false,
         }
     }
 

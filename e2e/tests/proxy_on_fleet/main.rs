@@ -58,6 +58,7 @@ fn intent_for_node(spoke: &Spoke, name: &str, i: usize) -> ModuleIntent {
         unload: false,
         max_unavailable: None,
         device_plugin: None,
+        device_plugin_only: false,
     }
 }
 
@@ -240,8 +241,12 @@ async fn inventory_and_agents_bound_to_their_own_node() -> Result<()> {
         got == expected,
         "inventory {got:?} != the nodes' distinct kernels, sorted {expected:?}"
     );
+    let proxy_message::Message::DevicePlugins(plugins) = stream.next().await? else {
+        bail!("third message is not DevicePluginReport");
+    };
+    ensure!(plugins.plugins.is_empty(), "{plugins:?}");
     let proxy_message::Message::Status(full) = stream.next().await? else {
-        bail!("third message is not NodeStatusReport");
+        bail!("fourth message is not NodeStatusReport: the plugin counts come before it");
     };
     ensure!(full.full && full.statuses.is_empty(), "{full:?}");
 
@@ -436,6 +441,9 @@ async fn labels_on_proof_hub_loss_changes_nothing_unload_removes_labels() -> Res
     ensure!(h.applied_intent_revision == 1, "{h:?}");
     let proxy_message::Message::Inventory(_) = stream.next().await? else {
         bail!("no inventory after reconnect");
+    };
+    let proxy_message::Message::DevicePlugins(_) = stream.next().await? else {
+        bail!("no device plugin counts after reconnect");
     };
     let proxy_message::Message::Status(full) = stream.next().await? else {
         bail!("no status after reconnect");
@@ -1098,10 +1106,8 @@ async fn a_device_plugin_runs_where_its_module_is_loaded_and_stops_before_it_cha
         ca,
     } = start("proxy-plugin").await?;
     let node = spoke.node_name(0).to_string();
-    let label = format!(
-        "kmm.node.kubernetes.io/{}.plug.device-plugin-ready",
-        spoke.namespace
-    );
+    let label = kmm_api::labels::device_plugin_scheduling_label(&spoke.namespace, "plug");
+    let plugin_ready = kmm_api::labels::device_plugin_ready_label(&spoke.namespace, "plug");
     let mut stream = hub.next_stream().await?;
     stream.send(snapshot(
         1,
@@ -1168,9 +1174,10 @@ async fn a_device_plugin_runs_where_its_module_is_loaded_and_stops_before_it_cha
         plugin_pods(&spoke, "plug").await?.is_empty(),
         "v2 was given while the plugin Pod still existed"
     );
+    let labels = spoke.node_labels(0).await?;
     ensure!(
-        !spoke.node_labels(0).await?.contains_key(&label),
-        "the plugin label stayed during the change"
+        !labels.contains_key(&label) && !labels.contains_key(&plugin_ready),
+        "a plugin label stayed during the change: {labels:?}"
     );
     agent
         .send(ModuleEvent {

@@ -84,9 +84,20 @@ pub fn validate(spec: &ModuleSpec, identity: ModuleIdentity<'_>) -> Result<(), V
             tolerations,
         );
     }
-    if let Some(loader) = &spec.module_loader {
-        let path = format!("{}.moduleLoader.container", identity.spec_path);
-        validate_container(&mut c, &path, &loader.container);
+    match (&spec.module_loader, &spec.device_plugin) {
+        (Some(loader), _) => {
+            let path = format!("{}.moduleLoader.container", identity.spec_path);
+            validate_container(&mut c, &path, &loader.container);
+        }
+        // Upstream documents a module with only a device plugin (an in-tree driver);
+        // with neither, the module would do nothing at all.
+        (None, Some(_)) => {}
+        (None, None) => c.error(
+            format!("{}.moduleLoader", identity.spec_path),
+            None,
+            "must be set when devicePlugin is not: the module would load nothing and run \
+             nothing",
+        ),
     }
     if c.0.is_empty() {
         Ok(())

@@ -297,7 +297,7 @@ moduleLoader:
 
 #[test]
 fn no_module_loader_is_reported() {
-    let spec = spec("selector: {}\n");
+    let spec = spec("selector: {}\ndevicePlugin:\n  container: {image: r.example/plugin:1}\n");
     let err = Resolver::new(&spec, IDENTITY)
         .unwrap()
         .resolve("6.1.0")

@@ -18,6 +18,9 @@ fn errors(yaml: &str, name: &str, namespace: &str) -> Vec<String> {
 
 const C: &str = "spec.moduleSpec.moduleLoader.container";
 
+/// A module with only a device plugin (upstream's in-tree driver case).
+const PLUGIN_ONLY: &str = "selector: {}\ndevicePlugin:\n  container: {image: r.example/plugin:1}\n";
+
 #[test]
 fn a_good_spec_has_no_errors() {
     let spec = r#"
@@ -147,7 +150,7 @@ moduleLoader:
 
 #[test]
 fn spoke_namespace_must_be_a_dns_label() {
-    let spec = "selector: {}\n";
+    let spec = PLUGIN_ONLY;
     assert_eq!(
         errors(spec, "m", "Bad_NS"),
         [
@@ -163,7 +166,19 @@ fn spoke_namespace_must_be_a_dns_label() {
 
 #[test]
 fn name_and_namespace_fit_the_node_label_bound() {
-    let spec = "selector: {}\n";
+    let spec = PLUGIN_ONLY;
     assert!(errors(spec, &"n".repeat(21), &"s".repeat(20)).is_empty());
     assert_eq!(errors(spec, &"n".repeat(22), &"s".repeat(20)).len(), 1);
+}
+
+#[test]
+fn a_module_needs_a_loader_or_a_device_plugin() {
+    assert_eq!(errors(PLUGIN_ONLY, "m", "ns"), Vec::<String>::new());
+    assert_eq!(
+        errors("selector: {}\n", "m", "ns"),
+        [
+            "spec.moduleSpec.moduleLoader: must be set when devicePlugin is not: the module \
+             would load nothing and run nothing"
+        ]
+    );
 }

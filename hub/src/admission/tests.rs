@@ -402,3 +402,55 @@ fn fields_that_do_nothing_here_are_allowed_with_a_warning_naming_them() {
             .is_none()
     );
 }
+
+/// `module(GOOD)` without its loader, running a device plugin instead.
+fn plugin_only() -> Value {
+    let mut object = module(GOOD);
+    let spec = object["spec"]["moduleSpec"].as_object_mut().unwrap();
+    spec.remove("moduleLoader");
+    spec.insert(
+        "devicePlugin".into(),
+        json!({"container": {"image": "registry.example.com/plugin:1"}}),
+    );
+    object
+}
+
+#[test]
+fn a_module_with_only_a_device_plugin_is_allowed_and_one_with_neither_is_refused() {
+    let created = decide(&request("CREATE", Some(plugin_only()), None));
+    assert!(created.allowed, "{:?}", created.result);
+    let mut neither = plugin_only();
+    neither["spec"]["moduleSpec"]
+        .as_object_mut()
+        .unwrap()
+        .remove("devicePlugin");
+    let refused = decide(&request("CREATE", Some(neither), None));
+    assert!(!refused.allowed);
+    let causes = refused.result.details.unwrap().causes;
+    assert_eq!(causes.len(), 1, "{causes:?}");
+    assert_eq!(causes[0].field, "spec.moduleSpec.moduleLoader");
+    assert!(causes[0].message.contains("devicePlugin"), "{causes:?}");
+}
+
+#[test]
+fn an_update_may_not_add_or_remove_the_loader() {
+    let mut with_both = module(GOOD);
+    with_both["spec"]["moduleSpec"]["devicePlugin"] =
+        json!({"container": {"image": "registry.example.com/plugin:1"}});
+    for (old, new, what) in [
+        (with_both.clone(), plugin_only(), "removed"),
+        (plugin_only(), with_both.clone(), "added"),
+    ] {
+        let response = decide(&request("UPDATE", Some(new), Some(old)));
+        assert!(!response.allowed, "{what}");
+        let causes = response.result.details.unwrap().causes;
+        assert_eq!(causes.len(), 1, "{what}: {causes:?}");
+        assert_eq!(causes[0].field, "spec.moduleSpec.moduleLoader", "{what}");
+        assert!(causes[0].message.contains(what), "{causes:?}");
+    }
+    let mut moved = plugin_only();
+    moved["spec"]["moduleSpec"]["devicePlugin"]["container"]["image"] =
+        json!("registry.example.com/plugin:2");
+    let response = decide(&request("UPDATE", Some(moved), Some(plugin_only())));
+    assert!(response.allowed, "{:?}", response.result);
+}

@@ -115,6 +115,10 @@ pub fn cluster_intents(
     let intents = modules
         .iter()
         .map(|input| {
+            if input.module.spec.module_spec.module_loader.is_none() {
+                let valid = resolutions.invalid(input.module).is_none();
+                return device_plugin_only_intent(input, valid);
+            }
             module_intent(
                 input,
                 kernels,
@@ -205,18 +209,43 @@ fn module_intent(
         })
         .collect();
     ModuleIntent {
+        kernels: targets,
+        ..placed_intent(input)
+    }
+}
+
+/// What every intent of the module carries: where it goes, whether it leaves, its
+/// device plugin; no kernel.
+fn placed_intent(input: &ModuleInput<'_>) -> ModuleIntent {
+    let mcm = input.module;
+    let spec = &mcm.spec.module_spec;
+    ModuleIntent {
         key: Some(ModuleKey {
             namespace: mcm.spec.spoke_namespace.clone(),
-            name,
+            name: mcm.name_any(),
         }),
         generation: mcm.metadata.generation.unwrap_or_default(),
         node_selector: spec.selector.clone().into_iter().collect(),
         tolerations: spec.tolerations.iter().flatten().map(toleration).collect(),
-        kernels: targets,
+        kernels: Vec::new(),
         unload: input.unload,
         max_unavailable: max_unavailable(mcm),
         device_plugin: device_plugin(mcm),
+        device_plugin_only: false,
     }
+}
+
+/// A module without `moduleLoader` (upstream's in-tree driver with its device plugin):
+/// nothing to resolve per kernel, nothing for the agents; the proxy runs its plugin on
+/// every node it selects. An invalid spec runs nothing, as a loader module's loads
+/// nothing: its plugin stays on the hub, and its status says why.
+fn device_plugin_only_intent(input: &ModuleInput<'_>, valid: bool) -> ModuleIntent {
+    let mut intent = placed_intent(input);
+    intent.device_plugin_only = true;
+    if !valid {
+        intent.device_plugin = None;
+    }
+    intent
 }
 
 /// The module's device plugin, also on an unload: the proxy stops the plugin on a node
@@ -498,6 +527,75 @@ mod tests {
                 serde_json::from_str(&intent.device_plugin.unwrap().spec_json).unwrap();
             assert_eq!(sent, spec, "unload: {unload}");
         }
+    }
+
+    const PLUGIN_ONLY: &str = r#"    selector: {role: gpu}
+    tolerations: [{key: gpu, operator: Exists, effect: NoSchedule}]
+    devicePlugin:
+      container: {image: r.example/plugin:1}
+"#;
+
+    #[test]
+    fn a_module_without_a_loader_sends_its_plugin_and_nothing_to_load() {
+        let module = mcm("plugin", PLUGIN_ONLY);
+        for unload in [false, true] {
+            let intents = cluster_intents(
+                &[ModuleInput {
+                    module: &module,
+                    unload,
+                }],
+                &kernels(&["6.1.0-13-amd64", "5.14.0-427.el9.x86_64"]),
+                &creds(&["pull"]),
+                &BTreeMap::new(),
+                &mut Resolutions::default(),
+            );
+            assert!(intents.unchecked.is_empty(), "no image to check");
+            let snapshot = intents.snapshot;
+            assert!(snapshot.credentials.is_empty(), "nothing to pull");
+            let intent = &snapshot.modules[0];
+            assert!(intent.device_plugin_only);
+            assert!(intent.kernels.is_empty(), "{:?}", intent.kernels);
+            assert_eq!(intent.unload, unload);
+            assert_eq!(intent.tolerations[0].key, "gpu");
+            assert_eq!(
+                intent.node_selector.get("role").map(String::as_str),
+                Some("gpu")
+            );
+            let plugin: kmm_api::DevicePluginSpec =
+                serde_json::from_str(&intent.device_plugin.as_ref().unwrap().spec_json).unwrap();
+            assert_eq!(plugin.container.image, "r.example/plugin:1");
+        }
+        let loader = cluster_intents(
+            &[ModuleInput {
+                module: &mcm("hello", HELLO),
+                unload: false,
+            }],
+            &kernels(&[]),
+            &creds(&[]),
+            &pinned(),
+            &mut Resolutions::default(),
+        );
+        assert!(!loader.snapshot.modules[0].device_plugin_only);
+    }
+
+    #[test]
+    fn an_invalid_module_without_a_loader_runs_no_plugin() {
+        let mut module = mcm("plugin", PLUGIN_ONLY);
+        module.spec.spoke_namespace = "Not A Namespace".into();
+        let snapshot = cluster_intents(
+            &[ModuleInput {
+                module: &module,
+                unload: false,
+            }],
+            &kernels(&["6.1.0-13-amd64"]),
+            &creds(&[]),
+            &BTreeMap::new(),
+            &mut Resolutions::default(),
+        )
+        .snapshot;
+        let intent = &snapshot.modules[0];
+        assert!(intent.device_plugin_only);
+        assert_eq!(intent.device_plugin, None);
     }
 
     #[test]

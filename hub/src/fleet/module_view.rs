@@ -104,6 +104,7 @@ impl<'m> ModuleViewBuilder<'m> {
 
     fn count(&mut self, cluster: &str, wave: Option<Wave>, sight: Option<ClusterSight<'_>>) {
         let namespace = self.module.spec.spoke_namespace.as_str();
+        let device_plugin_only = self.module.spec.module_spec.module_loader.is_none();
         let report = match &sight {
             None => ClusterReport {
                 cluster,
@@ -111,6 +112,8 @@ impl<'m> ModuleViewBuilder<'m> {
                 reflects_generation: false,
                 kernels: &[],
                 nodes: &[],
+                device_plugin_only,
+                device_plugin: None,
             },
             Some(sight) => ClusterReport {
                 cluster,
@@ -118,6 +121,8 @@ impl<'m> ModuleViewBuilder<'m> {
                 reflects_generation: sight.reflects_generation,
                 kernels: sight.kernels,
                 nodes: sight.statuses.module(namespace, &self.name),
+                device_plugin_only,
+                device_plugin: sight.device_plugin,
             },
         };
         let mut observation = self.tally.add(&report);
@@ -321,5 +326,50 @@ mod tests {
             leftovers(&view),
             [("a".to_owned(), None), ("b".to_owned(), None)]
         );
+    }
+
+    fn plugin_only() -> ModuleBuilder {
+        module(true).without("/spec/moduleSpec/moduleLoader")
+    }
+
+    #[test]
+    fn a_module_that_loads_nothing_is_ready_where_its_plugin_runs_on_every_selected_node() {
+        let module = plugin_only().build();
+        let none = NodeStatuses::default();
+        let mut builder = ModuleViewBuilder::new(&module);
+        let everywhere = ClusterSight {
+            device_plugin: Some((2, 2)),
+            ..sight(&none, true)
+        };
+        builder.selected("a", None, Some(everywhere));
+        builder.selected("b", None, Some(sight(&none, true)));
+        let unreported = ClusterSight {
+            device_plugin: None,
+            ..sight(&none, true)
+        };
+        builder.selected("c", None, Some(unreported));
+        let view = builder.finish(Vec::new());
+        assert_eq!(view.status.clusters.converged, 1);
+        assert!(view.observed["a"].converged);
+        assert!(
+            !view.observed["b"].converged,
+            "one of two plugin Pods available"
+        );
+        assert!(!view.observed["c"].converged, "no counts yet");
+        let plugins = view.status.device_plugins.expect("counted");
+        assert_eq!((plugins.desired, plugins.available), (4, 3));
+        assert_eq!(view.status.nodes.matching, 0);
+    }
+
+    #[test]
+    fn deleting_a_module_that_loads_nothing_waits_for_its_plugin_to_stop_on_each_node() {
+        let module = plugin_only().deleting().build();
+        let stopping = reported(&[("n1", ModuleState::Pending), ("n2", ModuleState::Unloaded)]);
+        let stopped = reported(&[("n1", ModuleState::Unloaded), ("n2", ModuleState::Unloaded)]);
+        let mut builder = ModuleViewBuilder::new(&module);
+        builder.selected("a", None, Some(sight(&stopping, true)));
+        builder.selected("b", None, Some(sight(&stopped, true)));
+        let view = builder.finish(Vec::new());
+        assert_eq!(leftovers(&view), [("a".to_owned(), Some("n1".to_owned()))]);
     }
 }

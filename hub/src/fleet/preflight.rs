@@ -12,6 +12,7 @@ use std::sync::Arc;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kmm_api::{ManagedClusterModule, PreflightModuleStatus, PreflightValidation};
+use kmm_resolver::ResolveErrorKind;
 use kube::ResourceExt;
 
 use super::assignment::is_deleting;
@@ -153,6 +154,8 @@ pub fn preflight_statuses(
             let resolved = resolutions.resolve(module, &kernels);
             let unresolved = match (resolved.invalid(), resolved.kernel(kernel)) {
                 (Some(errors), _) => Some(format!("InvalidSpec: {errors}")),
+                // A module with only a device plugin loads nothing, on any kernel.
+                (None, Some(Err(e))) if e.kind == ResolveErrorKind::NoModuleLoader => None,
                 (None, Some(Err(e))) => Some(format!("{}: {e}", e.kind.reason())),
                 _ => None,
             };
@@ -285,5 +288,44 @@ mod tests {
         let other = Finding::Unresolved("InvalidSpec".into());
         let moved = module_status(&module, &other, false, Some(&first), later);
         assert_eq!(moved.last_transition_time, Time(later));
+    }
+
+    #[test]
+    fn a_module_with_only_a_device_plugin_is_verified_on_any_kernel() {
+        let plugin_only = ModuleBuilder::new("plugin")
+            .without("/spec/moduleSpec/moduleLoader")
+            .with(
+                "/spec/moduleSpec/devicePlugin/container/image",
+                "r.example/plugin:1",
+            )
+            .build();
+        let preflight = PreflightValidation::new(
+            "to-6.1.0-99",
+            kmm_api::PreflightValidationSpec {
+                kernel_version: "6.1.0-99-amd64".into(),
+                push_built_image: true,
+            },
+        );
+        let statuses = preflight_statuses(
+            &preflight,
+            &[Arc::new(plugin_only), Arc::new(mcm())],
+            &BTreeMap::new(),
+            &mut Resolutions::default(),
+            Timestamp::UNIX_EPOCH,
+        );
+        let plugin = &statuses[0];
+        assert_eq!(
+            (
+                plugin.verification_status.as_str(),
+                plugin.status_reason.as_str(),
+                plugin.verification_stage.as_str()
+            ),
+            ("True", "the kernel needs no image", "Done")
+        );
+        assert_eq!(
+            statuses[1].verification_status, "False",
+            "{:?}",
+            statuses[1]
+        );
     }
 }

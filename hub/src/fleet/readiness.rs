@@ -83,10 +83,17 @@ pub fn phase(status: &ManagedClusterModuleStatus, invalid: bool, deleting: bool)
 /// is invalid).
 pub fn summary(status: &ManagedClusterModuleStatus, phase: Phase, detail: &str) -> String {
     let (c, n) = (&status.clusters, &status.nodes);
-    let counts = format!(
+    let mut counts = format!(
         "clusters: {} selected, {} connected, {} converged; nodes: {} matching, {} loaded, {} failed",
         c.selected, c.connected, c.converged, n.matching, n.loaded, n.failed
     );
+    // A module that loads nothing converges on these alone.
+    if let Some(plugins) = &status.device_plugins {
+        counts.push_str(&format!(
+            "; device plugin Pods: {} desired, {} available",
+            plugins.desired, plugins.available
+        ));
+    }
     match (phase, status.failures.first()) {
         (Phase::InvalidSpec | Phase::Unloading, _) if !detail.is_empty() => detail.to_owned(),
         (Phase::LoadFailed | Phase::KernelUnresolved, Some(f)) => format!(
@@ -226,6 +233,22 @@ mod tests {
         assert_eq!(
             summary(&s, Phase::InvalidSpec, "spec.x: bad"),
             "spec.x: bad"
+        );
+        assert!(!text.contains("device plugin"), "{text}");
+    }
+
+    #[test]
+    fn summary_counts_the_device_plugin_pods_of_a_module_with_a_plugin() {
+        let mut s = status(1, 1, 0, &[]);
+        s.device_plugins = Some(kmm_api::DevicePluginCounts {
+            desired: 3,
+            available: 2,
+            short: Vec::new(),
+        });
+        let text = summary(&s, Phase::Progressing, "");
+        assert!(
+            text.ends_with("; device plugin Pods: 3 desired, 2 available"),
+            "{text}"
         );
     }
 

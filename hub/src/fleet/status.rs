@@ -29,6 +29,13 @@ pub struct ClusterReport<'a> {
     pub kernels: &'a [KernelTarget],
     /// The module's per-node status in this cluster.
     pub nodes: &'a [NodeStatus],
+    /// The module loads nothing, it only runs a device plugin: its node statuses say only
+    /// where the plugin stops, and the cluster converges once `device_plugin` shows the
+    /// plugin available on every node the module selects.
+    pub device_plugin_only: bool,
+    /// The module's device plugin Pods in this cluster, (desired, available), once its
+    /// proxy reported them.
+    pub device_plugin: Option<(u32, u32)>,
 }
 
 /// Aggregates the reports of every selected cluster.
@@ -85,6 +92,45 @@ impl StatusTally {
     /// Counts one cluster, and says what it shows for a rollout.
     pub fn add(&mut self, report: &ClusterReport<'_>) -> Observation {
         self.clusters.selected += 1;
+        let (in_place, failure) = if report.device_plugin_only {
+            // Nothing is loaded, so no node counts as matching, loaded or failed.
+            let everywhere = report
+                .device_plugin
+                .is_some_and(|(desired, available)| available >= desired);
+            (everywhere, None)
+        } else {
+            self.count_nodes(report)
+        };
+        let converged = report.connected && report.reflects_generation && in_place;
+        if report.connected {
+            self.clusters.connected += 1;
+        }
+        if converged {
+            self.clusters.converged += 1;
+        }
+        if failure.is_some() {
+            self.degraded += 1;
+        }
+        for target in report.kernels {
+            match target.target {
+                Some(Target::Load(_)) => self.resolved.insert(target.kernel.clone()),
+                _ => self.unresolved.insert(target.kernel.clone()),
+            };
+        }
+        // Keep the sample bounded however many clusters fail.
+        if self.failures.len() > 4 * MAX_FAILURE_SAMPLES {
+            self.trim_failures();
+        }
+        Observation {
+            converged,
+            failure,
+            wave: None,
+        }
+    }
+
+    /// Counts the cluster's nodes: whether every matching one runs the module, and its
+    /// first failure.
+    fn count_nodes(&mut self, report: &ClusterReport<'_>) -> (bool, Option<String>) {
         let mut matching = 0;
         let mut loaded = 0;
         let mut failure = None;
@@ -121,31 +167,7 @@ impl StatusTally {
         }
         self.nodes.matching += count(matching);
         self.nodes.loaded += count(loaded);
-        let converged = report.connected && report.reflects_generation && loaded == matching;
-        if report.connected {
-            self.clusters.connected += 1;
-        }
-        if converged {
-            self.clusters.converged += 1;
-        }
-        if failure.is_some() {
-            self.degraded += 1;
-        }
-        for target in report.kernels {
-            match target.target {
-                Some(Target::Load(_)) => self.resolved.insert(target.kernel.clone()),
-                _ => self.unresolved.insert(target.kernel.clone()),
-            };
-        }
-        // Keep the sample bounded however many clusters fail.
-        if self.failures.len() > 4 * MAX_FAILURE_SAMPLES {
-            self.trim_failures();
-        }
-        Observation {
-            converged,
-            failure,
-            wave: None,
-        }
+        (loaded == matching, failure)
     }
 
     /// Notes the nodes of `cluster` where the module shares a kernel module with another
@@ -278,6 +300,8 @@ mod tests {
                     reflects_generation: true,
                     kernels: &kernels,
                     nodes: &a,
+                    device_plugin_only: false,
+                    device_plugin: None,
                 },
                 ClusterReport {
                     cluster: "b",
@@ -285,6 +309,8 @@ mod tests {
                     reflects_generation: true,
                     kernels: &kernels,
                     nodes: &b,
+                    device_plugin_only: false,
+                    device_plugin: None,
                 },
                 ClusterReport {
                     cluster: "c",
@@ -292,6 +318,8 @@ mod tests {
                     reflects_generation: false,
                     kernels: &[],
                     nodes: &c,
+                    device_plugin_only: false,
+                    device_plugin: None,
                 },
             ],
         );
@@ -350,6 +378,8 @@ mod tests {
                 reflects_generation: true,
                 kernels: &kernels,
                 nodes: &nodes,
+                device_plugin_only: false,
+                device_plugin: None,
             }],
         );
         assert_eq!((status.nodes.matching, status.nodes.loaded), (1, 1));
@@ -373,6 +403,8 @@ mod tests {
             reflects_generation: true,
             kernels: &[],
             nodes: &many,
+            device_plugin_only: false,
+            device_plugin: None,
         }];
         let status = module_status(None, &report);
         assert_eq!(status.nodes.failed, 500);
@@ -397,6 +429,8 @@ mod tests {
                 reflects_generation,
                 kernels: &[],
                 nodes,
+                device_plugin_only: false,
+                device_plugin: None,
             };
             assert_eq!(
                 module_status(Some(2), &[report(false)]).clusters.converged,
@@ -419,6 +453,8 @@ mod tests {
                 reflects_generation: true,
                 kernels: &[],
                 nodes,
+                device_plugin_only: false,
+                device_plugin: None,
             }],
         )
     }
@@ -493,5 +529,46 @@ mod tests {
             ],
         );
         assert_eq!(newly_shared(Some(&before), &after), [&shared("a", "a2")]);
+    }
+
+    #[test]
+    fn a_module_that_loads_nothing_converges_once_its_plugin_runs_on_every_selected_node() {
+        let stopping = [
+            node("n1", ModuleState::Pending, "DevicePluginStopping"),
+            node("n2", ModuleState::Unloaded, ""),
+        ];
+        let report = |device_plugin, reflects_generation| ClusterReport {
+            cluster: "a",
+            connected: true,
+            reflects_generation,
+            kernels: &[],
+            nodes: &stopping,
+            device_plugin_only: true,
+            device_plugin,
+        };
+        let status = module_status(Some(1), &[report(Some((2, 2)), true)]);
+        assert_eq!(status.clusters.converged, 1);
+        assert_eq!(
+            status.nodes,
+            NodeCounts::default(),
+            "nothing is loaded: no node is matching, loaded or failed"
+        );
+        assert_eq!(status.number_degraded, 0);
+        for (counts, reflects) in [(Some((2, 1)), true), (None, true), (Some((2, 2)), false)] {
+            assert_eq!(
+                module_status(Some(1), &[report(counts, reflects)])
+                    .clusters
+                    .converged,
+                0,
+                "{counts:?}, reflects the generation: {reflects}"
+            );
+        }
+        assert_eq!(
+            module_status(Some(1), &[report(Some((0, 0)), true)])
+                .clusters
+                .converged,
+            1,
+            "no node selected: nothing to wait for"
+        );
     }
 }
