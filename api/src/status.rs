@@ -83,7 +83,8 @@ pub struct ManagedClusterModuleStatus {
     pub conditions: Vec<Condition>,
 }
 
-/// Device plugin Pods: one should run on every node that runs the module.
+/// Device plugin Pods: one should run on every node that runs the module (for a module
+/// with only a device plugin, on every node it selects).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct DevicePluginCounts {

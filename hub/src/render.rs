@@ -79,6 +79,13 @@ pub fn run(args: &Args) -> ExitCode {
             return ExitCode::from(EXIT_INVALID);
         }
     };
+    if document.spec.module_loader.is_none() {
+        // Only a device plugin: no kernel selects anything, every selected node runs it.
+        for kernel in &args.kernels {
+            println!("{}", plugin_only(kernel, &document, args.output));
+        }
+        return ExitCode::from(EXIT_RESOLVED);
+    }
     let mut status = EXIT_RESOLVED;
     for kernel in &args.kernels {
         match resolver.resolve(kernel) {
@@ -109,6 +116,24 @@ fn format(resolution: &Resolution, document: &ModuleDocument, format: Format) ->
         Format::Json => serde_json::to_string_pretty(resolution).expect("serializable"),
         Format::Jsonl => serde_json::to_string(resolution).expect("serializable"),
         Format::Text => text(resolution, document),
+    }
+}
+
+/// What a node on `kernel` gets from a module with only a device plugin: its plugin Pod,
+/// and nothing to load.
+fn plugin_only(kernel: &str, document: &ModuleDocument, format: Format) -> String {
+    let answer = serde_json::json!({
+        "kernel": kernel,
+        "devicePluginOnly": true,
+    });
+    match format {
+        Format::Json => serde_json::to_string_pretty(&answer).expect("serializable"),
+        Format::Jsonl => answer.to_string(),
+        Format::Text => format!(
+            "{} {}/{} on kernel {kernel}\n  load         nothing (no moduleLoader)\n  \
+             device plugin runs on every selected node, whatever its kernel\n",
+            document.kind, document.namespace, document.name
+        ),
     }
 }
 

@@ -268,3 +268,59 @@ fn an_upstream_mcm_with_every_field_renders() {
         serde_json::json!(["nouveau"])
     );
 }
+
+#[test]
+fn a_module_with_only_a_device_plugin_loads_nothing_on_any_kernel_and_exits_0() {
+    let dir = std::env::temp_dir().join(format!("kmm-render-plugin-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let doc = dir.join("plugin-only.yaml");
+    std::fs::write(
+        &doc,
+        r#"
+apiVersion: hub.kmm.sigs.x-k8s.io/v1beta1
+kind: ManagedClusterModule
+metadata: {name: plugin-only}
+spec:
+  spokeNamespace: drivers
+  selector: {}
+  moduleSpec:
+    selector: {}
+    devicePlugin:
+      container: {image: r.example/plugin:1}
+"#,
+    )
+    .unwrap();
+    let path = doc.display().to_string();
+    let output = render(&[
+        "-f",
+        &path,
+        "-k",
+        "6.1.0-13-amd64",
+        "-k",
+        "5.14.0-1",
+        "-o",
+        "jsonl",
+    ]);
+    assert_eq!(output.status.code(), Some(0), "{output:?}");
+    let kernels: Vec<(String, bool)> = stdout_objects(&output)
+        .iter()
+        .map(|o| {
+            (
+                o["kernel"].as_str().unwrap().to_owned(),
+                o["devicePluginOnly"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        kernels,
+        [
+            ("6.1.0-13-amd64".to_owned(), true),
+            ("5.14.0-1".to_owned(), true)
+        ]
+    );
+    let text = render(&["-f", &path, "-k", "6.1.0-13-amd64", "-o", "text"]);
+    assert_eq!(text.status.code(), Some(0));
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("nothing (no moduleLoader)"), "{text}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
