@@ -183,6 +183,11 @@ fn module_intent(
                                     needed.extend(secret.clone());
                                     Target::Load(module_load(resolution, secret.as_deref(), digest))
                                 }
+                                // No imageRepoSecret: the nodes resolve the tag with their
+                                // cluster's pull Secret, if it has one.
+                                Some(Verdict::LoadUnpinned) => {
+                                    Target::Load(module_load(resolution, None, ""))
+                                }
                                 Some(Verdict::Wait { reason, message }) => unresolved(
                                     reason,
                                     format!("kernel {kernel}: image {}: {message}", key.image),
@@ -498,6 +503,39 @@ mod tests {
                 serde_json::from_str(&intent.device_plugin.unwrap().spec_json).unwrap();
             assert_eq!(sent, spec, "unload: {unload}");
         }
+    }
+
+    #[test]
+    fn an_image_the_registry_refused_the_hub_goes_unpinned_without_credentials() {
+        let module = mcm(
+            "hello",
+            &HELLO.replace("    imageRepoSecret: {name: pull}\n", ""),
+        );
+        let mut images = pinned();
+        let record = images.values_mut().next().unwrap();
+        record.digest = None;
+        record.state = crate::images::ImageState::Unchecked;
+        let intents = cluster_intents(
+            &[ModuleInput {
+                module: &module,
+                unload: false,
+            }],
+            &kernels(&["6.1.0-13-amd64"]),
+            &creds(&["pull"]),
+            &images,
+            &mut Resolutions::default(),
+        );
+        assert!(intents.unchecked.is_empty(), "the hub looked");
+        let Some(Target::Load(load)) = &intents.snapshot.modules[0].kernels[0].target else {
+            panic!("an unpinned load")
+        };
+        assert_eq!(load.image, "r.example/hello:6.1.0-13-amd64");
+        assert_eq!(load.digest, "", "each node resolves the tag");
+        assert_eq!(
+            load.pull_credential_id, "",
+            "the cluster's credentials, if any"
+        );
+        assert!(intents.snapshot.credentials.is_empty());
     }
 
     #[test]

@@ -369,7 +369,11 @@ impl ImageWorker {
         let Some(module) = self.modules.get(&ObjectRef::new(&key.module)) else {
             return;
         };
-        let warning = matches!(after.state, ImageState::Failed | ImageState::NotFound);
+        // Unchecked too: nodes load a tag the hub could not pin.
+        let warning = matches!(
+            after.state,
+            ImageState::Failed | ImageState::NotFound | ImageState::Unchecked
+        );
         let kernels: Vec<&str> = after
             .need
             .kernels
