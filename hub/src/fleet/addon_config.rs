@@ -30,6 +30,13 @@ pub const REQUIRED_VARIABLES: [&str; 3] = ["HUB_ADDRESS", "LOG_LEVEL", "FIRMWARE
 /// CoreOS); the kernel is told to search it when it is not `/lib/firmware`.
 pub const FIRMWARE_DIR: &str = "FIRMWARE_DIR";
 
+/// The cluster's own pull Secret, in the add-on's namespace on the managed cluster: its
+/// nodes pull with it the images of modules that name no `imageRepoSecret`, and device
+/// plugins' Pods get a copy of it. Unset, or empty, for none.
+pub const CLUSTER_PULL_SECRET: &str = "CLUSTER_PULL_SECRET";
+/// Variables users may set; the hub checks their values when they do.
+pub const OPTIONAL_VARIABLES: [&str; 1] = [CLUSTER_PULL_SECRET];
+
 /// Parses a watched object's field leniently: a field OCM left out, or shaped unlike the
 /// subset read here, reads as empty rather than stopping the controller.
 pub fn parse<T: DeserializeOwned + Default>(value: &serde_json::Value) -> T {
@@ -316,18 +323,33 @@ pub fn config_problem<'a>(
             variables,
         });
     }
-    let firmware = spec
-        .customized_variables
-        .iter()
-        .rev()
-        .find(|v| v.name == FIRMWARE_DIR)
-        .map_or("", |v| v.value.as_str());
-    firmware_dir_problem(firmware).map(|why| ConfigProblem::Invalid {
+    let value = |name: &str| {
+        spec.customized_variables
+            .iter()
+            .rev()
+            .find(|v| v.name == name)
+            .map_or("", |v| v.value.as_str())
+    };
+    let invalid = |variable: &'static str, why| ConfigProblem::Invalid {
         config: config.clone(),
-        variable: FIRMWARE_DIR,
-        value: firmware.to_owned(),
+        variable,
+        value: value(variable).to_owned(),
         why,
-    })
+    };
+    firmware_dir_problem(value(FIRMWARE_DIR))
+        .map(|why| invalid(FIRMWARE_DIR, why))
+        .or_else(|| {
+            pull_secret_name_problem(value(CLUSTER_PULL_SECRET))
+                .map(|why| invalid(CLUSTER_PULL_SECRET, why))
+        })
+}
+
+/// Why `name` cannot name the cluster's pull Secret (empty names none).
+pub fn pull_secret_name_problem(name: &str) -> Option<&'static str> {
+    (!name.is_empty() && !super::cluster_identity::is_dns_subdomain(name)).then_some(
+        "must be a Secret's name: lower-case letters, digits, - and ., at most 253 \
+         characters",
+    )
 }
 
 /// Why `dir` cannot be the host firmware directory: it becomes a hostPath, a mount path
@@ -512,11 +534,36 @@ mod tests {
                     ("FIRMWARE_DIR", "var/lib/firmware"),
                 ]),
             ),
+            (
+                ConfigName::new("kmm", "bad-pull-secret"),
+                variables(&[
+                    ("HUB_ADDRESS", "https://hub:7443"),
+                    ("LOG_LEVEL", "info"),
+                    ("FIRMWARE_DIR", "/lib/firmware"),
+                    ("CLUSTER_PULL_SECRET", "Pull_Secret"),
+                ]),
+            ),
+            (
+                ConfigName::new("kmm", "pull-secret"),
+                variables(&[
+                    ("HUB_ADDRESS", "https://hub:7443"),
+                    ("LOG_LEVEL", "info"),
+                    ("FIRMWARE_DIR", "/lib/firmware"),
+                    ("CLUSTER_PULL_SECRET", "registry.pull-1"),
+                ]),
+            ),
             (ConfigName::new("kmm", "empty"), variables(&[])),
         ]);
         let problem =
             |name: &str| config_problem(Some(&ConfigName::new("kmm", name)), |c| configs.get(c));
-        assert_eq!(problem("complete"), None);
+        assert_eq!(problem("complete"), None, "CLUSTER_PULL_SECRET is optional");
+        assert_eq!(problem("pull-secret"), None);
+        assert_eq!(
+            problem("bad-pull-secret").unwrap().to_string(),
+            "AddOnDeploymentConfig kmm/bad-pull-secret: spec.customizedVariables \
+             CLUSTER_PULL_SECRET \"Pull_Secret\" must be a Secret's name: lower-case letters, \
+             digits, - and ., at most 253 characters"
+        );
         let partial = problem("partial").unwrap();
         assert_eq!(
             partial,
@@ -575,6 +622,23 @@ mod tests {
         ] {
             let problem = firmware_dir_problem(bad).unwrap_or_else(|| panic!("{bad:?} accepted"));
             assert!(problem.contains(why), "{bad:?}: {problem}");
+        }
+    }
+
+    #[test]
+    fn a_cluster_pull_secret_is_a_secrets_name_or_nothing() {
+        for good in ["", "pull", "registry.example-pull", &"a".repeat(253)] {
+            assert_eq!(pull_secret_name_problem(good), None, "{good}");
+        }
+        for bad in [
+            "Pull",
+            "pull_secret",
+            "-pull",
+            "pull.",
+            " pull",
+            &"a".repeat(254),
+        ] {
+            assert!(pull_secret_name_problem(bad).is_some(), "{bad:?} accepted");
         }
     }
 
