@@ -1756,6 +1756,7 @@ mod tests {
         let mut with_plugin = intent("m", "v1");
         with_plugin.device_plugin = Some(DevicePlugin {
             spec_json: r#"{"container":{"image":"reg/plugin:1"}}"#.into(),
+            ..DevicePlugin::default()
         });
         s.set_intents(snapshot(1, vec![with_plugin.clone()]));
         assert_eq!(s.device_plugins().len(), 1);
@@ -1817,6 +1818,7 @@ mod tests {
         let mut with_plugin = intent("m", "v1");
         with_plugin.device_plugin = Some(DevicePlugin {
             spec_json: "{}".into(),
+            ..DevicePlugin::default()
         });
         with_plugin.unload = true;
         s.set_intents(snapshot(1, vec![with_plugin, intent("plain", "v1")]));

@@ -2,7 +2,7 @@
 //!
 //! Pure modules (no I/O): [`node_facts`], [`tolerations`], [`placement`], [`inventory`],
 //! [`agent_view`], [`agent_identity`], [`node_status`], [`labels`], [`cluster_state`],
-//! [`device_plugin`], [`cluster_pull_secret`]. I/O:
+//! [`device_plugin`], [`device_plugin_pull_secret`], [`cluster_pull_secret`]. I/O:
 //! [`hub_connection`], [`nodes`], [`node_labels`], [`device_plugin_sync`],
 //! [`cluster_pull_secret_sync`], [`agent_server`], [`agent_auth`], [`agent_tls`], wired
 //! together by [`run`].
@@ -16,6 +16,7 @@ pub mod cluster_pull_secret;
 pub mod cluster_pull_secret_sync;
 pub mod cluster_state;
 pub mod device_plugin;
+pub mod device_plugin_pull_secret;
 pub mod device_plugin_sync;
 pub mod hub_connection;
 pub mod hub_credentials;

@@ -231,7 +231,21 @@ fn device_plugin(mcm: &ManagedClusterModule) -> Option<DevicePlugin> {
     // Serializing a typed value cannot fail: no map with non-string keys, no float NaN.
     serde_json::to_string(spec)
         .ok()
-        .map(|spec_json| DevicePlugin { spec_json })
+        .map(|spec_json| DevicePlugin {
+            spec_json,
+            image_repo_secret: image_repo_secret_name(mcm),
+        })
+}
+
+/// The name of the module's `imageRepoSecret` (empty when none): the plugin's Pods name
+/// it, as upstream's do, never the Secret's content.
+fn image_repo_secret_name(mcm: &ManagedClusterModule) -> String {
+    mcm.spec
+        .module_spec
+        .image_repo_secret
+        .as_ref()
+        .map(|s| s.name.clone())
+        .unwrap_or_default()
 }
 
 /// `nodeUpgrade.maxUnavailable` for the proxy; a value admission would refuse (stored
@@ -499,10 +513,25 @@ mod tests {
                 &mut BTreeSet::new(),
                 &mut BTreeSet::new(),
             );
-            let sent: kmm_api::DevicePluginSpec =
-                serde_json::from_str(&intent.device_plugin.unwrap().spec_json).unwrap();
+            let plugin = intent.device_plugin.unwrap();
+            let sent: kmm_api::DevicePluginSpec = serde_json::from_str(&plugin.spec_json).unwrap();
             assert_eq!(sent, spec, "unload: {unload}");
+            assert_eq!(plugin.image_repo_secret, "pull", "its name only");
         }
+        module.spec.module_spec.image_repo_secret = None;
+        let intent = module_intent(
+            &ModuleInput {
+                module: &module,
+                unload: false,
+            },
+            &kernels(&[]),
+            &creds(&[]),
+            &pinned(),
+            &ModuleResolutions::default(),
+            &mut BTreeSet::new(),
+            &mut BTreeSet::new(),
+        );
+        assert_eq!(intent.device_plugin.unwrap().image_repo_secret, "");
     }
 
     #[test]
