@@ -9,7 +9,8 @@
 use std::collections::BTreeSet;
 
 use kmm_hub::fleet::addon_config::{
-    CA_BUNDLE_PARTS, CA_BUNDLE_PREFIX, CLUSTER_PULL_SECRET, OPTIONAL_VARIABLES, REQUIRED_VARIABLES,
+    CA_BUNDLE_PARTS, CA_BUNDLE_PREFIX, CLUSTER_PULL_SECRET, OPTIONAL_VARIABLES,
+    REGISTRY_CA_BUNDLE_PARTS, REGISTRY_CA_BUNDLE_PREFIX, REQUIRED_VARIABLES,
 };
 use regex::Regex;
 use serde_json::Value;
@@ -64,13 +65,17 @@ fn every_template_variable_is_defined_by_ocm_the_default_config_or_kmm_hub() {
     let bundle: BTreeSet<String> = (1..=CA_BUNDLE_PARTS)
         .map(|i| format!("{CA_BUNDLE_PREFIX}{i}"))
         .collect();
+    let registry_bundle: BTreeSet<String> = (1..=REGISTRY_CA_BUNDLE_PARTS)
+        .map(|i| format!("{REGISTRY_CA_BUNDLE_PREFIX}{i}"))
+        .collect();
     for variable in &used {
         assert!(
             OCM_BUILT_IN.contains(&variable.as_str())
                 || defaults.contains(variable)
                 || REQUIRED_VARIABLES.contains(&variable.as_str())
                 || OPTIONAL_VARIABLES.contains(&variable.as_str())
-                || bundle.contains(variable),
+                || bundle.contains(variable)
+                || registry_bundle.contains(variable),
             "the template uses {{{{{variable}}}}}, which nobody defines"
         );
     }
@@ -84,19 +89,49 @@ fn every_template_variable_is_defined_by_ocm_the_default_config_or_kmm_hub() {
 }
 
 #[test]
-fn the_hub_ca_is_joined_from_every_part_in_order() {
+fn the_hub_ca_and_the_registries_cas_are_joined_from_every_part_in_order() {
     let template: Value = serde_yaml_ng::from_str(&read("addon-template.yaml")).unwrap();
     let manifests = template["spec"]["agentSpec"]["workload"]["manifests"]
         .as_array()
         .unwrap();
-    let ca = manifests
+    for (config_map, prefix, parts) in [
+        ("kmm-hub-ca", CA_BUNDLE_PREFIX, CA_BUNDLE_PARTS),
+        (
+            "kmm-registry-ca",
+            REGISTRY_CA_BUNDLE_PREFIX,
+            REGISTRY_CA_BUNDLE_PARTS,
+        ),
+    ] {
+        let ca = manifests
+            .iter()
+            .find(|m| m["kind"] == "ConfigMap" && m["metadata"]["name"] == config_map)
+            .unwrap_or_else(|| panic!("the ConfigMap {config_map}"));
+        let joined: String = (1..=parts)
+            .map(|i| format!("{{{{{prefix}{i}}}}}"))
+            .collect();
+        assert_eq!(ca["binaryData"]["ca.crt"], joined.as_str(), "{config_map}");
+    }
+    // The agents trust that ConfigMap's bundle.
+    let agent = manifests
         .iter()
-        .find(|m| m["kind"] == "ConfigMap" && m["metadata"]["name"] == "kmm-hub-ca")
-        .expect("the ConfigMap kmm-hub-ca");
-    let joined: String = (1..=CA_BUNDLE_PARTS)
-        .map(|i| format!("{{{{{CA_BUNDLE_PREFIX}{i}}}}}"))
-        .collect();
-    assert_eq!(ca["binaryData"]["ca.crt"], joined.as_str());
+        .find(|m| m["kind"] == "DaemonSet")
+        .expect("the agents' DaemonSet");
+    let pod = &agent["spec"]["template"]["spec"];
+    assert!(
+        pod["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|v| v["configMap"]["name"] == "kmm-registry-ca")
+    );
+    assert!(
+        pod["containers"][0]["args"]
+            .as_array()
+            .unwrap()
+            .contains(&Value::from(
+                "--registry-ca-file=/etc/kmm/registry-ca/ca.crt"
+            ))
+    );
 }
 
 /// Every rule of the proxy's Roles and ClusterRoles that names Secrets: (kind, resource

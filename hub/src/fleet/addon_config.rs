@@ -37,6 +37,13 @@ pub const CLUSTER_PULL_SECRET: &str = "CLUSTER_PULL_SECRET";
 /// Variables users may set; the hub checks their values when they do.
 pub const OPTIONAL_VARIABLES: [&str; 1] = [CLUSTER_PULL_SECRET];
 
+/// Prefix of the variables holding the CAs a cluster's registries chain to (optional):
+/// `REGISTRY_CA_BUNDLE_1` to `_4`, concatenated in order the base64 of a PEM bundle,
+/// which the template renders into the ConfigMap the agents trust.
+pub const REGISTRY_CA_BUNDLE_PREFIX: &str = "REGISTRY_CA_BUNDLE_";
+/// How many of those the template concatenates, as many as the hub's CA's.
+pub const REGISTRY_CA_BUNDLE_PARTS: usize = CA_BUNDLE_PARTS;
+
 /// Parses a watched object's field leniently: a field OCM left out, or shaped unlike the
 /// subset read here, reads as empty rather than stopping the controller.
 pub fn parse<T: DeserializeOwned + Default>(value: &serde_json::Value) -> T {
@@ -260,6 +267,8 @@ pub enum ConfigProblem {
         value: String,
         why: &'static str,
     },
+    /// The registries' CA bundle, joined from its variables, cannot be trusted.
+    RegistryCaBundle { config: ConfigName, why: String },
 }
 
 impl fmt::Display for ConfigProblem {
@@ -292,6 +301,12 @@ impl fmt::Display for ConfigProblem {
                 f,
                 "AddOnDeploymentConfig {config}: spec.customizedVariables {variable} {value:?} \
                  {why}"
+            ),
+            Self::RegistryCaBundle { config, why } => write!(
+                f,
+                "AddOnDeploymentConfig {config}: spec.customizedVariables \
+                 {REGISTRY_CA_BUNDLE_PREFIX}1..{REGISTRY_CA_BUNDLE_PARTS} (the base64 of the \
+                 registries' PEM CA bundle, in parts) {why}"
             ),
         }
     }
@@ -342,6 +357,53 @@ pub fn config_problem<'a>(
             pull_secret_name_problem(value(CLUSTER_PULL_SECRET))
                 .map(|why| invalid(CLUSTER_PULL_SECRET, why))
         })
+        .or_else(|| {
+            registry_ca_bundle_problem(&spec.customized_variables).map(|why| {
+                ConfigProblem::RegistryCaBundle {
+                    config: config.clone(),
+                    why,
+                }
+            })
+        })
+}
+
+/// Why the registries' CA bundle in `variables` cannot be trusted (none set: nothing).
+/// The template joins parts 1 to [`REGISTRY_CA_BUNDLE_PARTS`] as a ConfigMap's
+/// `binaryData`, which the agents read as PEM.
+pub fn registry_ca_bundle_problem(variables: &[Variable]) -> Option<String> {
+    let part = |i: usize| {
+        let name = format!("{REGISTRY_CA_BUNDLE_PREFIX}{i}");
+        variables
+            .iter()
+            .rev()
+            .find(|v| v.name == name)
+            .map_or("", |v| v.value.as_str())
+    };
+    let unread: Vec<&str> = variables
+        .iter()
+        .filter_map(|v| v.name.strip_prefix(REGISTRY_CA_BUNDLE_PREFIX))
+        .filter(|n| {
+            n.parse::<usize>()
+                .map_or(true, |n| n == 0 || n > REGISTRY_CA_BUNDLE_PARTS)
+        })
+        .collect();
+    if let Some(n) = unread.first() {
+        return Some(format!(
+            "sets {REGISTRY_CA_BUNDLE_PREFIX}{n}, which the add-on's template does not read \
+             (it joins 1 to {REGISTRY_CA_BUNDLE_PARTS})"
+        ));
+    }
+    let joined: String = (1..=REGISTRY_CA_BUNDLE_PARTS).map(part).collect();
+    if joined.is_empty() {
+        return None;
+    }
+    let pem = match STANDARD.decode(joined.trim()) {
+        Ok(pem) => pem,
+        Err(e) => return Some(format!("is not base64: {e}")),
+    };
+    kmm_registry::RegistryCas::from_pem(&pem)
+        .err()
+        .map(|e| format!("is not a CA bundle: {e}"))
 }
 
 /// Why `name` cannot name the cluster's pull Secret (empty names none).
@@ -640,6 +702,81 @@ mod tests {
         ] {
             assert!(pull_secret_name_problem(bad).is_some(), "{bad:?} accepted");
         }
+    }
+
+    /// A CA certificate's PEM.
+    fn ca_pem() -> String {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params
+            .self_signed(&rcgen::KeyPair::generate().unwrap())
+            .unwrap()
+            .pem()
+    }
+
+    /// The variables holding `pem` as a user sets them: base64, in parts of 1024.
+    fn registry_bundle(pem: &str) -> Vec<Variable> {
+        STANDARD
+            .encode(pem)
+            .as_bytes()
+            .chunks(MAX_VALUE_LEN)
+            .enumerate()
+            .map(|(i, part)| Variable {
+                name: format!("{REGISTRY_CA_BUNDLE_PREFIX}{}", i + 1),
+                value: String::from_utf8(part.to_vec()).unwrap(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_registries_ca_bundle_is_optional_and_checked_when_set() {
+        assert_eq!(registry_ca_bundle_problem(&[]), None);
+        let two = format!("{}{}", ca_pem(), ca_pem());
+        let bundle = registry_bundle(&two);
+        assert!(bundle.len() > 1, "two CAs take more than one variable");
+        assert_eq!(registry_ca_bundle_problem(&bundle), None);
+
+        let problem = |variables: &[Variable]| registry_ca_bundle_problem(variables).unwrap();
+        let mut missing_part = bundle.clone();
+        missing_part.remove(0);
+        assert!(
+            problem(&missing_part).starts_with("is not "),
+            "{}",
+            problem(&missing_part)
+        );
+        let not_base64 = [Variable {
+            name: "REGISTRY_CA_BUNDLE_1".into(),
+            value: "-----BEGIN CERTIFICATE-----".into(),
+        }];
+        assert!(problem(&not_base64).starts_with("is not base64"));
+        let key = registry_bundle(&rcgen::KeyPair::generate().unwrap().serialize_pem());
+        assert_eq!(
+            problem(&key),
+            "is not a CA bundle: PEM block 1 is a PRIVATE KEY, not a CERTIFICATE"
+        );
+        let mut fifth = bundle.clone();
+        fifth.push(Variable {
+            name: "REGISTRY_CA_BUNDLE_5".into(),
+            value: "AAAA".into(),
+        });
+        assert!(problem(&fifth).contains("REGISTRY_CA_BUNDLE_5, which the add-on's template"));
+
+        let mut complete = variables(&[
+            ("HUB_ADDRESS", "https://hub:7443"),
+            ("LOG_LEVEL", "info"),
+            ("FIRMWARE_DIR", "/lib/firmware"),
+        ]);
+        complete.customized_variables.extend(not_base64);
+        let configs = BTreeMap::from([(ConfigName::new("kmm", "ca"), complete)]);
+        let named = config_problem(Some(&ConfigName::new("kmm", "ca")), |c| configs.get(c))
+            .unwrap()
+            .to_string();
+        assert!(
+            named.starts_with(
+                "AddOnDeploymentConfig kmm/ca: spec.customizedVariables REGISTRY_CA_BUNDLE_1..4"
+            ),
+            "{named}"
+        );
     }
 
     #[test]
