@@ -213,7 +213,9 @@ pub struct ImageStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 10))]
     pub kernels: Vec<String>,
-    /// Exists, NeedsBuild, NeedsSign, Building, Signing, Failed or NotFound.
+    /// Exists, NeedsBuild, NeedsSign, Building, Signing, Failed, NotFound, or Unchecked (the
+    /// registry refused the hub and the module names no imageRepoSecret: nodes load the
+    /// tag unpinned, with their cluster's pull Secret).
     pub state: String,
     /// The manifest digest every node loads: the tag resolved once, or the signed image.
     pub digest: Option<String>,

@@ -31,6 +31,7 @@ use kmm_e2e::kmod_builder;
 use kmm_e2e::versions::Versions;
 use kmm_hub::build::job::{FINGERPRINT_LABEL, MODULE_UID_LABEL};
 use kmm_hub::build::{BuildJobs, BuildProgress, BuildRequest};
+use kmm_registry::RegistryCas;
 use kmm_resolver::ModuleIdentity;
 use kmm_resolver::Resolver;
 use kube::api::{DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
@@ -287,7 +288,7 @@ async fn delete_secrets(hub: &Client, names: &[&str]) -> Result<()> {
 async fn finished(builds: &BuildJobs, request: &BuildRequest) -> Result<(BuildProgress, Duration)> {
     let started = Instant::now();
     let progress = wait_until("the build to finish", BUILD_TIMEOUT, || async {
-        match builds.ensure(request).await {
+        match builds.ensure(request, &RegistryCas::default()).await {
             Ok(BuildProgress::Running { job }) => Err(format!("{job} running")),
             Ok(BuildProgress::Retrying { job }) => Err(format!("{job} being replaced")),
             Ok(done) => Ok(done),
@@ -462,7 +463,7 @@ async fn a_failing_dockerfile_reports_the_end_of_its_log_and_is_built_again_only
     );
     // Asked again, the failed build is reported, not started again.
     ensure!(
-        builds.ensure(&request).await? == progress,
+        builds.ensure(&request, &RegistryCas::default()).await? == progress,
         "a second answer differs"
     );
     let uid = module.uid().context("a uid")?;
@@ -476,7 +477,8 @@ async fn a_failing_dockerfile_reports_the_end_of_its_log_and_is_built_again_only
     };
     let first_uid = job_uid(job.clone()).await?;
     ensure!(
-        builds.retry(&request).await? == BuildProgress::Retrying { job: job.clone() },
+        builds.retry(&request, &RegistryCas::default()).await?
+            == BuildProgress::Retrying { job: job.clone() },
         "the failed build is not being replaced"
     );
     let (again, took) = finished(&builds, &request).await?;
@@ -525,9 +527,9 @@ async fn a_request_makes_one_job_and_a_changed_build_arg_exactly_one_more() -> R
         BuildProgress::Failed { job, log_tail } => Err(anyhow::anyhow!("{job} failed: {log_tail}")),
         BuildProgress::Retrying { job } => Err(anyhow::anyhow!("{job} is being retried")),
     };
-    let debug_job = job(builds.ensure(&debug).await?)?;
+    let debug_job = job(builds.ensure(&debug, &RegistryCas::default()).await?)?;
     ensure!(
-        job(builds.ensure(&debug).await?)? == debug_job,
+        job(builds.ensure(&debug, &RegistryCas::default()).await?)? == debug_job,
         "a second Job"
     );
     ensure!(jobs_of(&fleet.hub, &builds, &uid).await? == BTreeSet::from([debug_job.clone()]));
@@ -541,10 +543,10 @@ async fn a_request_makes_one_job_and_a_changed_build_arg_exactly_one_more() -> R
         .await?;
     let release = request(&changed, &setup.kernel, TRIVIAL, None)?;
     ensure!(release.fingerprint(&setup.builder) != debug.fingerprint(&setup.builder));
-    let release_job = job(builds.ensure(&release).await?)?;
+    let release_job = job(builds.ensure(&release, &RegistryCas::default()).await?)?;
     for _ in 0..3 {
         ensure!(
-            job(builds.ensure(&release).await?)? == release_job,
+            job(builds.ensure(&release, &RegistryCas::default()).await?)? == release_job,
             "another Job"
         );
     }
@@ -613,7 +615,7 @@ async fn deleting_the_module_deletes_its_jobs_and_their_inputs() -> Result<()> {
     .await?;
     let builds = BuildJobs::new(as_hub(&fleet).await?, HUB_NAMESPACE, &setup.builder);
     let request = request(&module, &setup.kernel, TRIVIAL, Some(&push))?;
-    let job = match builds.ensure(&request).await? {
+    let job = match builds.ensure(&request, &RegistryCas::default()).await? {
         BuildProgress::Running { job } => job,
         other => bail!("a new build is running, not {other:?}"),
     };

@@ -142,6 +142,7 @@ fn non_default_values_land_where_they_belong() -> Result<()> {
             "hubAddress": "https://kmm-hub.example.com:30443",
             "logLevel": "debug",
             "firmwareDir": "/var/lib/firmware",
+            "clusterPullSecret": "regcred",
             "proxy": { "resources": { "limits": { "memory": "1Gi" } } },
             "agent": { "resources": { "limits": { "memory": "2Gi" } } },
         },
@@ -190,6 +191,7 @@ fn non_default_values_land_where_they_belong() -> Result<()> {
                 { "name": "LOG_LEVEL", "value": "debug" },
                 { "name": "FIRMWARE_DIR", "value": "/var/lib/firmware" },
                 { "name": "HUB_ADDRESS", "value": "https://kmm-hub.example.com:30443" },
+                { "name": "CLUSTER_PULL_SECRET", "value": "regcred" },
             ])
     );
 
@@ -213,7 +215,8 @@ fn non_default_values_land_where_they_belong() -> Result<()> {
     ensure!(
         proxy["args"]
             .as_array()
-            .is_some_and(|a| a.contains(&json!("--hub-address={{HUB_ADDRESS}}"))),
+            .is_some_and(|a| a.contains(&json!("--hub-address={{HUB_ADDRESS}}"))
+                && a.contains(&json!("--cluster-pull-secret={{CLUSTER_PULL_SECRET}}"))),
         "proxy args {}",
         proxy["args"]
     );

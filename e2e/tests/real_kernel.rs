@@ -430,6 +430,7 @@ impl HubBuilt {
             &other_signed,
             plain,
             None,
+            &kmm_registry::RegistryCas::default(),
             MAX_IMAGE_BYTES,
         )
         .await?;

@@ -105,6 +105,14 @@ pub struct Args {
     #[arg(long, value_name = "IMAGE", default_value = DEFAULT_BUILDER_IMAGE)]
     builder_image: String,
 
+    /// PEM CA certificates the registries of image checks, builds and signing may chain
+    /// to besides the system's (an internal CA needs no insecureSkipTLSVerify). Read at
+    /// each step, so a replaced bundle needs no restart; while the file is absent (its
+    /// optional ConfigMap kmm-hub-registry-ca not created) none is added, and one that
+    /// cannot be used fails the steps, naming it.
+    #[arg(long, value_name = "FILE")]
+    registry_ca_file: Option<std::path::PathBuf>,
+
     /// Lifetime of the gRPC and webhook serving certificates, in seconds. They are
     /// re-issued from the hub CA while the hub runs, with a third of it left.
     #[arg(long, default_value_t = serve::ca::SERVING_VALIDITY.as_secs(), value_parser = clap::value_parser!(u64).range(5..))]
@@ -220,6 +228,7 @@ async fn serve_main(args: Args) -> anyhow::Result<()> {
         leader_election,
         addon_name: args.addon_name,
         builder_image: args.builder_image,
+        registry_ca_file: args.registry_ca_file,
         serving_validity: Duration::from_secs(args.serving_cert_validity_seconds),
     };
     let listeners = Listeners {

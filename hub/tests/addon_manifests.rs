@@ -1,13 +1,17 @@
 //! The add-on's packaging (`addon-manifests/addon`) agrees with kmm-hub: every variable
 //! the AddOnTemplate uses is OCM's, set by the default AddOnDeploymentConfig, one of the
-//! variables kmm-hub requires (and reports missing), or the CA bundle kmm-hub publishes.
+//! variables kmm-hub requires (and reports missing) or checks when set, or the CA bundle
+//! kmm-hub publishes.
 //! OCM renders an unknown variable as an empty string, silently; this is where a typo in
 //! the template is caught. The hub's own manifests (`addon-manifests/hub`) give its
 //! builds the namespace and permissions `kmm_hub::build` relies on.
 
 use std::collections::BTreeSet;
 
-use kmm_hub::fleet::addon_config::{CA_BUNDLE_PARTS, CA_BUNDLE_PREFIX, REQUIRED_VARIABLES};
+use kmm_hub::fleet::addon_config::{
+    CA_BUNDLE_PARTS, CA_BUNDLE_PREFIX, CLUSTER_PULL_SECRET, OPTIONAL_VARIABLES,
+    REGISTRY_CA_BUNDLE_PARTS, REGISTRY_CA_BUNDLE_PREFIX, REQUIRED_VARIABLES,
+};
 use regex::Regex;
 use serde_json::Value;
 
@@ -61,20 +65,22 @@ fn every_template_variable_is_defined_by_ocm_the_default_config_or_kmm_hub() {
     let bundle: BTreeSet<String> = (1..=CA_BUNDLE_PARTS)
         .map(|i| format!("{CA_BUNDLE_PREFIX}{i}"))
         .collect();
+    let registry_bundle: BTreeSet<String> = (1..=REGISTRY_CA_BUNDLE_PARTS)
+        .map(|i| format!("{REGISTRY_CA_BUNDLE_PREFIX}{i}"))
+        .collect();
     for variable in &used {
         assert!(
             OCM_BUILT_IN.contains(&variable.as_str())
                 || defaults.contains(variable)
                 || REQUIRED_VARIABLES.contains(&variable.as_str())
-                || bundle.contains(variable),
+                || OPTIONAL_VARIABLES.contains(&variable.as_str())
+                || bundle.contains(variable)
+                || registry_bundle.contains(variable),
             "the template uses {{{{{variable}}}}}, which nobody defines"
         );
     }
-    for required in REQUIRED_VARIABLES {
-        assert!(
-            used.contains(required),
-            "kmm-hub requires {required}, unused"
-        );
+    for required in REQUIRED_VARIABLES.into_iter().chain(OPTIONAL_VARIABLES) {
+        assert!(used.contains(required), "kmm-hub checks {required}, unused");
     }
     assert!(
         bundle.is_subset(&used),
@@ -83,19 +89,113 @@ fn every_template_variable_is_defined_by_ocm_the_default_config_or_kmm_hub() {
 }
 
 #[test]
-fn the_hub_ca_is_joined_from_every_part_in_order() {
+fn the_hub_ca_and_the_registries_cas_are_joined_from_every_part_in_order() {
     let template: Value = serde_yaml_ng::from_str(&read("addon-template.yaml")).unwrap();
     let manifests = template["spec"]["agentSpec"]["workload"]["manifests"]
         .as_array()
         .unwrap();
-    let ca = manifests
+    for (config_map, prefix, parts) in [
+        ("kmm-hub-ca", CA_BUNDLE_PREFIX, CA_BUNDLE_PARTS),
+        (
+            "kmm-registry-ca",
+            REGISTRY_CA_BUNDLE_PREFIX,
+            REGISTRY_CA_BUNDLE_PARTS,
+        ),
+    ] {
+        let ca = manifests
+            .iter()
+            .find(|m| m["kind"] == "ConfigMap" && m["metadata"]["name"] == config_map)
+            .unwrap_or_else(|| panic!("the ConfigMap {config_map}"));
+        let joined: String = (1..=parts)
+            .map(|i| format!("{{{{{prefix}{i}}}}}"))
+            .collect();
+        assert_eq!(ca["binaryData"]["ca.crt"], joined.as_str(), "{config_map}");
+    }
+    // The agents trust that ConfigMap's bundle.
+    let agent = manifests
         .iter()
-        .find(|m| m["kind"] == "ConfigMap" && m["metadata"]["name"] == "kmm-hub-ca")
-        .expect("the ConfigMap kmm-hub-ca");
-    let joined: String = (1..=CA_BUNDLE_PARTS)
-        .map(|i| format!("{{{{{CA_BUNDLE_PREFIX}{i}}}}}"))
+        .find(|m| m["kind"] == "DaemonSet")
+        .expect("the agents' DaemonSet");
+    let pod = &agent["spec"]["template"]["spec"];
+    assert!(
+        pod["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|v| v["configMap"]["name"] == "kmm-registry-ca")
+    );
+    assert!(
+        pod["containers"][0]["args"]
+            .as_array()
+            .unwrap()
+            .contains(&Value::from(
+                "--registry-ca-file=/etc/kmm/registry-ca/ca.crt"
+            ))
+    );
+}
+
+/// Every rule of the proxy's Roles and ClusterRoles that names Secrets: (kind, resource
+/// names, verbs).
+fn secret_rules(template: &Value) -> Vec<(String, Vec<String>, Vec<String>)> {
+    let strings = |v: &Value| -> Vec<String> {
+        v.as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|s| s.as_str().map(str::to_owned))
+            .collect()
+    };
+    template["spec"]["agentSpec"]["workload"]["manifests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["kind"] == "Role" || m["kind"] == "ClusterRole")
+        .flat_map(|role| {
+            let kind = role["kind"].as_str().unwrap().to_owned();
+            role["rules"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|rule| strings(&rule["resources"]).contains(&"secrets".to_owned()))
+                .map(move |rule| {
+                    (
+                        kind.clone(),
+                        strings(&rule["resourceNames"]),
+                        strings(&rule["verbs"]),
+                    )
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// The cluster pull Secret's name comes from a variable, which renders empty when unset;
+/// an empty resource name grants a list of every Secret of the namespace. So it is only
+/// ever read by name, and no rule grants more than `create` on Secrets without names.
+#[test]
+fn the_proxy_reads_the_cluster_pull_secret_by_name_only_and_no_secret_unnamed() {
+    let template: Value = serde_yaml_ng::from_str(&read("addon-template.yaml")).unwrap();
+    let rules = secret_rules(&template);
+    let by_variable: Vec<_> = rules
+        .iter()
+        .filter(|(_, names, _)| names.contains(&format!("{{{{{CLUSTER_PULL_SECRET}}}}}")))
         .collect();
-    assert_eq!(ca["binaryData"]["ca.crt"], joined.as_str());
+    assert_eq!(by_variable.len(), 1, "{rules:?}");
+    let (kind, names, verbs) = by_variable[0];
+    assert_eq!(kind, "Role", "in the add-on's namespace only");
+    assert_eq!(names.len(), 1, "{names:?}");
+    assert_eq!(verbs, &["get"], "never list or watch");
+    for (kind, names, verbs) in &rules {
+        if names.is_empty() {
+            assert_eq!(verbs, &["create"], "{kind}: Secrets of any name");
+        }
+        assert!(
+            !verbs.iter().any(|v| v == "list" || v == "watch")
+                || !names.iter().any(|n| n.contains("{{")),
+            "{kind}: list or watch of a name a variable renders: {names:?} {verbs:?}"
+        );
+    }
+    // The proxy's run arguments name the same variable.
+    assert!(read("addon-template.yaml").contains("--cluster-pull-secret={{CLUSTER_PULL_SECRET}}"));
 }
 
 #[test]

@@ -256,9 +256,17 @@ async fn pull_check_and_push_through_the_token_flow() {
         files: vec![format!("/{module}")],
     };
     let signed = format!("{}/m:signed", front.addr);
-    sign_image(&plan, key, &signed, PLAIN, Some(&secret), MAX_IMAGE_BYTES)
-        .await
-        .unwrap();
+    sign_image(
+        &plan,
+        key,
+        &signed,
+        PLAIN,
+        Some(&secret),
+        &kmm_registry::RegistryCas::default(),
+        MAX_IMAGE_BYTES,
+    )
+    .await
+    .unwrap();
 
     // The agent's check-image pulls the signed image; its modules are no real ones.
     let cache = tempfile::tempdir().unwrap();

@@ -44,7 +44,16 @@ async fn an_image_over_the_signing_limit_is_refused_before_it_is_pulled() {
         cert_secret: String::new(),
         files: vec!["/opt/lib/modules/6.1.0/extra/m.ko".into()],
     };
-    let refused = sign_image(&plan, key, &registry.image("m:signed"), PLAIN, None, 1024).await;
+    let refused = sign_image(
+        &plan,
+        key,
+        &registry.image("m:signed"),
+        PLAIN,
+        None,
+        &kmm_registry::RegistryCas::default(),
+        1024,
+    )
+    .await;
     let Err(SigningError::TooLarge { size, limit, .. }) = refused else {
         panic!("refused as too large: {refused:?}");
     };

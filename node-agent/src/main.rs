@@ -145,6 +145,12 @@ struct RunArgs {
     /// First retry delay after a failure, in seconds (doubles up to 120).
     #[arg(long, default_value_t = 2)]
     retry_seconds: u64,
+    /// PEM CA certificates registries' TLS certificates may chain to besides the
+    /// system's (the add-on's variables REGISTRY_CA_BUNDLE_n): an internal CA needs no
+    /// insecureSkipTLSVerify. Read at each pull; an empty file adds none. A file that
+    /// cannot be used fails the pulls, naming it.
+    #[arg(long)]
+    registry_ca_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]

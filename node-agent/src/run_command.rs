@@ -42,6 +42,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<()> {
     let images = ImageStore::new(cache, args.limits.limits())
         .with_pull_limits(args.limits.pull_limits())
         .with_concurrent_pulls(args.concurrent_pulls)
+        .with_registry_ca_file(args.registry_ca_file.clone())
         .with_metrics(metrics.clone());
     let reconciler = Reconciler::new(
         kernel,

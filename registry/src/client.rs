@@ -7,7 +7,7 @@ use oci_client::client::{ClientConfig, ClientProtocol};
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference};
 
-use crate::{PullSecret, RegistryError, RegistryTls, credentials};
+use crate::{PullSecret, RegistryCas, RegistryError, RegistryTls, credentials};
 
 /// Parses `image`, naming it when it is not a valid reference.
 pub fn parse_reference(image: &str) -> Result<Reference, RegistryError> {
@@ -28,6 +28,11 @@ pub const READ_TIMEOUT: Duration = Duration::from_secs(60);
 /// A client speaking plain HTTP, HTTPS, or HTTPS without verifying the certificate, with
 /// [`CONNECT_TIMEOUT`] and [`READ_TIMEOUT`].
 pub fn client(tls: RegistryTls) -> Client {
+    client_trusting(tls, &RegistryCas::default())
+}
+
+/// [`client`], trusting `cas` besides the system's CAs when it verifies certificates.
+pub fn client_trusting(tls: RegistryTls, cas: &RegistryCas) -> Client {
     Client::new(ClientConfig {
         protocol: if tls.insecure {
             ClientProtocol::Http
@@ -35,6 +40,7 @@ pub fn client(tls: RegistryTls) -> Client {
             ClientProtocol::Https
         },
         accept_invalid_certificates: tls.insecure_skip_tls_verify,
+        extra_root_certificates: cas.certificates(),
         connect_timeout: Some(CONNECT_TIMEOUT),
         read_timeout: Some(READ_TIMEOUT),
         ..Default::default()

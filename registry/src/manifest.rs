@@ -12,7 +12,7 @@ use oci_client::{Client, Reference, RegistryOperation};
 use sha2::{Digest as _, Sha256};
 
 use crate::client::{CONNECT_TIMEOUT, READ_TIMEOUT};
-use crate::{RegistryError, RegistryTls};
+use crate::{RegistryCas, RegistryError, RegistryTls};
 
 /// The manifest media types asked for, as `oci-client` asks.
 const ACCEPT: [&str; 4] = [
@@ -40,11 +40,13 @@ pub enum ManifestError {
     },
 }
 
-/// Reads image manifests over `registryTLS`, with the connect and read timeouts of
-/// [`crate::client`], never holding more than `max_bytes` of a body.
-#[derive(Debug, Clone, Copy)]
+/// Reads image manifests over `registryTLS`, trusting `cas` besides the system's CAs,
+/// with the connect and read timeouts of [`crate::client`], never holding more than
+/// `max_bytes` of a body.
+#[derive(Debug, Clone)]
 pub struct ManifestReader {
     pub tls: RegistryTls,
+    pub cas: RegistryCas,
     pub max_bytes: u64,
 }
 
@@ -59,14 +61,17 @@ impl ManifestReader {
         reference: &Reference,
         auth: &RegistryAuth,
     ) -> Result<(OciImageManifest, String), ManifestError> {
-        let http = reqwest::Client::builder()
+        let request_error =
+            |e| RegistryError::from_client(image, OciDistributionError::RequestError(e));
+        let mut http = reqwest::Client::builder()
             .connect_timeout(CONNECT_TIMEOUT)
             .read_timeout(READ_TIMEOUT)
-            .danger_accept_invalid_certs(self.tls.insecure_skip_tls_verify)
-            .build()
-            .map_err(|e| {
-                RegistryError::from_client(image, OciDistributionError::RequestError(e))
-            })?;
+            .danger_accept_invalid_certs(self.tls.insecure_skip_tls_verify);
+        for der in self.cas.ders() {
+            http = http
+                .add_root_certificate(reqwest::Certificate::from_der(der).map_err(request_error)?);
+        }
+        let http = http.build().map_err(request_error)?;
         let token = client
             .auth(reference, auth, RegistryOperation::Pull)
             .await

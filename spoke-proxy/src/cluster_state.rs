@@ -17,6 +17,7 @@ use kmm_api::labels::{
 };
 
 use crate::agent_view::{AgentView, UnknownModule};
+use crate::cluster_pull_secret::ClusterPullSecret;
 use crate::inventory::{Inventory, kernels};
 use crate::labels::{
     LabelIntent, ModuleLabels, device_plugin_only_intent, label_intent, merge_patch,
@@ -74,6 +75,8 @@ pub struct ClusterState {
     device_plugin_pods: Option<BTreeMap<StatusKey, bool>>,
     /// Per module, its plugin DaemonSet's (desired, available) Pods, for the hub.
     device_plugin_counts: BTreeMap<ModuleId, (u32, u32)>,
+    /// The cluster's own pull Secret, for the loads the hub sent without a credential.
+    cluster_pull_secret: ClusterPullSecret,
 }
 
 /// What the agent must do for a module, without what it needs to do it (credentials,
@@ -143,7 +146,23 @@ impl ClusterState {
             inventory: Inventory::new(revision_base),
             device_plugin_pods: None,
             device_plugin_counts: BTreeMap::new(),
+            cluster_pull_secret: ClusterPullSecret::NotConfigured,
         }
+    }
+
+    /// Takes the cluster pull Secret as last read; `false` when nothing changed. Every
+    /// node is placed again: its loads may now get, change or lack the credential.
+    pub fn set_cluster_pull_secret(&mut self, secret: ClusterPullSecret) -> bool {
+        if secret == self.cluster_pull_secret {
+            return false;
+        }
+        self.cluster_pull_secret = secret;
+        self.refresh();
+        true
+    }
+
+    pub fn cluster_pull_secret(&self) -> &ClusterPullSecret {
+        &self.cluster_pull_secret
     }
 
     /// Replaces every node (after a full list of the Nodes).
@@ -706,7 +725,15 @@ impl ClusterState {
                 .agents
                 .get(name)
                 .is_some_and(|view| view.loaded.contains_key(&id));
-            let placement = place(intent, facts, agent_has_it || self.may_have.contains(&key));
+            let placement = match place(intent, facts, agent_has_it || self.may_have.contains(&key))
+            {
+                Placement::Load(mut load) => match self.cluster_pull_secret.supply(&mut load) {
+                    Ok(()) => Placement::Load(load),
+                    // Like a kernel the hub gives no image: what the node runs stays.
+                    Err(unresolved) => Placement::Unresolved(unresolved),
+                },
+                other => other,
+            };
             let placement = match check_agent_kernel(placement, &facts.kernel, agent_kernel) {
                 Placement::Load(load) => self
                     .held(name, &id, intent, &load, facts)
@@ -733,6 +760,10 @@ impl ClusterState {
                         .iter()
                         .find(|c| {
                             !load.pull_credential_id.is_empty() && c.id == load.pull_credential_id
+                        })
+                        .or_else(|| {
+                            self.cluster_pull_secret
+                                .credential(&load.pull_credential_id)
                         })
                         .cloned(),
                     unload: false,
@@ -1116,6 +1147,122 @@ mod tests {
             "the agent gets the new credential"
         );
         assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Loaded));
+    }
+
+    /// A cluster pull Secret `kmm/cluster-pull`: usable with `config`, else missing.
+    fn cluster_secret(config: Option<&str>) -> ClusterPullSecret {
+        use crate::cluster_pull_secret::SecretRef;
+        use k8s_openapi::ByteString;
+        use k8s_openapi::api::core::v1::Secret;
+        let secret = config.map(|config| Secret {
+            data: Some([(".dockerconfigjson".to_owned(), ByteString(config.into()))].into()),
+            ..Secret::default()
+        });
+        let reference = SecretRef {
+            namespace: "kmm".into(),
+            name: "cluster-pull".into(),
+        };
+        ClusterPullSecret::read(&reference, secret.as_ref())
+    }
+
+    const CLUSTER_CONFIG: &str = r#"{"auths":{"reg":{"auth":"dTpw"}}}"#;
+
+    /// Intent `m` without the hub's credential (no imageRepoSecret), `h` with it.
+    fn without_and_with_the_hubs_credential() -> IntentSnapshot {
+        let mut unsecured = intent("m", "v1");
+        for target in &mut unsecured.kernels {
+            if let Some(Target::Load(load)) = &mut target.target {
+                load.pull_credential_id.clear();
+            }
+        }
+        snapshot(1, vec![unsecured, intent("h", "v1")])
+    }
+
+    fn credential_of(s: &ClusterState, node: &str, name: &str) -> Option<PullCredential> {
+        s.desired_modules(node)
+            .modules
+            .into_iter()
+            .find(|m| m.key == Some(key(name)))
+            .and_then(|m| m.credential)
+    }
+
+    #[test]
+    fn the_clusters_pull_secret_goes_with_the_loads_the_hub_sent_without_one() {
+        let mut s = cluster();
+        s.set_intents(without_and_with_the_hubs_credential());
+        assert_eq!(
+            credential_of(&s, "a", "m"),
+            None,
+            "no cluster Secret: as today"
+        );
+        assert!(s.set_cluster_pull_secret(cluster_secret(Some(CLUSTER_CONFIG))));
+        assert!(!s.set_cluster_pull_secret(cluster_secret(Some(CLUSTER_CONFIG))));
+        let cluster = credential_of(&s, "a", "m").expect("the cluster's credential");
+        assert_eq!(cluster.id, "cluster:kmm/cluster-pull");
+        assert_eq!(
+            cluster.content,
+            Some(Content::DockerConfigJson(CLUSTER_CONFIG.into()))
+        );
+        let m = s.desired_modules("a").modules;
+        assert_eq!(
+            m.iter()
+                .find(|m| m.key == Some(key("m")))
+                .and_then(|m| m.load.as_ref())
+                .map(|l| l.pull_credential_id.as_str()),
+            Some("cluster:kmm/cluster-pull"),
+            "the load names the credential it comes with"
+        );
+        assert_eq!(
+            credential_of(&s, "a", "h").map(|c| c.id),
+            Some("pull".to_owned()),
+            "the module's own imageRepoSecret wins"
+        );
+        assert!(
+            s.desired_modules("b").modules.is_empty(),
+            "b is not selected"
+        );
+    }
+
+    #[test]
+    fn a_missing_cluster_pull_secret_fails_its_loads_by_name_and_keeps_what_runs() {
+        let mut s = cluster();
+        s.set_cluster_pull_secret(cluster_secret(Some(CLUSTER_CONFIG)));
+        s.set_intents(without_and_with_the_hubs_credential());
+        s.agent_hello("a", &hello("a", &[]));
+        let rev = s.desired_modules("a").revision;
+        for name in ["m", "h"] {
+            s.agent_event("a", &event(name, Action::Load, Outcome::Succeeded, rev))
+                .unwrap();
+        }
+        assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Loaded));
+
+        // Deleted (or rotated by delete and create): m waits, saying why; h goes on.
+        s.set_cluster_pull_secret(cluster_secret(None));
+        let status = &statuses(&s)[&(id("m"), "a".to_owned())];
+        assert_eq!(status.state(), ModuleState::Failed);
+        assert_eq!(status.reason, "ClusterPullSecretNotFound");
+        assert!(
+            status.message.contains("kmm/cluster-pull")
+                && status.message.contains("does not exist"),
+            "{}",
+            status.message
+        );
+        let desired = s.desired_modules("a");
+        assert!(
+            !desired.modules.iter().any(|m| m.key == Some(key("m"))),
+            "nothing to load, and no unload: the module stays loaded"
+        );
+        assert_eq!(state_of(&s, "h", "a"), Some(ModuleState::Loaded));
+        let labels = s.label_patch("a").expect("the test node lacks the labels");
+        assert_eq!(
+            labels["metadata"]["labels"]["kmm.node.kubernetes.io/ns.m.ready"], "",
+            "the ready label stays"
+        );
+
+        // Back with other content: the agent gets it, and nothing is reloaded.
+        s.set_cluster_pull_secret(cluster_secret(Some(r#"{"auths":{"reg":{"auth":"djpx"}}}"#)));
+        assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Loaded));
+        assert!(credential_of(&s, "a", "m").is_some());
     }
 
     #[test]
@@ -1721,6 +1868,7 @@ mod tests {
         let mut with_plugin = intent("m", "v1");
         with_plugin.device_plugin = Some(DevicePlugin {
             spec_json: r#"{"container":{"image":"reg/plugin:1"}}"#.into(),
+            ..DevicePlugin::default()
         });
         s.set_intents(snapshot(1, vec![with_plugin.clone()]));
         assert_eq!(s.device_plugins().len(), 1);
@@ -1788,6 +1936,7 @@ mod tests {
         let mut with_plugin = intent("m", "v1");
         with_plugin.device_plugin = Some(DevicePlugin {
             spec_json: r#"{"container":{"image":"reg/plugin:1"}}"#.into(),
+            ..DevicePlugin::default()
         });
         s.set_intents(snapshot(1, vec![with_plugin]));
         s.agent_hello("a", &hello("a", &[("m", "v1")]));
@@ -1832,6 +1981,7 @@ mod tests {
         let mut with_plugin = intent("m", "v1");
         with_plugin.device_plugin = Some(DevicePlugin {
             spec_json: r#"{"container":{"image":"reg/plugin:1"}}"#.into(),
+            ..DevicePlugin::default()
         });
         s.set_intents(snapshot(1, vec![with_plugin]));
         s.agent_hello("a", &hello("a", &[("m", "v1")]));
@@ -1865,6 +2015,7 @@ mod tests {
         let mut with_plugin = intent("m", "v1");
         with_plugin.device_plugin = Some(DevicePlugin {
             spec_json: "{}".into(),
+            ..DevicePlugin::default()
         });
         with_plugin.unload = true;
         s.set_intents(snapshot(1, vec![with_plugin, intent("plain", "v1")]));
@@ -1880,6 +2031,7 @@ mod tests {
             kernels: Vec::new(),
             device_plugin: Some(DevicePlugin {
                 spec_json: r#"{"container":{"image":"reg/plugin:1"}}"#.into(),
+                ..DevicePlugin::default()
             }),
             device_plugin_only: true,
             ..intent(name, "")

@@ -244,6 +244,7 @@ mod tests {
     fn plugin(spec: serde_json::Value) -> DevicePlugin {
         DevicePlugin {
             spec_json: spec.to_string(),
+            ..DevicePlugin::default()
         }
     }
 

@@ -1,15 +1,18 @@
 //! Keeps one DaemonSet per module with a device plugin (see [`device_plugin`]) and feeds
 //! where the plugins' Pods are back into the shared state, which holds a node's unload
-//! or version change until its plugin Pod is gone.
+//! or version change until its plugin Pod is gone. Keeps the copy of the cluster's pull
+//! Secret in each namespace with a plugin (see [`device_plugin_pull_secret`]).
 //!
 //! [`device_plugin`]: crate::device_plugin
+//! [`device_plugin_pull_secret`]: crate::device_plugin_pull_secret
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use futures::{FutureExt, StreamExt};
 use k8s_openapi::api::apps::v1::DaemonSet;
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Pod, Secret};
+use kmm_proto::v1::PullCredential;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::reflector::{self, Store};
@@ -19,6 +22,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::device_plugin::{
     MANAGED_BY, MANAGED_BY_LABEL, MODULE_LABEL, counts, daemon_set, owned_by, pods_by_node,
+};
+use crate::device_plugin_pull_secret::{
+    COPY, CopyAction, Owner, copy, copy_action, image_pull_secrets, with_image_pull_secrets,
 };
 use crate::module_id::ModuleId;
 use crate::shared_state::SharedState;
@@ -101,6 +107,10 @@ async fn keep_daemon_sets(
     let mut changes = state.subscribe();
     let mut resync = tokio::time::interval(RESYNC);
     let mut applied: BTreeMap<ModuleId, DaemonSet> = BTreeMap::new();
+    // The applied DaemonSets as the API answered: what owns the pull Secret's copies.
+    let mut owners: BTreeMap<ModuleId, Owner> = BTreeMap::new();
+    // Per namespace, the copy last made to be (`None`: none); made again after a resync.
+    let mut copies: BTreeMap<String, Option<Secret>> = BTreeMap::new();
     let mut known_namespaces: BTreeSet<String> = BTreeSet::new();
     loop {
         let resyncing = tokio::select! {
@@ -109,18 +119,26 @@ async fn keep_daemon_sets(
         };
         if resyncing {
             applied.clear();
+            copies.clear();
         }
         // Before the first snapshot the proxy knows no module: it removes nothing.
-        let (wanted, informed) = state.read(|s| {
+        let (wanted, informed, cluster_secret) = state.read(|s| {
+            let configured = s.cluster_pull_secret().is_configured();
             let wanted: Vec<_> = s
                 .device_plugins()
                 .into_iter()
                 .map(|(id, plugin, tolerations)| {
-                    let set = daemon_set(&id, plugin, tolerations, owner);
+                    let set = daemon_set(&id, plugin, tolerations, owner).map(|set| {
+                        with_image_pull_secrets(set, image_pull_secrets(plugin, configured))
+                    });
                     (id, set)
                 })
                 .collect();
-            (wanted, s.applied_intent_revision() > 0)
+            (
+                wanted,
+                s.applied_intent_revision() > 0,
+                s.cluster_pull_secret().usable().cloned(),
+            )
         });
         let mut desired = BTreeSet::new();
         for (id, set) in wanted {
@@ -152,12 +170,16 @@ async fn keep_daemon_sets(
                 .patch(&set.name_any(), &params, &Patch::Apply(&set))
                 .await
             {
-                Ok(_) => {
+                Ok(written) => {
                     tracing::info!(
                         namespace = id.namespace,
                         module = id.name,
                         "device plugin DaemonSet applied"
                     );
+                    if let Some(uid) = written.metadata.uid {
+                        let name = set.name_any();
+                        owners.insert(id.clone(), Owner { name, uid });
+                    }
                     applied.insert(id, set);
                 }
                 Err(error) => tracing::warn!(
@@ -169,6 +191,16 @@ async fn keep_daemon_sets(
             }
         }
         applied.retain(|id, _| desired.contains(id));
+        owners.retain(|id, _| desired.contains(id));
+        keep_copies(
+            &client,
+            cluster_secret.as_ref(),
+            &owners,
+            &desired,
+            owner,
+            &mut copies,
+        )
+        .await;
         if informed
             && owned
                 .wait_until_ready()
@@ -178,6 +210,113 @@ async fn keep_daemon_sets(
             remove_unwanted(&owned, &client, &desired).await;
         }
     }
+}
+
+/// Makes the copy of the cluster's pull Secret what it is to be in each namespace with a
+/// plugin: there, owned by the namespace's plugin DaemonSets, while the Secret is usable;
+/// gone otherwise. Namespaces without a plugin any more lose theirs with the last
+/// DaemonSet (their owners). `copies` remembers what each namespace was last given.
+async fn keep_copies(
+    client: &Client,
+    cluster_secret: Option<&PullCredential>,
+    owners: &BTreeMap<ModuleId, Owner>,
+    desired: &BTreeSet<ModuleId>,
+    proxy_namespace: &str,
+    copies: &mut BTreeMap<String, Option<Secret>>,
+) {
+    let namespaces: BTreeSet<&str> = desired.iter().map(|id| id.namespace.as_str()).collect();
+    copies.retain(|namespace, _| namespaces.contains(namespace.as_str()));
+    for namespace in namespaces {
+        let wanted = match cluster_secret {
+            None => None,
+            Some(credential) => {
+                let mut of_namespace: Vec<Owner> = owners
+                    .iter()
+                    .filter(|(id, _)| id.namespace == namespace)
+                    .map(|(_, owner)| owner.clone())
+                    .collect();
+                // No DaemonSet written yet: a copy without owners would never go.
+                if of_namespace.is_empty() {
+                    continue;
+                }
+                of_namespace.sort();
+                Some(copy(namespace, credential, &of_namespace, proxy_namespace))
+            }
+        };
+        if copies.get(namespace) == Some(&wanted) {
+            continue;
+        }
+        let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
+        match keep_copy(&api, namespace, wanted.clone(), proxy_namespace).await {
+            Ok(()) => {
+                copies.insert(namespace.to_owned(), wanted);
+            }
+            // Never the Secret itself: kube's errors carry the API's answer only.
+            Err(error) => tracing::warn!(
+                namespace,
+                secret = COPY,
+                %error,
+                "keeping the device plugins' pull Secret failed; will retry"
+            ),
+        }
+    }
+}
+
+/// One namespace's copy, from what the API has to `wanted`.
+async fn keep_copy(
+    api: &Api<Secret>,
+    namespace: &str,
+    wanted: Option<Secret>,
+    proxy_namespace: &str,
+) -> Result<(), kube::Error> {
+    let existing = api.get_opt(COPY).await?;
+    match copy_action(existing.as_ref(), wanted, proxy_namespace) {
+        CopyAction::Nothing => {}
+        CopyAction::Create(copy) => {
+            api.create(&PostParams::default(), &copy).await?;
+            tracing::info!(
+                namespace,
+                secret = COPY,
+                "device plugins' pull Secret created"
+            );
+        }
+        CopyAction::Update(copy) => {
+            api.replace(COPY, &PostParams::default(), &copy).await?;
+            tracing::info!(
+                namespace,
+                secret = COPY,
+                "device plugins' pull Secret updated"
+            );
+        }
+        CopyAction::Recreate(copy) => {
+            api.delete(COPY, &DeleteParams::default()).await?;
+            api.create(&PostParams::default(), &copy).await?;
+            tracing::info!(
+                namespace,
+                secret = COPY,
+                "device plugins' pull Secret recreated"
+            );
+        }
+        CopyAction::Delete => {
+            match api.delete(COPY, &DeleteParams::default()).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(status)) if status.code == 404 => {}
+                Err(error) => return Err(error),
+            }
+            tracing::info!(
+                namespace,
+                secret = COPY,
+                "device plugins' pull Secret deleted"
+            );
+        }
+        CopyAction::Foreign => tracing::warn!(
+            namespace,
+            secret = COPY,
+            "a Secret of this name exists and was not made by this proxy: left alone, the \
+             plugin's Pods use it as it is"
+        ),
+    }
+    Ok(())
 }
 
 /// Deletes the proxy's DaemonSets of modules that no longer run a plugin.

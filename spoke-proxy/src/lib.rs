@@ -2,8 +2,9 @@
 //!
 //! Pure modules (no I/O): [`node_facts`], [`tolerations`], [`placement`], [`inventory`],
 //! [`agent_view`], [`agent_identity`], [`node_status`], [`labels`], [`cluster_state`],
-//! [`device_plugin`]. I/O: [`hub_connection`], [`nodes`], [`node_labels`],
-//! [`device_plugin_sync`], [`agent_server`], [`agent_auth`], [`agent_tls`], wired
+//! [`device_plugin`], [`device_plugin_pull_secret`], [`cluster_pull_secret`]. I/O:
+//! [`hub_connection`], [`nodes`], [`node_labels`], [`device_plugin_sync`],
+//! [`cluster_pull_secret_sync`], [`agent_server`], [`agent_auth`], [`agent_tls`], wired
 //! together by [`run`].
 
 pub mod agent_auth;
@@ -11,8 +12,11 @@ pub mod agent_identity;
 pub mod agent_server;
 pub mod agent_tls;
 pub mod agent_view;
+pub mod cluster_pull_secret;
+pub mod cluster_pull_secret_sync;
 pub mod cluster_state;
 pub mod device_plugin;
+pub mod device_plugin_pull_secret;
 pub mod device_plugin_sync;
 pub mod hub_connection;
 pub mod hub_credentials;

@@ -95,10 +95,31 @@ struct RunArgs {
     /// Longest delay between reconnects to the hub, in seconds.
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     reconnect_max_seconds: u64,
+    /// The cluster's own pull Secret in --namespace (the add-on's variable
+    /// CLUSTER_PULL_SECRET; empty: none). The node agents pull with it the images of
+    /// modules that name no imageRepoSecret, and device plugins' Pods get a copy of it in
+    /// their namespace. A missing or malformed one is reported on the nodes' module status.
+    #[arg(long, default_value = "", value_parser = parse_pull_secret_name)]
+    cluster_pull_secret: String,
+    /// How often the cluster pull Secret is read, in seconds.
+    #[arg(long, default_value_t = kmm_spoke_proxy::cluster_pull_secret_sync::DEFAULT_POLL.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
+    cluster_pull_secret_poll_seconds: u64,
 }
 
 fn parse_hub_address(address: &str) -> Result<Uri, String> {
     parse_address(address).map_err(|e| e.to_string())
+}
+
+/// Empty, as an unset variable renders, is no Secret.
+fn parse_pull_secret_name(name: &str) -> Result<String, String> {
+    if name.is_empty() || kmm_spoke_proxy::cluster_pull_secret::is_secret_name(name) {
+        Ok(name.to_owned())
+    } else {
+        Err(format!(
+            "{name:?} (the add-on's variable CLUSTER_PULL_SECRET) is not a Secret's name: \
+             lower-case letters, digits, - and ., at most 253 characters"
+        ))
+    }
 }
 
 /// A template variable OCM could not render arrives as an empty string.
@@ -151,6 +172,8 @@ async fn main() -> anyhow::Result<()> {
         token_audience: args.token_audience,
         agent_service_account: args.agent_service_account,
         metrics_addr: args.metrics_addr,
+        cluster_pull_secret: Some(args.cluster_pull_secret).filter(|name| !name.is_empty()),
+        cluster_pull_secret_poll: Duration::from_secs(args.cluster_pull_secret_poll_seconds),
     };
     let client = kube::Client::try_default()
         .await
@@ -195,5 +218,35 @@ mod tests {
         assert!(e.contains("--cluster-name"), "required: {e}");
         let e = run_error(&["--hub-address=http://hub:7443", "--cluster-name=spoke1"]);
         assert!(e.contains("https://HOST:PORT"), "{e}");
+    }
+
+    #[test]
+    fn the_cluster_pull_secret_is_optional_and_must_be_a_secrets_name() {
+        let parse = |value: &str| {
+            Cli::try_parse_from([
+                "kmm-spoke-proxy",
+                "run",
+                "--hub-address=https://hub:7443",
+                "--cluster-name=spoke1",
+                "--hub-ca-file=ca.crt",
+                "--client-cert-file=tls.crt",
+                "--client-key-file=tls.key",
+                &format!("--cluster-pull-secret={value}"),
+            ])
+            .map(|cli| {
+                let Command::Run(args) = cli.command;
+                args.cluster_pull_secret
+            })
+            .map_err(|e| e.to_string())
+        };
+        assert_eq!(parse("").unwrap(), "", "unset: none");
+        assert_eq!(parse("regcred").unwrap(), "regcred");
+        let e = parse("Reg_Cred").unwrap_err();
+        assert!(
+            e.contains("--cluster-pull-secret")
+                && e.contains("\"Reg_Cred\"")
+                && e.contains("CLUSTER_PULL_SECRET"),
+            "{e}"
+        );
     }
 }

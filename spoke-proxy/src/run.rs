@@ -17,12 +17,13 @@ use tonic::transport::Server;
 use crate::agent_auth::TokenAuthenticator;
 use crate::agent_server::AgentService;
 use crate::agent_tls::{self, AgentTlsError};
+use crate::cluster_pull_secret::SecretRef;
 use crate::cluster_state::ClusterState;
 use crate::hub_connection::{self, HubLink};
 use crate::metrics::Metrics;
 use crate::node_events::{self, NodeEvents};
 use crate::shared_state::SharedState;
-use crate::{device_plugin_sync, node_labels, nodes};
+use crate::{cluster_pull_secret_sync, device_plugin_sync, node_labels, nodes};
 
 /// Everything the proxy needs to run.
 #[derive(Clone, Debug)]
@@ -40,6 +41,10 @@ pub struct ProxyConfig {
     /// `<namespace>:<name>` of the node agents' ServiceAccount.
     pub agent_service_account: String,
     pub metrics_addr: SocketAddr,
+    /// The cluster's own pull Secret (in `namespace`), if the add-on names one.
+    pub cluster_pull_secret: Option<String>,
+    /// How often that Secret is read.
+    pub cluster_pull_secret_poll: Duration,
 }
 
 #[derive(Debug, Error)]
@@ -113,6 +118,20 @@ pub async fn run(
     let state = SharedState::new(ClusterState::new(revision_base));
 
     let mut tasks = tokio::task::JoinSet::new();
+    if let Some(name) = &config.cluster_pull_secret {
+        let secret = SecretRef {
+            namespace: config.namespace.clone(),
+            name: name.clone(),
+        };
+        cluster_pull_secret_sync::read_once(&client, &state, &secret).await;
+        tasks.spawn(cluster_pull_secret_sync::run(
+            client.clone(),
+            state.clone(),
+            secret,
+            config.cluster_pull_secret_poll,
+            cancel.clone(),
+        ));
+    }
     tasks.spawn(nodes::run(
         client.clone(),
         state.clone(),

@@ -1066,6 +1066,7 @@ fn with_plugin(mut intent: ModuleIntent, version: &str) -> ModuleIntent {
     }
     intent.device_plugin = Some(DevicePlugin {
         spec_json: r#"{"container":{"image":"registry.example/plugin:1"}}"#.into(),
+        ..DevicePlugin::default()
     });
     intent
 }

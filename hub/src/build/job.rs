@@ -61,6 +61,10 @@ pub const CONTAINER: &str = "build";
 pub const WORKSPACE: &str = "/workspace";
 /// The ConfigMap key holding the Dockerfile, in the module's ConfigMap and in the copy.
 pub const DOCKERFILE_KEY: &str = "dockerfile";
+/// The key of the copy holding the CAs the hub trusts for registries, when it has any.
+pub const REGISTRY_CA_KEY: &str = "registry-ca.crt";
+/// Where the builder finds them: buildah's `--cert-dir`, which takes `*.crt` as CAs.
+pub const REGISTRY_CA_DIR: &str = "/etc/kmm/registry-ca";
 /// Where build Secrets appear, in the builder and in `RUN` steps: `<dir>/<name>/<key>`.
 pub const SECRETS_DIR: &str = "/run/secrets";
 /// The push Secret's key and where it is mounted (buildah's `REGISTRY_AUTH_FILE`).
@@ -385,6 +389,53 @@ pub fn render(request: &BuildRequest, builder_image: &str, namespace: &str) -> B
         dockerfile,
         secrets,
     }
+}
+
+/// `build`, its builder trusting the CAs of `registry_ca_pem` (the hub's own) for the
+/// pulls and the push, besides the system's: they travel in the Dockerfile's copy (no
+/// other object, no other permission) and reach buildah as `--cert-dir`.
+pub fn trusting(mut build: BuildJob, registry_ca_pem: &str) -> BuildJob {
+    build
+        .dockerfile
+        .data
+        .get_or_insert_with(BTreeMap::new)
+        .insert(REGISTRY_CA_KEY.to_owned(), registry_ca_pem.to_owned());
+    let Some(pod) = build
+        .job
+        .spec
+        .as_mut()
+        .and_then(|spec| spec.template.spec.as_mut())
+    else {
+        return build;
+    };
+    pod.volumes.get_or_insert_with(Vec::new).push(Volume {
+        name: "registry-ca".into(),
+        config_map: Some(ConfigMapVolumeSource {
+            name: build.name.clone(),
+            items: Some(vec![KeyToPath {
+                key: REGISTRY_CA_KEY.into(),
+                path: "ca.crt".into(),
+                mode: None,
+            }]),
+            ..ConfigMapVolumeSource::default()
+        }),
+        ..Volume::default()
+    });
+    let container = &mut pod.containers[0];
+    container
+        .volume_mounts
+        .get_or_insert_with(Vec::new)
+        .push(mount("registry-ca", REGISTRY_CA_DIR));
+    container
+        .args
+        .get_or_insert_with(Vec::new)
+        .push(format!("--cert-dir={REGISTRY_CA_DIR}"));
+    container.env.get_or_insert_with(Vec::new).push(EnvVar {
+        name: "KMM_CERT_DIR".into(),
+        value: Some(REGISTRY_CA_DIR.into()),
+        ..EnvVar::default()
+    });
+    build
 }
 
 /// What buildah needs to build as root in a container: see `addon-manifests/hub/builds.yaml`.
@@ -742,6 +793,58 @@ mod tests {
         assert!(build.secrets.iter().all(|s| !s.push));
         let env = container(&build).env.as_ref().unwrap();
         assert!(env.iter().all(|e| e.name != "REGISTRY_AUTH_FILE"));
+    }
+
+    #[test]
+    fn a_build_trusts_the_hubs_registry_cas_through_its_dockerfiles_copy() {
+        let plain = render(&request(), BUILDER, NAMESPACE);
+        let pem = "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n";
+        let build = trusting(plain.clone(), pem);
+        assert_eq!(build.name, plain.name, "the same build: the same Job");
+        assert_eq!(
+            build.dockerfile.data.as_ref().unwrap()[REGISTRY_CA_KEY],
+            pem
+        );
+        assert_eq!(
+            build.dockerfile.data.as_ref().unwrap()[DOCKERFILE_KEY],
+            plain.dockerfile.data.as_ref().unwrap()[DOCKERFILE_KEY]
+        );
+        let pod = build
+            .job
+            .spec
+            .as_ref()
+            .unwrap()
+            .template
+            .spec
+            .as_ref()
+            .unwrap();
+        let volume = pod
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == "registry-ca")
+            .unwrap();
+        let source = volume.config_map.as_ref().unwrap();
+        assert_eq!(source.name, build.name, "the Dockerfile's copy");
+        assert_eq!(source.items.as_ref().unwrap()[0].path, "ca.crt");
+        let container = &pod.containers[0];
+        assert!(
+            container
+                .volume_mounts
+                .iter()
+                .flatten()
+                .any(|m| m.name == "registry-ca" && m.mount_path == REGISTRY_CA_DIR)
+        );
+        assert!(args(&build).contains(&format!("--cert-dir={REGISTRY_CA_DIR}")));
+        assert!(
+            container
+                .env
+                .iter()
+                .flatten()
+                .any(|e| e.name == "KMM_CERT_DIR" && e.value.as_deref() == Some(REGISTRY_CA_DIR)),
+            "the push trusts them too"
+        );
+        assert_eq!(build.secrets, plain.secrets, "no Secret: a CA is no secret");
     }
 
     #[test]

@@ -11,6 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret};
+use kmm_registry::RegistryCas;
 use kube::api::{DeleteParams, ListParams, LogParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, Resource, ResourceExt};
 use thiserror::Error;
@@ -128,9 +129,17 @@ impl BuildJobs {
     }
 
     /// Starts the build of `request` unless its Job exists, and reports its progress.
-    /// Creates only: an existing Job is never replaced, whatever its state.
-    pub async fn ensure(&self, request: &BuildRequest) -> Result<BuildProgress, BuildError> {
-        let build = job::render(request, &self.builder_image, &self.namespace);
+    /// Creates only: an existing Job is never replaced, whatever its state. A new Job's
+    /// builder trusts `registry_cas` besides the system's CAs.
+    pub async fn ensure(
+        &self,
+        request: &BuildRequest,
+        registry_cas: &RegistryCas,
+    ) -> Result<BuildProgress, BuildError> {
+        let mut build = job::render(request, &self.builder_image, &self.namespace);
+        if !registry_cas.is_empty() {
+            build = job::trusting(build, &registry_cas.to_pem());
+        }
         let mut sources = None;
         let job = match self
             .jobs
@@ -165,8 +174,12 @@ impl BuildJobs {
     /// Tries a failed build again: its Job is deleted, and the build starts afresh once
     /// the Job is gone. A build that has not failed is left as [`Self::ensure`] leaves
     /// it.
-    pub async fn retry(&self, request: &BuildRequest) -> Result<BuildProgress, BuildError> {
-        let progress = self.ensure(request).await?;
+    pub async fn retry(
+        &self,
+        request: &BuildRequest,
+        registry_cas: &RegistryCas,
+    ) -> Result<BuildProgress, BuildError> {
+        let progress = self.ensure(request, registry_cas).await?;
         let BuildProgress::Failed { job, .. } = progress else {
             return Ok(progress);
         };

@@ -30,6 +30,20 @@ pub const REQUIRED_VARIABLES: [&str; 3] = ["HUB_ADDRESS", "LOG_LEVEL", "FIRMWARE
 /// CoreOS); the kernel is told to search it when it is not `/lib/firmware`.
 pub const FIRMWARE_DIR: &str = "FIRMWARE_DIR";
 
+/// The cluster's own pull Secret, in the add-on's namespace on the managed cluster: its
+/// nodes pull with it the images of modules that name no `imageRepoSecret`, and device
+/// plugins' Pods get a copy of it. Unset, or empty, for none.
+pub const CLUSTER_PULL_SECRET: &str = "CLUSTER_PULL_SECRET";
+/// Variables users may set; the hub checks their values when they do.
+pub const OPTIONAL_VARIABLES: [&str; 1] = [CLUSTER_PULL_SECRET];
+
+/// Prefix of the variables holding the CAs a cluster's registries chain to (optional):
+/// `REGISTRY_CA_BUNDLE_1` to `_4`, concatenated in order the base64 of a PEM bundle,
+/// which the template renders into the ConfigMap the agents trust.
+pub const REGISTRY_CA_BUNDLE_PREFIX: &str = "REGISTRY_CA_BUNDLE_";
+/// How many of those the template concatenates, as many as the hub's CA's.
+pub const REGISTRY_CA_BUNDLE_PARTS: usize = CA_BUNDLE_PARTS;
+
 /// Parses a watched object's field leniently: a field OCM left out, or shaped unlike the
 /// subset read here, reads as empty rather than stopping the controller.
 pub fn parse<T: DeserializeOwned + Default>(value: &serde_json::Value) -> T {
@@ -253,6 +267,8 @@ pub enum ConfigProblem {
         value: String,
         why: &'static str,
     },
+    /// The registries' CA bundle, joined from its variables, cannot be trusted.
+    RegistryCaBundle { config: ConfigName, why: String },
 }
 
 impl fmt::Display for ConfigProblem {
@@ -286,6 +302,12 @@ impl fmt::Display for ConfigProblem {
                 "AddOnDeploymentConfig {config}: spec.customizedVariables {variable} {value:?} \
                  {why}"
             ),
+            Self::RegistryCaBundle { config, why } => write!(
+                f,
+                "AddOnDeploymentConfig {config}: spec.customizedVariables \
+                 {REGISTRY_CA_BUNDLE_PREFIX}1..{REGISTRY_CA_BUNDLE_PARTS} (the base64 of the \
+                 registries' PEM CA bundle, in parts) {why}"
+            ),
         }
     }
 }
@@ -316,18 +338,80 @@ pub fn config_problem<'a>(
             variables,
         });
     }
-    let firmware = spec
-        .customized_variables
-        .iter()
-        .rev()
-        .find(|v| v.name == FIRMWARE_DIR)
-        .map_or("", |v| v.value.as_str());
-    firmware_dir_problem(firmware).map(|why| ConfigProblem::Invalid {
+    let value = |name: &str| {
+        spec.customized_variables
+            .iter()
+            .rev()
+            .find(|v| v.name == name)
+            .map_or("", |v| v.value.as_str())
+    };
+    let invalid = |variable: &'static str, why| ConfigProblem::Invalid {
         config: config.clone(),
-        variable: FIRMWARE_DIR,
-        value: firmware.to_owned(),
+        variable,
+        value: value(variable).to_owned(),
         why,
-    })
+    };
+    firmware_dir_problem(value(FIRMWARE_DIR))
+        .map(|why| invalid(FIRMWARE_DIR, why))
+        .or_else(|| {
+            pull_secret_name_problem(value(CLUSTER_PULL_SECRET))
+                .map(|why| invalid(CLUSTER_PULL_SECRET, why))
+        })
+        .or_else(|| {
+            registry_ca_bundle_problem(&spec.customized_variables).map(|why| {
+                ConfigProblem::RegistryCaBundle {
+                    config: config.clone(),
+                    why,
+                }
+            })
+        })
+}
+
+/// Why the registries' CA bundle in `variables` cannot be trusted (none set: nothing).
+/// The template joins parts 1 to [`REGISTRY_CA_BUNDLE_PARTS`] as a ConfigMap's
+/// `binaryData`, which the agents read as PEM.
+pub fn registry_ca_bundle_problem(variables: &[Variable]) -> Option<String> {
+    let part = |i: usize| {
+        let name = format!("{REGISTRY_CA_BUNDLE_PREFIX}{i}");
+        variables
+            .iter()
+            .rev()
+            .find(|v| v.name == name)
+            .map_or("", |v| v.value.as_str())
+    };
+    let unread: Vec<&str> = variables
+        .iter()
+        .filter_map(|v| v.name.strip_prefix(REGISTRY_CA_BUNDLE_PREFIX))
+        .filter(|n| {
+            n.parse::<usize>()
+                .map_or(true, |n| n == 0 || n > REGISTRY_CA_BUNDLE_PARTS)
+        })
+        .collect();
+    if let Some(n) = unread.first() {
+        return Some(format!(
+            "sets {REGISTRY_CA_BUNDLE_PREFIX}{n}, which the add-on's template does not read \
+             (it joins 1 to {REGISTRY_CA_BUNDLE_PARTS})"
+        ));
+    }
+    let joined: String = (1..=REGISTRY_CA_BUNDLE_PARTS).map(part).collect();
+    if joined.is_empty() {
+        return None;
+    }
+    let pem = match STANDARD.decode(joined.trim()) {
+        Ok(pem) => pem,
+        Err(e) => return Some(format!("is not base64: {e}")),
+    };
+    kmm_registry::RegistryCas::from_pem(&pem)
+        .err()
+        .map(|e| format!("is not a CA bundle: {e}"))
+}
+
+/// Why `name` cannot name the cluster's pull Secret (empty names none).
+pub fn pull_secret_name_problem(name: &str) -> Option<&'static str> {
+    (!name.is_empty() && !super::cluster_identity::is_dns_subdomain(name)).then_some(
+        "must be a Secret's name: lower-case letters, digits, - and ., at most 253 \
+         characters",
+    )
 }
 
 /// Why `dir` cannot be the host firmware directory: it becomes a hostPath, a mount path
@@ -512,11 +596,36 @@ mod tests {
                     ("FIRMWARE_DIR", "var/lib/firmware"),
                 ]),
             ),
+            (
+                ConfigName::new("kmm", "bad-pull-secret"),
+                variables(&[
+                    ("HUB_ADDRESS", "https://hub:7443"),
+                    ("LOG_LEVEL", "info"),
+                    ("FIRMWARE_DIR", "/lib/firmware"),
+                    ("CLUSTER_PULL_SECRET", "Pull_Secret"),
+                ]),
+            ),
+            (
+                ConfigName::new("kmm", "pull-secret"),
+                variables(&[
+                    ("HUB_ADDRESS", "https://hub:7443"),
+                    ("LOG_LEVEL", "info"),
+                    ("FIRMWARE_DIR", "/lib/firmware"),
+                    ("CLUSTER_PULL_SECRET", "registry.pull-1"),
+                ]),
+            ),
             (ConfigName::new("kmm", "empty"), variables(&[])),
         ]);
         let problem =
             |name: &str| config_problem(Some(&ConfigName::new("kmm", name)), |c| configs.get(c));
-        assert_eq!(problem("complete"), None);
+        assert_eq!(problem("complete"), None, "CLUSTER_PULL_SECRET is optional");
+        assert_eq!(problem("pull-secret"), None);
+        assert_eq!(
+            problem("bad-pull-secret").unwrap().to_string(),
+            "AddOnDeploymentConfig kmm/bad-pull-secret: spec.customizedVariables \
+             CLUSTER_PULL_SECRET \"Pull_Secret\" must be a Secret's name: lower-case letters, \
+             digits, - and ., at most 253 characters"
+        );
         let partial = problem("partial").unwrap();
         assert_eq!(
             partial,
@@ -576,6 +685,98 @@ mod tests {
             let problem = firmware_dir_problem(bad).unwrap_or_else(|| panic!("{bad:?} accepted"));
             assert!(problem.contains(why), "{bad:?}: {problem}");
         }
+    }
+
+    #[test]
+    fn a_cluster_pull_secret_is_a_secrets_name_or_nothing() {
+        for good in ["", "pull", "registry.example-pull", &"a".repeat(253)] {
+            assert_eq!(pull_secret_name_problem(good), None, "{good}");
+        }
+        for bad in [
+            "Pull",
+            "pull_secret",
+            "-pull",
+            "pull.",
+            " pull",
+            &"a".repeat(254),
+        ] {
+            assert!(pull_secret_name_problem(bad).is_some(), "{bad:?} accepted");
+        }
+    }
+
+    /// A CA certificate's PEM.
+    fn ca_pem() -> String {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params
+            .self_signed(&rcgen::KeyPair::generate().unwrap())
+            .unwrap()
+            .pem()
+    }
+
+    /// The variables holding `pem` as a user sets them: base64, in parts of 1024.
+    fn registry_bundle(pem: &str) -> Vec<Variable> {
+        STANDARD
+            .encode(pem)
+            .as_bytes()
+            .chunks(MAX_VALUE_LEN)
+            .enumerate()
+            .map(|(i, part)| Variable {
+                name: format!("{REGISTRY_CA_BUNDLE_PREFIX}{}", i + 1),
+                value: String::from_utf8(part.to_vec()).unwrap(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_registries_ca_bundle_is_optional_and_checked_when_set() {
+        assert_eq!(registry_ca_bundle_problem(&[]), None);
+        let two = format!("{}{}", ca_pem(), ca_pem());
+        let bundle = registry_bundle(&two);
+        assert!(bundle.len() > 1, "two CAs take more than one variable");
+        assert_eq!(registry_ca_bundle_problem(&bundle), None);
+
+        let problem = |variables: &[Variable]| registry_ca_bundle_problem(variables).unwrap();
+        let mut missing_part = bundle.clone();
+        missing_part.remove(0);
+        assert!(
+            problem(&missing_part).starts_with("is not "),
+            "{}",
+            problem(&missing_part)
+        );
+        let not_base64 = [Variable {
+            name: "REGISTRY_CA_BUNDLE_1".into(),
+            value: "-----BEGIN CERTIFICATE-----".into(),
+        }];
+        assert!(problem(&not_base64).starts_with("is not base64"));
+        let key = registry_bundle(&rcgen::KeyPair::generate().unwrap().serialize_pem());
+        assert_eq!(
+            problem(&key),
+            "is not a CA bundle: PEM block 1 is a PRIVATE KEY, not a CERTIFICATE"
+        );
+        let mut fifth = bundle.clone();
+        fifth.push(Variable {
+            name: "REGISTRY_CA_BUNDLE_5".into(),
+            value: "AAAA".into(),
+        });
+        assert!(problem(&fifth).contains("REGISTRY_CA_BUNDLE_5, which the add-on's template"));
+
+        let mut complete = variables(&[
+            ("HUB_ADDRESS", "https://hub:7443"),
+            ("LOG_LEVEL", "info"),
+            ("FIRMWARE_DIR", "/lib/firmware"),
+        ]);
+        complete.customized_variables.extend(not_base64);
+        let configs = BTreeMap::from([(ConfigName::new("kmm", "ca"), complete)]);
+        let named = config_problem(Some(&ConfigName::new("kmm", "ca")), |c| configs.get(c))
+            .unwrap()
+            .to_string();
+        assert!(
+            named.starts_with(
+                "AddOnDeploymentConfig kmm/ca: spec.customizedVariables REGISTRY_CA_BUNDLE_1..4"
+            ),
+            "{named}"
+        );
     }
 
     #[test]

@@ -58,7 +58,9 @@ impl ClusterIdentity {
     }
 }
 
-fn is_dns_subdomain(name: &str) -> bool {
+/// Whether `name` is a DNS subdomain (RFC 1123), as the names of most Kubernetes objects
+/// must be.
+pub(crate) fn is_dns_subdomain(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 253
         && name.split('.').all(|label| {

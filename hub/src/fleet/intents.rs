@@ -187,6 +187,11 @@ fn module_intent(
                                     needed.extend(secret.clone());
                                     Target::Load(module_load(resolution, secret.as_deref(), digest))
                                 }
+                                // No imageRepoSecret: the nodes resolve the tag with their
+                                // cluster's pull Secret, if it has one.
+                                Some(Verdict::LoadUnpinned) => {
+                                    Target::Load(module_load(resolution, None, ""))
+                                }
                                 Some(Verdict::Wait { reason, message }) => unresolved(
                                     reason,
                                     format!("kernel {kernel}: image {}: {message}", key.image),
@@ -255,7 +260,21 @@ fn device_plugin(mcm: &ManagedClusterModule) -> Option<DevicePlugin> {
     // Serializing a typed value cannot fail: no map with non-string keys, no float NaN.
     serde_json::to_string(spec)
         .ok()
-        .map(|spec_json| DevicePlugin { spec_json })
+        .map(|spec_json| DevicePlugin {
+            spec_json,
+            image_repo_secret: image_repo_secret_name(mcm),
+        })
+}
+
+/// The name of the module's `imageRepoSecret` (empty when none): the plugin's Pods name
+/// it, as upstream's do, never the Secret's content.
+fn image_repo_secret_name(mcm: &ManagedClusterModule) -> String {
+    mcm.spec
+        .module_spec
+        .image_repo_secret
+        .as_ref()
+        .map(|s| s.name.clone())
+        .unwrap_or_default()
 }
 
 /// `nodeUpgrade.maxUnavailable` for the proxy; a value admission would refuse (stored
@@ -523,10 +542,58 @@ mod tests {
                 &mut BTreeSet::new(),
                 &mut BTreeSet::new(),
             );
-            let sent: kmm_api::DevicePluginSpec =
-                serde_json::from_str(&intent.device_plugin.unwrap().spec_json).unwrap();
+            let plugin = intent.device_plugin.unwrap();
+            let sent: kmm_api::DevicePluginSpec = serde_json::from_str(&plugin.spec_json).unwrap();
             assert_eq!(sent, spec, "unload: {unload}");
+            assert_eq!(plugin.image_repo_secret, "pull", "its name only");
         }
+        module.spec.module_spec.image_repo_secret = None;
+        let intent = module_intent(
+            &ModuleInput {
+                module: &module,
+                unload: false,
+            },
+            &kernels(&[]),
+            &creds(&[]),
+            &pinned(),
+            &ModuleResolutions::default(),
+            &mut BTreeSet::new(),
+            &mut BTreeSet::new(),
+        );
+        assert_eq!(intent.device_plugin.unwrap().image_repo_secret, "");
+    }
+
+    #[test]
+    fn an_image_the_registry_refused_the_hub_goes_unpinned_without_credentials() {
+        let module = mcm(
+            "hello",
+            &HELLO.replace("    imageRepoSecret: {name: pull}\n", ""),
+        );
+        let mut images = pinned();
+        let record = images.values_mut().next().unwrap();
+        record.digest = None;
+        record.state = crate::images::ImageState::Unchecked;
+        let intents = cluster_intents(
+            &[ModuleInput {
+                module: &module,
+                unload: false,
+            }],
+            &kernels(&["6.1.0-13-amd64"]),
+            &creds(&["pull"]),
+            &images,
+            &mut Resolutions::default(),
+        );
+        assert!(intents.unchecked.is_empty(), "the hub looked");
+        let Some(Target::Load(load)) = &intents.snapshot.modules[0].kernels[0].target else {
+            panic!("an unpinned load")
+        };
+        assert_eq!(load.image, "r.example/hello:6.1.0-13-amd64");
+        assert_eq!(load.digest, "", "each node resolves the tag");
+        assert_eq!(
+            load.pull_credential_id, "",
+            "the cluster's credentials, if any"
+        );
+        assert!(intents.snapshot.credentials.is_empty());
     }
 
     const PLUGIN_ONLY: &str = r#"    selector: {role: gpu}

@@ -7,6 +7,11 @@
 //! [`EXISTS_RECHECK`]: an image the registry lost is noticed and rebuilt, re-signed or
 //! reported, never left "existing". Failures back off exponentially; a build is started
 //! once per input and retried only after its backoff.
+//!
+//! One image is loaded unpinned: one the registry refuses to show the hub, of a module
+//! that names no `imageRepoSecret` and has nothing for the hub to build or sign. The hub
+//! has no credentials for it, the managed clusters may (their own pull Secret,
+//! `CLUSTER_PULL_SECRET`): each node's agent resolves the tag itself, once.
 
 use std::time::Duration;
 
@@ -31,10 +36,13 @@ pub enum ImageState {
     Signing,
     Failed,
     NotFound,
+    /// The registry refused the hub, which has no credentials for the image: nodes load
+    /// it unpinned, with their cluster's.
+    Unchecked,
 }
 
 impl ImageState {
-    pub const ALL: [Self; 7] = [
+    pub const ALL: [Self; 8] = [
         Self::Exists,
         Self::NeedsBuild,
         Self::NeedsSign,
@@ -42,6 +50,7 @@ impl ImageState {
         Self::Signing,
         Self::Failed,
         Self::NotFound,
+        Self::Unchecked,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -53,6 +62,7 @@ impl ImageState {
             Self::Signing => "Signing",
             Self::Failed => "Failed",
             Self::NotFound => "NotFound",
+            Self::Unchecked => "Unchecked",
         }
     }
 }
@@ -145,6 +155,8 @@ pub struct ImageRecord {
 pub enum Verdict<'a> {
     /// Load these bytes.
     Load { digest: &'a str },
+    /// Load the tag, resolved by each node with its cluster's credentials.
+    LoadUnpinned,
     /// Nothing to load yet, and why.
     Wait { reason: &'a str, message: &'a str },
 }
@@ -187,6 +199,7 @@ impl ImageRecord {
     pub fn verdict(&self) -> Verdict<'_> {
         match &self.digest {
             Some(digest) => Verdict::Load { digest },
+            None if self.state == ImageState::Unchecked => Verdict::LoadUnpinned,
             None => Verdict::Wait {
                 reason: &self.reason,
                 message: &self.message,
@@ -303,6 +316,30 @@ pub fn observe(
                     at(backoff(failures + 1)),
                 )
             }
+        }
+        // Nothing pinned, nothing to build or sign, and no credentials of the module's: the
+        // hub cannot look, the clusters' own pull Secrets may let their nodes pull.
+        Observation::CheckFailed {
+            unauthorized: true,
+            message,
+        } if pinned.is_none()
+            && need.pull_secret.is_none()
+            && need.build.is_none()
+            && need.sign.is_none() =>
+        {
+            record(
+                ImageState::Unchecked,
+                None,
+                "ImageUnchecked",
+                format!(
+                    "the registry refused the hub, and the module names no imageRepoSecret: \
+                     nodes pull the tag unpinned, with their cluster's pull Secret \
+                     (CLUSTER_PULL_SECRET); the registry answered: {message}"
+                ),
+                0,
+                Next::Check,
+                at(EXISTS_RECHECK),
+            )
         }
         Observation::CheckFailed {
             unauthorized,
@@ -689,6 +726,74 @@ mod tests {
             }
         );
         assert_eq!(failed.then, Next::Check);
+    }
+
+    #[test]
+    fn an_image_the_registry_refuses_the_hub_is_loaded_unpinned_only_without_hub_credentials() {
+        let refused = || Observation::CheckFailed {
+            unauthorized: true,
+            message: "unauthorized: authentication required".into(),
+        };
+        let (steps, unchecked) = run(&plain(), None, |_| refused());
+        assert_eq!(steps, [Next::Check]);
+        assert_eq!(unchecked.state, ImageState::Unchecked);
+        assert_eq!(unchecked.verdict(), Verdict::LoadUnpinned);
+        assert!(
+            unchecked.message.contains("CLUSTER_PULL_SECRET")
+                && unchecked.message.ends_with("authentication required"),
+            "{}",
+            unchecked.message
+        );
+        assert_eq!(unchecked.failures, 0, "not a failure: nothing backs off");
+        assert_eq!(due(&plain(), Some(&unchecked), later(599)), None);
+        assert_eq!(
+            due(&plain(), Some(&unchecked), later(600)),
+            Some(Next::Check)
+        );
+        // Once the hub may look, the image is pinned as any other.
+        let pinned = observe(
+            &plain(),
+            Some(&unchecked),
+            Next::Check,
+            Observation::Found {
+                digest: "sha256:aa".into(),
+            },
+            later(600),
+        );
+        assert_eq!(
+            pinned.verdict(),
+            Verdict::Load {
+                digest: "sha256:aa"
+            }
+        );
+
+        // The module's own Secret refused, or something for the hub to build or sign: a
+        // failure, nothing loaded.
+        let with_secret = ImageNeed {
+            pull_secret: Some("pull".into()),
+            ..plain()
+        };
+        for need in [with_secret, built(), signed(false)] {
+            let failed = observe(&need, None, Next::Check, refused(), now());
+            assert_eq!(
+                (failed.state, failed.reason.as_str()),
+                (ImageState::Failed, "RegistryUnauthorized"),
+                "{need:?}"
+            );
+            assert!(matches!(failed.verdict(), Verdict::Wait { .. }));
+        }
+        // Another failure than a refusal is no reason to load blind.
+        let unreachable = observe(
+            &plain(),
+            None,
+            Next::Check,
+            Observation::CheckFailed {
+                unauthorized: false,
+                message: "connection refused".into(),
+            },
+            now(),
+        );
+        assert_eq!(unreachable.state, ImageState::Failed);
     }
 
     #[test]

@@ -10,7 +10,7 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use k8s_openapi::jiff::Timestamp;
 use kmm_api::{ManagedClusterModule, TlsOptions};
-use kmm_registry::{PullSecret, RegistryError, RegistryTls, error_chain};
+use kmm_registry::{PullSecret, RegistryCas, RegistryError, RegistryTls, error_chain};
 use kmm_runtime::events::EventType;
 use kube::Api;
 use kube::runtime::reflector::{ObjectRef, Store};
@@ -48,6 +48,9 @@ pub struct ImageWorker {
     pub namespace: String,
     pub builds: BuildJobs,
     pub events: EventPublisher,
+    /// PEM CAs the registries chain to besides the system's (`--registry-ca-file`), read
+    /// at each step: its optional ConfigMap may come, change or go while the hub runs.
+    pub registry_ca_file: Option<std::path::PathBuf>,
 }
 
 impl std::fmt::Debug for ImageWorker {
@@ -174,6 +177,19 @@ impl ImageWorker {
         step: Next,
     ) -> Observation {
         let secret = self.pull_secret(need);
+        let cas = match self.registry_cas() {
+            Ok(cas) => cas,
+            Err(message) => {
+                return match step {
+                    Next::Sign => Observation::SignFailed { message },
+                    Next::Build | Next::RetryBuild => Observation::BuildNotStarted { message },
+                    Next::Check | Next::Resolve | Next::CheckUnsigned => Observation::CheckFailed {
+                        unauthorized: false,
+                        message,
+                    },
+                };
+            }
+        };
         match step {
             Next::Check | Next::Resolve => {
                 let pinned = record.and_then(|r| r.digest.as_deref());
@@ -181,7 +197,7 @@ impl ImageWorker {
                     (Next::Check, Some(digest)) => pinned_reference(&key.image, digest),
                     _ => key.image.clone(),
                 };
-                match self.resolve(&image, need.tls, secret.as_ref()).await {
+                match self.resolve(&image, need.tls, &cas, secret.as_ref()).await {
                     Ok(digest) => Observation::Found { digest },
                     Err(e) if e.is_not_found() => Observation::Missing {
                         answer: error_chain(&e),
@@ -199,7 +215,12 @@ impl ImageWorker {
                     };
                 };
                 match self
-                    .resolve(&plan.unsigned_image, plan.unsigned_tls, secret.as_ref())
+                    .resolve(
+                        &plan.unsigned_image,
+                        plan.unsigned_tls,
+                        &cas,
+                        secret.as_ref(),
+                    )
                     .await
                 {
                     Ok(_) => Observation::UnsignedFound,
@@ -212,9 +233,29 @@ impl ImageWorker {
                     },
                 }
             }
-            Next::Build => self.build(key, need, false).await,
-            Next::RetryBuild => self.build(key, need, true).await,
-            Next::Sign => self.sign(key, need, secret.as_ref()).await,
+            Next::Build => self.build(key, need, &cas, false).await,
+            Next::RetryBuild => self.build(key, need, &cas, true).await,
+            Next::Sign => self.sign(key, need, &cas, secret.as_ref()).await,
+        }
+    }
+
+    /// The extra CAs of `--registry-ca-file`; none while the file is absent (its
+    /// ConfigMap is optional).
+    fn registry_cas(&self) -> Result<RegistryCas, String> {
+        let Some(file) = &self.registry_ca_file else {
+            return Ok(RegistryCas::default());
+        };
+        let unusable = |why: String| {
+            format!(
+                "the hub's registry CA bundle {} (--registry-ca-file, ConfigMap \
+                 kmm-hub-registry-ca) cannot be used: {why}",
+                file.display()
+            )
+        };
+        match std::fs::read(file) {
+            Ok(pem) => RegistryCas::from_pem(&pem).map_err(|e| unusable(e.to_string())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(RegistryCas::default()),
+            Err(e) => Err(unusable(e.to_string())),
         }
     }
 
@@ -222,9 +263,10 @@ impl ImageWorker {
         &self,
         image: &str,
         tls: RegistryTls,
+        cas: &RegistryCas,
         secret: Option<&PullSecret>,
     ) -> Result<String, RegistryError> {
-        let client = kmm_registry::client(tls);
+        let client = kmm_registry::client_trusting(tls, cas);
         match tokio::time::timeout(
             REGISTRY_TIMEOUT,
             kmm_registry::resolve_digest(&client, image, secret),
@@ -241,7 +283,13 @@ impl ImageWorker {
 
     /// Starts or follows the image's build; `retry` replaces a failed one.
     #[tracing::instrument(name = "build", skip_all, fields(kernel = need.build_kernel()))]
-    async fn build(&self, key: &ImageKey, need: &ImageNeed, retry: bool) -> Observation {
+    async fn build(
+        &self,
+        key: &ImageKey,
+        need: &ImageNeed,
+        cas: &RegistryCas,
+        retry: bool,
+    ) -> Observation {
         let Some(build) = &need.build else {
             return Observation::BuildNotStarted {
                 message: "no build settings".into(),
@@ -287,9 +335,9 @@ impl ImageWorker {
             rebuild_generation: need.rebuild_generation,
         };
         let progress = if retry {
-            self.builds.retry(&request).await
+            self.builds.retry(&request, cas).await
         } else {
-            self.builds.ensure(&request).await
+            self.builds.ensure(&request, cas).await
         };
         match progress {
             Ok(BuildProgress::Running { job }) => Observation::BuildRunning { job },
@@ -309,6 +357,7 @@ impl ImageWorker {
         &self,
         key: &ImageKey,
         need: &ImageNeed,
+        cas: &RegistryCas,
         secret: Option<&PullSecret>,
     ) -> Observation {
         let Some(plan) = &need.sign else {
@@ -330,6 +379,7 @@ impl ImageWorker {
             &key.image,
             need.tls,
             secret,
+            cas,
             MAX_IMAGE_BYTES,
         );
         match tokio::time::timeout(SIGN_TIMEOUT, signing).await {
@@ -369,7 +419,11 @@ impl ImageWorker {
         let Some(module) = self.modules.get(&ObjectRef::new(&key.module)) else {
             return;
         };
-        let warning = matches!(after.state, ImageState::Failed | ImageState::NotFound);
+        // Unchecked too: nodes load a tag the hub could not pin.
+        let warning = matches!(
+            after.state,
+            ImageState::Failed | ImageState::NotFound | ImageState::Unchecked
+        );
         let kernels: Vec<&str> = after
             .need
             .kernels

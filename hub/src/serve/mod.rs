@@ -84,6 +84,9 @@ pub struct Settings {
     pub addon_name: String,
     /// The image kmod build Jobs run.
     pub builder_image: String,
+    /// PEM CAs the registries of checks, builds and signing chain to besides the
+    /// system's; an absent file adds none.
+    pub registry_ca_file: Option<std::path::PathBuf>,
     /// Lifetime of the serving certificates; they are re-issued with a third of it left.
     pub serving_validity: Duration,
 }
@@ -378,6 +381,7 @@ pub async fn run(
         namespace: settings.namespace.clone(),
         builds: BuildJobs::new(client.clone(), &settings.namespace, &settings.builder_image),
         events: events.clone(),
+        registry_ca_file: settings.registry_ca_file.clone(),
     })));
 
     let context = Arc::new(Context {

@@ -110,13 +110,15 @@ pub fn signing_key(
 
 /// Pulls `plan.unsigned_image` (refused when its layers add up to more than
 /// `max_image_bytes`), signs its listed files with `key`, pushes the result to `image` and
-/// returns the pushed manifest's digest.
+/// returns the pushed manifest's digest; both registries' certificates may chain to
+/// `registry_cas` besides the system's CAs.
 pub async fn sign_image(
     plan: &SignPlan,
     key: SigningKey,
     image: &str,
     target_tls: kmm_registry::RegistryTls,
     secret: Option<&PullSecret>,
+    registry_cas: &kmm_registry::RegistryCas,
     max_image_bytes: i64,
 ) -> Result<String, SigningError> {
     let _one_at_a_time = SIGNING
@@ -125,7 +127,7 @@ pub async fn sign_image(
         .expect("the semaphore is never closed");
     let unsigned = plan.unsigned_image.as_str();
     let source = parse_reference(unsigned).map_err(SigningError::Pull)?;
-    let pull_client = kmm_registry::client(plan.unsigned_tls);
+    let pull_client = kmm_registry::client_trusting(plan.unsigned_tls, registry_cas);
     let auth = kmm_registry::auth(secret, &source).map_err(SigningError::Pull)?;
     let (manifest, _) = pull_client
         .pull_image_manifest(&source, &auth)
@@ -214,7 +216,7 @@ pub async fn sign_image(
     ));
     let manifest = OciImageManifest::build(&layers, &config, None);
     let target = parse_reference(image).map_err(SigningError::Push)?;
-    let push_client = kmm_registry::client(target_tls);
+    let push_client = kmm_registry::client_trusting(target_tls, registry_cas);
     let push_auth = kmm_registry::auth(secret, &target).map_err(SigningError::Push)?;
     push_client
         .push(&target, &layers, config, &push_auth, Some(manifest))

@@ -1,6 +1,7 @@
 //! A registry of a test's own: Debian's `docker-registry` on a free port (of loopback,
 //! or of the fleet's bridge for the nodes to pull from) with
-//! its own storage, plain HTTP or HTTPS with a self-signed certificate, optionally behind
+//! its own storage, plain HTTP or HTTPS with a self-signed certificate (or one issued by
+//! a CA of the test's), optionally behind
 //! htpasswd authentication. For what the fleet's shared registry cannot show: TLS
 //! verification, credentials, a registry that loses or moves an image.
 
@@ -36,7 +37,7 @@ const START_TIMEOUT: Duration = Duration::from_secs(30);
 pub struct RegistryServer {
     /// `<ip>:<port>`: loopback unless started with [`RegistryServer::plain_with_auth_on`].
     pub address: String,
-    /// HTTPS with a certificate for 127.0.0.1 that no one trusts.
+    /// HTTPS, with a certificate for 127.0.0.1 that no one trusts but its CA's holders.
     pub tls: bool,
     /// The one user htpasswd lets in, and their password.
     pub user: Option<(String, String)>,
@@ -48,22 +49,43 @@ pub struct RegistryServer {
 impl RegistryServer {
     /// Plain HTTP, anyone may pull and push.
     pub fn plain() -> Result<Self> {
-        Self::start(LOOPBACK, false, None)
+        Self::start(LOOPBACK, None, None)
     }
 
     /// HTTPS with a self-signed certificate, and only `user` with `password` may pull
     /// or push.
     pub fn tls_with_auth(user: &str, password: &str) -> Result<Self> {
-        Self::start(LOOPBACK, true, Some((user.to_owned(), password.to_owned())))
+        Self::start(
+            LOOPBACK,
+            Some(Certificate::SelfSigned),
+            Some((user.to_owned(), password.to_owned())),
+        )
+    }
+
+    /// HTTPS with a certificate for 127.0.0.1 issued by the CA `ca_cert_pem` (whose key
+    /// is `ca_key_pem`), as a registry behind an internal CA; anyone may pull and push.
+    pub fn tls_issued_by(ca_cert_pem: &str, ca_key_pem: &str) -> Result<Self> {
+        Self::start(
+            LOOPBACK,
+            Some(Certificate::IssuedBy {
+                ca_cert_pem: ca_cert_pem.to_owned(),
+                ca_key_pem: ca_key_pem.to_owned(),
+            }),
+            None,
+        )
     }
 
     /// Plain HTTP on `ip` (the fleet's bridge, which its nodes and Pods reach), and only
     /// `user` with `password` may pull or push.
     pub fn plain_with_auth_on(ip: IpAddr, user: &str, password: &str) -> Result<Self> {
-        Self::start(ip, false, Some((user.to_owned(), password.to_owned())))
+        Self::start(ip, None, Some((user.to_owned(), password.to_owned())))
     }
 
-    fn start(ip: IpAddr, tls: bool, user: Option<(String, String)>) -> Result<Self> {
+    fn start(
+        ip: IpAddr,
+        certificate: Option<Certificate>,
+        user: Option<(String, String)>,
+    ) -> Result<Self> {
         let dir = tempfile::Builder::new()
             .prefix("kmm-registry-server-")
             .tempdir()
@@ -73,7 +95,8 @@ impl RegistryServer {
             .context(|| format!("finding a free port on {ip}"))?
             .port();
         let address = SocketAddr::new(ip, port).to_string();
-        let config = config(dir.path(), &address, tls, user.as_ref())?;
+        let tls = certificate.is_some();
+        let config = config(dir.path(), &address, certificate, user.as_ref())?;
         let log = dir.path().join("registry.log");
         let output = std::fs::File::create(&log)
             .and_then(|file| Ok((file.try_clone()?, file)))
@@ -247,12 +270,21 @@ fn tar_of(files: &[(&str, &[u8])]) -> Result<Vec<u8>> {
     builder.into_inner().context(|| "finishing a layer".into())
 }
 
+/// The registry's TLS certificate for 127.0.0.1.
+enum Certificate {
+    SelfSigned,
+    IssuedBy {
+        ca_cert_pem: String,
+        ca_key_pem: String,
+    },
+}
+
 /// Writes the registry's configuration (and its certificate, key and htpasswd file)
 /// under `dir`; returns the configuration's path.
 fn config(
     dir: &Path,
     address: &str,
-    tls: bool,
+    certificate: Option<Certificate>,
     user: Option<&(String, String)>,
 ) -> Result<std::path::PathBuf> {
     let write = |name: &str, contents: &[u8]| {
@@ -261,11 +293,29 @@ fn config(
         Ok::<_, Error>(path)
     };
     let mut http = json!({ "addr": address });
-    if tls {
-        let certified = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned()])?;
+    if let Some(certificate) = certificate {
+        let names = vec!["127.0.0.1".to_owned()];
+        let (cert, key) = match certificate {
+            Certificate::SelfSigned => {
+                let certified = rcgen::generate_simple_self_signed(names)?;
+                (certified.cert.pem(), certified.signing_key.serialize_pem())
+            }
+            Certificate::IssuedBy {
+                ca_cert_pem,
+                ca_key_pem,
+            } => {
+                let issuer = rcgen::Issuer::from_ca_cert_pem(
+                    &ca_cert_pem,
+                    rcgen::KeyPair::from_pem(&ca_key_pem)?,
+                )?;
+                let key = rcgen::KeyPair::generate()?;
+                let cert = rcgen::CertificateParams::new(names)?.signed_by(&key, &issuer)?;
+                (cert.pem(), key.serialize_pem())
+            }
+        };
         http["tls"] = json!({
-            "certificate": write("cert.pem", certified.cert.pem().as_bytes())?,
-            "key": write("key.pem", certified.signing_key.serialize_pem().as_bytes())?,
+            "certificate": write("cert.pem", cert.as_bytes())?,
+            "key": write("key.pem", key.as_bytes())?,
         });
     }
     let mut config = json!({

@@ -78,6 +78,12 @@ impl ImageStore {
         self
     }
 
+    /// Trusts the PEM CAs in `file` (read at each pull) besides the system's.
+    pub fn with_registry_ca_file(mut self, file: Option<std::path::PathBuf>) -> Self {
+        self.puller = self.puller.with_registry_ca_file(file);
+        self
+    }
+
     /// At most `pulls` (at least one) images pulled at once.
     pub fn with_concurrent_pulls(mut self, pulls: usize) -> Self {
         self.pulls = Semaphore::new(pulls.max(1));

@@ -14,7 +14,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 pub(crate) use kmm_registry::error_chain;
-use kmm_registry::{ManifestError, ManifestReader, RegistryError, parse_reference};
+use kmm_registry::{ManifestError, ManifestReader, RegistryCas, RegistryError, parse_reference};
 use oci_client::manifest::{OciDescriptor, OciImageManifest};
 use oci_client::{Client, Reference};
 use tokio::io::AsyncWriteExt as _;
@@ -113,6 +113,17 @@ pub enum PullError {
         limit: PullLimit,
         detail: String,
     },
+    /// The extra CAs cannot be read: nothing is pulled over TLS that they might be for.
+    #[error(
+        "{image}: the registry CA bundle {} (--registry-ca-file; the add-on's variables \
+         REGISTRY_CA_BUNDLE_n) cannot be used: {reason}",
+        file.display()
+    )]
+    RegistryCa {
+        image: String,
+        file: PathBuf,
+        reason: String,
+    },
 }
 
 impl PullError {
@@ -163,6 +174,9 @@ pub struct Puller {
     cache: Cache,
     limits: PullLimits,
     resolved: Mutex<HashMap<String, String>>,
+    /// PEM CAs trusted besides the system's, read at each pull: a mounted ConfigMap's
+    /// update reaches the next pull without a restart.
+    ca_file: Option<PathBuf>,
 }
 
 impl Puller {
@@ -171,7 +185,13 @@ impl Puller {
             cache,
             limits,
             resolved: Mutex::new(HashMap::new()),
+            ca_file: None,
         }
+    }
+
+    pub fn with_registry_ca_file(mut self, file: Option<PathBuf>) -> Self {
+        self.ca_file = file;
+        self
     }
 
     pub fn with_limits(mut self, limits: PullLimits) -> Self {
@@ -187,8 +207,22 @@ impl Puller {
         self.limits
     }
 
-    fn client(tls: RegistryTls) -> Client {
-        kmm_registry::client(tls)
+    /// A client for the request, and the extra CAs it trusts (the manifest reader's
+    /// own connection trusts them too).
+    fn client(&self, request: &PullRequest<'_>) -> Result<(Client, RegistryCas), PullError> {
+        let cas = match &self.ca_file {
+            None => RegistryCas::default(),
+            Some(file) => {
+                let unusable = |reason: String| PullError::RegistryCa {
+                    image: request.image.to_owned(),
+                    file: file.clone(),
+                    reason,
+                };
+                let bundle = std::fs::read(file).map_err(|e| unusable(e.to_string()))?;
+                RegistryCas::from_pem(&bundle).map_err(|e| unusable(e.to_string()))?
+            }
+        };
+        Ok((kmm_registry::client_trusting(request.tls, &cas), cas))
     }
 
     fn auth(
@@ -200,13 +234,14 @@ impl Puller {
 
     async fn manifest(
         &self,
-        client: &Client,
+        (client, cas): (&Client, &RegistryCas),
         request: &PullRequest<'_>,
         reference: &Reference,
     ) -> Result<(OciImageManifest, String), PullError> {
         let auth = Self::auth(request, reference)?;
         ManifestReader {
             tls: request.tls,
+            cas: cas.clone(),
             max_bytes: self.limits.max_manifest_bytes,
         }
         .image_manifest(client, request.image, reference, &auth)
@@ -234,8 +269,8 @@ impl Puller {
             return Ok(digest);
         }
         let reference = parse_reference(request.image)?;
-        let client = Self::client(request.tls);
-        let (manifest, digest) = self.manifest(&client, request, &reference).await?;
+        let (client, cas) = self.client(request)?;
+        let (manifest, digest) = self.manifest((&client, &cas), request, &reference).await?;
         self.cache.store_manifest(&digest, &manifest)?;
         tracing::info!(image = request.image, %digest, "resolved tag");
         self.resolved
@@ -259,7 +294,7 @@ impl Puller {
             digest.to_string(),
         );
         let mut downloaded = false;
-        let client = Self::client(request.tls);
+        let (client, cas) = self.client(request)?;
         let auth = Self::auth(request, &reference)?;
         client
             .store_auth_if_needed(reference.resolve_registry(), &auth)
@@ -267,7 +302,7 @@ impl Puller {
         let manifest = match self.cache.manifest(digest)? {
             Some(manifest) => manifest,
             None => {
-                let (manifest, got) = self.manifest(&client, request, &reference).await?;
+                let (manifest, got) = self.manifest((&client, &cas), request, &reference).await?;
                 if got != digest {
                     return Err(PullError::Registry(RegistryError::Registry {
                         image: request.image.to_string(),

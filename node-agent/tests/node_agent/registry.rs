@@ -162,6 +162,90 @@ async fn https_without_verification_is_refused_unless_asked_for() {
     );
 }
 
+/// A CA certificate and its key, both PEM.
+fn internal_ca(name: &str) -> (String, String) {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.distinguished_name.push(DnType::CommonName, name);
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    (params.self_signed(&key).unwrap().pem(), key.serialize_pem())
+}
+
+#[tokio::test]
+async fn a_registry_behind_an_internal_ca_is_verified_with_the_ca_file_read_at_each_pull() {
+    let (ca, ca_key) = internal_ca("kmm-agent-test internal CA");
+    let (other, _) = internal_ca("another internal CA");
+    let registry = Registry::tls_issued_by(&ca, &ca_key);
+    let digest = registry
+        .push_sample("private-ca/hello:v1", &Sample::good(kernel()))
+        .await;
+    let image = registry.image("private-ca/hello:v1");
+    let verified = RegistryTls::default();
+    let dir = tempfile::tempdir().unwrap();
+    let ca_file = dir.path().join("ca.crt");
+    let store = |cache: &std::path::Path| {
+        ImageStore::new(Cache::open(cache).unwrap(), Limits::default())
+            .with_registry_ca_file(Some(ca_file.clone()))
+    };
+
+    // Another CA, then the right one: the same store sees the file change.
+    std::fs::write(&ca_file, &other).unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let trusting = store(cache.path());
+    let refused = trusting
+        .fetch(&request(&image, verified, None))
+        .await
+        .unwrap_err();
+    assert!(
+        kmm_error_text(&refused)
+            .to_lowercase()
+            .contains("certificate"),
+        "{}",
+        kmm_error_text(&refused)
+    );
+    std::fs::write(&ca_file, format!("{other}{ca}")).unwrap();
+    let fetched = trusting
+        .fetch(&request(&image, verified, None))
+        .await
+        .unwrap();
+    assert_eq!(fetched.digest, digest, "no insecureSkipTLSVerify needed");
+
+    // Without the file, the system's CAs alone do not know the registry's.
+    let cache = tempfile::tempdir().unwrap();
+    let plain = ImageStore::new(Cache::open(cache.path()).unwrap(), Limits::default());
+    let text = kmm_error_text(
+        &plain
+            .fetch(&request(&image, verified, None))
+            .await
+            .unwrap_err(),
+    );
+    assert!(text.to_lowercase().contains("certificate"), "{text}");
+
+    // A bundle that is not one fails the pull naming the file and the variables.
+    std::fs::write(
+        &ca_file,
+        "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+    )
+    .unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let error = store(cache.path())
+        .fetch(&request(&image, verified, None))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(error, ImageError::Pull(PullError::RegistryCa { .. })),
+        "{error:?}"
+    );
+    let text = error.to_string();
+    assert!(
+        text.contains(&ca_file.display().to_string())
+            && text.contains("REGISTRY_CA_BUNDLE_n")
+            && text.contains("PEM block 1 is not an X.509 certificate"),
+        "{text}"
+    );
+}
+
 fn kmm_error_text(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut source = e.source();

@@ -286,6 +286,12 @@ impl Registry {
         Self::of(RegistryServer::tls_with_auth(user, password))
     }
 
+    /// HTTPS with a certificate issued by the CA `ca_cert_pem` (key `ca_key_pem`), no
+    /// authentication: a registry behind an internal CA.
+    pub fn tls_issued_by(ca_cert_pem: &str, ca_key_pem: &str) -> Self {
+        Self::of(RegistryServer::tls_issued_by(ca_cert_pem, ca_key_pem))
+    }
+
     fn of(server: kmm_registry_fixture::Result<RegistryServer>) -> Self {
         kernel(); // packages installed
         let server = server.unwrap_or_else(|e| panic!("starting a registry: {e}"));
