@@ -14,13 +14,9 @@ use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
 use k8s_openapi::api::core::v1::{Namespace, Secret};
-use kmm_api::ocm::{
-    self, ADD_ON_DEPLOYMENT_CONFIG, ADD_ON_TEMPLATE, CLUSTER_MANAGEMENT_ADD_ON, MANIFEST_WORK,
-};
+use kmm_api::ocm::{self, ADD_ON_TEMPLATE, CLUSTER_MANAGEMENT_ADD_ON, MANIFEST_WORK};
 use kmm_e2e::fixture::{Fleet, wait_until};
-use kmm_e2e::fleet::kmm::{
-    self as fleet_kmm, ADDON, CLIENT_CERT_SECRET, HUB_NAMESPACE, SPOKE_NAMESPACE,
-};
+use kmm_e2e::fleet::kmm::{self as fleet_kmm, ADDON, CLIENT_CERT_SECRET, SPOKE_NAMESPACE};
 use kmm_e2e::toolchain::Toolchain;
 use kmm_e2e::versions::Versions;
 use kube::api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
@@ -540,68 +536,14 @@ async fn a_clusters_own_config_moves_its_agents_firmware_dir_and_unloads_nothing
     let (id, name, targets) = loaded_module(&fleet, &spoke, "firmware-dir").await?;
     wait_firmware_dir(client, "/lib/firmware").await?;
 
-    // The cluster's own AddOnDeploymentConfig: the fleet's variables, another firmware
-    // directory (as on hosts whose /lib/firmware is read-only).
-    let configs = Api::<DynamicObject>::namespaced_with(
-        fleet.hub.clone(),
-        &spoke,
-        &ADD_ON_DEPLOYMENT_CONFIG.api_resource(),
-    );
-    let default = Api::<DynamicObject>::namespaced_with(
-        fleet.hub.clone(),
-        HUB_NAMESPACE,
-        &ADD_ON_DEPLOYMENT_CONFIG.api_resource(),
-    )
-    .get(ADDON)
-    .await?;
-    let dir = "/var/lib/kmm-e2e-firmware";
-    let variables: Vec<Value> = default.data["spec"]["customizedVariables"]
-        .as_array()
-        .context("the default config's variables")?
-        .iter()
-        .filter(|v| v["name"] != "FIRMWARE_DIR")
-        .cloned()
-        .chain([json!({"name": "FIRMWARE_DIR", "value": dir})])
-        .collect();
-    let own = unique("kmm-firmware");
-    configs
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({
-                "apiVersion": ADD_ON_DEPLOYMENT_CONFIG.api_version(),
-                "kind": ADD_ON_DEPLOYMENT_CONFIG.kind,
-                "metadata": {"name": own, "namespace": spoke},
-                "spec": {
-                    "agentInstallNamespace": default.data["spec"]["agentInstallNamespace"],
-                    "customizedVariables": variables,
-                },
-            }))?,
-        )
-        .await?;
     let (loads, unloads) = (
         attempts_on(&fleet, &spoke, "loads").await?,
         attempts_on(&fleet, &spoke, "unloads").await?,
     );
-    let addons = fleet_kmm::addons(&fleet.hub, &spoke);
-    let use_configs = |configs: Value| {
-        let addons = addons.clone();
-        async move {
-            addons
-                .patch(
-                    ADDON,
-                    &PatchParams::default(),
-                    &Patch::Merge(json!({"spec": {"configs": configs}})),
-                )
-                .await
-        }
-    };
-    use_configs(json!([{
-        "group": ADD_ON_DEPLOYMENT_CONFIG.group,
-        "resource": ADD_ON_DEPLOYMENT_CONFIG.plural,
-        "namespace": spoke,
-        "name": own,
-    }]))
-    .await?;
+    // The cluster's own AddOnDeploymentConfig: the fleet's variables, another firmware
+    // directory (as on hosts whose /lib/firmware is read-only).
+    let dir = "/var/lib/kmm-e2e-firmware";
+    let own = addon_config::use_own_config(&fleet, &spoke, "FIRMWARE_DIR", dir).await?;
     let moved = async {
         wait_firmware_dir(client, dir).await?;
         wait_labelled(&fleet, &name, &targets).await?;
@@ -616,10 +558,10 @@ async fn a_clusters_own_config_moves_its_agents_firmware_dir_and_unloads_nothing
     }
     .await;
     // Back to the fleet's default whatever happened, so that other tests find it.
-    use_configs(Value::Null).await?;
+    addon_config::use_fleet_config(&fleet.hub, &spoke).await?;
     moved?;
     wait_firmware_dir(client, "/lib/firmware").await?;
-    configs.delete(&own, &DeleteParams::default()).await?;
+    addon_config::delete_own_config(&fleet.hub, &spoke, &own).await?;
     wait_labelled(&fleet, &name, &targets).await?;
     unload_module(&fleet, &spoke, &id, &name).await
 }

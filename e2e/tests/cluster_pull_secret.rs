@@ -20,15 +20,14 @@ use k8s_openapi::ByteString;
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{Node, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kmm_api::ocm::ADD_ON_DEPLOYMENT_CONFIG;
 use kmm_e2e::fixture::{Fleet, wait_until};
-use kmm_e2e::fleet::kmm::{self as fleet_kmm, ADDON, HUB_NAMESPACE, SPOKE_NAMESPACE};
+use kmm_e2e::fleet::kmm::{self as fleet_kmm, SPOKE_NAMESPACE};
 use kmm_registry_fixture::RegistryServer;
-use kube::api::{DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, PostParams};
 use kube::{Api, Client};
 use oci_client::client::{ClientConfig, ClientProtocol};
 use oci_client::secrets::RegistryAuth;
-use serde_json::{Value, json};
+use serde_json::json;
 use support::*;
 
 /// The copy of the cluster's pull Secret in a plugin's namespace
@@ -96,62 +95,6 @@ impl Drop for NodeRegistryHosts {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
-}
-
-/// Makes `spoke`'s add-on render with its own AddOnDeploymentConfig: the fleet's
-/// variables, `CLUSTER_PULL_SECRET` set to `secret`. Returns the config's name.
-async fn use_own_config(fleet: &Fleet, spoke: &str, secret: &str) -> Result<String> {
-    let resource = ADD_ON_DEPLOYMENT_CONFIG.api_resource();
-    let default =
-        Api::<DynamicObject>::namespaced_with(fleet.hub.clone(), HUB_NAMESPACE, &resource)
-            .get(ADDON)
-            .await?;
-    let variables: Vec<Value> = default.data["spec"]["customizedVariables"]
-        .as_array()
-        .context("the default config's variables")?
-        .iter()
-        .filter(|v| v["name"] != "CLUSTER_PULL_SECRET")
-        .cloned()
-        .chain([json!({"name": "CLUSTER_PULL_SECRET", "value": secret})])
-        .collect();
-    let own = unique("kmm-pull-secret");
-    Api::<DynamicObject>::namespaced_with(fleet.hub.clone(), spoke, &resource)
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({
-                "apiVersion": ADD_ON_DEPLOYMENT_CONFIG.api_version(),
-                "kind": ADD_ON_DEPLOYMENT_CONFIG.kind,
-                "metadata": {"name": own, "namespace": spoke},
-                "spec": {
-                    "agentInstallNamespace": default.data["spec"]["agentInstallNamespace"],
-                    "customizedVariables": variables,
-                },
-            }))?,
-        )
-        .await?;
-    set_configs(
-        &fleet.hub,
-        spoke,
-        json!([{
-            "group": ADD_ON_DEPLOYMENT_CONFIG.group,
-            "resource": ADD_ON_DEPLOYMENT_CONFIG.plural,
-            "namespace": spoke,
-            "name": own,
-        }]),
-    )
-    .await?;
-    Ok(own)
-}
-
-async fn set_configs(hub: &Client, spoke: &str, configs: Value) -> Result<()> {
-    fleet_kmm::addons(hub, spoke)
-        .patch(
-            ADDON,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"configs": configs}})),
-        )
-        .await?;
-    Ok(())
 }
 
 /// Waits until the spoke's proxy runs with `--cluster-pull-secret=<secret>` (empty:
@@ -307,7 +250,8 @@ async fn a_clusters_pull_secret_loads_a_module_and_runs_its_plugin_from_a_regist
 
     // The cluster names a Secret that does not exist yet.
     let secret_name = unique("cluster-pull");
-    let own = use_own_config(&fleet, &spoke, &secret_name).await?;
+    let own =
+        addon_config::use_own_config(&fleet, &spoke, "CLUSTER_PULL_SECRET", &secret_name).await?;
     let (id, name) = (unique("kmm-e2e.dev/cluster-pull"), unique("cluster-pull"));
     let secrets = Api::<Secret>::namespaced(client.clone(), SPOKE_NAMESPACE);
     let checked = async {
@@ -320,15 +264,9 @@ async fn a_clusters_pull_secret_loads_a_module_and_runs_its_plugin_from_a_regist
     let _ = delete(&fleet.hub, &name).await;
     let _ = label_node(&client, &real.name, &id, false).await;
     let _ = label_cluster(&fleet.hub, &spoke, &id, false).await;
-    set_configs(&fleet.hub, &spoke, Value::Null).await?;
+    addon_config::use_fleet_config(&fleet.hub, &spoke).await?;
     wait_proxy_pull_secret(&client, "").await?;
-    Api::<DynamicObject>::namespaced_with(
-        fleet.hub.clone(),
-        &spoke,
-        &ADD_ON_DEPLOYMENT_CONFIG.api_resource(),
-    )
-    .delete(&own, &DeleteParams::default())
-    .await?;
+    addon_config::delete_own_config(&fleet.hub, &spoke, &own).await?;
     if secrets.get_opt(&secret_name).await?.is_some() {
         delete_secret(&secrets, &secret_name).await?;
     }

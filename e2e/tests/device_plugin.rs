@@ -30,6 +30,7 @@ use kmm_api::labels::{
     device_plugin_ready_label, device_plugin_scheduling_label, ready_label, version_ready_label,
 };
 use kmm_e2e::fixture::{Fleet, wait_until};
+use kmm_e2e::fleet::kmm::{Agent, Kmm};
 use kube::api::{DeleteParams, ListParams, WatchEvent, WatchParams};
 use kube::{Api, ResourceExt};
 use serde_json::{Value, json};
@@ -220,11 +221,24 @@ fn count(value: &Value) -> i64 {
     value.as_i64().unwrap_or_default()
 }
 
-#[tokio::test]
-async fn the_device_plugin_advertises_only_while_its_module_is_loaded() -> Result<()> {
-    let _serial = SERIAL.lock().await;
-    let fleet = Fleet::get().await?;
-    let kmm = kmm(&fleet)?;
+/// The first spoke's real node and its agent, and the names a plugin test's module uses.
+struct PluginCase<'a> {
+    spoke: String,
+    real: String,
+    agent: &'a Agent,
+    client: kube::Client,
+    id: String,
+    name: String,
+    /// The extended resource the sample plugin advertises.
+    resource: String,
+    /// The plugin's journal, as the node keeps it.
+    journal_file: std::path::PathBuf,
+    /// kmm-fleet's label that schedules the plugin, and upstream's `device-plugin-ready`.
+    scheduling: String,
+    plugin_ready: String,
+}
+
+fn plugin_case<'a>(fleet: &'a Fleet, kmm: &'a Kmm, prefix: &str) -> Result<PluginCase<'a>> {
     let spoke = fleet.spoke_names()[0].clone();
     let real = fleet
         .state
@@ -239,18 +253,43 @@ async fn the_device_plugin_advertises_only_while_its_module_is_loaded() -> Resul
         .iter()
         .find(|a| a.node == real)
         .with_context(|| format!("no agent on {real}"))?;
-    let (id, name) = (unique("kmm-e2e.dev/plugin"), unique("plugin"));
-    let resource = format!("kmm-e2e.dev/{name}");
-    let client = fleet.spoke(&spoke)?.clone();
+    let (id, name) = (unique(&format!("kmm-e2e.dev/{prefix}")), unique(prefix));
     let journal_file = agent
         .root
         .join(JOURNAL_DIR.trim_start_matches('/'))
         .join(&name);
+    Ok(PluginCase {
+        client: fleet.spoke(&spoke)?.clone(),
+        resource: format!("kmm-e2e.dev/{name}"),
+        scheduling: device_plugin_scheduling_label(NAMESPACE, &name),
+        plugin_ready: device_plugin_ready_label(NAMESPACE, &name),
+        spoke,
+        real,
+        agent,
+        id,
+        name,
+        journal_file,
+    })
+}
+
+#[tokio::test]
+async fn the_device_plugin_advertises_only_while_its_module_is_loaded() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let fleet = Fleet::get().await?;
+    let kmm = kmm(&fleet)?;
+    let PluginCase {
+        spoke,
+        real,
+        agent,
+        client,
+        id,
+        name,
+        resource,
+        journal_file,
+        scheduling,
+        plugin_ready,
+    } = plugin_case(&fleet, kmm, "plugin")?;
     let log_from = log_len(agent);
-    let (scheduling, plugin_ready) = (
-        device_plugin_scheduling_label(NAMESPACE, &name),
-        device_plugin_ready_label(NAMESPACE, &name),
-    );
 
     label_cluster(&fleet.hub, &spoke, &id, true).await?;
     label_node(&client, &real, &id, true).await?;
@@ -364,31 +403,18 @@ async fn a_module_with_only_a_device_plugin_runs_it_on_its_nodes_and_loads_nothi
     let _serial = SERIAL.lock().await;
     let fleet = Fleet::get().await?;
     let kmm = kmm(&fleet)?;
-    let spoke = fleet.spoke_names()[0].clone();
-    let real = fleet
-        .state
-        .cluster(&spoke)?
-        .real_nodes
-        .first()
-        .context("the spoke has no real node")?
-        .name
-        .clone();
-    let agent = kmm
-        .agents
-        .iter()
-        .find(|a| a.node == real)
-        .with_context(|| format!("no agent on {real}"))?;
-    let (id, name) = (unique("kmm-e2e.dev/plugin-only"), unique("plugin-only"));
-    let resource = format!("kmm-e2e.dev/{name}");
-    let client = fleet.spoke(&spoke)?.clone();
-    let journal_file = agent
-        .root
-        .join(JOURNAL_DIR.trim_start_matches('/'))
-        .join(&name);
-    let (scheduling, plugin_ready) = (
-        device_plugin_scheduling_label(NAMESPACE, &name),
-        device_plugin_ready_label(NAMESPACE, &name),
-    );
+    let PluginCase {
+        spoke,
+        real,
+        agent,
+        client,
+        id,
+        name,
+        resource,
+        journal_file,
+        scheduling,
+        plugin_ready,
+    } = plugin_case(&fleet, kmm, "plugin-only")?;
     let agent_work = || async {
         Ok::<_, anyhow::Error>(
             agent_attempts(&fleet, agent, "loads").await?

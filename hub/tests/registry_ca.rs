@@ -8,24 +8,17 @@ use std::time::Duration;
 use kmm_hub::images::SignPlan;
 use kmm_hub::serve::signing::{MAX_IMAGE_BYTES, SigningError, sign_image};
 use kmm_registry::{RegistryCas, RegistryTls, error_chain};
-use kmm_registry_fixture::RegistryServer;
+use kmm_registry_fixture::{RegistryServer, internal_ca};
 use kmm_runtime::pki::CertificateAuthority;
 use kmm_signing::SigningKey;
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
 
 const MODULE: &str = "opt/lib/modules/6.1.0/extra/m.ko";
 
 #[tokio::test]
 async fn signing_trusts_the_hubs_registry_ca_and_needs_no_skip_verify() {
-    let ca_key = KeyPair::generate().unwrap();
-    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    params
-        .distinguished_name
-        .push(DnType::CommonName, "kmm-hub-test internal CA");
-    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let ca = params.self_signed(&ca_key).unwrap().pem();
+    let (ca, ca_key) = internal_ca("kmm-hub-test internal CA");
     let registry = {
-        let (ca, key) = (ca.clone(), ca_key.serialize_pem());
+        let (ca, key) = (ca.clone(), ca_key.clone());
         tokio::task::spawn_blocking(move || RegistryServer::tls_issued_by(&ca, &key))
             .await
             .unwrap()

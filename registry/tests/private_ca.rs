@@ -8,18 +8,8 @@ use kmm_registry::{
     ManifestReader, RegistryCas, RegistryTls, client, client_trusting, parse_reference,
     resolve_digest,
 };
-use kmm_registry_fixture::RegistryServer;
+use kmm_registry_fixture::{RegistryServer, internal_ca};
 use oci_client::secrets::RegistryAuth;
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
-
-/// A CA certificate and its key, both PEM.
-fn internal_ca(name: &str) -> (String, String) {
-    let key = KeyPair::generate().unwrap();
-    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    params.distinguished_name.push(DnType::CommonName, name);
-    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    (params.self_signed(&key).unwrap().pem(), key.serialize_pem())
-}
 
 #[tokio::test]
 async fn a_registry_behind_an_internal_ca_is_verified_with_that_ca_alone() {

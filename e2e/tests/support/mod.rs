@@ -4,6 +4,8 @@
 // Each user (a test binary, the benchmark) uses a different part.
 #![allow(dead_code)]
 
+pub mod addon_config;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 

@@ -407,6 +407,19 @@ mod tests {
             .collect()
     }
 
+    /// A module's intent with no kernels, credentials or resolutions around it.
+    fn bare_intent(module: &ManagedClusterModule, unload: bool) -> ModuleIntent {
+        module_intent(
+            &ModuleInput { module, unload },
+            &kernels(&[]),
+            &creds(&[]),
+            &pinned(),
+            &ModuleResolutions::default(),
+            &mut BTreeSet::new(),
+            &mut BTreeSet::new(),
+        )
+    }
+
     #[test]
     fn selection_is_match_labels_and_empty_selects_all() {
         let labels = BTreeMap::from([
@@ -495,19 +508,7 @@ mod tests {
             module.spec.node_upgrade = node_upgrade.map(|m| kmm_api::NodeUpgrade {
                 max_unavailable: Some(m),
             });
-            module_intent(
-                &ModuleInput {
-                    module: &module,
-                    unload: false,
-                },
-                &kernels(&[]),
-                &creds(&[]),
-                &pinned(),
-                &ModuleResolutions::default(),
-                &mut BTreeSet::new(),
-                &mut BTreeSet::new(),
-            )
-            .max_unavailable
+            bare_intent(&module, false).max_unavailable
         };
         use module_intent::MaxUnavailable::{MaxUnavailableNodes, MaxUnavailablePercent};
         assert_eq!(intent(None), None);
@@ -530,36 +531,14 @@ mod tests {
                 .unwrap();
         module.spec.module_spec.device_plugin = Some(spec.clone());
         for unload in [false, true] {
-            let intent = module_intent(
-                &ModuleInput {
-                    module: &module,
-                    unload,
-                },
-                &kernels(&[]),
-                &creds(&[]),
-                &pinned(),
-                &ModuleResolutions::default(),
-                &mut BTreeSet::new(),
-                &mut BTreeSet::new(),
-            );
+            let intent = bare_intent(&module, unload);
             let plugin = intent.device_plugin.unwrap();
             let sent: kmm_api::DevicePluginSpec = serde_json::from_str(&plugin.spec_json).unwrap();
             assert_eq!(sent, spec, "unload: {unload}");
             assert_eq!(plugin.image_repo_secret, "pull", "its name only");
         }
         module.spec.module_spec.image_repo_secret = None;
-        let intent = module_intent(
-            &ModuleInput {
-                module: &module,
-                unload: false,
-            },
-            &kernels(&[]),
-            &creds(&[]),
-            &pinned(),
-            &ModuleResolutions::default(),
-            &mut BTreeSet::new(),
-            &mut BTreeSet::new(),
-        );
+        let intent = bare_intent(&module, false);
         assert_eq!(intent.device_plugin.unwrap().image_repo_secret, "");
     }
 

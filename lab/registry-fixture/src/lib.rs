@@ -5,11 +5,13 @@
 //! * `program`: the `docker-registry` program ([`registry_binary`]) and the
 //!   configuration of the local fleet's shared registry ([`registry_config`]).
 
+mod ca;
 mod program;
 mod server;
 
 use std::path::PathBuf;
 
+pub use ca::internal_ca;
 pub use program::{registry_binary, registry_config};
 pub use server::{RegistryServer, docker_config_json};
 

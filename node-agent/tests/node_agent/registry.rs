@@ -6,7 +6,7 @@ use kmm_node_agent::desired::{PullSecret, RegistryTls};
 use kmm_node_agent::image::cache::Cache;
 use kmm_node_agent::image::pull::{PullError, PullRequest};
 use kmm_node_agent::image::{FetchRequest, ImageError, ImageStore, Limits};
-use kmm_registry_fixture::docker_config_json;
+use kmm_registry_fixture::{docker_config_json, internal_ca};
 
 use crate::support::*;
 
@@ -160,16 +160,6 @@ async fn https_without_verification_is_refused_unless_asked_for() {
             .await
             .is_err()
     );
-}
-
-/// A CA certificate and its key, both PEM.
-fn internal_ca(name: &str) -> (String, String) {
-    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
-    let key = KeyPair::generate().unwrap();
-    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    params.distinguished_name.push(DnType::CommonName, name);
-    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    (params.self_signed(&key).unwrap().pem(), key.serialize_pem())
 }
 
 #[tokio::test]

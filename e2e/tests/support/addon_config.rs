@@ -1,0 +1,93 @@
+//! A spoke's own AddOnDeploymentConfig for a test: the fleet's variables with one of them
+//! changed, and back to the fleet's config afterwards.
+
+use anyhow::{Context, Result};
+use kmm_api::ocm::ADD_ON_DEPLOYMENT_CONFIG;
+use kmm_e2e::fixture::Fleet;
+use kmm_e2e::fleet::kmm::{self as fleet_kmm, ADDON};
+use kube::api::{DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+use serde_json::{Value, json};
+
+use super::{HUB_NAMESPACE, unique};
+
+/// Creates a config in `spoke`'s namespace on the hub holding the fleet's variables with
+/// `variable` set to `value`, and makes the spoke's add-on use it. Returns its name.
+pub async fn use_own_config(
+    fleet: &Fleet,
+    spoke: &str,
+    variable: &str,
+    value: &str,
+) -> Result<String> {
+    let resource = ADD_ON_DEPLOYMENT_CONFIG.api_resource();
+    let default =
+        Api::<DynamicObject>::namespaced_with(fleet.hub.clone(), HUB_NAMESPACE, &resource)
+            .get(ADDON)
+            .await?;
+    let variables: Vec<Value> = default.data["spec"]["customizedVariables"]
+        .as_array()
+        .context("the default config's variables")?
+        .iter()
+        .filter(|v| v["name"] != variable)
+        .cloned()
+        .chain([json!({"name": variable, "value": value})])
+        .collect();
+    let own = unique(&format!(
+        "kmm-{}",
+        variable.to_lowercase().replace('_', "-")
+    ));
+    Api::<DynamicObject>::namespaced_with(fleet.hub.clone(), spoke, &resource)
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "apiVersion": ADD_ON_DEPLOYMENT_CONFIG.api_version(),
+                "kind": ADD_ON_DEPLOYMENT_CONFIG.kind,
+                "metadata": {"name": own, "namespace": spoke},
+                "spec": {
+                    "agentInstallNamespace": default.data["spec"]["agentInstallNamespace"],
+                    "customizedVariables": variables,
+                },
+            }))?,
+        )
+        .await?;
+    set_configs(
+        &fleet.hub,
+        spoke,
+        json!([{
+            "group": ADD_ON_DEPLOYMENT_CONFIG.group,
+            "resource": ADD_ON_DEPLOYMENT_CONFIG.plural,
+            "namespace": spoke,
+            "name": own,
+        }]),
+    )
+    .await?;
+    Ok(own)
+}
+
+/// Makes `spoke`'s add-on use the fleet's config again.
+pub async fn use_fleet_config(hub: &Client, spoke: &str) -> Result<()> {
+    set_configs(hub, spoke, Value::Null).await
+}
+
+/// Deletes a config [`use_own_config`] made, once the add-on no longer uses it.
+pub async fn delete_own_config(hub: &Client, spoke: &str, name: &str) -> Result<()> {
+    Api::<DynamicObject>::namespaced_with(
+        hub.clone(),
+        spoke,
+        &ADD_ON_DEPLOYMENT_CONFIG.api_resource(),
+    )
+    .delete(name, &DeleteParams::default())
+    .await?;
+    Ok(())
+}
+
+async fn set_configs(hub: &Client, spoke: &str, configs: Value) -> Result<()> {
+    fleet_kmm::addons(hub, spoke)
+        .patch(
+            ADDON,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"configs": configs}})),
+        )
+        .await?;
+    Ok(())
+}
