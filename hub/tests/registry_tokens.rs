@@ -278,6 +278,7 @@ async fn pull_check_and_push_through_the_token_flow() {
         firmware_path: None,
         tls: PLAIN,
         secret: Some(secret),
+        registry_ca_file: None,
         require_signature: false,
         cache_dir: cache.path().to_owned(),
         limits: Default::default(),

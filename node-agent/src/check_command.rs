@@ -48,6 +48,7 @@ pub(crate) async fn run(args: CheckArgs) -> ExitCode {
             insecure_skip_tls_verify: args.insecure_skip_tls_verify,
         },
         secret,
+        registry_ca_file: args.registry_ca_file.clone(),
         require_signature: args.require_signature,
         cache_dir,
         limits: args.limits.limits(),

@@ -22,6 +22,8 @@ pub struct CheckOptions {
     pub firmware_path: Option<String>,
     pub tls: RegistryTls,
     pub secret: Option<PullSecret>,
+    /// Extra CAs for the registry's TLS (the agent's `--registry-ca-file`).
+    pub registry_ca_file: Option<PathBuf>,
     pub require_signature: bool,
     pub cache_dir: PathBuf,
     pub limits: Limits,
@@ -132,7 +134,9 @@ fn modules_in_image(module_dir: &Path, kernel: &str) -> BTreeSet<String> {
 
 pub async fn check_image(options: &CheckOptions) -> Result<CheckReport, CheckError> {
     let cache = Cache::open(&options.cache_dir).map_err(|e: CacheError| local(e))?;
-    let store = ImageStore::new(cache, options.limits).with_pull_limits(options.pull_limits);
+    let store = ImageStore::new(cache, options.limits)
+        .with_pull_limits(options.pull_limits)
+        .with_registry_ca_file(options.registry_ca_file.clone());
     let request = FetchRequest {
         pull: PullRequest {
             image: &options.image,

@@ -223,6 +223,10 @@ struct CheckArgs {
     /// A docker config.json (`{"auths": ...}`) with credentials for the registry.
     #[arg(long)]
     registry_config: Option<PathBuf>,
+    /// PEM CA certificates the registry's TLS certificate may chain to besides the
+    /// system's, as the agent's own flag (a registry behind an internal CA).
+    #[arg(long)]
+    registry_ca_file: Option<PathBuf>,
     /// Fail (exit 9) when a module carries no signature.
     #[arg(long)]
     require_signature: bool,

@@ -1,6 +1,6 @@
 //! `kmm-node-agent check-image` as a vendor runs it: exit codes and messages.
 
-use kmm_registry_fixture::docker_config_json;
+use kmm_registry_fixture::{docker_config_json, internal_ca};
 use std::process::Command;
 
 use crate::support::*;
@@ -173,6 +173,35 @@ async fn check_image_with_credentials() {
         !text.contains("wrong\"") && text.contains("credentials"),
         "{text}"
     );
+}
+
+#[tokio::test]
+async fn check_image_trusts_a_registry_behind_an_internal_ca_with_its_ca_file() {
+    let k = kernel();
+    let (ca, ca_key) = internal_ca("kmm-check-image-test internal CA");
+    let registry = Registry::tls_issued_by(&ca, &ca_key);
+    registry
+        .push_sample("samples/hello:v1", &Sample::good(k))
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let ca_file = dir.path().join("ca.pem");
+    std::fs::write(&ca_file, &ca).unwrap();
+    let check = |extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_kmm-node-agent"))
+            .args(["check-image", "--image"])
+            .arg(registry.image("samples/hello:v1"))
+            .args(["--kernel", k, "--module", DEP_MODULE])
+            .args(extra)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        (out.status.code().expect("exited"), text)
+    };
+    let (code, text) = check(&[]);
+    assert_ne!(code, 0, "the internal CA is not the system's: {text}");
+    let (code, text) = check(&["--registry-ca-file", ca_file.to_str().unwrap()]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.starts_with("OK"), "{text}");
 }
 
 #[test]
