@@ -221,6 +221,37 @@ fn count(value: &Value) -> i64 {
     value.as_i64().unwrap_or_default()
 }
 
+/// Waits until `real` advertises none of the plugin's devices and the module `name`'s
+/// plugin DaemonSet is gone.
+async fn wait_plugin_gone(
+    client: &kube::Client,
+    real: &str,
+    resource: &str,
+    name: &str,
+) -> Result<()> {
+    wait_until(
+        "the node to stop advertising the devices",
+        PLUGIN_WAIT,
+        || async {
+            match allocatable(client, real, resource).await {
+                Ok(Some(count)) if count == "0" => Ok(()),
+                Ok(None) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await?;
+    let daemon_sets: Api<DaemonSet> = Api::namespaced(client.clone(), NAMESPACE);
+    wait_until("the plugin's DaemonSet to go", WAIT, || async {
+        match daemon_sets.get_opt(&format!("{name}-device-plugin")).await {
+            Ok(None) => Ok(()),
+            other => Err(format!("{:?}", other.map(|d| d.map(|d| d.metadata.name)))),
+        }
+    })
+    .await?;
+    Ok(())
+}
+
 /// The first spoke's real node and its agent, and the names a plugin test's module uses.
 struct PluginCase<'a> {
     spoke: String,
@@ -357,26 +388,7 @@ async fn the_device_plugin_advertises_only_while_its_module_is_loaded() -> Resul
         left.is_empty().then_some(()).ok_or(format!("{left:?}"))
     })
     .await?;
-    wait_until(
-        "the node to stop advertising the devices",
-        PLUGIN_WAIT,
-        || async {
-            match allocatable(&client, &real, &resource).await {
-                Ok(Some(count)) if count == "0" => Ok(()),
-                Ok(None) => Ok(()),
-                other => Err(format!("{other:?}")),
-            }
-        },
-    )
-    .await?;
-    let daemon_sets: Api<DaemonSet> = Api::namespaced(client.clone(), NAMESPACE);
-    wait_until("the plugin's DaemonSet to go", WAIT, || async {
-        match daemon_sets.get_opt(&format!("{name}-device-plugin")).await {
-            Ok(None) => Ok(()),
-            other => Err(format!("{:?}", other.map(|d| d.map(|d| d.metadata.name)))),
-        }
-    })
-    .await?;
+    wait_plugin_gone(&client, &real, &resource, &name).await?;
 
     label_node(&client, &real, &id, false).await?;
     label_cluster(&fleet.hub, &spoke, &id, false).await?;
@@ -524,26 +536,7 @@ async fn a_module_with_only_a_device_plugin_runs_it_on_its_nodes_and_loads_nothi
             "{label} after the deletion"
         );
     }
-    wait_until(
-        "the node to stop advertising the devices",
-        PLUGIN_WAIT,
-        || async {
-            match allocatable(&client, &real, &resource).await {
-                Ok(Some(count)) if count == "0" => Ok(()),
-                Ok(None) => Ok(()),
-                other => Err(format!("{other:?}")),
-            }
-        },
-    )
-    .await?;
-    let daemon_sets: Api<DaemonSet> = Api::namespaced(client.clone(), NAMESPACE);
-    wait_until("the plugin's DaemonSet to go", WAIT, || async {
-        match daemon_sets.get_opt(&format!("{name}-device-plugin")).await {
-            Ok(None) => Ok(()),
-            other => Err(format!("{:?}", other.map(|d| d.map(|d| d.metadata.name)))),
-        }
-    })
-    .await?;
+    wait_plugin_gone(&client, &real, &resource, &name).await?;
     ensure!(
         agent_work().await? == work_before,
         "the node agent acted on the deletion of a module without a loader"
