@@ -345,7 +345,8 @@ async fn after_reboot(
     );
     expect_parameter(guest, "after the reboot").await?;
     report_rss(guest, pid, "boot 2 after the load").await?;
-    in_tree_dependency(guest, &mut session, image, in_tree).await
+    in_tree_dependency(guest, &mut session, image, in_tree).await?;
+    report_rss(guest, pid, "boot 2 idle after its round").await
 }
 
 /// Issue 29 item 5: the image's module needs `crc_itu_t`, which only the guest kernel's
@@ -874,7 +875,9 @@ async fn module_present(guest: &mut Machine, module: &str) -> Result<bool> {
 
 async fn report_rss(guest: &mut Machine, pid: u32, when: &str) -> Result<()> {
     let status = guest
-        .check(&format!("grep -E '^Vm(RSS|HWM)' /proc/{pid}/status"))
+        .check(&format!(
+            "grep -E '^(Vm(RSS|HWM)|Rss(Anon|File))' /proc/{pid}/status"
+        ))
         .await?;
     println!(
         "real-kernel: agent memory in the guest, {when}: {}",
