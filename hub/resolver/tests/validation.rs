@@ -134,7 +134,11 @@ devicePlugin:
         )
     };
     for policy in ["Always", "IfNotPresent", "Never"] {
-        assert_eq!(errors(&spec(policy), "m", "ns"), Vec::<String>::new(), "{policy}");
+        assert_eq!(
+            errors(&spec(policy), "m", "ns"),
+            Vec::<String>::new(),
+            "{policy}"
+        );
     }
     let got = errors(&spec("always"), "m", "ns");
     let must = "\"always\": must be one of Always, Never, IfNotPresent";

@@ -208,7 +208,7 @@ fn connect(
 
 /// The image worker's part: every image needed is found.
 fn check_images(fleet: &Fleet) {
-    for (key, need) in fleet.view.image_needs() {
+    for (key, need) in fleet.view.image_needs(None) {
         if fleet.view.image(&key).is_none() {
             let record = ImageRecord::seeded(&need, "sha256:0123".into(), Timestamp::now());
             fleet.view.set_image(key, record);
@@ -522,7 +522,7 @@ fn the_kernels_and_images_of_a_proxy_that_moved_on_are_forgotten() {
                 .collect(),
         };
         fleet.view.inventory("spoke1", id, inventory);
-        let needs = fleet.view.image_needs();
+        let needs = fleet.view.image_needs(None);
         check_images(&fleet);
         fleet.view.track_images(&needs);
     }
