@@ -40,7 +40,8 @@ pub use rollout::{
     RolloutStrategy, RolloutType, Share, parse_duration,
 };
 pub use status::{
-    ClusterCounts, ClusterDevicePlugins, DevicePluginCounts, FailureSample, HeldCluster,
-    ImageStatus, KernelCounts, MAX_FAILURE_SAMPLES, MAX_IMAGE_KERNELS, MAX_IMAGE_STATUSES,
-    MAX_SHARED_KERNEL_MODULES, ManagedClusterModuleStatus, NodeCounts, SharedKernelModule,
+    ClusterCounts, ClusterDevicePlugins, DevicePluginCounts, FailureSample, HeldCluster, ImagePin,
+    ImageStatus, KernelCounts, MAX_EARLIER_PINS, MAX_FAILURE_SAMPLES, MAX_IMAGE_KERNELS,
+    MAX_IMAGE_STATUSES, MAX_SHARED_KERNEL_MODULES, ManagedClusterModuleStatus, NodeCounts,
+    SharedKernelModule,
 };

@@ -61,6 +61,11 @@ pub struct ManagedClusterModuleStatus {
     /// Where the rollout of the latest `spec.moduleSpec` across the clusters stands.
     pub rollout: Option<crate::RolloutStatus>,
 
+    /// How many times the hub followed a moved tag of the module's images
+    /// (`imagePullPolicy: Always`): part of what a revision is, so that the new digest
+    /// reaches clusters through `rolloutStrategy` like a spec change. Absent: never.
+    pub pin_generation: Option<i64>,
+
     /// The device plugin's Pods (`spec.moduleSpec.devicePlugin`) on the selected clusters.
     pub device_plugins: Option<DevicePluginCounts>,
 
@@ -202,6 +207,18 @@ pub const MAX_IMAGE_STATUSES: usize = 100;
 /// Most kernels named per image in status.
 pub const MAX_IMAGE_KERNELS: usize = 10;
 
+/// Most earlier pins an image keeps (see [`ImageStatus::earlier_pins`]).
+pub const MAX_EARLIER_PINS: usize = 4;
+
+/// A digest an image was pinned to at a pin generation.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ImagePin {
+    /// The module's `pinGeneration` when the digest was pinned.
+    pub pin_generation: i64,
+    pub digest: String,
+}
+
 /// One kmod image the fleet needs, as the hub found, built or signed it.
 #[skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
@@ -217,8 +234,17 @@ pub struct ImageStatus {
     /// registry refused the hub and the module names no imageRepoSecret: nodes load the
     /// tag unpinned, with their cluster's pull Secret).
     pub state: String,
-    /// The manifest digest every node loads: the tag resolved once, or the signed image.
+    /// The manifest digest nodes on the module's latest revision load: the tag resolved
+    /// once (with `imagePullPolicy: Always`, again whenever the tag moved), or the signed
+    /// image.
     pub digest: Option<String>,
+    /// The module's `pinGeneration` when `digest` was pinned. Absent: 0.
+    pub pin_generation: Option<i64>,
+    /// Digests pinned before `digest` for clusters still on an earlier revision, oldest
+    /// first; at most 4.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 4))]
+    pub earlier_pins: Vec<ImagePin>,
     /// Machine-readable reason, e.g. `ImageNotFound`, `BuildFailed`, `SignFailed`.
     pub reason: String,
     /// Detail: the registry's answer, the end of a failed build's log, the signing error.
