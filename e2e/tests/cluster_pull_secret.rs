@@ -310,15 +310,15 @@ async fn loads_and_runs_its_plugin(
     ensure!(module.spec.module_spec.image_repo_secret.is_none());
     create(&fleet.hub, &module).await?;
 
-    // The hub cannot look at the image: it goes unpinned, for the cluster to pull.
-    wait_until("the image Unchecked in status", WAIT, || async {
+    // The hub cannot look at the image: the cluster resolves it, with its own Secret.
+    wait_until("the image SpokeResolved in status", WAIT, || async {
         let status = status(&fleet.hub, name).await.map_err(|e| e.to_string())?;
         let images = status["images"].clone();
         images
             .as_array()
             .into_iter()
             .flatten()
-            .find(|i| i["state"] == "Unchecked" && i["reason"] == "ImageUnchecked")
+            .find(|i| i["state"] == "SpokeResolved" && i["reason"] == "ImageResolvedBySpokes")
             .map(|_| ())
             .ok_or_else(|| format!("images: {images}"))
     })

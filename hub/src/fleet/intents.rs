@@ -6,15 +6,16 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use kmm_api::{ManagedClusterModule, MaxUnavailable};
 use kmm_proto::v1::{
-    DevicePlugin, IntentSnapshot, KernelTarget, Modprobe, ModprobeArgs, ModuleIntent, ModuleKey,
-    ModuleLoad, PullCredential, RegistryTls, Toleration, Unresolved, kernel_target::Target,
-    module_intent,
+    DevicePlugin, ImageResolution, IntentSnapshot, KernelTarget, Modprobe, ModprobeArgs,
+    ModuleIntent, ModuleKey, ModuleLoad, PullCredential, RegistryTls, Toleration, Unresolved,
+    kernel_target::Target, module_intent,
 };
 use kmm_resolver::Resolution;
 use kube::ResourceExt;
 
 use super::shared_snapshot::SharedSnapshot;
-use crate::images::{ImageKey, ImageRecord, Verdict};
+use crate::images::spoke_pins::cluster_verdict;
+use crate::images::{ClusterVerdict, ImageKey, ImageRecord, SpokePins, Verdict};
 use crate::resolutions::{ModuleResolutions, Resolutions};
 
 /// A module as the hub sees it for one cluster.
@@ -99,15 +100,26 @@ pub fn while_unchecked(
     Some(snapshot)
 }
 
+/// Where the images stand for one cluster: the hub's records, and the digests clusters
+/// resolved for the images the hub cannot check.
+#[derive(Clone, Copy, Debug)]
+pub struct ClusterImages<'a> {
+    pub records: &'a BTreeMap<ImageKey, ImageRecord>,
+    pub spoke_pins: &'a BTreeMap<ImageKey, SpokePins>,
+    /// The cluster the snapshot is for: its own pins apply.
+    pub cluster: &'a str,
+}
+
 /// Builds the cluster's snapshot (revision left at 0 for the caller to stamp).
 /// `credentials` maps pull Secret names in the hub's namespace to their content; only the
 /// credentials an image of this snapshot needs are included. `images` is where each
-/// image stands: only an image with a digest is loaded, by that digest.
+/// image stands: only an image with a digest is loaded, by that digest (the hub's, or the
+/// one this cluster resolved); one the cluster is to resolve is sent as a resolution.
 pub fn cluster_intents(
     modules: &[ModuleInput<'_>],
     kernels: &BTreeSet<String>,
     credentials: &BTreeMap<String, PullCredential>,
-    images: &BTreeMap<ImageKey, ImageRecord>,
+    images: ClusterImages<'_>,
     resolutions: &mut Resolutions,
 ) -> ClusterIntents {
     let mut needed = BTreeSet::new();
@@ -148,7 +160,7 @@ fn module_intent(
     input: &ModuleInput<'_>,
     kernels: &BTreeSet<String>,
     credentials: &BTreeMap<String, PullCredential>,
-    images: &BTreeMap<ImageKey, ImageRecord>,
+    images: ClusterImages<'_>,
     resolutions: &ModuleResolutions,
     needed: &mut BTreeSet<String>,
     unchecked: &mut BTreeSet<String>,
@@ -161,6 +173,7 @@ fn module_intent(
         .as_ref()
         .map(|s| s.name.clone())
         .filter(|n| !n.is_empty());
+    let generation = spec.image_rebuild_trigger_generation.unwrap_or_default();
     let targets = kernels
         .iter()
         .map(|kernel| {
@@ -182,16 +195,35 @@ fn module_intent(
                                 module: name.clone(),
                                 image: resolution.container_image.clone(),
                             };
-                            match images.get(&key).map(ImageRecord::verdict) {
+                            match images.records.get(&key).map(ImageRecord::verdict) {
                                 Some(Verdict::Load { digest }) => {
                                     needed.extend(secret.clone());
                                     Target::Load(module_load(resolution, secret.as_deref(), digest))
                                 }
-                                // No imageRepoSecret: the nodes resolve the tag with their
-                                // cluster's pull Secret, if it has one.
-                                Some(Verdict::LoadUnpinned) => {
-                                    Target::Load(module_load(resolution, None, ""))
-                                }
+                                // The hub cannot check it: this cluster's pin, or a request to
+                                // make one (with the module's credentials if it names any,
+                                // else the cluster's own).
+                                Some(Verdict::ResolveOnSpoke) => match cluster_verdict(
+                                    images.spoke_pins.get(&key),
+                                    generation,
+                                    images.cluster,
+                                ) {
+                                    ClusterVerdict::Load { digest } => {
+                                        needed.extend(secret.clone());
+                                        Target::Load(module_load(resolution, secret.as_deref(), digest))
+                                    }
+                                    ClusterVerdict::Resolve => {
+                                        needed.extend(secret.clone());
+                                        Target::Resolve(ImageResolution {
+                                            load: Some(module_load(resolution, secret.as_deref(), "")),
+                                            image_generation: generation,
+                                        })
+                                    }
+                                    ClusterVerdict::Wait { reason, message } => unresolved(
+                                        reason,
+                                        format!("kernel {kernel}: {message}"),
+                                    ),
+                                },
                                 Some(Verdict::Wait { reason, message }) => unresolved(
                                     reason,
                                     format!("kernel {kernel}: image {}: {message}", key.image),
@@ -341,6 +373,7 @@ mod tests {
     use kmm_api::testing::ModuleBuilder;
 
     use super::*;
+    use crate::images::SpokePin;
 
     fn mcm(name: &str, yaml_module_spec: &str) -> ManagedClusterModule {
         ModuleBuilder::new(name)
@@ -364,6 +397,17 @@ mod tests {
     const PINNED: &str = "sha256:0123";
 
     /// Every image of HELLO found, pinned to [`PINNED`].
+    static NO_SPOKE_PINS: BTreeMap<ImageKey, SpokePins> = BTreeMap::new();
+
+    /// The hub's records, no cluster's pins, for spoke1.
+    fn hub_only(records: &BTreeMap<ImageKey, ImageRecord>) -> ClusterImages<'_> {
+        ClusterImages {
+            records,
+            spoke_pins: &NO_SPOKE_PINS,
+            cluster: "spoke1",
+        }
+    }
+
     fn pinned() -> BTreeMap<ImageKey, ImageRecord> {
         let need = crate::images::ImageNeed {
             module_uid: String::new(),
@@ -413,7 +457,7 @@ mod tests {
             &ModuleInput { module, unload },
             &kernels(&[]),
             &creds(&[]),
-            &pinned(),
+            hub_only(&pinned()),
             &ModuleResolutions::default(),
             &mut BTreeSet::new(),
             &mut BTreeSet::new(),
@@ -451,7 +495,7 @@ mod tests {
             }],
             &kernels(&["6.1.0-13-amd64", "5.14.0-427.el9.x86_64"]),
             &creds(&["pull", "unrelated"]),
-            &pinned(),
+            hub_only(&pinned()),
             &mut Resolutions::default(),
         )
         .snapshot;
@@ -543,36 +587,72 @@ mod tests {
     }
 
     #[test]
-    fn an_image_the_registry_refused_the_hub_goes_unpinned_without_credentials() {
+    fn an_image_the_hub_cannot_check_is_resolved_then_loaded_by_each_clusters_pin() {
         let module = mcm(
             "hello",
             &HELLO.replace("    imageRepoSecret: {name: pull}\n", ""),
         );
-        let mut images = pinned();
-        let record = images.values_mut().next().unwrap();
+        let mut records = pinned();
+        let (key, record) = records.iter_mut().next().unwrap();
+        let key = key.clone();
         record.digest = None;
-        record.state = crate::images::ImageState::Unchecked;
-        let intents = cluster_intents(
-            &[ModuleInput {
-                module: &module,
-                unload: false,
-            }],
-            &kernels(&["6.1.0-13-amd64"]),
-            &creds(&["pull"]),
-            &images,
-            &mut Resolutions::default(),
-        );
-        assert!(intents.unchecked.is_empty(), "the hub looked");
-        let Some(Target::Load(load)) = &intents.snapshot.modules[0].kernels[0].target else {
-            panic!("an unpinned load")
+        record.state = crate::images::ImageState::SpokeResolved;
+        let record = record.clone();
+        let mut pins = BTreeMap::from([(key.clone(), SpokePins::default())]);
+        let target = |pins: &BTreeMap<ImageKey, SpokePins>, cluster: &str| {
+            let intents = cluster_intents(
+                &[ModuleInput {
+                    module: &module,
+                    unload: false,
+                }],
+                &kernels(&["6.1.0-13-amd64"]),
+                &creds(&["pull"]),
+                ClusterImages {
+                    records: &records,
+                    spoke_pins: pins,
+                    cluster,
+                },
+                &mut Resolutions::default(),
+            );
+            assert!(intents.unchecked.is_empty(), "the hub looked");
+            assert!(intents.snapshot.credentials.is_empty());
+            intents.snapshot.modules[0].kernels[0]
+                .target
+                .clone()
+                .unwrap()
         };
+        let Target::Resolve(request) = target(&pins, "spoke1") else {
+            panic!("a request to resolve")
+        };
+        let load = request.load.unwrap();
         assert_eq!(load.image, "r.example/hello:6.1.0-13-amd64");
-        assert_eq!(load.digest, "", "each node resolves the tag");
-        assert_eq!(
-            load.pull_credential_id, "",
-            "the cluster's credentials, if any"
+        assert_eq!(load.digest, "", "nothing pinned yet");
+        assert_eq!(load.pull_credential_id, "", "the cluster's credentials");
+
+        let pins_of = pins.get_mut(&key).unwrap();
+        pins_of.answer(&record, "spoke1", 0, SpokePin::Digest("sha256:s1".into()));
+        pins_of.answer(
+            &record,
+            "spoke2",
+            0,
+            SpokePin::Failed {
+                reason: "ImageNotFound".into(),
+                message: "spoke2 resolved r.example/hello:6.1.0-13-amd64: manifest unknown".into(),
+            },
         );
-        assert!(intents.snapshot.credentials.is_empty());
+        let Target::Load(load) = target(&pins, "spoke1") else {
+            panic!("spoke1's pin loads")
+        };
+        assert_eq!(load.digest, "sha256:s1");
+        let Target::Unresolved(why) = target(&pins, "spoke2") else {
+            panic!("spoke2's failure waits")
+        };
+        assert_eq!(why.reason, "ImageNotFound");
+        assert!(
+            why.message
+                .starts_with("kernel 6.1.0-13-amd64: spoke2 resolved")
+        );
+        assert!(matches!(target(&pins, "spoke3"), Target::Resolve(_)));
     }
 
     const PLUGIN_ONLY: &str = r#"    selector: {role: gpu}
@@ -592,7 +672,7 @@ mod tests {
                 }],
                 &kernels(&["6.1.0-13-amd64", "5.14.0-427.el9.x86_64"]),
                 &creds(&["pull"]),
-                &BTreeMap::new(),
+                hub_only(&BTreeMap::new()),
                 &mut Resolutions::default(),
             );
             assert!(intents.unchecked.is_empty(), "no image to check");
@@ -618,7 +698,7 @@ mod tests {
             }],
             &kernels(&[]),
             &creds(&[]),
-            &pinned(),
+            hub_only(&pinned()),
             &mut Resolutions::default(),
         );
         assert!(!loader.snapshot.modules[0].device_plugin_only);
@@ -635,7 +715,7 @@ mod tests {
             }],
             &kernels(&["6.1.0-13-amd64"]),
             &creds(&[]),
-            &BTreeMap::new(),
+            hub_only(&BTreeMap::new()),
             &mut Resolutions::default(),
         )
         .snapshot;
@@ -654,7 +734,7 @@ mod tests {
             }],
             &kernels(&["6.1.0-13-amd64"]),
             &BTreeMap::new(),
-            &pinned(),
+            hub_only(&pinned()),
             &mut Resolutions::default(),
         )
         .snapshot;
@@ -675,7 +755,7 @@ mod tests {
             }],
             &kernels(&["5.14.0-427.el9.x86_64"]),
             &creds(&["pull"]),
-            &pinned(),
+            hub_only(&pinned()),
             &mut Resolutions::default(),
         )
         .snapshot;
@@ -695,7 +775,7 @@ mod tests {
             }],
             &kernels(&["6.1.0"]),
             &BTreeMap::new(),
-            &pinned(),
+            hub_only(&pinned()),
             &mut Resolutions::default(),
         )
         .snapshot;
@@ -729,7 +809,7 @@ mod tests {
             &input,
             &kernels,
             &creds(&["pull"]),
-            &images,
+            hub_only(&images),
             &mut Resolutions::default(),
         );
         assert!(intents.unchecked.is_empty());
@@ -747,7 +827,7 @@ mod tests {
             &input,
             &kernels,
             &creds(&["pull"]),
-            &BTreeMap::new(),
+            hub_only(&BTreeMap::new()),
             &mut Resolutions::default(),
         );
         assert_eq!(held.unchecked, BTreeSet::from(["hello".to_owned()]));
@@ -760,7 +840,7 @@ mod tests {
                 &unloading,
                 &kernels,
                 &creds(&["pull"]),
-                &BTreeMap::new(),
+                hub_only(&BTreeMap::new()),
                 &mut Resolutions::default(),
             )
             .unchecked

@@ -27,4 +27,5 @@ pub mod revisions;
 pub mod rollout;
 pub mod served_revisions;
 pub mod shared_snapshot;
+pub mod spoke_answers;
 pub mod status;

@@ -12,7 +12,7 @@ use crate::fleet::cluster_view::ClusterView;
 use crate::fleet::image_needs::ServedKernels;
 use crate::fleet::module_view::{ModuleView, ModuleViewBuilder};
 use crate::fleet::preflight::preflight_statuses;
-use crate::images::{ImageKey, ImageNeed, ImageRecord};
+use crate::images::{ImageKey, ImageNeed, ImageRecord, SpokePins};
 
 use super::{FleetView, lock};
 
@@ -135,6 +135,12 @@ impl FleetView {
             self.signals.touched.add([module]);
             self.signals.preflight_changed.notify_one();
         }
+    }
+
+    /// The clusters' pins an earlier leader persisted for a spoke-resolved image, before
+    /// its record ([`FleetView::set_image`]) makes snapshots of them.
+    pub fn seed_spoke_pins(&self, key: ImageKey, pins: SpokePins) {
+        self.images.seed_spoke_pins(key, pins);
     }
 
     /// Takes the image worker's latest `needs`: status lists each image with the kernels
