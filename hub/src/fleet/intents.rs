@@ -201,8 +201,8 @@ fn module_intent(
                                     Target::Load(module_load(resolution, secret.as_deref(), digest))
                                 }
                                 // The hub cannot check it: this cluster's pin, or a request to
-                                // make one (with the module's credentials if it names any,
-                                // else the cluster's own).
+                                // make one (with the credentials the load names, or the
+                                // cluster's own).
                                 Some(Verdict::ResolveOnSpoke) => match cluster_verdict(
                                     images.spoke_pins.get(&key),
                                     generation,

@@ -8,12 +8,15 @@
 //! reported, never left "existing". Failures back off exponentially; a build is started
 //! once per input and retried only after its backoff.
 //!
-//! An image the hub cannot check (its registry refuses the hub, which has no credentials
-//! of the module's for it, or does not answer the hub at all) and that the hub needs for
-//! no build or signing is resolved by the clusters instead ([`ImageState::SpokeResolved`]):
+//! An image the hub cannot check (its registry refuses or does not answer the hub) of a
+//! module that names no `imageRepoSecret` (the clusters' own credentials serve it) and
+//! that the hub needs for no build or signing is resolved by the clusters instead
+//! ([`ImageState::SpokeResolved`]):
 //! each cluster's proxy resolves the tag with what the cluster has (its own pull Secret,
 //! its registry CAs) and reports the digest, which is pinned for that cluster
-//! (`super::spoke_pins`). No node ever loads an unpinned image.
+//! (`super::spoke_pins`). No node ever loads an unpinned image. The hub keeps looking
+//! every [`EXISTS_RECHECK`]: once it reaches the registry and finds the digest every
+//! cluster pinned, the image is the hub's again (`super::spoke_pins::settle`).
 //!
 //! A pin, the hub's or a cluster's, holds until [`re_resolve_now`] says otherwise: while
 //! `imageRebuildTriggerGeneration` is unchanged, a moved tag moves nothing.
@@ -185,8 +188,8 @@ impl ImageRecord {
     }
 
     /// An image an earlier leader left resolved by the clusters (its pins persisted in
-    /// the module's status, see `SpokePins::seeded`): it stays so, the hub does not look
-    /// again until the user asks for other bytes.
+    /// the module's status, see `SpokePins::seeded`): it stays so, the hub looking again
+    /// at once as for a seeded pin.
     pub fn seeded_spoke_resolved(need: &ImageNeed, message: String, now: Timestamp) -> Self {
         Self {
             state: ImageState::SpokeResolved,
@@ -249,10 +252,8 @@ pub fn due(need: &ImageNeed, record: Option<&ImageRecord>, now: Timestamp) -> Op
     if record.need.tls != need.tls || record.need.pull_secret != need.pull_secret {
         return Some(Next::Check);
     }
-    // The clusters hold the pins: the hub looking again could only tell them to move.
-    if record.state == ImageState::SpokeResolved {
-        return None;
-    }
+    // A spoke-resolved image too: the hub looks again, and takes the image over only
+    // where that moves no cluster (`spoke_pins::settle`).
     (record.next_at <= now).then_some(record.then)
 }
 
@@ -353,21 +354,22 @@ pub fn observe(
                 )
             }
         }
-        // Nothing pinned and nothing to build or sign: the hub cannot look (the registry
-        // refused the hub, which has no credentials of the module's, or did not answer
-        // it), the clusters may, with their own pull Secrets and CAs.
+        // Nothing pinned, nothing to build or sign, and no credentials of the module's:
+        // the hub cannot look (the registry refused or did not answer it), the clusters
+        // may, with their own pull Secrets and CAs. A module that names an
+        // imageRepoSecret gave the hub what it needs to check: its failures are the hub's.
         Observation::CheckFailed {
             unauthorized,
             message,
         } if pinned.is_none()
-            && !(unauthorized && need.pull_secret.is_some())
+            && need.pull_secret.is_none()
             && need.build.is_none()
             && need.sign.is_none() =>
         {
             let why = if unauthorized {
                 "the registry refused the hub, and the module names no imageRepoSecret"
             } else {
-                "the hub cannot reach the registry"
+                "the hub cannot reach the registry, and the module names no imageRepoSecret"
             };
             record(
                 ImageState::SpokeResolved,
@@ -801,26 +803,13 @@ mod tests {
         );
         assert_eq!(unreachable.state, ImageState::SpokeResolved);
         assert!(unreachable.message.contains("cannot reach"));
-        // The module's own Secret and no answer: the spokes get that Secret too.
+        // The module's own Secret (the hub was given what it needs to check), or
+        // something for the hub to build or sign: a failure, nothing loaded.
         let with_secret = ImageNeed {
             pull_secret: Some("pull".into()),
             ..plain()
         };
-        let unreachable_with_secret = observe(
-            &with_secret,
-            None,
-            Next::Check,
-            Observation::CheckFailed {
-                unauthorized: false,
-                message: "no answer within 30s".into(),
-            },
-            now(),
-        );
-        assert_eq!(unreachable_with_secret.state, ImageState::SpokeResolved);
-
-        // The module's own Secret refused, or something for the hub to build or sign: a
-        // failure, nothing loaded.
-        for need in [with_secret, built(), signed(false)] {
+        for need in [with_secret.clone(), built(), signed(false)] {
             let failed = observe(&need, None, Next::Check, refused(), now());
             assert_eq!(
                 (failed.state, failed.reason.as_str()),
@@ -829,6 +818,23 @@ mod tests {
             );
             assert!(matches!(failed.verdict(), Verdict::Wait { .. }));
         }
+        let unreachable_with_secret = observe(
+            &with_secret,
+            None,
+            Next::Check,
+            Observation::CheckFailed {
+                unauthorized: false,
+                message: "certificate verify failed".into(),
+            },
+            now(),
+        );
+        assert_eq!(
+            (
+                unreachable_with_secret.state,
+                unreachable_with_secret.reason.as_str()
+            ),
+            (ImageState::Failed, "ImageCheckFailed")
+        );
     }
 
     #[test]
@@ -843,9 +849,10 @@ mod tests {
             },
             now(),
         );
-        // Never while the generation holds, however long: the clusters keep their pins.
-        assert_eq!(due(&plain(), Some(&spoke), later(600)), None);
-        assert_eq!(due(&plain(), Some(&spoke), later(86_400)), None);
+        // The hub looks again later, as for a pin (whether it may take the image over is
+        // `spoke_pins::settle`'s); no re-resolution while the generation holds.
+        assert_eq!(due(&plain(), Some(&spoke), later(599)), None);
+        assert_eq!(due(&plain(), Some(&spoke), later(600)), Some(Next::Check));
         assert!(!re_resolve_now(&spoke, &plain()));
         // A new rebuild generation: the hub tries first, and pins for the whole fleet if
         // it can now.
@@ -976,7 +983,7 @@ mod tests {
     fn a_seeded_spoke_resolved_image_stays_with_the_clusters() {
         let seeded = ImageRecord::seeded_spoke_resolved(&plain(), "m".into(), now());
         assert_eq!(seeded.verdict(), Verdict::ResolveOnSpoke);
-        assert_eq!(due(&plain(), Some(&seeded), now()), None);
+        assert_eq!(due(&plain(), Some(&seeded), now()), Some(Next::Check));
     }
 
     #[test]

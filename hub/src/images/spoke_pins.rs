@@ -9,6 +9,11 @@
 //! `imageRebuildTriggerGeneration`) starts over, and the answers to an older generation's
 //! request are ignored. A failed resolution is not a pin: the cluster retries and its
 //! next answer replaces it.
+//!
+//! The hub keeps checking the image itself. When it finds it (its registry answers the
+//! hub again), the image becomes the hub's, pinned fleet-wide, only if that moves no
+//! cluster: every cluster's pin is the digest the hub found ([`settle`]). Otherwise the
+//! clusters keep their own pins until the image is resolved anew.
 
 use std::collections::BTreeMap;
 
@@ -102,6 +107,39 @@ impl SpokePins {
             Some(SpokePin::Failed { reason, message }) => ClusterVerdict::Wait { reason, message },
             None => ClusterVerdict::Resolve,
         }
+    }
+}
+
+/// The record to keep when the hub's step turned the spoke-resolved `previous` into
+/// `next`: a digest the hub found replaces the clusters' pins only when every one of
+/// them is that digest; otherwise the image stays spoke-resolved, checked again when
+/// `next` would have been.
+pub fn settle(
+    previous: Option<&ImageRecord>,
+    next: ImageRecord,
+    pins: Option<&SpokePins>,
+) -> ImageRecord {
+    let Some(previous) = previous.filter(|p| p.state == ImageState::SpokeResolved) else {
+        return next;
+    };
+    let Some(found) = next.digest.as_deref() else {
+        return next;
+    };
+    let generation = next.need.rebuild_generation;
+    let agrees = pins.is_none_or(|pins| {
+        pins.generation != generation
+            || pins.clusters.values().all(|pin| match pin {
+                SpokePin::Digest(digest) => digest == found,
+                SpokePin::Failed { .. } => true,
+            })
+    });
+    if agrees || previous.need.rebuild_generation != generation {
+        return next;
+    }
+    ImageRecord {
+        then: next.then,
+        next_at: next.next_at,
+        ..previous.clone()
     }
 }
 
@@ -234,6 +272,61 @@ mod tests {
                 digest: "sha256:bb"
             }
         );
+    }
+
+    #[test]
+    fn the_hub_takes_the_image_over_only_where_no_cluster_moves() {
+        let spoke = spoke_resolved(0);
+        let found = |digest: &str| {
+            observe(
+                &need(0),
+                Some(&spoke),
+                Next::Check,
+                Observation::Found {
+                    digest: digest.into(),
+                },
+                Timestamp::UNIX_EPOCH,
+            )
+        };
+        let mut pins = SpokePins::default();
+        pins.answer(&spoke, "spoke1", 0, digest("sha256:aa"));
+        pins.answer(
+            &spoke,
+            "spoke2",
+            0,
+            SpokePin::Failed {
+                reason: "ImageNotFound".into(),
+                message: "m".into(),
+            },
+        );
+        // The hub finds what every cluster pinned: the fleet's pin from now on.
+        let agreed = settle(Some(&spoke), found("sha256:aa"), Some(&pins));
+        assert_eq!(
+            agreed.verdict(),
+            Verdict::Load {
+                digest: "sha256:aa"
+            }
+        );
+        // The tag moved since spoke1 resolved it: spoke1 keeps its bytes.
+        let moved = found("sha256:bb");
+        let kept = settle(Some(&spoke), moved.clone(), Some(&pins));
+        assert_eq!(kept.verdict(), Verdict::ResolveOnSpoke);
+        assert_eq!(kept.next_at, moved.next_at, "checked again later");
+        assert_eq!(kept.message, spoke.message);
+        // Nothing pinned by any cluster yet, or an image the hub held already: as found.
+        assert_eq!(settle(Some(&spoke), moved.clone(), None), moved);
+        assert_eq!(settle(None, moved.clone(), Some(&pins)), moved);
+        // A new generation is a new resolution: the hub's finding stands.
+        let bumped = observe(
+            &need(1),
+            Some(&spoke),
+            Next::Resolve,
+            Observation::Found {
+                digest: "sha256:bb".into(),
+            },
+            Timestamp::UNIX_EPOCH,
+        );
+        assert_eq!(settle(Some(&spoke), bumped.clone(), Some(&pins)), bumped);
     }
 
     #[test]

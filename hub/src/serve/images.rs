@@ -174,8 +174,8 @@ impl ImageWorker {
             };
             let observation = self.perform(key, need, record.as_ref(), step).await;
             let next = observe(need, record.as_ref(), step, observation, Timestamp::now());
+            let next = self.state.set_image(key.clone(), next);
             self.announce(key, record.as_ref(), &next).await;
-            self.state.set_image(key.clone(), next.clone());
             record = Some(next);
         }
     }

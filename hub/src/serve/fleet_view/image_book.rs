@@ -7,7 +7,7 @@ use std::sync::{RwLock, RwLockReadGuard};
 use k8s_openapi::jiff::Timestamp;
 use kmm_api::ImageStatus;
 
-use crate::images::spoke_pins::SpokeAnswer;
+use crate::images::spoke_pins::{SpokeAnswer, settle};
 use crate::images::status::{image_statuses, with_persisted};
 use crate::images::{ImageKey, ImageNeed, ImageRecord, ImageState, SpokePins};
 
@@ -28,8 +28,10 @@ pub struct Images {
 }
 
 /// What a new record changed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct RecordChange {
+    /// The record kept (see [`ImageBook::set`]).
+    pub kept: ImageRecord,
     /// What nodes get (the verdict) changed: the module's snapshots follow.
     pub verdict: bool,
     /// What status shows changed.
@@ -58,16 +60,23 @@ impl ImageBook {
         self.read().records.get(key).cloned()
     }
 
-    /// Records the image worker's new `record` for `key`. An image no longer resolved by
-    /// the clusters (the hub pinned it, or it failed) forgets their pins.
+    /// Records the image worker's new `record` for `key`, unless it would move a cluster
+    /// off its own pin (`spoke_pins::settle`). An image no longer resolved by the
+    /// clusters (the hub pinned it, or it failed) forgets their pins.
     pub fn set(&self, key: ImageKey, record: ImageRecord) -> RecordChange {
         let mut images = self.write();
+        let record = settle(
+            images.records.get(&key),
+            record,
+            images.spoke_pins.get(&key),
+        );
         if record.state != ImageState::SpokeResolved {
             images.spoke_pins.remove(&key);
         }
         let previous = images.records.insert(key, record.clone());
         drop(images);
         RecordChange {
+            kept: record.clone(),
             verdict: previous.as_ref().map(ImageRecord::verdict) != Some(record.verdict()),
             reported: previous.is_none_or(|p| !p.reported_alike(&record)),
         }

@@ -121,9 +121,10 @@ impl FleetView {
         self.images.get(key)
     }
 
-    /// The image worker's new record for `key`. Snapshots are recomputed only when what
-    /// nodes get changes; status follows every change.
-    pub fn set_image(&self, key: ImageKey, record: ImageRecord) {
+    /// The image worker's new record for `key`; returns the one kept (a spoke-resolved
+    /// image stays so where the hub's finding would move a cluster). Snapshots are
+    /// recomputed only when what nodes get changes; status follows every change.
+    pub fn set_image(&self, key: ImageKey, record: ImageRecord) -> ImageRecord {
         let module = key.module.clone();
         let change = self.images.set(key, record);
         if change.verdict
@@ -135,6 +136,7 @@ impl FleetView {
             self.signals.touched.add([module]);
             self.signals.preflight_changed.notify_one();
         }
+        change.kept
     }
 
     /// The clusters' pins an earlier leader persisted for a spoke-resolved image, before
