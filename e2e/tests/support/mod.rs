@@ -629,3 +629,43 @@ pub fn readme_example(fleet: &Fleet) -> Result<ReadmeExample> {
         nodes: expected,
     })
 }
+
+/// Waits until the module's status samples a failure of `node` with `reason`, and
+/// returns its message.
+pub async fn wait_failure(hub: &Client, name: &str, node: &str, reason: &str) -> Result<String> {
+    Ok(wait_until(
+        &format!("{name} failing on {node} with {reason}"),
+        WAIT,
+        || async {
+            let status = status(hub, name).await.map_err(|e| e.to_string())?;
+            status["failures"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|f| f["node"] == node && f["reason"] == reason)
+                .and_then(|f| f["message"].as_str().map(str::to_owned))
+                .ok_or_else(|| format!("failures: {}", status["failures"]))
+        },
+    )
+    .await?)
+}
+
+/// The digest the agent recorded loading module `key` (`namespace/name`) from, once it
+/// has.
+pub async fn loaded_digest(agent: &Agent, key: &str) -> Result<String> {
+    Ok(wait_until(
+        &format!("{} to record loading {key}", agent.node),
+        WAIT,
+        || async {
+            let state: Value = std::fs::read(agent.state_file())
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok())
+                .ok_or("no state yet")?;
+            state["modules"][key]["digest"]
+                .as_str()
+                .map(str::to_owned)
+                .ok_or_else(|| state.to_string())
+        },
+    )
+    .await?)
+}
