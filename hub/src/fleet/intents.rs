@@ -13,6 +13,7 @@ use kmm_proto::v1::{
 use kmm_resolver::Resolution;
 use kube::ResourceExt;
 
+use super::mirrors::{ImageMirror, mirrored};
 use super::shared_snapshot::SharedSnapshot;
 use crate::images::spoke_pins::cluster_verdict;
 use crate::images::{ClusterVerdict, ImageKey, ImageRecord, SpokePins, Verdict};
@@ -108,6 +109,9 @@ pub struct ClusterImages<'a> {
     pub spoke_pins: &'a BTreeMap<ImageKey, SpokePins>,
     /// The cluster the snapshot is for: its own pins apply.
     pub cluster: &'a str,
+    /// The cluster's image mirrors (its AddOnDeploymentConfig's `registries`): its loads
+    /// and device plugins pull through them, a load still by its pinned digest.
+    pub mirrors: &'a [ImageMirror],
 }
 
 /// Builds the cluster's snapshot (revision left at 0 for the caller to stamp).
@@ -127,19 +131,22 @@ pub fn cluster_intents(
     let intents = modules
         .iter()
         .map(|input| {
-            if input.module.spec.module_spec.module_loader.is_none() {
+            let mut intent = if input.module.spec.module_spec.module_loader.is_none() {
                 let valid = resolutions.invalid(input.module).is_none();
-                return device_plugin_only_intent(input, valid);
-            }
-            module_intent(
-                input,
-                kernels,
-                credentials,
-                images,
-                resolutions.resolve(input.module, kernels),
-                &mut needed,
-                &mut unchecked,
-            )
+                device_plugin_only_intent(input, valid)
+            } else {
+                module_intent(
+                    input,
+                    kernels,
+                    credentials,
+                    images,
+                    resolutions.resolve(input.module, kernels),
+                    &mut needed,
+                    &mut unchecked,
+                )
+            };
+            through_mirrors(&mut intent, images.mirrors);
+            intent
         })
         .collect();
     ClusterIntents {
@@ -248,6 +255,30 @@ fn module_intent(
     ModuleIntent {
         kernels: targets,
         ..placed_intent(input)
+    }
+}
+
+/// The intent's images as the cluster pulls them through its `mirrors`: each load's (by
+/// the same digest) and the device plugin's containers'. A request to resolve keeps the
+/// image as the hub names it: the cluster's answer is about that name.
+fn through_mirrors(intent: &mut ModuleIntent, mirrors: &[ImageMirror]) {
+    if mirrors.is_empty() {
+        return;
+    }
+    for target in &mut intent.kernels {
+        if let Some(Target::Load(load)) = &mut target.target {
+            load.image = mirrored(mirrors, &load.image);
+        }
+    }
+    if let Some(plugin) = &mut intent.device_plugin
+        && let Ok(mut spec) = serde_json::from_str::<serde_json::Value>(&plugin.spec_json)
+    {
+        for container in ["container", "initContainer"] {
+            if let Some(image) = spec[container]["image"].as_str() {
+                spec[container]["image"] = mirrored(mirrors, image).into();
+            }
+        }
+        plugin.spec_json = spec.to_string();
     }
 }
 
@@ -396,18 +427,19 @@ mod tests {
 
     const PINNED: &str = "sha256:0123";
 
-    /// Every image of HELLO found, pinned to [`PINNED`].
     static NO_SPOKE_PINS: BTreeMap<ImageKey, SpokePins> = BTreeMap::new();
 
-    /// The hub's records, no cluster's pins, for spoke1.
+    /// The hub's records, no cluster's pins, for spoke1, without mirrors.
     fn hub_only(records: &BTreeMap<ImageKey, ImageRecord>) -> ClusterImages<'_> {
         ClusterImages {
             records,
             spoke_pins: &NO_SPOKE_PINS,
             cluster: "spoke1",
+            mirrors: &[],
         }
     }
 
+    /// Every image of HELLO found, pinned to [`PINNED`].
     fn pinned() -> BTreeMap<ImageKey, ImageRecord> {
         let need = crate::images::ImageNeed {
             module_uid: String::new(),
@@ -483,6 +515,53 @@ mod tests {
             &BTreeMap::from([("other".into(), "a".into())]),
             &labels
         ));
+    }
+
+    #[test]
+    fn a_clusters_mirrors_rewrite_its_loads_by_the_same_digest_and_its_plugin() {
+        let mut module = mcm("hello", HELLO);
+        module.spec.module_spec.device_plugin = Some(
+            serde_json::from_value(serde_json::json!({
+                "container": {"image": "r.example/plugin:1"},
+                "initContainer": {"image": "other.example/init:1"},
+            }))
+            .unwrap(),
+        );
+        let records = pinned();
+        let mirrors = [crate::fleet::mirrors::ImageMirror {
+            source: "r.example".into(),
+            mirror: "mirror.internal:5000".into(),
+        }];
+        let snapshot = cluster_intents(
+            &[ModuleInput {
+                module: &module,
+                unload: false,
+            }],
+            &kernels(&["6.1.0-13-amd64"]),
+            &creds(&["pull"]),
+            ClusterImages {
+                mirrors: &mirrors,
+                ..hub_only(&records)
+            },
+            &mut Resolutions::default(),
+        )
+        .snapshot;
+        let intent = &snapshot.modules[0];
+        let Some(Target::Load(load)) = &intent.kernels[0].target else {
+            panic!("a load")
+        };
+        assert_eq!(load.image, "mirror.internal:5000/hello:6.1.0-13-amd64");
+        assert_eq!(load.digest, PINNED, "the hub's bytes, from the mirror");
+        let plugin: serde_json::Value =
+            serde_json::from_str(&intent.device_plugin.as_ref().unwrap().spec_json).unwrap();
+        assert_eq!(
+            plugin["container"]["image"],
+            "mirror.internal:5000/plugin:1"
+        );
+        assert_eq!(
+            plugin["initContainer"]["image"], "other.example/init:1",
+            "no mirror for its registry"
+        );
     }
 
     #[test]
@@ -611,6 +690,7 @@ mod tests {
                     records: &records,
                     spoke_pins: pins,
                     cluster,
+                    mirrors: &[],
                 },
                 &mut Resolutions::default(),
             );

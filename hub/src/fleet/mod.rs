@@ -14,6 +14,7 @@ pub mod device_plugins;
 pub mod image_needs;
 pub mod intents;
 pub mod inventory;
+pub mod mirrors;
 pub mod module_events;
 pub mod module_view;
 pub mod node_statuses;

@@ -80,6 +80,7 @@ impl FleetView {
         let inputs = cluster_modules(&refs, facts, &session.statuses, &unconfirmed);
         let credentials = self.index.credentials(inputs.iter().map(|i| i.module));
         let images = self.images.read();
+        let mirrors = self.mirrors_of(cluster);
         let intents = cluster_intents(
             &inputs,
             kernels,
@@ -88,6 +89,7 @@ impl FleetView {
                 records: &images.records,
                 spoke_pins: &images.spoke_pins,
                 cluster,
+                mirrors: &mirrors,
             },
             &mut self.caches.resolutions(),
         );
