@@ -25,8 +25,6 @@ use kmm_e2e::fleet::kmm::SPOKE_NAMESPACE;
 use kmm_registry_fixture::RegistryServer;
 use kube::api::{DeleteParams, PostParams};
 use kube::{Api, Client};
-use oci_client::client::{ClientConfig, ClientProtocol};
-use oci_client::secrets::RegistryAuth;
 use serde_json::json;
 use support::*;
 
@@ -40,37 +38,6 @@ fn random_hex(bytes: usize) -> Result<String> {
     let mut buffer = vec![0u8; bytes];
     std::fs::File::open("/dev/urandom")?.read_exact(&mut buffer)?;
     Ok(buffer.iter().map(|b| format!("{b:02x}")).collect())
-}
-
-/// Copies `image` of the fleet's registry (plain HTTP, open) into `to` as `name`.
-async fn copy_image(image: &str, to: &RegistryServer, name: &str) -> Result<()> {
-    let source = oci_client::Client::new(ClientConfig {
-        protocol: ClientProtocol::Http,
-        ..ClientConfig::default()
-    });
-    let pulled = source
-        .pull(
-            &image.parse()?,
-            &RegistryAuth::Anonymous,
-            vec![
-                oci_client::manifest::IMAGE_LAYER_GZIP_MEDIA_TYPE,
-                oci_client::manifest::IMAGE_LAYER_MEDIA_TYPE,
-                oci_client::manifest::IMAGE_DOCKER_LAYER_GZIP_MEDIA_TYPE,
-            ],
-        )
-        .await
-        .with_context(|| format!("pulling {image}"))?;
-    to.client()
-        .push(
-            &to.image(name).parse()?,
-            &pulled.layers,
-            pulled.config,
-            &to.auth(),
-            pulled.manifest,
-        )
-        .await
-        .with_context(|| format!("pushing {}", to.image(name)))?;
-    Ok(())
 }
 
 /// containerd's `hosts.toml` for `registry` on a real node: plain HTTP, as the node's

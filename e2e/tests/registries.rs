@@ -6,7 +6,8 @@
 //! resolves the tag with the cluster's own pull Secret (`CLUSTER_PULL_SECRET`, item 14)
 //! and CA (`REGISTRY_CA_BUNDLE_1`, item 13: no insecureSkipTLSVerify anywhere), the hub
 //! pins that digest for the cluster (item 15), the real node's agent loads exactly it,
-//! and moving the tag afterwards moves nothing.
+//! and moving the tag afterwards moves nothing. And a cluster's mirror (OCM's `registries`,
+//! item 12) serves the digest the hub pinned at the source, once the source is gone.
 //!
 //! The test changes the add-on's configuration of a whole spoke (its proxy restarts): run
 //! it alone.
@@ -346,5 +347,141 @@ async fn restart_proxy(spoke: &Client) -> Result<()> {
     })
     .await?;
     fleet_kmm::wait_proxy_ready(spoke, WAIT).await?;
+    Ok(())
+}
+
+/// Waits until OCM renders `spoke`'s add-on with the config `own` (the hub reads a
+/// cluster's mirrors from that config).
+async fn wait_config_in_use(hub: &Client, spoke: &str, own: &str) -> Result<()> {
+    let addons = fleet_kmm::addons(hub, spoke);
+    wait_until(&format!("{spoke}'s add-on to use {own}"), WAIT, || async {
+        let addon = addons
+            .get(fleet_kmm::ADDON)
+            .await
+            .map_err(|e| e.to_string())?;
+        let references = addon.data["status"]["configReferences"].clone();
+        references
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|r| r["desiredConfig"]["name"] == own || r["name"] == own)
+            .then_some(())
+            .ok_or_else(|| format!("configReferences: {references}"))
+    })
+    .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_clusters_mirror_serves_the_digest_the_hub_pinned_at_the_source() -> Result<()> {
+    let fleet = Fleet::get().await?;
+    // Another spoke than the other test's: both change their spoke's add-on config.
+    let spoke = fleet
+        .spoke_names()
+        .last()
+        .cloned()
+        .context("the fleet has no spoke")?;
+    ensure!(
+        fleet.spoke_names().len() > 1,
+        "this test needs a second spoke (the other test of this binary changes the first)"
+    );
+    let real = fleet
+        .state
+        .cluster(&spoke)?
+        .real_nodes
+        .first()
+        .context("the spoke has no real node")?
+        .clone();
+    let gateway = fleet
+        .state
+        .network
+        .as_ref()
+        .context("the fleet has no bridge")?
+        .gateway;
+    // The source: a registry of the test's own that the hub and the nodes reach. The
+    // mirror: the fleet's registry, as the nodes name it.
+    let source = kmm_registry_fixture::RegistryServer::plain_on(std::net::IpAddr::V4(gateway))?;
+    let tag = unique("t");
+    let name_in = |registry: &str| format!("{registry}/kmm-e2e/mirrored:{tag}-{}", real.kernel);
+    let sample = format!("{}/samples/kmm-hello:{}", fleet.state.registry, real.kernel);
+    copy_image(
+        &sample,
+        &source,
+        &format!("kmm-e2e/mirrored:{tag}-{}", real.kernel),
+    )
+    .await?;
+    // The same bytes in the mirror (pushed through the host's name of the fleet's
+    // registry, which the nodes reach as `node_registry`).
+    copy_image_to(
+        &sample,
+        &plain_client(),
+        &oci_client::secrets::RegistryAuth::Anonymous,
+        &name_in(&fleet.state.registry),
+    )
+    .await?;
+    let registries = json!([{
+        "source": format!("{}/kmm-e2e", source.address),
+        "mirror": format!("{}/kmm-e2e", fleet.state.node_registry),
+    }]);
+    let own = addon_config::use_own_config_full(&fleet, &spoke, &[], registries).await?;
+    let (id, name) = (unique("kmm-e2e.dev/mirror"), unique("mirrored"));
+    let checked = async {
+        wait_config_in_use(&fleet.hub, &spoke, &own).await?;
+        pulls_from_the_mirror(&fleet, &spoke, &real, source, &name_in, &id, &name).await
+    }
+    .await;
+    let client = fleet.spoke(&spoke)?.clone();
+    let _ = delete(&fleet.hub, &name).await;
+    let _ = wait_labelled(&fleet, &name, &[]).await;
+    let _ = label_node(&client, &real.name, &id, false).await;
+    let _ = label_cluster(&fleet.hub, &spoke, &id, false).await;
+    addon_config::use_fleet_config(&fleet.hub, &spoke).await?;
+    addon_config::delete_own_config(&fleet.hub, &spoke, &own).await?;
+    checked
+}
+
+/// The module `name` maps the real node's kernel to the image at `source`: the hub pins
+/// its digest there; then `source` stops, and only then is the node selected: it loads
+/// the pinned digest, which only the mirror can have served.
+async fn pulls_from_the_mirror(
+    fleet: &Fleet,
+    spoke: &str,
+    real: &RealNode,
+    source: kmm_registry_fixture::RegistryServer,
+    name_in: &impl Fn(&str) -> String,
+    id: &str,
+    name: &str,
+) -> Result<()> {
+    let client = fleet.spoke(spoke)?.clone();
+    let image = name_in(&source.address);
+    label_cluster(&fleet.hub, spoke, id, true).await?;
+    let module = module(
+        name,
+        id,
+        json!([{"literal": real.kernel, "containerImage": image}]),
+    )?;
+    create(&fleet.hub, &module).await?;
+    let pinned = image_status(
+        &fleet.hub,
+        name,
+        &image,
+        "the image pinned by the hub",
+        |i| i["state"] == "Exists" && i["digest"].is_string(),
+    )
+    .await?;
+    let digest = pinned["digest"].as_str().context("a digest")?.to_owned();
+    drop(source);
+    label_node(&client, &real.name, id, true).await?;
+    wait_labelled(fleet, name, &[(spoke.to_owned(), real.name.clone())]).await?;
+    let agent = kmm(fleet)?
+        .agents
+        .iter()
+        .find(|a| a.cluster == spoke && a.node == real.name)
+        .context("the real node's agent")?;
+    let loaded = loaded_digest(agent, &format!("{NAMESPACE}/{name}")).await?;
+    ensure!(
+        loaded == digest,
+        "the node loaded {loaded}, the hub pinned {digest} at the source, which is gone"
+    );
     Ok(())
 }

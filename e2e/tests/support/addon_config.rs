@@ -30,7 +30,17 @@ pub async fn use_own_config_with(
     spoke: &str,
     settings: &[(&str, &str)],
 ) -> Result<String> {
-    let variable = settings.first().context("no variable to set")?.0;
+    use_own_config_full(fleet, spoke, settings, Value::Null).await
+}
+
+/// [`use_own_config_with`], with OCM's image mirrors `registries` too (`null`: none).
+pub async fn use_own_config_full(
+    fleet: &Fleet,
+    spoke: &str,
+    settings: &[(&str, &str)],
+    registries: Value,
+) -> Result<String> {
+    let variable = settings.first().map_or("registries", |(name, _)| name);
     let resource = ADD_ON_DEPLOYMENT_CONFIG.api_resource();
     let default =
         Api::<DynamicObject>::namespaced_with(fleet.hub.clone(), HUB_NAMESPACE, &resource)
@@ -62,6 +72,7 @@ pub async fn use_own_config_with(
                 "spec": {
                     "agentInstallNamespace": default.data["spec"]["agentInstallNamespace"],
                     "customizedVariables": variables,
+                    "registries": registries,
                 },
             }))?,
         )

@@ -22,8 +22,11 @@ use kmm_e2e::fleet::{Settings, managed_clusters};
 use kmm_e2e::guest::firmware_image::{FIRMWARE_FILE, FIRMWARE_PATH};
 use kmm_e2e::guest::module_signing::TestKey;
 use kmm_e2e::kmod_builder;
+use kmm_registry_fixture::RegistryServer;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, ResourceExt};
+use oci_client::client::{ClientConfig, ClientProtocol};
+use oci_client::secrets::RegistryAuth;
 use serde_json::{Value, json};
 
 pub const WAIT: Duration = Duration::from_secs(120);
@@ -668,4 +671,51 @@ pub async fn loaded_digest(agent: &Agent, key: &str) -> Result<String> {
         },
     )
     .await?)
+}
+
+/// Copies `image` of the fleet's registry (plain HTTP, open) into `to` as `name`.
+pub async fn copy_image(image: &str, to: &RegistryServer, name: &str) -> Result<()> {
+    copy_image_to(image, &to.client(), &to.auth(), &to.image(name)).await
+}
+
+/// Copies `image` of the fleet's registry (plain HTTP, open) to `target`, pushed with
+/// `client` and `auth`.
+pub async fn copy_image_to(
+    image: &str,
+    client: &oci_client::Client,
+    auth: &RegistryAuth,
+    target: &str,
+) -> Result<()> {
+    let source = plain_client();
+    let pulled = source
+        .pull(
+            &image.parse()?,
+            &RegistryAuth::Anonymous,
+            vec![
+                oci_client::manifest::IMAGE_LAYER_GZIP_MEDIA_TYPE,
+                oci_client::manifest::IMAGE_LAYER_MEDIA_TYPE,
+                oci_client::manifest::IMAGE_DOCKER_LAYER_GZIP_MEDIA_TYPE,
+            ],
+        )
+        .await
+        .with_context(|| format!("pulling {image}"))?;
+    client
+        .push(
+            &target.parse()?,
+            &pulled.layers,
+            pulled.config,
+            auth,
+            pulled.manifest,
+        )
+        .await
+        .with_context(|| format!("pushing {target}"))?;
+    Ok(())
+}
+
+/// A client of plain HTTP registries, as the fleet's.
+pub fn plain_client() -> oci_client::Client {
+    oci_client::Client::new(ClientConfig {
+        protocol: ClientProtocol::Http,
+        ..ClientConfig::default()
+    })
 }

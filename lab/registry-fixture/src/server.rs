@@ -75,6 +75,12 @@ impl RegistryServer {
         )
     }
 
+    /// Plain HTTP on `ip` (the fleet's bridge, which its nodes, its Pods and the hub
+    /// reach), anyone may pull and push.
+    pub fn plain_on(ip: IpAddr) -> Result<Self> {
+        Self::start(ip, None, None)
+    }
+
     /// Plain HTTP on `ip` (the fleet's bridge, which its nodes and Pods reach), and only
     /// `user` with `password` may pull or push.
     pub fn plain_with_auth_on(ip: IpAddr, user: &str, password: &str) -> Result<Self> {
