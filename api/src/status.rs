@@ -205,6 +205,10 @@ pub const MAX_IMAGE_KERNELS: usize = 10;
 /// pins of the others in memory, and their proxies keep answering with the digest they
 /// resolved.
 pub const MAX_IMAGE_CLUSTERS: usize = 50;
+/// Most cluster entries over all the images of one module's status, and the longest
+/// message one keeps: status stays far below what the API server stores.
+pub const MAX_MODULE_IMAGE_CLUSTERS: usize = 200;
+pub const MAX_IMAGE_CLUSTER_MESSAGE: usize = 256;
 
 /// One kmod image the fleet needs, as the hub found, built or signed it.
 #[skip_serializing_none]

@@ -11,6 +11,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use kmm_proto::limits::{ERROR_TEXT, truncated};
 use kmm_proto::v1::{PullCredential, Unresolved, pull_credential::Content};
 use kmm_registry::{PullSecret, RegistryCas, RegistryError, RegistryTls, error_chain};
 use tokio_util::sync::CancellationToken;
@@ -108,11 +109,16 @@ async fn resolve(
             "ImageCheckFailed"
         }
         .into(),
-        message: format!(
-            "the cluster could not resolve {image} for the hub, which cannot reach its \
-             registry: {}",
-            error_chain(&e)
-        ),
+        // The hub keeps no more of it.
+        message: truncated(
+            &format!(
+                "the cluster could not resolve {image} for the hub, which cannot reach its \
+                 registry: {}",
+                error_chain(&e)
+            ),
+            ERROR_TEXT,
+        )
+        .to_owned(),
     })
 }
 

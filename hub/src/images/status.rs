@@ -4,8 +4,10 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kmm_api::{
-    ImageClusterStatus, ImageStatus, MAX_IMAGE_CLUSTERS, MAX_IMAGE_KERNELS, MAX_IMAGE_STATUSES,
+    ImageClusterStatus, ImageStatus, MAX_IMAGE_CLUSTER_MESSAGE, MAX_IMAGE_CLUSTERS,
+    MAX_IMAGE_KERNELS, MAX_IMAGE_STATUSES, MAX_MODULE_IMAGE_CLUSTERS,
 };
+use kmm_proto::limits::truncated;
 
 use super::need::ImageKey;
 use super::record::{ImageRecord, ImageState};
@@ -27,6 +29,7 @@ pub fn image_statuses<'a>(
     records.sort_by(|(a, _, a_needed), (b, _, b_needed)| {
         (a_needed.is_none(), &a.image).cmp(&(b_needed.is_none(), &b.image))
     });
+    let mut cluster_budget = MAX_MODULE_IMAGE_CLUSTERS;
     records
         .into_iter()
         .take(MAX_IMAGE_STATUSES)
@@ -44,11 +47,13 @@ pub fn image_statuses<'a>(
             message: record.message.clone(),
             last_transition_time: Some(Time(record.since)),
             clusters: if record.state == ImageState::SpokeResolved {
-                spoke_pins
+                let listed: Vec<ImageClusterStatus> = spoke_pins
                     .get(key)
                     .filter(|p| p.generation == record.need.rebuild_generation)
-                    .map(cluster_statuses)
-                    .unwrap_or_default()
+                    .map(|pins| cluster_statuses(pins, cluster_budget))
+                    .unwrap_or_default();
+                cluster_budget -= listed.len();
+                listed
             } else {
                 Vec::new()
             },
@@ -56,11 +61,12 @@ pub fn image_statuses<'a>(
         .collect()
 }
 
-/// Each cluster's answer, by name, bounded.
-fn cluster_statuses(pins: &SpokePins) -> Vec<ImageClusterStatus> {
+/// Each cluster's answer, by name, at most `budget` and [`MAX_IMAGE_CLUSTERS`], each
+/// message cut to [`MAX_IMAGE_CLUSTER_MESSAGE`] bytes.
+fn cluster_statuses(pins: &SpokePins, budget: usize) -> Vec<ImageClusterStatus> {
     pins.clusters
         .iter()
-        .take(MAX_IMAGE_CLUSTERS)
+        .take(MAX_IMAGE_CLUSTERS.min(budget))
         .map(|(cluster, pin)| match pin {
             SpokePin::Digest(digest) => ImageClusterStatus {
                 cluster: cluster.clone(),
@@ -71,7 +77,7 @@ fn cluster_statuses(pins: &SpokePins) -> Vec<ImageClusterStatus> {
                 cluster: cluster.clone(),
                 digest: None,
                 reason: reason.clone(),
-                message: message.clone(),
+                message: truncated(message, MAX_IMAGE_CLUSTER_MESSAGE).to_owned(),
             },
         })
         .collect()
@@ -327,5 +333,36 @@ mod tests {
             "only pins come back: a failure is asked again"
         );
         assert_eq!(persisted_digest(&statuses, "r/x:1"), None);
+
+        // Bounded per image, per module, and in message length.
+        let mut many = SpokePins::default();
+        for i in 0..80 {
+            many.answer(
+                &record,
+                &format!("c{i:02}"),
+                0,
+                SpokePin::Failed {
+                    reason: "ImageNotFound".into(),
+                    message: "x".repeat(1000),
+                },
+            );
+        }
+        let keys: Vec<ImageKey> = (0..5)
+            .map(|i| ImageKey {
+                module: "m".into(),
+                image: format!("r/x:{i}"),
+            })
+            .collect();
+        let statuses = image_statuses(
+            keys.iter().map(|k| (k, &record)),
+            &BTreeMap::new(),
+            &keys.iter().map(|k| (k.clone(), many.clone())).collect(),
+        );
+        let listed: Vec<usize> = statuses.iter().map(|s| s.clusters.len()).collect();
+        assert_eq!(listed, [50, 50, 50, 50, 0]);
+        assert_eq!(
+            statuses[0].clusters[0].message.len(),
+            MAX_IMAGE_CLUSTER_MESSAGE
+        );
     }
 }
