@@ -80,7 +80,10 @@ pub struct ModuleLoaderContainerSpec {
     /// Default kmod image, used by mappings that do not set their own. May use kernel variables.
     pub container_image: Option<String>,
 
-    /// One of Always, Never, IfNotPresent.
+    /// One of Always, Never, IfNotPresent. Nodes load the digest the hub pinned whatever
+    /// the policy. With Always the hub resolves the tag again periodically and moves nodes
+    /// to a new digest through `rolloutStrategy`; otherwise the pin holds until
+    /// `imageRebuildTriggerGeneration` changes.
     pub image_pull_policy: Option<String>,
 
     /// Kernel mappings, tried in order: the first that matches a node's kernel wins.

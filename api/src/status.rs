@@ -61,6 +61,11 @@ pub struct ManagedClusterModuleStatus {
     /// Where the rollout of the latest `spec.moduleSpec` across the clusters stands.
     pub rollout: Option<crate::RolloutStatus>,
 
+    /// How many times the hub followed a moved tag of the module's images
+    /// (`imagePullPolicy: Always`): part of what a revision is, so that the new digest
+    /// reaches clusters through `rolloutStrategy` like a spec change. Absent: never.
+    pub pin_generation: Option<i64>,
+
     /// The device plugin's Pods (`spec.moduleSpec.devicePlugin`) on the selected clusters.
     pub device_plugins: Option<DevicePluginCounts>,
 
@@ -210,6 +215,18 @@ pub const MAX_IMAGE_CLUSTERS: usize = 50;
 pub const MAX_MODULE_IMAGE_CLUSTERS: usize = 200;
 pub const MAX_IMAGE_CLUSTER_MESSAGE: usize = 256;
 
+/// Most earlier pins an image keeps (see [`ImageStatus::earlier_pins`]).
+pub const MAX_EARLIER_PINS: usize = 4;
+
+/// A digest an image was pinned to at a pin generation.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ImagePin {
+    /// The module's `pinGeneration` when the digest was pinned.
+    pub pin_generation: i64,
+    pub digest: String,
+}
+
 /// One kmod image the fleet needs, as the hub found, built or signed it.
 #[skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
@@ -225,9 +242,17 @@ pub struct ImageStatus {
     /// SpokeResolved (the hub cannot check the image: each cluster resolves the tag with
     /// its own pull Secret and CAs and loads the digest it found, listed in `clusters`).
     pub state: String,
-    /// The manifest digest every node loads: the tag resolved once, or the signed image.
-    /// Unset for a SpokeResolved image, whose digests are per cluster.
+    /// The manifest digest nodes on the module's latest revision load: the tag resolved
+    /// once (with `imagePullPolicy: Always`, again whenever the tag moved), or the signed
+    /// image. Unset for a SpokeResolved image, whose digests are per cluster.
     pub digest: Option<String>,
+    /// The module's `pinGeneration` when `digest` was pinned. Absent: 0.
+    pub pin_generation: Option<i64>,
+    /// Digests pinned before `digest` for clusters still on an earlier revision, oldest
+    /// first; at most 4.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 4))]
+    pub earlier_pins: Vec<ImagePin>,
     /// Machine-readable reason, e.g. `ImageNotFound`, `BuildFailed`, `SignFailed`.
     pub reason: String,
     /// Detail: the registry's answer, the end of a failed build's log, the signing error.

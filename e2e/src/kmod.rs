@@ -153,16 +153,32 @@ pub async fn push_root(
 /// Build the modules for `kernel` into `<cache>/kmod/<source hash>/<kernel>/root`,
 /// whose `opt/lib/modules/<kernel>/` is the image content; cached by source hash.
 pub fn build(kernel: &str) -> Result<PathBuf> {
+    let root = compile(kernel, SOURCES, MODULES)?;
+    let modules = root.join("opt/lib/modules").join(kernel);
+    if !modules.join("modules.dep").is_file() {
+        index(&root, kernel)?;
+    }
+    Ok(root)
+}
+
+/// Compiles `sources` (a Kbuild and its C files) against Debian's headers for `kernel`
+/// and places `modules` in `<root>/opt/lib/modules/<kernel>/extra/`, under
+/// `<cache>/kmod/<source hash>/<kernel>/root`; cached by source hash. Indexing is the
+/// caller's.
+pub fn compile(kernel: &str, sources: &[(&str, &str)], modules: &[&str]) -> Result<PathBuf> {
     let mut hash = Sha256::new();
-    for (name, text) in SOURCES {
+    for (name, text) in sources {
         hash.update(name.as_bytes());
         hash.update(text.as_bytes());
     }
     let digest = format!("{:x}", hash.finalize());
     let base = cache_dir().join("kmod").join(&digest[..16]).join(kernel);
     let root = base.join("root");
-    let modules = root.join("opt/lib/modules").join(kernel);
-    if modules.join("modules.dep").is_file() {
+    let extra = root.join("opt/lib/modules").join(kernel).join("extra");
+    if modules
+        .iter()
+        .all(|module| extra.join(format!("{module}.ko")).is_file())
+    {
         return Ok(root);
     }
     let headers = PathBuf::from(format!("/usr/src/linux-headers-{kernel}"));
@@ -174,7 +190,7 @@ pub fn build(kernel: &str) -> Result<PathBuf> {
     }
     let src = base.join("src");
     std::fs::create_dir_all(&src).context(|| format!("creating {}", src.display()))?;
-    for (name, text) in SOURCES {
+    for (name, text) in sources {
         std::fs::write(src.join(name), text).context(|| format!("writing {name}"))?;
     }
     run(Command::new("make")
@@ -182,13 +198,11 @@ pub fn build(kernel: &str) -> Result<PathBuf> {
         .arg(&headers)
         .arg(format!("M={}", src.display()))
         .arg("modules"))?;
-    let extra = modules.join("extra");
     std::fs::create_dir_all(&extra).context(|| format!("creating {}", extra.display()))?;
-    for module in MODULES {
+    for module in modules {
         let ko = format!("{module}.ko");
         std::fs::copy(src.join(&ko), extra.join(&ko)).context(|| format!("copying {ko}"))?;
     }
-    index(&root, kernel)?;
     Ok(root)
 }
 
@@ -287,6 +301,8 @@ struct Layer {
 fn layer(root: &Path, extra: &[ImageFile]) -> Result<Layer> {
     let mut tar = tar::Builder::new(Vec::new());
     tar.mode(tar::HeaderMode::Deterministic);
+    // A link stays a link (upstream's in-tree dependency link points at the node's tree).
+    tar.follow_symlinks(false);
     tar.append_dir_all("opt", root.join("opt"))
         .context(|| format!("archiving {}", root.display()))?;
     for file in extra {

@@ -12,7 +12,9 @@
 //! 1. load (parameters, dependency order, firmware, in-tree removal), restart the
 //!    agent (its hello lists the module, nothing is reloaded), unload, load again;
 //! 2. a reboot: the state of boot 1 is from another boot, so the hello lists nothing
-//!    and the agent loads again;
+//!    and the agent loads again; then an image relying on the kernel's own
+//!    `crc-itu-t.ko` through upstream's in-tree dependency link loads and unloads
+//!    (`kmm_e2e::guest::in_tree_image`);
 //! 3. a boot under UEFI (OVMF) whose `db` holds a test certificate made for this run,
 //!    with `module.sig_enforce=1`: the kernel loads that certificate into its
 //!    `.platform` keyring (dmesg). The modules of this boot are the installed kmm-hub's
@@ -40,6 +42,7 @@ use anyhow::{Context, Result, bail, ensure};
 use kmm_e2e::fixture::Fleet;
 use kmm_e2e::guest::agent_peer::{AgentPeer, Session};
 use kmm_e2e::guest::firmware_image::{self, FIRMWARE_FILE, FIRMWARE_PATH};
+use kmm_e2e::guest::in_tree_image;
 use kmm_e2e::guest::initramfs::{AGENT, GuestFile};
 use kmm_e2e::guest::machine::Machine;
 use kmm_e2e::guest::module_signing::TestKey;
@@ -101,6 +104,10 @@ async fn the_agent_loads_and_unloads_real_modules_on_a_real_kernel() -> Result<(
 
     // Pushed after the slow preparation, right before the boots pull them.
     let unsigned = GuestImage::of(&firmware_image::push(registry, KERNEL).await?, registry)?;
+    let in_tree = GuestImage::of(
+        &in_tree_image::push(registry, &rig.kernel, &work).await?,
+        registry,
+    )?;
     // Keys of this run only, in the work directory (removed when the test passes).
     let keys = work.join("keys");
     let trusted = TestKey::generate(&keys, "trusted", "kmm-fleet real-kernel test key")?;
@@ -115,7 +122,7 @@ async fn the_agent_loads_and_unloads_real_modules_on_a_real_kernel() -> Result<(
 
     let mut guest = rig.boot("boot2", &[]).await?;
     report_boot("boot 2 (reboot)", &guest);
-    let result = after_reboot(&mut guest, &mut peer, &address, image, &boot1).await;
+    let result = after_reboot(&mut guest, &mut peer, &address, image, &boot1, &in_tree).await;
     finish(guest, result, &work, "boot2").await?;
 
     let mut guest = rig
@@ -303,6 +310,7 @@ async fn after_reboot(
     address: &str,
     image: &str,
     previous_boot_id: &str,
+    in_tree: &GuestImage,
 ) -> Result<()> {
     ensure!(
         !module_present(guest, MODULE).await?,
@@ -337,7 +345,125 @@ async fn after_reboot(
     );
     expect_parameter(guest, "after the reboot").await?;
     report_rss(guest, pid, "boot 2 after the load").await?;
+    in_tree_dependency(guest, &mut session, image, in_tree).await?;
+    report_rss(guest, pid, "boot 2 idle after its round").await
+}
+
+/// Issue 29 item 5: the image's module needs `crc_itu_t`, which only the guest kernel's
+/// own tree holds, reached through the image's link to the node's tree. modprobe loads
+/// the in-tree module first; the unload takes the image's module away. `image` is the
+/// sample module boot 2 loaded, which stays.
+async fn in_tree_dependency(
+    guest: &mut Machine,
+    session: &mut Session,
+    image: &str,
+    in_tree: &GuestImage,
+) -> Result<()> {
+    use in_tree_image::{IN_TREE_DEPENDENCY, MODULE as USER};
+    ensure!(
+        !module_present(guest, IN_TREE_DEPENDENCY).await?,
+        "{IN_TREE_DEPENDENCY} was loaded before the image asked for it"
+    );
+    session
+        .send(
+            6,
+            vec![
+                node_module(image, false),
+                in_tree_module(&in_tree.reference, false),
+            ],
+        )
+        .await?;
+    let event = in_tree_event(session).await?;
+    ensure!(
+        event.action() == pb::Action::Load
+            && event.outcome() == pb::Outcome::Succeeded
+            && event.image_digest == in_tree.digest,
+        "expected the load of {USER} from {}, got {event:?}",
+        in_tree.digest
+    );
+    ensure!(module_present(guest, USER).await?, "{USER} not loaded");
+    let holders = guest
+        .check(&format!("ls /sys/module/{IN_TREE_DEPENDENCY}/holders"))
+        .await?;
+    ensure!(
+        holders.split_whitespace().any(|h| h == USER),
+        "the kernel does not record {USER} as using the in-tree {IN_TREE_DEPENDENCY}: holders `{holders}`"
+    );
+    let dmesg = guest.check("dmesg").await?;
+    ensure!(
+        dmesg.contains("kmm_crc_user: crc-itu-t of \"kmm-fleet\" is 0x"),
+        "{USER} never called into {IN_TREE_DEPENDENCY}:\n{dmesg}"
+    );
+    ensure!(
+        module_present(guest, MODULE).await?,
+        "{MODULE} went away while another module loaded"
+    );
+
+    session
+        .send(
+            7,
+            vec![
+                node_module(image, false),
+                in_tree_module(&in_tree.reference, true),
+            ],
+        )
+        .await?;
+    let event = in_tree_event(session).await?;
+    ensure!(
+        event.action() == pb::Action::Unload && event.outcome() == pb::Outcome::Succeeded,
+        "expected the unload of {USER}, got {event:?}"
+    );
+    ensure!(!module_present(guest, USER).await?, "{USER} still loaded");
     Ok(())
+}
+
+const IN_TREE_NAME: &str = "kmm-crc-user";
+
+fn in_tree_key() -> pb::ModuleKey {
+    pb::ModuleKey {
+        namespace: NAMESPACE.into(),
+        name: IN_TREE_NAME.into(),
+    }
+}
+
+/// The image relying on the in-tree dependency link; or its explicit unload.
+fn in_tree_module(image: &str, unload: bool) -> pb::NodeModule {
+    pb::NodeModule {
+        key: Some(in_tree_key()),
+        load: Some(pb::ModuleLoad {
+            image: image.into(),
+            registry_tls: Some(pb::RegistryTls {
+                insecure: true,
+                insecure_skip_tls_verify: false,
+            }),
+            modprobe: Some(pb::Modprobe {
+                module_name: in_tree_image::MODULE.into(),
+                ..Default::default()
+            }),
+            version: VERSION.into(),
+            ..Default::default()
+        }),
+        credential: None,
+        unload,
+    }
+}
+
+/// The next event about the in-tree dependency's module; an event about another module
+/// in between may only be a success (nothing else was asked of it).
+async fn in_tree_event(session: &mut Session) -> Result<pb::ModuleEvent> {
+    let asked = Instant::now();
+    loop {
+        let event = session
+            .next_event(WAIT.saturating_sub(asked.elapsed()))
+            .await?;
+        if event.key.as_ref() == Some(&in_tree_key()) {
+            return Ok(event);
+        }
+        ensure!(
+            event.outcome() == pb::Outcome::Succeeded,
+            "while {IN_TREE_NAME} was asked for: {event:?}"
+        );
+    }
 }
 
 /// An image as the guest pulls it, and the manifest digest its push returned.
@@ -469,30 +595,30 @@ async fn signatures_enforced(
     let mut session = peer.session(WAIT).await?;
     check_hello(guest, &session.hello).await?;
 
-    let (event, _) = load(&mut session, 6, &unsigned.reference).await?;
+    let (event, _) = load(&mut session, 8, &unsigned.reference).await?;
     expect_refused(
         guest,
         &event,
-        6,
+        8,
         unsigned,
         "unsigned",
         "Loading of unsigned module is rejected",
     )
     .await?;
     // ENOKEY inside the kernel: no keyring it checks holds the signer.
-    let (event, _) = load(&mut session, 7, &wrongly_signed.reference).await?;
+    let (event, _) = load(&mut session, 9, &wrongly_signed.reference).await?;
     expect_refused(
         guest,
         &event,
-        7,
+        9,
         wrongly_signed,
         "other-key-signed",
         "Loading of module with unavailable key is rejected",
     )
     .await?;
 
-    let (event, took) = load(&mut session, 8, &signed.reference).await?;
-    expect_event(&event, pb::Action::Load, pb::Outcome::Succeeded, 8)?;
+    let (event, took) = load(&mut session, 10, &signed.reference).await?;
+    expect_event(&event, pb::Action::Load, pb::Outcome::Succeeded, 10)?;
     ensure!(
         event.image_digest == signed.digest,
         "the agent loaded from {}, not the test-signed image {}",
@@ -749,7 +875,9 @@ async fn module_present(guest: &mut Machine, module: &str) -> Result<bool> {
 
 async fn report_rss(guest: &mut Machine, pid: u32, when: &str) -> Result<()> {
     let status = guest
-        .check(&format!("grep -E '^Vm(RSS|HWM)' /proc/{pid}/status"))
+        .check(&format!(
+            "grep -E '^(Vm(RSS|HWM)|Rss(Anon|File))' /proc/{pid}/status"
+        ))
         .await?;
     println!(
         "real-kernel: agent memory in the guest, {when}: {}",

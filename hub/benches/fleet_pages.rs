@@ -90,7 +90,7 @@ fn kernel_of(c: usize, n: usize) -> &'static str {
 
 /// Every image the fleet needs is found, as the image worker would record it.
 fn check_images(view: &FleetView) {
-    for (key, need) in view.image_needs() {
+    for (key, need) in view.image_needs(None) {
         if view.image(&key).is_none() {
             let digest = format!("sha256:{:064x}", key.image.len());
             view.set_image(key, ImageRecord::seeded(&need, digest, Timestamp::now()));

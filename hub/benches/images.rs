@@ -153,7 +153,12 @@ fn needs_time(what: &str, module: &ManagedClusterModule, images: usize) -> Resul
     for _ in 0..5 {
         let mut resolutions = Resolutions::default();
         let started = Instant::now();
-        let needs = module_needs(module, resolutions.resolve(module, &kernels), &kernels);
+        let needs = module_needs(
+            module,
+            resolutions.resolve(module, &kernels),
+            &kernels,
+            None,
+        );
         cold = cold.min(started.elapsed().as_secs_f64() * 1000.0);
         ensure!(
             needs.len() == images,
@@ -161,7 +166,12 @@ fn needs_time(what: &str, module: &ManagedClusterModule, images: usize) -> Resul
             needs.len()
         );
         let started = Instant::now();
-        let again = module_needs(module, resolutions.resolve(module, &kernels), &kernels);
+        let again = module_needs(
+            module,
+            resolutions.resolve(module, &kernels),
+            &kernels,
+            None,
+        );
         cached = cached.min(started.elapsed().as_secs_f64() * 1000.0);
         ensure!(again == needs, "the cached resolutions need other images");
     }
@@ -179,6 +189,7 @@ fn memory(what: &str, module: &ManagedClusterModule, images: usize) -> Result<()
         module,
         Resolutions::default().resolve(module, &kernels),
         &kernels,
+        None,
     );
     let now = Timestamp::now();
     let before = dhat::HeapStats::get().curr_bytes;

@@ -113,6 +113,12 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     registry_ca_file: Option<std::path::PathBuf>,
 
+    /// How often the tag of each `imagePullPolicy: Always` image is resolved again: once
+    /// per image of a module, however many clusters load it. A moved tag's new digest
+    /// reaches nodes through the module's rollout strategy.
+    #[arg(long, default_value = "5m", value_parser = parse_follow_interval)]
+    image_follow_interval: Duration,
+
     /// Lifetime of the gRPC and webhook serving certificates, in seconds. They are
     /// re-issued from the hub CA while the hub runs, with a third of it left.
     #[arg(long, default_value_t = serve::ca::SERVING_VALIDITY.as_secs(), value_parser = clap::value_parser!(u64).range(5..))]
@@ -120,6 +126,21 @@ pub struct Args {
 
     #[command(flatten)]
     metrics: MetricsArgs,
+}
+
+/// The shortest `--image-follow-interval`: a registry answers each image's tag at most
+/// this often.
+const MIN_FOLLOW_INTERVAL: Duration = Duration::from_secs(5);
+
+fn parse_follow_interval(value: &str) -> Result<Duration, String> {
+    let interval = humantime::parse_duration(value).map_err(|e| e.to_string())?;
+    if interval < MIN_FOLLOW_INTERVAL {
+        return Err(format!(
+            "{value:?} is shorter than {}s, which would ask the registries too often",
+            MIN_FOLLOW_INTERVAL.as_secs()
+        ));
+    }
+    Ok(interval)
 }
 
 /// The builder as `cargo xtask images --push 127.0.0.1:16005` names it.
@@ -229,6 +250,7 @@ async fn serve_main(args: Args) -> anyhow::Result<()> {
         addon_name: args.addon_name,
         builder_image: args.builder_image,
         registry_ca_file: args.registry_ca_file,
+        image_follow_interval: args.image_follow_interval,
         serving_validity: Duration::from_secs(args.serving_cert_validity_seconds),
     };
     let listeners = Listeners {

@@ -328,6 +328,14 @@ fn workspace() -> PathBuf {
         .unwrap_or_default()
 }
 
+/// The release binaries the images carry, built into `target_dir` exactly as [`build`]
+/// builds them (one invocation, one feature set): a caller needing one of them (the
+/// real-kernel test's guest agent) shares that build instead of making another. The
+/// directory holding them.
+pub fn release_binaries(target_dir: &Path) -> Result<PathBuf> {
+    build_binaries(&workspace(), target_dir)
+}
+
 /// `cargo build --release` of the binaries; the directory holding them.
 fn build_binaries(workspace: &Path, target_dir: &Path) -> Result<PathBuf> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());

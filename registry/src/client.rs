@@ -9,14 +9,13 @@ use oci_client::{Client, Reference};
 
 use crate::{PullSecret, RegistryCas, RegistryError, RegistryTls, credentials};
 
-/// Parses `image`, naming it when it is not a valid reference.
+/// Parses `image`, naming it when it is not a valid reference (`kmm_image_reference`:
+/// oci-client's own parsing compiles a regex that costs every process megabytes).
 pub fn parse_reference(image: &str) -> Result<Reference, RegistryError> {
-    image.parse().map_err(
-        |e: oci_client::ParseError| RegistryError::InvalidReference {
-            image: image.to_string(),
-            reason: e.to_string(),
-        },
-    )
+    kmm_image_reference::parse(image).map_err(|e| RegistryError::InvalidReference {
+        image: image.to_string(),
+        reason: e.to_string(),
+    })
 }
 
 /// How long connecting to a registry may take.

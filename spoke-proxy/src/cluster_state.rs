@@ -112,7 +112,7 @@ fn same_task(a: Option<&NodeModule>, b: &NodeModule) -> bool {
             m.load.as_ref().map(|l: &ModuleLoad| {
                 (
                     // The bytes, not their name: a retag of the pinned digest is no task.
-                    crate::node_status::image_bytes(&l.image).to_owned(),
+                    crate::node_status::load_bytes(l).to_owned(),
                     l.version.clone(),
                     l.modprobe.clone(),
                     l.in_tree_modules_to_remove.clone(),

@@ -307,6 +307,29 @@ mod tests {
     }
 
     #[test]
+    fn the_plugin_pods_pull_as_the_spec_says_as_upstreams_do() {
+        // The kubelet pulls the plugin's images by tag: its pull policy is upstream's.
+        for policy in [Some("Always"), Some("IfNotPresent"), Some("Never"), None] {
+            let spec = json!({
+                "container": {"image": "reg/plugin:1", "imagePullPolicy": policy},
+                "initContainer": {"image": "reg/init:1", "imagePullPolicy": policy},
+            });
+            let set = daemon_set(&id(), &plugin(spec), &[], "kmm").unwrap();
+            let pod = set.spec.unwrap().template.spec.unwrap();
+            assert_eq!(
+                pod.containers[0].image_pull_policy.as_deref(),
+                policy,
+                "{policy:?}"
+            );
+            assert_eq!(
+                pod.init_containers.unwrap()[0].image_pull_policy.as_deref(),
+                policy,
+                "{policy:?}"
+            );
+        }
+    }
+
+    #[test]
     fn an_unreadable_spec_names_the_module() {
         let error = daemon_set(&id(), &plugin(json!({"container": 3})), &[], "kmm").unwrap_err();
         assert_eq!(error.module, "drivers/hello");

@@ -5,7 +5,9 @@ use std::collections::BTreeMap;
 
 use kmm_proto::REASON_KERNEL_MODULE_SHARED;
 use kmm_proto::limits::{ERROR_TEXT, truncate};
-use kmm_proto::v1::{Action, ModuleNodeKey, ModuleNodeStatus, ModuleState, NodeStatusReport};
+use kmm_proto::v1::{
+    Action, ModuleLoad, ModuleNodeKey, ModuleNodeStatus, ModuleState, NodeStatusReport,
+};
 
 use crate::agent_view::AgentView;
 use crate::module_id::ModuleId;
@@ -79,12 +81,33 @@ pub fn image_bytes(image: &str) -> &str {
     image.split_once('@').map_or(image, |(_, pinned)| pinned)
 }
 
+/// What a load loads: the digest the hub pinned, else what its reference names. A tag
+/// the hub followed to a new digest (`imagePullPolicy: Always`) is new bytes under the
+/// same name.
+pub fn load_bytes(load: &ModuleLoad) -> &str {
+    if load.digest.is_empty() {
+        image_bytes(&load.image)
+    } else {
+        &load.digest
+    }
+}
+
 /// Whether a module loaded from an image with `digest` satisfies `image`: an image
 /// pinned by digest must match it; a tag is resolved by the agent once, so any digest.
 pub fn digest_matches(image: &str, digest: &str) -> bool {
     image
         .split_once('@')
         .is_none_or(|(_, pinned)| pinned == digest)
+}
+
+/// Whether a module loaded from an image with `digest` satisfies `load`: the hub's pinned
+/// digest must match it, else as [`digest_matches`].
+pub fn load_matches(load: &ModuleLoad, digest: &str) -> bool {
+    if load.digest.is_empty() {
+        digest_matches(&load.image, digest)
+    } else {
+        load.digest == digest
+    }
 }
 
 /// The state of `id` on a node where it is placed as `placement`. `since` is the
@@ -132,10 +155,8 @@ pub fn assess(
         Placement::Load(load) => {
             let current = proof.filter(|p| {
                 p.version == load.version
-                    && p.revision.map_or_else(
-                        || digest_matches(&load.image, &p.image_digest),
-                        |r| r >= since,
-                    )
+                    && p.revision
+                        .map_or_else(|| load_matches(load, &p.image_digest), |r| r >= since)
             });
             match (current, failure) {
                 (Some(p), _) => noting_shared(
@@ -536,6 +557,36 @@ mod tests {
             assess(&Placement::NotApplicable, None, &id(), "6.1", 1),
             None
         );
+    }
+
+    #[test]
+    fn the_hubs_pinned_digest_decides_which_proof_counts() {
+        let pinned = |digest: &str| {
+            Placement::Load(Box::new(ModuleLoad {
+                image: "reg/m:v1".into(),
+                version: "v1".into(),
+                digest: digest.into(),
+                ..Default::default()
+            }))
+        };
+        assert_eq!(
+            state(&pinned("sha256:aa"), Some(&view_with("v1", None)), 5),
+            ModuleState::Loaded
+        );
+        assert_eq!(
+            state(&pinned("sha256:bb"), Some(&view_with("v1", None)), 5),
+            ModuleState::Pending,
+            "the tag moved: the old bytes are no proof"
+        );
+        let Placement::Load(load) = pinned("sha256:bb") else {
+            unreachable!()
+        };
+        assert_eq!(load_bytes(&load), "sha256:bb");
+        let unpinned = ModuleLoad {
+            image: "reg/m@sha256:cc".into(),
+            ..ModuleLoad::default()
+        };
+        assert_eq!(load_bytes(&unpinned), "sha256:cc");
     }
 
     #[test]

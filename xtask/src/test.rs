@@ -50,9 +50,10 @@ fn pipeline(root: &Path, options: &Options, timings: &mut Timings) -> anyhow::Re
         )
     })?;
     timings.step("crd drift", || crate::crdgen::run(root, true))?;
-    for target in FUZZ_TARGETS {
-        timings.step(&format!("fuzz {target}"), || {
-            fuzz(root, target, options.fuzz_seconds)
+    timings.step("fuzz build", || fuzz_build(root))?;
+    for targets in FUZZ_TARGETS.chunks(FUZZ_AT_ONCE) {
+        timings.step(&format!("fuzz {}", targets.join(" + ")), || {
+            fuzz_together(root, targets, options.fuzz_seconds)
         })?;
     }
     timings.step("fleet prerequisites", || {
@@ -167,30 +168,99 @@ fn cargo(root: &Path, args: &[&str]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Runs one libFuzzer target with cargo-fuzz. The stable toolchain is used with
-/// RUSTC_BOOTSTRAP so that no nightly toolchain has to be downloaded.
-fn fuzz(root: &Path, target: &str, seconds: u32) -> anyhow::Result<()> {
-    let max_time = format!("-max_total_time={seconds}");
-    let args = ["fuzz", "run", target, "--", max_time.as_str()];
-    eprintln!("==> cargo {}", args.join(" "));
-    let status = Command::new(env!("CARGO"))
+/// A libFuzzer run is one process on one core: this many share the machine's cores.
+const FUZZ_AT_ONCE: usize = 2;
+
+/// How much of a fuzz run's output is printed: libFuzzer's closing lines (the run's
+/// figures, or the crash and its input's path).
+const FUZZ_TAIL_LINES: usize = 40;
+
+/// cargo-fuzz with the stable toolchain: RUSTC_BOOTSTRAP spares downloading a nightly one.
+fn cargo_fuzz(root: &Path, args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO"));
+    command
+        .arg("fuzz")
         .args(args)
         .env("RUSTC_BOOTSTRAP", "1")
-        .current_dir(root)
+        .current_dir(root);
+    command
+}
+
+const CARGO_FUZZ_MISSING: &str =
+    "running cargo fuzz (install it with `cargo install cargo-fuzz --locked`)";
+
+/// Builds every fuzz target at once: the runs after it find them built.
+fn fuzz_build(root: &Path) -> anyhow::Result<()> {
+    eprintln!("==> cargo fuzz build");
+    let status = cargo_fuzz(root, &["build"])
         .status()
-        .context("running cargo fuzz (install it with `cargo install cargo-fuzz --locked`)")?;
+        .context(CARGO_FUZZ_MISSING)?;
     if !status.success() {
+        bail!("cargo fuzz build failed ({status})");
+    }
+    Ok(())
+}
+
+/// Runs these libFuzzer targets side by side, each for `seconds`, its output in
+/// `fuzz/target/<target>.log`; prints each one's closing lines, and fails naming every
+/// target that failed.
+fn fuzz_together(root: &Path, targets: &[&str], seconds: u32) -> anyhow::Result<()> {
+    let max_time = format!("-max_total_time={seconds}");
+    let logs = root.join("fuzz/target");
+    std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
+    let mut running = Vec::new();
+    for target in targets {
+        eprintln!("==> cargo fuzz run {target} -- {max_time}");
+        let log_path = logs.join(format!("{target}.log"));
+        let log = std::fs::File::create(&log_path)
+            .with_context(|| format!("creating {}", log_path.display()))?;
+        let child = cargo_fuzz(root, &["run", target, "--", max_time.as_str()])
+            .stdout(log.try_clone().context("sharing the fuzz log")?)
+            .stderr(log)
+            .spawn()
+            .context(CARGO_FUZZ_MISSING)?;
+        running.push((*target, log_path, child));
+    }
+    let mut failed = Vec::new();
+    for (target, log_path, mut child) in running {
+        let status = child
+            .wait()
+            .with_context(|| format!("waiting for fuzz target {target}"))?;
+        let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+        println!(
+            "--- fuzz {target} ({status}), the end of {}:",
+            log_path.display()
+        );
+        println!("{}", tail(&log, FUZZ_TAIL_LINES));
+        if !status.success() {
+            failed.push(target);
+        }
+    }
+    if !failed.is_empty() {
         bail!(
-            "fuzz target {target} failed ({status}); a crash input is under fuzz/artifacts/{target}/, \
-             and `cargo fuzz` itself comes from `cargo install cargo-fuzz --locked`"
+            "fuzz target(s) {} failed; each crash input is under fuzz/artifacts/<target>/",
+            failed.join(", ")
         );
     }
     Ok(())
 }
 
+/// The last `lines` lines of `text`.
+fn tail(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
 #[cfg(test)]
 mod tests {
-    use super::parse_summary;
+    use super::{parse_summary, tail};
+
+    #[test]
+    fn keeps_the_last_lines_of_a_fuzz_log() {
+        assert_eq!(tail("a\nb\nc\n", 2), "b\nc");
+        assert_eq!(tail("a\nb", 5), "a\nb");
+        assert_eq!(tail("", 3), "");
+    }
 
     #[test]
     fn reads_cargo_test_summaries() {

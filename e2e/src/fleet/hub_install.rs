@@ -48,6 +48,9 @@ pub struct Overlay<'a> {
 const IMAGES: [&str; 3] = ["kmm-hub", "kmm-spoke-proxy", "kmm-node-agent"];
 /// Where the simulated kernel of a node lives (a hostPath of the agents' DaemonSet).
 pub const SIMULATED_KERNEL_DIR: &str = "/var/lib/kmm/simulated-kernel";
+/// The fleet hub's `--image-follow-interval`: its shortest, so that a test's moved tag
+/// reaches nodes within seconds.
+pub const IMAGE_FOLLOW_INTERVAL: &str = "5s";
 
 impl Overlay<'_> {
     /// The overlay's `kustomization.yaml`, referring to `base` relative to `dir` (kustomize
@@ -88,6 +91,7 @@ images:
       - {{op: add, path: /spec/template/spec/containers/0/args/-, value: "--grpc-san={node_ip}"}}
       - {{op: add, path: /spec/template/spec/containers/0/args/-, value: "--module-selector=!{test_label}"}}
       - {{op: add, path: /spec/template/spec/containers/0/args/-, value: "--builder-image={registry}/kmm-fleet/{builder}:{tag}"}}
+      - {{op: add, path: /spec/template/spec/containers/0/args/-, value: "--image-follow-interval={follow}"}}
   - target: {{kind: Service, name: kmm-hub}}
     patch: |-
       - {{op: add, path: /spec/type, value: NodePort}}
@@ -107,6 +111,7 @@ images:
             base = relative.display(),
             node_ip = self.node_ip,
             test_label = TEST_HUB_LABEL,
+            follow = IMAGE_FOLLOW_INTERVAL,
             registry = self.registry,
             builder = kmm_images::BUILDER.name,
             tag = self.tag,
@@ -128,6 +133,7 @@ impl Overlay<'_> {
             "hub": {
                 "grpcSANs": [self.node_ip],
                 "moduleSelector": format!("!{TEST_HUB_LABEL}"),
+                "extraArgs": [format!("--image-follow-interval={IMAGE_FOLLOW_INTERVAL}")],
                 "grpcService": { "type": "NodePort", "nodePort": GRPC_NODE_PORT },
             },
             "addon": {
@@ -563,6 +569,7 @@ mod tests {
         );
         assert!(text.contains("--grpc-san=198.18.16.10"));
         assert!(text.contains("--builder-image=198.18.16.1:16005/kmm-fleet/kmm-builder:0.1.0"));
+        assert!(text.contains("--image-follow-interval=5s"));
         assert!(text.contains("value: \"https://198.18.16.10:30443\""));
         assert!(text.contains("/manifests/10/spec/template/spec/volumes/-"));
         std::fs::remove_dir_all(&dir).unwrap();

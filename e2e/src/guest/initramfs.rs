@@ -1,7 +1,8 @@
 //! The guest's whole root filesystem, as an initramfs: busybox for the shell and the
 //! network, Debian's kmod (`modprobe`, `depmod`, `modinfo`) with its libraries, the
-//! kernel's own modules the guest needs (virtio, and `dummy` as the in-tree module to
-//! remove) with a `modules.dep` made by depmod, the agent, and `e2e/guest/init`.
+//! kernel's own modules the guest needs (virtio, `dummy` as the in-tree module to
+//! remove, `crc_itu_t` as one an image depends on) with a `modules.dep` made by depmod,
+//! the agent, and `e2e/guest/init`.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -16,9 +17,16 @@ use crate::{Error, IoContext, Result};
 const INIT: &str = include_str!("../../guest/init");
 /// Where the agent is in the guest.
 pub const AGENT: &str = "/usr/bin/kmm-node-agent";
-/// The in-tree modules the guest carries: drivers for qemu's devices, and `dummy`,
-/// which tests load and then list for removal.
-pub const KERNEL_MODULES: &[&str] = &["virtio_pci", "virtio_net", "virtio_blk", "dummy"];
+/// The in-tree modules the guest carries: drivers for qemu's devices; `dummy`, which
+/// tests load and then list for removal; and `crc_itu_t`, which a kmod image reaches
+/// through upstream's in-tree dependency link (`in_tree_image`).
+pub const KERNEL_MODULES: &[&str] = &[
+    "virtio_pci",
+    "virtio_net",
+    "virtio_blk",
+    "dummy",
+    "crc_itu_t",
+];
 /// kmod's tools: these names must be kmod, never busybox's look-alike applets.
 const KMOD_TOOLS: &[&str] = &["modprobe", "depmod", "modinfo", "insmod", "rmmod", "lsmod"];
 const BUSYBOX: &str = "/usr/bin/busybox";

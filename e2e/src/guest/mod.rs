@@ -17,6 +17,7 @@ pub mod channel;
 mod cpio;
 pub mod firmware_image;
 pub mod host_packages;
+pub mod in_tree_image;
 pub mod initramfs;
 pub mod kernel_package;
 pub mod machine;

@@ -140,6 +140,7 @@ impl TestHub {
             addon_name: addon_name.clone(),
             builder_image: "127.0.0.1:1/kmm-fleet/kmm-builder:test".into(),
             registry_ca_file: None,
+            image_follow_interval: Duration::from_secs(300),
             serving_validity: options.serving_validity.unwrap_or(ca::SERVING_VALIDITY),
         };
         let (health, metrics) = (Health::default(), Metrics::default());

@@ -1,8 +1,5 @@
 //! Image references: valid by the distribution grammar, and pinned by a tag or digest.
 
-use std::str::FromStr;
-
-use oci_spec::distribution::Reference;
 use thiserror::Error;
 
 /// Why an image reference is not acceptable.
@@ -26,7 +23,7 @@ pub enum ImageReferenceError {
 
 /// Checks that `reference` parses and names a tag or a digest explicitly.
 pub fn check(reference: &str) -> Result<(), ImageReferenceError> {
-    Reference::from_str(reference).map_err(|e| ImageReferenceError::Invalid {
+    kmm_image_reference::parse(reference).map_err(|e| ImageReferenceError::Invalid {
         reference: reference.to_owned(),
         reason: e.to_string(),
     })?;

@@ -84,6 +84,21 @@ pub fn validate(spec: &ModuleSpec, identity: ModuleIdentity<'_>) -> Result<(), V
             tolerations,
         );
     }
+    if let Some(plugin) = &spec.device_plugin {
+        let path = format!("{}.devicePlugin", identity.spec_path);
+        validate_pull_policy(
+            &mut c,
+            &format!("{path}.container"),
+            plugin.container.image_pull_policy.as_deref(),
+        );
+        if let Some(init) = &plugin.init_container {
+            validate_pull_policy(
+                &mut c,
+                &format!("{path}.initContainer"),
+                init.image_pull_policy.as_deref(),
+            );
+        }
+    }
     match (&spec.module_loader, &spec.device_plugin) {
         (Some(loader), _) => {
             let path = format!("{}.moduleLoader.container", identity.spec_path);
@@ -103,6 +118,19 @@ pub fn validate(spec: &ModuleSpec, identity: ModuleIdentity<'_>) -> Result<(), V
         Ok(())
     } else {
         Err(ValidationErrors(c.0))
+    }
+}
+
+/// Upstream's (Kubernetes') pull policies; the kubelet refuses any other in a plugin Pod.
+fn validate_pull_policy(c: &mut Collector, container_path: &str, policy: Option<&str>) {
+    if let Some(policy) = policy
+        && !matches!(policy, "Always" | "Never" | "IfNotPresent")
+    {
+        c.error(
+            format!("{container_path}.imagePullPolicy"),
+            Some(policy),
+            "must be one of Always, Never, IfNotPresent",
+        );
     }
 }
 
@@ -157,15 +185,7 @@ fn validate_container(c: &mut Collector, path: &str, container: &ModuleLoaderCon
     if let Some(image) = non_empty(&container.container_image) {
         validate_image_template(c, &format!("{path}.containerImage"), image);
     }
-    if let Some(policy) = container.image_pull_policy.as_deref()
-        && !matches!(policy, "Always" | "Never" | "IfNotPresent")
-    {
-        c.error(
-            format!("{path}.imagePullPolicy"),
-            Some(policy),
-            "must be one of Always, Never, IfNotPresent",
-        );
-    }
+    validate_pull_policy(c, path, container.image_pull_policy.as_deref());
     if let Some(version) = container.version.as_deref()
         && !is_label_value(version)
     {

@@ -117,6 +117,42 @@ moduleLoader:
 }
 
 #[test]
+fn pull_policies_are_upstreams_three_on_every_container() {
+    let spec = |policy: &str| {
+        format!(
+            r#"
+selector: {{}}
+moduleLoader:
+  container:
+    imagePullPolicy: {policy}
+    modprobe: {{moduleName: m}}
+    kernelMappings: [{{regexp: '.', containerImage: r.example/a:v1}}]
+devicePlugin:
+  container: {{image: r.example/plugin:v1, imagePullPolicy: {policy}}}
+  initContainer: {{image: r.example/init:v1, imagePullPolicy: {policy}}}
+"#
+        )
+    };
+    for policy in ["Always", "IfNotPresent", "Never"] {
+        assert_eq!(
+            errors(&spec(policy), "m", "ns"),
+            Vec::<String>::new(),
+            "{policy}"
+        );
+    }
+    let got = errors(&spec("always"), "m", "ns");
+    let must = "\"always\": must be one of Always, Never, IfNotPresent";
+    assert_eq!(
+        got,
+        [
+            format!("spec.moduleSpec.devicePlugin.container.imagePullPolicy: {must}"),
+            format!("spec.moduleSpec.devicePlugin.initContainer.imagePullPolicy: {must}"),
+            format!("{C}.imagePullPolicy: {must}"),
+        ]
+    );
+}
+
+#[test]
 fn raw_args_need_load_and_unload_without_module_name() {
     let spec = r#"
 selector: {}

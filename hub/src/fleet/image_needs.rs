@@ -4,6 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+use std::time::Duration;
 
 use kmm_api::{ManagedClusterModule, PreflightValidation};
 use kube::ResourceExt;
@@ -69,12 +70,18 @@ impl ServedKernels {
         modules: &[Arc<ManagedClusterModule>],
         preflights: impl IntoIterator<Item = &'p PreflightValidation>,
         resolutions: &mut Resolutions,
+        follow: Option<Duration>,
     ) -> BTreeMap<ImageKey, ImageNeed> {
         let mut needs: BTreeMap<ImageKey, ImageNeed> = self
             .served
             .values()
             .flat_map(|(module, kernels)| {
-                module_needs(module, resolutions.resolve(module, kernels), kernels)
+                module_needs(
+                    module,
+                    resolutions.resolve(module, kernels),
+                    kernels,
+                    follow,
+                )
             })
             .collect();
         // A kernel clusters run keeps its needs.
@@ -147,7 +154,7 @@ mod tests {
         let none = NodeStatuses::default();
         served.add_cluster(&modules, facts, &none, &kernels(&["6.1", "6.2"]));
         served.add_cluster(&modules, facts, &none, &kernels(&["6.2", "6.3"]));
-        let needs = served.needs(&modules, [], &mut Resolutions::default());
+        let needs = served.needs(&modules, [], &mut Resolutions::default(), None);
         // `b` selects no cluster: it is unloaded, or not sent at all, and needs nothing.
         assert_eq!(
             needed(&needs),
@@ -169,8 +176,12 @@ mod tests {
             "spec": {"kernelVersion": "6.9"},
         }))
         .unwrap();
-        let needs =
-            ServedKernels::default().needs(&modules, [&preflight], &mut Resolutions::default());
+        let needs = ServedKernels::default().needs(
+            &modules,
+            [&preflight],
+            &mut Resolutions::default(),
+            None,
+        );
         assert_eq!(
             needed(&needs),
             [("r/a:6.9".to_owned(), vec!["6.9".to_owned()])]

@@ -15,6 +15,7 @@ use kube::ResourceExt;
 
 use super::mirrors::{ImageMirror, mirrored};
 use super::shared_snapshot::SharedSnapshot;
+use crate::images::need::pin_generation;
 use crate::images::spoke_pins::cluster_verdict;
 use crate::images::{ClusterVerdict, ImageKey, ImageRecord, SpokePins, Verdict};
 use crate::resolutions::{ModuleResolutions, Resolutions};
@@ -181,6 +182,8 @@ fn module_intent(
         .map(|s| s.name.clone())
         .filter(|n| !n.is_empty());
     let generation = spec.image_rebuild_trigger_generation.unwrap_or_default();
+    // The revision served loads the digests pinned by its pin generation.
+    let pinned_at = pin_generation(mcm);
     let targets = kernels
         .iter()
         .map(|kernel| {
@@ -202,7 +205,8 @@ fn module_intent(
                                 module: name.clone(),
                                 image: resolution.container_image.clone(),
                             };
-                            match images.records.get(&key).map(ImageRecord::verdict) {
+                            let verdict = images.records.get(&key).map(|r| r.verdict_at(pinned_at));
+                            match verdict {
                                 Some(Verdict::Load { digest }) => {
                                     needed.extend(secret.clone());
                                     Target::Load(module_load(resolution, secret.as_deref(), digest))
@@ -450,6 +454,8 @@ mod tests {
             build: None,
             sign: None,
             rebuild_generation: 0,
+            follow_interval: None,
+            pin_generation: 0,
         };
         let now = k8s_openapi::jiff::Timestamp::UNIX_EPOCH;
         BTreeMap::from([(
@@ -494,6 +500,43 @@ mod tests {
             &mut BTreeSet::new(),
             &mut BTreeSet::new(),
         )
+    }
+
+    #[test]
+    fn each_revision_loads_the_digest_its_pin_generation_pinned() {
+        let mut images = pinned();
+        for record in images.values_mut() {
+            record.earlier = vec![kmm_api::ImagePin {
+                pin_generation: 0,
+                digest: "sha256:before".into(),
+            }];
+            record.pinned_at = 1;
+        }
+        let digest_of = |module: &ManagedClusterModule| {
+            let snapshot = cluster_intents(
+                &[ModuleInput {
+                    module,
+                    unload: false,
+                }],
+                &kernels(&["6.1.0-13-amd64"]),
+                &creds(&["pull"]),
+                hub_only(&images),
+                &mut Resolutions::default(),
+            )
+            .snapshot;
+            match &snapshot.modules[0].kernels[0].target {
+                Some(Target::Load(load)) => load.digest.clone(),
+                other => panic!("not loaded: {other:?}"),
+            }
+        };
+        let before = mcm("hello", HELLO);
+        assert_eq!(digest_of(&before), "sha256:before");
+        let mut moved = before.clone();
+        moved.status = Some(kmm_api::ManagedClusterModuleStatus {
+            pin_generation: Some(1),
+            ..Default::default()
+        });
+        assert_eq!(digest_of(&moved), PINNED);
     }
 
     #[test]

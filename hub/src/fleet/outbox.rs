@@ -3,7 +3,11 @@
 //! revisions only ever increase, also past what a proxy applied from an earlier hub. Pure.
 
 use std::collections::BTreeMap;
+use std::hash::{Hash, Hasher};
 use std::sync::Arc;
+
+use kmm_proto::v1::ModuleIntent;
+use kmm_proto::v1::kernel_target::Target;
 
 use super::shared_snapshot::SharedSnapshot;
 
@@ -15,9 +19,10 @@ pub struct Outbox {
     /// The highest revision the proxy said it applied (its hello).
     applied: u64,
     delivered_on_stream: bool,
-    /// Per module (namespace, name) in the last snapshot: the generation it carries and
-    /// the revision of the first snapshot that carried that generation.
-    generations: BTreeMap<(String, String), (i64, u64)>,
+    /// Per module (namespace, name) in the last snapshot: the generation it carries, a
+    /// digest of the image digests it loads, and the revision of the first snapshot that
+    /// carried both (a followed tag moves the digests and not the generation).
+    generations: BTreeMap<(String, String), (i64, u64, u64)>,
     /// Per module the last snapshot unloads: the revision of the first snapshot that
     /// unloaded it. Only a report made with that revision applied can confirm the unload.
     unloads: BTreeMap<(String, String), u64>,
@@ -49,15 +54,20 @@ impl Outbox {
         for intent in &content.modules {
             let Some(key) = &intent.key else { continue };
             let id = (key.namespace.clone(), key.name.clone());
+            let loads = loaded_digests(intent);
             let first = match self.generations.get(&id) {
-                Some(&(generation, revision)) if generation == intent.generation => revision,
+                Some(&(generation, digests, revision))
+                    if (generation, digests) == (intent.generation, loads) =>
+                {
+                    revision
+                }
                 _ => content.revision,
             };
             if intent.unload {
                 let since = self.unloads.get(&id).copied().unwrap_or(content.revision);
                 unloads.insert(id.clone(), since);
             }
-            generations.insert(id, (intent.generation, first));
+            generations.insert(id, (intent.generation, loads, first));
         }
         self.generations = generations;
         self.unloads = unloads;
@@ -68,8 +78,8 @@ impl Outbox {
     }
 
     /// Whether statuses the proxy made with revision `acked` applied reflect `generation`
-    /// of module `namespace/name`: a snapshot carrying that generation went out, and the
-    /// proxy has applied it (or a later one).
+    /// of module `namespace/name`: a snapshot carrying that generation, and the digests
+    /// the module loads now, went out, and the proxy has applied it (or a later one).
     pub fn reflects(
         &self,
         namespace: &str,
@@ -79,7 +89,7 @@ impl Outbox {
     ) -> bool {
         self.generations
             .get(&(namespace.to_owned(), name.to_owned()))
-            .is_some_and(|&(sent, revision)| Some(sent) == generation && acked >= revision)
+            .is_some_and(|&(sent, _, revision)| Some(sent) == generation && acked >= revision)
     }
 
     /// Whether the last snapshot unloads the module and no report made with that unload
@@ -109,6 +119,17 @@ impl Outbox {
     pub fn last(&self) -> Option<&SharedSnapshot> {
         self.last.as_deref()
     }
+}
+
+/// A digest of which image digest the intent loads on each kernel.
+fn loaded_digests(intent: &ModuleIntent) -> u64 {
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    for target in &intent.kernels {
+        if let Some(Target::Load(load)) = &target.target {
+            (&target.kernel, &load.digest).hash(&mut hasher);
+        }
+    }
+    hasher.finish()
 }
 
 #[cfg(test)]
@@ -228,6 +249,35 @@ mod tests {
         // A module left out of the snapshot is reflected no more.
         outbox.offer(with_generation(&["b"], 2)).unwrap();
         assert!(!outbox.reflects("drivers", "a", Some(2), 4));
+    }
+
+    #[test]
+    fn a_new_digest_is_reflected_only_once_applied_though_the_generation_stayed() {
+        use kmm_proto::v1::{KernelTarget, ModuleLoad};
+        let loading = |digest: &str| {
+            let mut s = snapshot(&["a"]);
+            let intent = Arc::make_mut(&mut s.modules[0]);
+            intent.generation = 1;
+            intent.kernels = vec![KernelTarget {
+                kernel: "6.1".into(),
+                target: Some(Target::Load(ModuleLoad {
+                    digest: digest.into(),
+                    ..ModuleLoad::default()
+                })),
+            }];
+            s
+        };
+        let mut outbox = Outbox::default();
+        outbox.new_stream(0);
+        outbox.offer(loading("sha256:d1")).unwrap();
+        assert!(outbox.reflects("drivers", "a", Some(1), 1));
+        let moved = outbox.offer(loading("sha256:d2")).unwrap();
+        assert_eq!(moved.revision, 2);
+        assert!(
+            !outbox.reflects("drivers", "a", Some(1), 1),
+            "nodes that loaded the old digest do not count for the new one"
+        );
+        assert!(outbox.reflects("drivers", "a", Some(1), 2));
     }
 
     #[test]

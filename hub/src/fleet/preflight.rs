@@ -29,7 +29,8 @@ pub fn preflight_needs(
     kernel: &str,
     push: bool,
 ) -> BTreeMap<ImageKey, ImageNeed> {
-    let mut needs = module_needs(module, resolved, &BTreeSet::from([kernel.to_owned()]));
+    // A kernel no cluster runs yet: checked (and built) ahead, not followed.
+    let mut needs = module_needs(module, resolved, &BTreeSet::from([kernel.to_owned()]), None);
     if !push {
         for need in needs.values_mut() {
             need.build = None;
@@ -213,6 +214,8 @@ mod tests {
             then: Next::Check,
             next_at: Timestamp::UNIX_EPOCH,
             since: Timestamp::UNIX_EPOCH,
+            pinned_at: 0,
+            earlier: Vec::new(),
         }
     }
 

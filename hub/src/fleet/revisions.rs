@@ -3,7 +3,9 @@
 //!
 //! A revision is named by a digest of the spec's content, so that a change made and
 //! undone is the same revision, and a change of anything else (the selector, the strategy)
-//! is none. Each one the hub serves is kept in a `ControllerRevision` in the hub's
+//! is none. A followed tag that moved (`imagePullPolicy: Always`) is a change too: the
+//! module's pin generation (`status.pinGeneration`) is part of the revision, so that the
+//! new digest rolls out like a new spec. Each one the hub serves is kept in a `ControllerRevision` in the hub's
 //! namespace, as DaemonSets keep theirs: the spec a cluster still runs after the module
 //! moved on must survive hub restarts.
 
@@ -13,9 +15,11 @@ use std::sync::Arc;
 use k8s_openapi::api::apps::v1::ControllerRevision;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
-use kmm_api::{ManagedClusterModule, ModuleSpec};
+use kmm_api::{ManagedClusterModule, ManagedClusterModuleStatus, ModuleSpec};
 use kube::{Resource, ResourceExt};
 use sha2::{Digest, Sha256};
+
+use crate::images::need::pin_generation;
 
 /// Label on every `ControllerRevision` of a module: the module's name.
 pub const MODULE_LABEL: &str = "hub.kmm.sigs.x-k8s.io/module";
@@ -25,7 +29,30 @@ pub const REVISION_LABEL: &str = "hub.kmm.sigs.x-k8s.io/revision";
 /// The revision name of a spec: 10 hex digits of the digest of its JSON.
 pub fn revision_of(spec: &ModuleSpec) -> String {
     let json = serde_json::to_vec(spec).expect("a ModuleSpec serialises");
-    let digest = Sha256::digest(&json);
+    hex10(&json)
+}
+
+/// The revision name of a spec at a pin generation: the spec's alone at 0, so that
+/// modules that never followed a moved tag keep the names they always had.
+pub fn revision_at(spec: &ModuleSpec, pin_generation: i64) -> String {
+    if pin_generation == 0 {
+        return revision_of(spec);
+    }
+    let json = serde_json::to_vec(&serde_json::json!({
+        "moduleSpec": spec,
+        "pinGeneration": pin_generation,
+    }))
+    .expect("a ModuleSpec serialises");
+    hex10(&json)
+}
+
+/// The module's current revision: its spec at the pin generation its status records.
+pub fn module_revision(module: &ManagedClusterModule) -> String {
+    revision_at(&module.spec.module_spec, pin_generation(module))
+}
+
+fn hex10(bytes: &[u8]) -> String {
+    let digest = Sha256::digest(bytes);
     digest[..5].iter().map(|b| format!("{b:02x}")).collect()
 }
 
@@ -55,9 +82,13 @@ pub fn controller_revision(
             owner_references: owner(module).map(|o| vec![o]),
             ..ObjectMeta::default()
         },
-        data: Some(RawExtension(serde_json::json!({
-            "moduleSpec": module.spec.module_spec,
-        }))),
+        data: Some(RawExtension(match pin_generation(module) {
+            0 => serde_json::json!({"moduleSpec": module.spec.module_spec}),
+            generation => serde_json::json!({
+                "moduleSpec": module.spec.module_spec,
+                "pinGeneration": generation,
+            }),
+        })),
         revision: module.metadata.generation.unwrap_or_default(),
     }
 }
@@ -73,7 +104,8 @@ fn owner(module: &ManagedClusterModule) -> Option<OwnerReference> {
 }
 
 /// The module as it was at a stored revision: its current object (selection, finalizers,
-/// deletion, node upgrade) with that revision's `moduleSpec` and generation.
+/// deletion, node upgrade) with that revision's `moduleSpec`, generation and pin
+/// generation (the only status it keeps: which digests its images load).
 pub fn module_at(
     current: &ManagedClusterModule,
     stored: &ControllerRevision,
@@ -83,10 +115,14 @@ pub fn module_at(
         .as_ref()
         .map_or(&serde_json::Value::Null, |d| &d.0);
     let spec: ModuleSpec = serde_json::from_value(data["moduleSpec"].clone())?;
+    let pinned: Option<i64> = serde_json::from_value(data["pinGeneration"].clone())?;
     let mut module = current.clone();
     module.spec.module_spec = spec;
     module.metadata.generation = Some(stored.revision);
-    module.status = None;
+    module.status = pinned.map(|generation| ManagedClusterModuleStatus {
+        pin_generation: Some(generation),
+        ..ManagedClusterModuleStatus::default()
+    });
     Ok(module)
 }
 
@@ -94,7 +130,8 @@ pub fn module_at(
 /// revision's module, rebuilt only when the current object changes.
 #[derive(Debug, Default)]
 pub struct Revisions {
-    current: HashMap<String, (Option<i64>, String)>,
+    /// Per module: its generation and pin generation, and the revision they make.
+    current: HashMap<String, ((Option<i64>, i64), String)>,
     earlier: HashMap<(String, String), (Option<String>, Arc<ManagedClusterModule>)>,
     /// (module, revision) found missing since last found: said once, not per recompute.
     missing: HashSet<(String, String)>,
@@ -110,13 +147,13 @@ pub struct Missing {
 impl Revisions {
     /// The module's current revision.
     pub fn current(&mut self, module: &ManagedClusterModule) -> String {
-        let generation = module.metadata.generation;
+        let made_of = (module.metadata.generation, pin_generation(module));
         let entry = self
             .current
             .entry(module.name_any())
-            .or_insert_with(|| (generation, revision_of(&module.spec.module_spec)));
-        if entry.0 != generation {
-            *entry = (generation, revision_of(&module.spec.module_spec));
+            .or_insert_with(|| (made_of, module_revision(module)));
+        if entry.0 != made_of {
+            *entry = (made_of, module_revision(module));
         }
         entry.1.clone()
     }
@@ -235,6 +272,46 @@ mod tests {
             Err(Missing { newly: true }),
             "found again, then lost again: said again"
         );
+    }
+
+    fn pinned(mut module: ManagedClusterModule, generation: i64) -> ManagedClusterModule {
+        module.status = Some(ManagedClusterModuleStatus {
+            pin_generation: Some(generation),
+            ..ManagedClusterModuleStatus::default()
+        });
+        module
+    }
+
+    #[test]
+    fn a_followed_tag_move_is_a_new_revision_kept_with_its_pin_generation() {
+        let v1 = mcm(1, "r/hello:1");
+        let at0 = module_revision(&v1);
+        assert_eq!(
+            at0,
+            revision_of(&v1.spec.module_spec),
+            "names before 0 stay"
+        );
+        let moved = pinned(v1.clone(), 1);
+        let at1 = module_revision(&moved);
+        assert_ne!(at0, at1, "the same spec, another digest: another revision");
+        assert_ne!(at1, module_revision(&pinned(v1.clone(), 2)));
+        let mut revisions = Revisions::default();
+        assert_eq!(revisions.current(&v1), at0);
+        assert_eq!(revisions.current(&moved), at1, "recomputed on a move alone");
+
+        // Kept with it: the cluster on it loads that generation's digests.
+        let stored = Arc::new(controller_revision(&moved, &at1, "kmm-hub"));
+        let later = pinned(mcm(2, "r/hello:2"), 3);
+        let back = module_at(&later, &stored).unwrap();
+        assert_eq!(pin_generation(&back), 1);
+        assert_eq!(module_revision(&back), at1);
+        let first = controller_revision(&v1, &at0, "kmm-hub");
+        assert_eq!(
+            first.data.as_ref().unwrap().0,
+            serde_json::json!({"moduleSpec": v1.spec.module_spec}),
+            "a revision without a move is kept as before"
+        );
+        assert_eq!(pin_generation(&module_at(&later, &first).unwrap()), 0);
     }
 
     #[test]

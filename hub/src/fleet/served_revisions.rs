@@ -15,6 +15,7 @@ use kube::ResourceExt;
 use super::assignment::{ClusterFacts, Selection, is_deleting, selection};
 use super::revisions::{Missing, Revisions, object_name};
 use super::rollout::{Assigned, assigned};
+use crate::images::need::pin_generation;
 
 /// Whether the module rolls out progressively: then each cluster runs the revision the
 /// rollout record in its status assigns it.
@@ -26,10 +27,12 @@ pub fn is_progressive(module: &ManagedClusterModule) -> bool {
         .is_some_and(|s| s.type_ == RolloutType::Progressive)
 }
 
-/// A digest of which revision each cluster is assigned: a change (a cluster released)
-/// must recompute the module's clusters even though its generation stayed.
+/// A digest of which revision each cluster is assigned, and of the pin generation: a
+/// change (a cluster released, a followed tag's new digest on record) must recompute the
+/// module's clusters even though its generation stayed.
 pub fn assignment_key(module: &ManagedClusterModule) -> u64 {
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    pin_generation(module).hash(&mut hasher);
     if is_progressive(module) {
         let record = module.status.as_ref().and_then(|s| s.rollout.as_ref());
         record.map(|r| &r.base_revision).hash(&mut hasher);
@@ -244,5 +247,12 @@ mod tests {
         let plain = with_record(mcm("r/x:2", false), Some("a1"), &[]);
         let plain_released = with_record(mcm("r/x:2", false), Some("a1"), &[("c1", &v2)]);
         assert_eq!(assignment_key(&plain), assignment_key(&plain_released));
+        let mut moved = plain.clone();
+        moved.status.as_mut().unwrap().pin_generation = Some(1);
+        assert_ne!(
+            assignment_key(&plain),
+            assignment_key(&moved),
+            "a followed tag's new digest on record"
+        );
     }
 }

@@ -224,6 +224,7 @@ impl StatusTally {
             shared_kernel_modules: self.shared,
             images: Vec::new(),
             rollout: None,
+            pin_generation: None,
             device_plugins: None,
             conditions: Vec::new(),
         }

@@ -132,7 +132,7 @@ impl Fleet {
 
     /// Every image the fleet needs is found, as the image worker would record it.
     pub fn find_images(&self) {
-        for (key, need) in self.view.image_needs() {
+        for (key, need) in self.view.image_needs(None) {
             if self.view.image(&key).is_none() {
                 let record = ImageRecord::seeded(&need, "sha256:0123".into(), Timestamp::now());
                 self.view.set_image(key, record);

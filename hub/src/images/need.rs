@@ -3,6 +3,7 @@
 //! the image when the registry does not have it. Pure.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
 
 use kmm_api::{Build, ManagedClusterModule, TlsOptions};
 use kmm_registry::RegistryTls;
@@ -38,6 +39,12 @@ pub struct ImageNeed {
     pub sign: Option<SignPlan>,
     /// `imageRebuildTriggerGeneration`.
     pub rebuild_generation: i64,
+    /// How often the tag is resolved again, to follow it when it moves: set for a module
+    /// whose `imagePullPolicy` is `Always`.
+    pub follow_interval: Option<Duration>,
+    /// The module's pin generation now (see `record::ImageRecord::pinned_at`): a moved
+    /// tag's new digest is pinned at the next one.
+    pub pin_generation: i64,
 }
 
 impl ImageNeed {
@@ -70,17 +77,20 @@ pub struct SignPlan {
 
 /// The images `module` needs for `kernels`, from its cached resolutions (`resolved`,
 /// which must hold those kernels). Kernels that do not resolve need nothing: their nodes
-/// report the resolver's reason instead.
+/// report the resolver's reason instead. `follow` is how often the hub resolves the tags
+/// of `imagePullPolicy: Always` images again (`None`: never).
 pub fn module_needs(
     module: &ManagedClusterModule,
     resolved: &ModuleResolutions,
     kernels: &BTreeSet<String>,
+    follow: Option<Duration>,
 ) -> BTreeMap<ImageKey, ImageNeed> {
     let name = module.name_any();
     let spec = &module.spec.module_spec;
     if resolved.invalid().is_some() {
         return BTreeMap::new();
     }
+    let follow_interval = follow.filter(|_| follows_tags(module));
     let pull_secret = spec
         .image_repo_secret
         .as_ref()
@@ -125,10 +135,33 @@ pub fn module_needs(
                 build: resolution.build.clone(),
                 sign,
                 rebuild_generation: spec.image_rebuild_trigger_generation.unwrap_or_default(),
+                follow_interval,
+                pin_generation: pin_generation(module),
             },
         );
     }
     needs
+}
+
+/// Whether the hub follows the module's tags (`imagePullPolicy: Always`); with any other
+/// policy, or none, the digest pinned first holds.
+pub fn follows_tags(module: &ManagedClusterModule) -> bool {
+    module
+        .spec
+        .module_spec
+        .module_loader
+        .as_ref()
+        .and_then(|loader| loader.container.image_pull_policy.as_deref())
+        == Some("Always")
+}
+
+/// The pin generation the module's status records (0: no tag move followed yet).
+pub fn pin_generation(module: &ManagedClusterModule) -> i64 {
+    module
+        .status
+        .as_ref()
+        .and_then(|s| s.pin_generation)
+        .unwrap_or_default()
 }
 
 fn tls(options: Option<&TlsOptions>) -> RegistryTls {
@@ -181,6 +214,7 @@ mod tests {
             module,
             Resolutions::default().resolve(module, kernels),
             kernels,
+            Some(Duration::from_secs(60)),
         )
     }
 
@@ -257,6 +291,39 @@ mod tests {
         assert_eq!(
             shared.build_target("r.example/hello:shared"),
             "r.example/hello:shared"
+        );
+    }
+
+    #[test]
+    fn only_always_follows_the_tag() {
+        let with_policy = |policy: Option<&str>| {
+            let policy =
+                policy.map_or(String::new(), |p| format!("        imagePullPolicy: {p}\n"));
+            mcm(&format!(
+                "    selector: {{}}\n    moduleLoader:\n      container:\n{policy}        modprobe: {{moduleName: hello}}\n        kernelMappings: [{{regexp: '.', containerImage: r.example/hello:v1}}]\n"
+            ))
+        };
+        let follows = |policy| {
+            let needs = needs_of(&with_policy(policy), &kernels(&["6.1.0"]));
+            needs.values().next().expect("one image").follow_interval
+        };
+        assert_eq!(follows(Some("Always")), Some(Duration::from_secs(60)));
+        for held in [Some("IfNotPresent"), Some("Never"), None] {
+            assert_eq!(follows(held), None, "{held:?}: the pin holds");
+        }
+        let module = with_policy(Some("Always"));
+        let kernels = kernels(&["6.1.0"]);
+        let mut resolutions = Resolutions::default();
+        let never = module_needs(
+            &module,
+            resolutions.resolve(&module, &kernels),
+            &kernels,
+            None,
+        );
+        assert_eq!(
+            never.values().next().unwrap().follow_interval,
+            None,
+            "a hub that follows no tag"
         );
     }
 

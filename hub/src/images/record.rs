@@ -8,6 +8,13 @@
 //! reported, never left "existing". Failures back off exponentially; a build is started
 //! once per input and retried only after its backoff.
 //!
+//! With `imagePullPolicy: Always` the hub follows the tag instead: it resolves it again
+//! every `follow_interval` (once per image, however many clusters load it) and, when it
+//! moved, pins the new digest at the module's next pin generation, keeping the earlier
+//! pins. The pin generation is part of the module's revision (`fleet::revisions`), so
+//! clusters on an earlier revision keep loading the earlier digest until the rollout
+//! moves them ([`ImageRecord::digest_at`]).
+//!
 //! An image the hub cannot check (its registry refuses or does not answer the hub) of a
 //! module that names no `imageRepoSecret` (the clusters' own credentials serve it) and
 //! that the hub needs for no build or signing is resolved by the clusters instead
@@ -24,6 +31,7 @@
 use std::time::Duration;
 
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kmm_api::{ImagePin, MAX_EARLIER_PINS};
 
 use super::need::ImageNeed;
 
@@ -156,6 +164,12 @@ pub struct ImageRecord {
     pub next_at: Timestamp,
     /// When `state` last changed.
     pub since: Timestamp,
+    /// The module's pin generation when `digest` was pinned: revisions of that generation
+    /// or later load it. 0 for a first pin, which every revision loads.
+    pub pinned_at: i64,
+    /// Digests pinned before `digest` (a followed tag that moved), oldest first, at most
+    /// [`MAX_EARLIER_PINS`]: what clusters on earlier revisions load.
+    pub earlier: Vec<ImagePin>,
 }
 
 /// What nodes get for a kernel whose image this is.
@@ -184,6 +198,8 @@ impl ImageRecord {
             then: Next::Check,
             next_at: now,
             since: now,
+            pinned_at: 0,
+            earlier: Vec::new(),
         }
     }
 
@@ -201,7 +217,16 @@ impl ImageRecord {
             then: Next::Check,
             next_at: now,
             since: now,
+            pinned_at: 0,
+            earlier: Vec::new(),
         }
+    }
+
+    /// The record with the pins an earlier leader persisted along with its digest.
+    pub fn with_pins(mut self, pinned_at: i64, earlier: Vec<ImagePin>) -> Self {
+        self.pinned_at = pinned_at;
+        self.earlier = earlier;
+        self
     }
 
     /// Whether status would say the same of both: rechecks that change nothing visible
@@ -213,17 +238,27 @@ impl ImageRecord {
             &self.reason,
             &self.message,
             self.since,
+            self.pinned_at,
+            &self.earlier,
         ) == (
             other.state,
             &other.digest,
             &other.reason,
             &other.message,
             other.since,
+            other.pinned_at,
+            &other.earlier,
         ) && self.need.kernels == other.need.kernels
     }
 
+    /// What nodes on the module's latest revision get.
     pub fn verdict(&self) -> Verdict<'_> {
-        match &self.digest {
+        self.verdict_at(i64::MAX)
+    }
+
+    /// What nodes on a revision of `pin_generation` get.
+    pub fn verdict_at(&self, pin_generation: i64) -> Verdict<'_> {
+        match self.digest_at(pin_generation) {
             Some(digest) => Verdict::Load { digest },
             None if self.state == ImageState::SpokeResolved => Verdict::ResolveOnSpoke,
             None => Verdict::Wait {
@@ -231,6 +266,23 @@ impl ImageRecord {
                 message: &self.message,
             },
         }
+    }
+
+    /// The digest a revision of `pin_generation` loads: the newest pin made at or before
+    /// it. An image first pinned after that revision was cut (a kernel that appeared
+    /// since) loads its oldest pin kept. Nothing while the image has no pin at all: a lost
+    /// image is lost for every revision.
+    pub fn digest_at(&self, pin_generation: i64) -> Option<&str> {
+        let latest = self.digest.as_deref()?;
+        if pin_generation >= self.pinned_at {
+            return Some(latest);
+        }
+        self.earlier
+            .iter()
+            .rev()
+            .find(|pin| pin.pin_generation <= pin_generation)
+            .or(self.earlier.first())
+            .map_or(Some(latest), |pin| Some(pin.digest.as_str()))
     }
 }
 
@@ -254,14 +306,23 @@ pub fn due(need: &ImageNeed, record: Option<&ImageRecord>, now: Timestamp) -> Op
     }
     // A spoke-resolved image too: the hub looks again, and takes the image over only
     // where that moves no cluster (`spoke_pins::settle`).
-    (record.next_at <= now).then_some(record.then)
+    let follows = need.follow_interval.is_some();
+    if follows != record.need.follow_interval.is_some() {
+        // The policy changed: start following the tag, or hold the pin, now.
+        return Some(if follows { Next::Resolve } else { Next::Check });
+    }
+    (record.next_at <= now).then_some(match record.then {
+        // A followed image's recheck looks at the tag, not at the pinned digest.
+        Next::Check if follows && record.digest.is_some() => Next::Resolve,
+        step => step,
+    })
 }
 
 /// Whether the image's pins (the hub's digest and every cluster's) give way to a new
-/// resolution of its tag now: only when the user asks for other bytes, a new
-/// `imageRebuildTriggerGeneration` or new build or sign settings. A tag that moved moves
-/// nothing otherwise. This is the one place a pull policy that follows tags (upstream's
-/// `imagePullPolicy: Always`) decides to look again.
+/// resolution of its tag now: when the user asks for other bytes, a new
+/// `imageRebuildTriggerGeneration` or new build or sign settings. `imagePullPolicy:
+/// Always` follows a hub-checked image's tag on its own schedule (`follow_interval`,
+/// in [`due`]); the clusters' pins of a spoke-resolved image follow no tag.
 pub fn re_resolve_now(record: &ImageRecord, need: &ImageNeed) -> bool {
     recipe_changed(&record.need, need)
 }
@@ -299,6 +360,8 @@ pub fn observe(
                 Some(p) if p.state == state => p.since,
                 _ => now,
             },
+            pinned_at: previous.map_or(0, |p| p.pinned_at),
+            earlier: previous.map(|p| p.earlier.clone()).unwrap_or_default(),
         };
     let failed = |reason: &str, message: String, then| {
         record(
@@ -312,15 +375,40 @@ pub fn observe(
         )
     };
     match observation {
-        Observation::Found { digest } | Observation::Signed { digest } => record(
-            ImageState::Exists,
-            Some(digest),
-            "ImageExists",
-            String::new(),
-            0,
-            Next::Check,
-            at(EXISTS_RECHECK),
-        ),
+        Observation::Found { digest } | Observation::Signed { digest } => {
+            let (then, recheck) = match need.follow_interval {
+                Some(every) => (Next::Resolve, every),
+                None => (Next::Check, EXISTS_RECHECK),
+            };
+            let moved_from = pinned
+                .clone()
+                .filter(|before| need.follow_interval.is_some() && *before != digest);
+            let message = moved_from.as_ref().map_or_else(String::new, |before| {
+                format!(
+                    "the tag moved from {before} (imagePullPolicy Always): clusters get the new \
+                     digest as the module's rollout releases them"
+                )
+            });
+            let mut found = record(
+                ImageState::Exists,
+                Some(digest),
+                "ImageExists",
+                message,
+                0,
+                then,
+                at(recheck),
+            );
+            if let Some(before) = moved_from {
+                found.earlier.push(ImagePin {
+                    pin_generation: found.pinned_at,
+                    digest: before,
+                });
+                let over = found.earlier.len().saturating_sub(MAX_EARLIER_PINS);
+                found.earlier.drain(..over);
+                found.pinned_at = need.pin_generation.max(found.pinned_at) + 1;
+            }
+            found
+        }
         Observation::Missing { answer } => {
             if need.sign.is_some() {
                 record(
@@ -504,6 +592,8 @@ mod tests {
             build: None,
             sign: None,
             rebuild_generation: 0,
+            follow_interval: None,
+            pin_generation: 0,
         }
     }
 
@@ -977,6 +1067,173 @@ mod tests {
         let mut more = plain();
         more.kernels.insert("6.1.1".into());
         assert_eq!(due(&more, Some(&plain_pinned), now()), None);
+    }
+
+    fn following(every: u64) -> ImageNeed {
+        ImageNeed {
+            follow_interval: Some(Duration::from_secs(every)),
+            ..plain()
+        }
+    }
+
+    fn found(digest: &str) -> Observation {
+        Observation::Found {
+            digest: digest.into(),
+        }
+    }
+
+    #[test]
+    fn always_resolves_the_tag_again_each_interval_and_pins_a_move_at_the_next_generation() {
+        let need = following(30);
+        let (steps, first) = run(&need, None, |_| found("sha256:d1"));
+        assert_eq!(steps, [Next::Check]);
+        assert_eq!((first.pinned_at, first.earlier.len()), (0, 0));
+        assert_eq!(due(&need, Some(&first), later(29)), None);
+        assert_eq!(due(&need, Some(&first), later(30)), Some(Next::Resolve));
+        let same = observe(
+            &need,
+            Some(&first),
+            Next::Resolve,
+            found("sha256:d1"),
+            later(30),
+        );
+        assert_eq!(same.pinned_at, 0, "a tag that stayed is no move");
+        assert!(same.reported_alike(&first));
+
+        let moved = observe(
+            &need,
+            Some(&same),
+            Next::Resolve,
+            found("sha256:d2"),
+            later(60),
+        );
+        assert_eq!(moved.digest.as_deref(), Some("sha256:d2"));
+        assert_eq!(moved.pinned_at, 1);
+        assert_eq!(
+            moved.earlier,
+            [ImagePin {
+                pin_generation: 0,
+                digest: "sha256:d1".into()
+            }]
+        );
+        assert!(moved.message.contains("sha256:d1"), "{}", moved.message);
+        assert_eq!(
+            moved.verdict(),
+            Verdict::Load {
+                digest: "sha256:d2"
+            }
+        );
+        assert_eq!(
+            moved.verdict_at(0),
+            Verdict::Load {
+                digest: "sha256:d1"
+            },
+            "clusters on the earlier revision keep the earlier bytes"
+        );
+        assert_eq!(
+            moved.verdict_at(1),
+            Verdict::Load {
+                digest: "sha256:d2"
+            }
+        );
+        assert_eq!(moved.next_at, later(90));
+
+        // Another image of the module moved meanwhile: this one's move joins the next
+        // generation, never one already taken.
+        let raced = ImageNeed {
+            pin_generation: 3,
+            ..need.clone()
+        };
+        let again = observe(
+            &raced,
+            Some(&moved),
+            Next::Resolve,
+            found("sha256:d3"),
+            later(90),
+        );
+        assert_eq!(again.pinned_at, 4);
+        assert_eq!(again.digest_at(0), Some("sha256:d1"));
+        assert_eq!(again.digest_at(3), Some("sha256:d2"));
+        assert_eq!(again.digest_at(4), Some("sha256:d3"));
+    }
+
+    #[test]
+    fn earlier_pins_are_bounded_and_a_revision_older_than_them_loads_the_oldest() {
+        let mut record = observe(&following(30), None, Next::Check, found("sha256:0"), now());
+        for generation in 0..6 {
+            let need = ImageNeed {
+                pin_generation: generation,
+                ..following(30)
+            };
+            let digest = format!("sha256:{}", generation + 1);
+            record = observe(&need, Some(&record), Next::Resolve, found(&digest), now());
+        }
+        assert_eq!(record.pinned_at, 6);
+        assert_eq!(record.earlier.len(), MAX_EARLIER_PINS);
+        assert_eq!(record.digest_at(5), Some("sha256:5"));
+        assert_eq!(record.digest_at(2), Some("sha256:2"));
+        assert_eq!(record.digest_at(0), Some("sha256:2"), "the oldest kept");
+    }
+
+    #[test]
+    fn if_not_present_never_and_unset_hold_the_pin() {
+        // The three policies give the same need: no follow interval (`need::module_needs`).
+        let (_, pinned) = run(&plain(), None, |_| found("sha256:d1"));
+        assert_eq!(due(&plain(), Some(&pinned), later(30)), None);
+        assert_eq!(
+            due(&plain(), Some(&pinned), later(600)),
+            Some(Next::Check),
+            "the pinned digest is checked, the tag is not looked at"
+        );
+        // A new digest all the same (a rebuild): every revision loads it, as before.
+        let rebuilt = observe(
+            &plain(),
+            Some(&pinned),
+            Next::Resolve,
+            found("sha256:d2"),
+            now(),
+        );
+        assert_eq!((rebuilt.pinned_at, rebuilt.earlier.len()), (0, 0));
+        assert_eq!(rebuilt.digest_at(0), Some("sha256:d2"));
+        assert!(rebuilt.message.is_empty());
+    }
+
+    #[test]
+    fn a_changed_policy_acts_at_once() {
+        let (_, held) = run(&plain(), None, |_| found("sha256:d1"));
+        assert_eq!(due(&following(30), Some(&held), now()), Some(Next::Resolve));
+        let (_, followed) = run(&following(30), None, |_| found("sha256:d1"));
+        assert_eq!(due(&plain(), Some(&followed), now()), Some(Next::Check));
+        // A seeded pin of a followed image looks at the tag first.
+        let seeded = ImageRecord::seeded(&following(30), "sha256:d1".into(), now());
+        assert_eq!(
+            due(&following(30), Some(&seeded), now()),
+            Some(Next::Resolve)
+        );
+    }
+
+    #[test]
+    fn a_lost_followed_image_loads_nowhere() {
+        let need = following(30);
+        let (_, first) = run(&need, None, |_| found("sha256:d1"));
+        let moved = observe(
+            &need,
+            Some(&first),
+            Next::Resolve,
+            found("sha256:d2"),
+            now(),
+        );
+        let lost = observe(
+            &need,
+            Some(&moved),
+            Next::Resolve,
+            Observation::Missing {
+                answer: "manifest unknown".into(),
+            },
+            now(),
+        );
+        assert!(matches!(lost.verdict_at(0), Verdict::Wait { .. }));
+        assert!(matches!(lost.verdict(), Verdict::Wait { .. }));
     }
 
     #[test]

@@ -172,6 +172,8 @@ mod tests {
             build: None,
             sign: None,
             rebuild_generation: generation,
+            follow_interval: None,
+            pin_generation: 0,
         }
     }
 

@@ -43,6 +43,8 @@ pub fn image_statuses<'a>(
                 .collect(),
             state: record.state.as_str().to_owned(),
             digest: record.digest.clone(),
+            pin_generation: (record.pinned_at > 0).then_some(record.pinned_at),
+            earlier_pins: record.earlier.clone(),
             reason: record.reason.clone(),
             message: record.message.clone(),
             last_transition_time: Some(Time(record.since)),
@@ -121,12 +123,13 @@ pub fn with_persisted(mut listed: Vec<ImageStatus>, persisted: &[ImageStatus]) -
     listed
 }
 
-/// The digest status persisted for `image`, for a new leader to start from.
-pub fn persisted_digest<'a>(statuses: &'a [ImageStatus], image: &str) -> Option<&'a str> {
+/// The pin status persisted for `image` (its digest, with the generation it was pinned
+/// at and the earlier pins), for a new leader to start from.
+pub fn persisted_pin<'a>(statuses: &'a [ImageStatus], image: &str) -> Option<&'a ImageStatus> {
     statuses
         .iter()
         .find(|s| s.image == image)
-        .and_then(|s| s.digest.as_deref())
+        .filter(|s| s.digest.is_some())
 }
 
 #[cfg(test)]
@@ -149,6 +152,8 @@ mod tests {
             build: None,
             sign: None,
             rebuild_generation: 0,
+            follow_interval: None,
+            pin_generation: 0,
         };
         let records: Vec<(ImageKey, ImageRecord)> = (0..150)
             .rev()
@@ -204,16 +209,62 @@ mod tests {
             ],
             "images no kernel needs now come last, with no kernels, pins kept"
         );
-        assert_eq!(persisted_digest(&few, "r/x:003"), Some("sha256:003"));
+        let digest = |statuses: &[ImageStatus], image: &str| {
+            persisted_pin(statuses, image).and_then(|s| s.digest.clone())
+        };
+        assert_eq!(digest(&few, "r/x:003").as_deref(), Some("sha256:003"));
         assert_eq!(statuses[0].state, "Exists");
-        assert_eq!(persisted_digest(&statuses, "r/x:017"), Some("sha256:017"));
+        assert_eq!(digest(&statuses, "r/x:017").as_deref(), Some("sha256:017"));
         for beyond in ["r/x:149", "r/x:007"] {
-            assert_eq!(
-                persisted_digest(&statuses, beyond),
-                None,
-                "beyond the bound"
-            );
+            assert_eq!(digest(&statuses, beyond), None, "beyond the bound");
         }
+    }
+
+    #[test]
+    fn a_followed_images_pins_round_trip_through_status() {
+        let need = ImageNeed {
+            module_uid: String::new(),
+            spoke_namespace: String::new(),
+            kernels: BTreeSet::from(["6.1.0".to_owned()]),
+            tls: Default::default(),
+            pull_secret: None,
+            build: None,
+            sign: None,
+            rebuild_generation: 0,
+            follow_interval: None,
+            pin_generation: 0,
+        };
+        let earlier = vec![kmm_api::ImagePin {
+            pin_generation: 0,
+            digest: "sha256:d1".into(),
+        }];
+        let record = ImageRecord::seeded(&need, "sha256:d2".into(), Timestamp::UNIX_EPOCH)
+            .with_pins(1, earlier.clone());
+        let key = ImageKey {
+            module: "m".into(),
+            image: "r/x:v1".into(),
+        };
+        let statuses = image_statuses(
+            [(&key, &record)].into_iter(),
+            &BTreeMap::new(),
+            &BTreeMap::new(),
+        );
+        let persisted = persisted_pin(&statuses, "r/x:v1").expect("pinned");
+        assert_eq!(
+            (persisted.digest.as_deref(), persisted.pin_generation),
+            (Some("sha256:d2"), Some(1))
+        );
+        assert_eq!(persisted.earlier_pins, earlier);
+        let first = ImageRecord::seeded(&need, "sha256:d1".into(), Timestamp::UNIX_EPOCH);
+        let statuses = image_statuses(
+            [(&key, &first)].into_iter(),
+            &BTreeMap::new(),
+            &BTreeMap::new(),
+        );
+        assert_eq!(
+            statuses[0].pin_generation, None,
+            "a first pin says nothing more"
+        );
     }
 
     #[test]
@@ -223,10 +274,7 @@ mod tests {
             kernels: vec![],
             state: "Exists".into(),
             digest: digest.map(str::to_owned),
-            reason: String::new(),
-            message: String::new(),
-            last_transition_time: None,
-            clusters: vec![],
+            ..ImageStatus::default()
         };
         let spoke_resolved = ImageStatus {
             state: "SpokeResolved".into(),
@@ -273,6 +321,8 @@ mod tests {
             build: None,
             sign: None,
             rebuild_generation: 0,
+            follow_interval: None,
+            pin_generation: 0,
         };
         let record = observe(
             &need,
@@ -332,7 +382,7 @@ mod tests {
             BTreeMap::from([("spoke2".to_owned(), SpokePin::Digest("sha256:b".into()))]),
             "only pins come back: a failure is asked again"
         );
-        assert_eq!(persisted_digest(&statuses, "r/x:1"), None);
+        assert!(persisted_pin(&statuses, "r/x:1").is_none());
 
         // Bounded per image, per module, and in message length.
         let mut many = SpokePins::default();

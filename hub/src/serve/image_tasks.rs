@@ -92,6 +92,8 @@ mod tests {
             build: None,
             sign: None,
             rebuild_generation: 0,
+            follow_interval: None,
+            pin_generation: 0,
         }
     }
 

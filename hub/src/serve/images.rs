@@ -21,7 +21,7 @@ use super::image_tasks::ImageTasks;
 use super::signing::{MAX_IMAGE_BYTES, sign_image, signing_key};
 use crate::build::{BuildJobs, BuildProgress, BuildRequest};
 use crate::images::record::{Next, Observation, due, observe};
-use crate::images::status::{persisted_digest, persisted_spoke_pins};
+use crate::images::status::{persisted_pin, persisted_spoke_pins};
 use crate::images::{ImageKey, ImageNeed, ImageRecord, ImageState, SpokePins};
 
 /// Images worked on at once.
@@ -51,6 +51,8 @@ pub struct ImageWorker {
     /// PEM CAs the registries chain to besides the system's (`--registry-ca-file`), read
     /// at each step: its optional ConfigMap may come, change or go while the hub runs.
     pub registry_ca_file: Option<std::path::PathBuf>,
+    /// How often the tags of `imagePullPolicy: Always` images are resolved again.
+    pub follow_interval: Duration,
 }
 
 impl std::fmt::Debug for ImageWorker {
@@ -69,7 +71,7 @@ pub async fn run(worker: ImageWorker) {
     let mut tasks = ImageTasks::default();
     loop {
         let pass = tokio::time::Instant::now();
-        let needs = worker.state.image_needs();
+        let needs = worker.state.image_needs(Some(worker.follow_interval));
         let spacing = PASS_INTERVAL.max(pass.elapsed() * PASS_SPACING);
         tracing::debug!(needed = needs.len(), in_flight = tasks.len(), "images");
         worker.state.track_images(&needs);
@@ -158,8 +160,11 @@ impl ImageWorker {
             self.state.set_image(key.clone(), record.clone());
             return Some(record);
         }
-        let digest = persisted_digest(images, &key.image)?;
-        let record = ImageRecord::seeded(need, digest.to_owned(), now);
+        let pin = persisted_pin(images, &key.image)?;
+        let record = ImageRecord::seeded(need, pin.digest.clone()?, now).with_pins(
+            pin.pin_generation.unwrap_or_default(),
+            pin.earlier_pins.clone(),
+        );
         self.state.set_image(key.clone(), record.clone());
         Some(record)
     }

@@ -87,6 +87,8 @@ pub struct Settings {
     /// PEM CAs the registries of checks, builds and signing chain to besides the
     /// system's; an absent file adds none.
     pub registry_ca_file: Option<std::path::PathBuf>,
+    /// How often the tags of `imagePullPolicy: Always` images are resolved again.
+    pub image_follow_interval: Duration,
     /// Lifetime of the serving certificates; they are re-issued with a third of it left.
     pub serving_validity: Duration,
 }
@@ -383,6 +385,7 @@ pub async fn run(
         builds: BuildJobs::new(client.clone(), &settings.namespace, &settings.builder_image),
         events: events.clone(),
         registry_ca_file: settings.registry_ca_file.clone(),
+        follow_interval: settings.image_follow_interval,
     })));
 
     let context = Arc::new(Context {

@@ -820,6 +820,34 @@ fn a_retag_of_the_pinned_digest_keeps_the_module_loaded() {
     assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Loaded));
 }
 
+/// The hub followed the tag to new bytes (`imagePullPolicy: Always`): the same image
+/// name and version, another pinned digest. The node is not loaded with them until its
+/// agent reloads.
+#[test]
+fn a_new_pinned_digest_under_the_same_tag_makes_the_node_pending_until_reloaded() {
+    let pinned = |digest: &str| {
+        let mut m = intent("m", "v1");
+        for kernel in &mut m.kernels {
+            if let Some(Target::Load(load)) = &mut kernel.target {
+                load.digest = digest.into();
+            }
+        }
+        m
+    };
+    let mut s = cluster();
+    s.set_intents(snapshot(1, vec![pinned("sha256:aa")]));
+    let rev = s.desired_modules("a").revision;
+    s.agent_event("a", &event("m", Action::Load, Outcome::Succeeded, rev))
+        .unwrap();
+    assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Loaded));
+    s.set_intents(snapshot(2, vec![pinned("sha256:bb")]));
+    assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Pending));
+    let rev = s.desired_modules("a").revision;
+    s.agent_event("a", &event("m", Action::Load, Outcome::Succeeded, rev))
+        .unwrap();
+    assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Loaded));
+}
+
 /// Seen in the chaos soak: a new hub leader, its images not yet checked, sends a
 /// snapshot without a module; the module comes back narrowed away from a node whose
 /// agent still has it loaded. The agent's word decides that the node may have it.

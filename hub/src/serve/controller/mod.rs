@@ -304,8 +304,13 @@ async fn decide_outcome(
         previous,
         Time(Timestamp::now()),
     );
-    // A released cluster gets its new revision only once the record is written.
-    let urgent = is_transition(previous, &condition) || rollout_moved || !milestones.is_empty();
+    // A released cluster gets its new revision only once the record is written; a
+    // followed tag's new digest reaches clusters once its pin generation is.
+    let pins_moved = status.pin_generation != module.status.as_ref().and_then(|s| s.pin_generation);
+    let urgent = is_transition(previous, &condition)
+        || rollout_moved
+        || pins_moved
+        || !milestones.is_empty();
     let type_ = if phase.is_warning() {
         EventType::Warning
     } else {

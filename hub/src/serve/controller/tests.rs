@@ -474,7 +474,7 @@ fn loaded_on_spoke1(
             }],
         },
     );
-    for (key, need) in state.image_needs() {
+    for (key, need) in state.image_needs(None) {
         state.set_image(
             key,
             ImageRecord::seeded(&need, "sha256:0123".into(), Timestamp::now()),

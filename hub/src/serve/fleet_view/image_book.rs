@@ -145,6 +145,18 @@ impl ImageBook {
         touched
     }
 
+    /// The module's pin generation: the latest any of its images was pinned at, never
+    /// below the one its status records (`persisted`), so that it never goes back even
+    /// when the image that moved is no longer tracked.
+    pub fn pin_generation(&self, module: &str, persisted: i64) -> i64 {
+        self.read()
+            .records
+            .iter()
+            .filter(|(key, _)| key.module == module)
+            .map(|(_, record)| record.pinned_at)
+            .fold(persisted, i64::max)
+    }
+
     /// The module's image statuses, completed with the pins an earlier leader
     /// `persisted`.
     pub fn statuses(&self, module: &str, persisted: &[ImageStatus]) -> Vec<ImageStatus> {
@@ -212,6 +224,8 @@ mod tests {
             build: None,
             sign: None,
             rebuild_generation: 0,
+            follow_interval: None,
+            pin_generation: 0,
         }
     }
 
@@ -231,6 +245,17 @@ mod tests {
             record.state = ImageState::NotFound;
         }
         record
+    }
+
+    #[test]
+    fn the_pin_generation_is_the_latest_pin_and_never_goes_back() {
+        let book = ImageBook::default();
+        assert_eq!(book.pin_generation("hello", 0), 0);
+        book.set(key("6.1"), record("6.1", Some(1)).with_pins(2, Vec::new()));
+        book.set(key("6.2"), record("6.2", Some(1)));
+        assert_eq!(book.pin_generation("hello", 0), 2);
+        assert_eq!(book.pin_generation("hello", 5), 5, "as status records it");
+        assert_eq!(book.pin_generation("other", 0), 0);
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! view, and the image worker's records coming back.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
 
 use k8s_openapi::jiff::Timestamp;
 use kmm_api::{ManagedClusterModule, PreflightModuleStatus, PreflightValidation};
@@ -12,6 +13,7 @@ use crate::fleet::cluster_view::ClusterView;
 use crate::fleet::image_needs::ServedKernels;
 use crate::fleet::module_view::{ModuleView, ModuleViewBuilder};
 use crate::fleet::preflight::preflight_statuses;
+use crate::images::need::pin_generation;
 use crate::images::{ImageKey, ImageNeed, ImageRecord, SpokePins};
 
 use super::{FleetView, lock};
@@ -55,7 +57,9 @@ impl FleetView {
             }
         }
         let persisted = module.status.as_ref().map_or(&[][..], |s| &s.images[..]);
-        let view = view.finish(self.images.statuses(&name, persisted));
+        let mut view = view.finish(self.images.statuses(&name, persisted));
+        let pinned = self.images.pin_generation(&name, pin_generation(module));
+        view.status.pin_generation = (pinned > 0).then_some(pinned);
         let counts = state_counts(&view, &self.sessions.connections().borrow().open);
         if self.caches.remember_counts(&name, counts) {
             self.signals.bump_counted();
@@ -69,8 +73,9 @@ impl FleetView {
     }
 
     /// Every image the fleet needs now: each module (not being unloaded) resolved for the
-    /// kernels of the connected clusters that select it, and what preflights ask.
-    pub fn image_needs(&self) -> BTreeMap<ImageKey, ImageNeed> {
+    /// kernels of the connected clusters that select it, and what preflights ask. The
+    /// tags of `imagePullPolicy: Always` images are resolved again every `follow`.
+    pub fn image_needs(&self, follow: Option<Duration>) -> BTreeMap<ImageKey, ImageNeed> {
         let modules = self.index.modules();
         let mut served = ServedKernels::default();
         let mut reported = BTreeSet::new();
@@ -92,11 +97,22 @@ impl FleetView {
         resolutions.retain_kernels(|kernel| {
             reported.contains(kernel) || preflights.iter().any(|p| p.spec.kernel_version == kernel)
         });
-        served.needs(
+        let mut needs = served.needs(
             &modules,
             preflights.iter().map(AsRef::as_ref),
             &mut resolutions,
-        )
+            follow,
+        );
+        // A move is pinned past every generation the module has: its current object's
+        // (an earlier revision served somewhere has its own, older one).
+        for (key, need) in &mut needs {
+            let persisted = self
+                .index
+                .module(&key.module)
+                .map_or(need.pin_generation, |m| pin_generation(&m));
+            need.pin_generation = self.images.pin_generation(&key.module, persisted);
+        }
+        needs
     }
 
     /// Every module's preflight answer for `preflight`, sorted by module name.

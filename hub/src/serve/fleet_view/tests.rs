@@ -81,6 +81,7 @@ struct Fleet {
     modules: Writer<ManagedClusterModule>,
     clusters: Writer<DynamicObject>,
     decisions: Writer<DynamicObject>,
+    revisions: Writer<k8s_openapi::api::apps::v1::ControllerRevision>,
 }
 
 impl Fleet {
@@ -88,11 +89,12 @@ impl Fleet {
         let modules = Writer::<ManagedClusterModule>::default();
         let clusters = Writer::<DynamicObject>::new(ocm::MANAGED_CLUSTER.api_resource());
         let decisions = Writer::<DynamicObject>::new(ocm::PLACEMENT_DECISION.api_resource());
+        let revisions = Writer::default();
         let stores = Stores {
             modules: modules.as_reader(),
             clusters: clusters.as_reader(),
             secrets: store().0,
-            revisions: store().0,
+            revisions: revisions.as_reader(),
             preflights: store().0,
             decisions: decisions.as_reader(),
         };
@@ -103,7 +105,17 @@ impl Fleet {
             modules,
             clusters,
             decisions,
+            revisions,
         }
+    }
+
+    /// The controller's part: the module's current revision kept.
+    fn keep_revision(&mut self, module: &ManagedClusterModule) {
+        let revision = self.view.current_revision(module);
+        let kept = crate::fleet::revisions::controller_revision(module, &revision, "kmm-hub");
+        self.revisions
+            .apply_watcher_event(&watcher::Event::Apply(kept.clone()));
+        self.view.revision_changed(&kept);
     }
 
     /// Placement `fleet/gpu`'s one PlacementDecision now lists `clusters`.
@@ -208,7 +220,7 @@ fn connect(
 
 /// The image worker's part: every image needed is found.
 fn check_images(fleet: &Fleet) {
-    for (key, need) in fleet.view.image_needs() {
+    for (key, need) in fleet.view.image_needs(None) {
         if fleet.view.image(&key).is_none() {
             let record = ImageRecord::seeded(&need, "sha256:0123".into(), Timestamp::now());
             fleet.view.set_image(key, record);
@@ -522,7 +534,7 @@ fn the_kernels_and_images_of_a_proxy_that_moved_on_are_forgotten() {
                 .collect(),
         };
         fleet.view.inventory("spoke1", id, inventory);
-        let needs = fleet.view.image_needs();
+        let needs = fleet.view.image_needs(None);
         check_images(&fleet);
         fleet.view.track_images(&needs);
     }
@@ -602,6 +614,108 @@ fn device_plugin_counts_of_unknown_modules_are_dropped_and_counted() {
     );
 }
 
+/// The digest of the image `hello` loads in the last snapshot sent on `stream`.
+fn loaded_digest(stream: &tokio::sync::watch::Receiver<Outbound>) -> Option<String> {
+    use kmm_proto::v1::kernel_target::Target;
+    let Outbound::Snapshot(snapshot) = &*stream.borrow() else {
+        return None;
+    };
+    let hello = snapshot
+        .modules
+        .iter()
+        .find(|m| m.key.as_ref().is_some_and(|k| k.name == "hello"))?;
+    match &hello.kernels.first()?.target {
+        Some(Target::Load(load)) => Some(load.digest.clone()),
+        _ => None,
+    }
+}
+
+#[test]
+fn a_followed_tag_moves_each_cluster_only_as_the_rollout_releases_it() {
+    let mut fleet = Fleet::new();
+    fleet.add_cluster("spoke1");
+    fleet.add_cluster("spoke2");
+    let module = hello()
+        .resource_version("1")
+        .with(
+            "/spec/moduleSpec/moduleLoader/container/imagePullPolicy",
+            "Always",
+        )
+        .with("/spec/rolloutStrategy/type", "Progressive");
+    // Rolled out everywhere at pin generation 0.
+    let at0 = module.clone().build();
+    let r0 = fleet.view.current_revision(&at0);
+    let rolled_out = |builder: ModuleBuilder, base: &str, released: &[(&str, &str)]| {
+        builder
+            .with(
+                "/status/rollout",
+                serde_json::json!({
+                    "revision": base, "baseRevision": base, "state": "Progressing",
+                    "summary": "",
+                    "clusters": released.iter().map(|(cluster, revision)| serde_json::json!({
+                        "cluster": cluster, "revision": revision, "state": "Progressing",
+                        "since": "2026-01-01T00:00:00Z",
+                    })).collect::<Vec<_>>(),
+                }),
+            )
+            .build()
+    };
+    fleet.keep_revision(&at0);
+    fleet.add_module(rolled_out(module.clone(), &r0, &[]));
+    let (_, spoke1) = connect(&fleet, "spoke1", 0);
+    let (_, spoke2) = connect(&fleet, "spoke2", 0);
+    assert_eq!(loaded_digest(&spoke1).as_deref(), Some("sha256:0123"));
+
+    // The image worker finds the tag moved.
+    let needs = fleet
+        .view
+        .image_needs(Some(std::time::Duration::from_secs(5)));
+    let (key, need) = needs.into_iter().next().expect("one image");
+    assert!(need.follow_interval.is_some(), "Always follows the tag");
+    let before = fleet.view.image(&key).expect("checked");
+    let moved = crate::images::record::observe(
+        &need,
+        Some(&before),
+        crate::images::Next::Resolve,
+        crate::images::Observation::Found {
+            digest: "sha256:4567".into(),
+        },
+        Timestamp::now(),
+    );
+    fleet.view.set_image(key, moved);
+    assert_eq!(
+        loaded_digest(&spoke1).as_deref(),
+        Some("sha256:0123"),
+        "nothing moves before status records the pin generation"
+    );
+    let status = fleet.view.module_view(&at0).status;
+    assert_eq!(status.pin_generation, Some(1));
+    assert_eq!(status.images[0].digest.as_deref(), Some("sha256:4567"));
+
+    // Status written: a new revision, which the rollout releases to spoke1 first.
+    let at1 = module.clone().with("/status/pinGeneration", 1).build();
+    let r1 = fleet.view.current_revision(&at1);
+    assert_ne!(r0, r1);
+    fleet.keep_revision(&at1);
+    fleet.add_module(rolled_out(
+        module.clone().with("/status/pinGeneration", 1),
+        &r0,
+        &[],
+    ));
+    assert_eq!(loaded_digest(&spoke1).as_deref(), Some("sha256:0123"));
+    fleet.add_module(rolled_out(
+        module.with("/status/pinGeneration", 1),
+        &r0,
+        &[("spoke1", &r1)],
+    ));
+    assert_eq!(loaded_digest(&spoke1).as_deref(), Some("sha256:4567"));
+    assert_eq!(
+        loaded_digest(&spoke2).as_deref(),
+        Some("sha256:0123"),
+        "a cluster the rollout has not reached keeps the earlier bytes"
+    );
+}
+
 /// The target of the module's one kernel in the last snapshot sent on `stream`.
 fn sent_target(
     stream: &tokio::sync::watch::Receiver<Outbound>,
@@ -645,7 +759,7 @@ fn an_image_the_hub_cannot_check_is_pinned_per_cluster_from_each_clusters_answer
         streams.push((cluster, id, sent));
     }
     // The image worker's part: the registry does not answer the hub.
-    for (key, need) in fleet.view.image_needs() {
+    for (key, need) in fleet.view.image_needs(None) {
         let record = crate::images::record::observe(
             &need,
             None,
