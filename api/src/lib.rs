@@ -40,8 +40,9 @@ pub use rollout::{
     RolloutStrategy, RolloutType, Share, parse_duration,
 };
 pub use status::{
-    ClusterCounts, ClusterDevicePlugins, DevicePluginCounts, FailureSample, HeldCluster, ImagePin,
-    ImageStatus, KernelCounts, MAX_EARLIER_PINS, MAX_FAILURE_SAMPLES, MAX_IMAGE_KERNELS,
-    MAX_IMAGE_STATUSES, MAX_SHARED_KERNEL_MODULES, ManagedClusterModuleStatus, NodeCounts,
+    ClusterCounts, ClusterDevicePlugins, DevicePluginCounts, FailureSample, HeldCluster,
+    ImageClusterStatus, ImagePin, ImageStatus, KernelCounts, MAX_EARLIER_PINS, MAX_FAILURE_SAMPLES,
+    MAX_IMAGE_CLUSTER_MESSAGE, MAX_IMAGE_CLUSTERS, MAX_IMAGE_KERNELS, MAX_IMAGE_STATUSES,
+    MAX_MODULE_IMAGE_CLUSTERS, MAX_SHARED_KERNEL_MODULES, ManagedClusterModuleStatus, NodeCounts,
     SharedKernelModule,
 };

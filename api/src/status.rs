@@ -206,6 +206,14 @@ pub struct SharedKernelModule {
 pub const MAX_IMAGE_STATUSES: usize = 100;
 /// Most kernels named per image in status.
 pub const MAX_IMAGE_KERNELS: usize = 10;
+/// Most clusters listed per spoke-resolved image in status (by name); the hub keeps the
+/// pins of the others in memory, and their proxies keep answering with the digest they
+/// resolved.
+pub const MAX_IMAGE_CLUSTERS: usize = 50;
+/// Most cluster entries over all the images of one module's status, and the longest
+/// message one keeps: status stays far below what the API server stores.
+pub const MAX_MODULE_IMAGE_CLUSTERS: usize = 200;
+pub const MAX_IMAGE_CLUSTER_MESSAGE: usize = 256;
 
 /// Most earlier pins an image keeps (see [`ImageStatus::earlier_pins`]).
 pub const MAX_EARLIER_PINS: usize = 4;
@@ -230,13 +238,13 @@ pub struct ImageStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 10))]
     pub kernels: Vec<String>,
-    /// Exists, NeedsBuild, NeedsSign, Building, Signing, Failed, NotFound, or Unchecked (the
-    /// registry refused the hub and the module names no imageRepoSecret: nodes load the
-    /// tag unpinned, with their cluster's pull Secret).
+    /// Exists, NeedsBuild, NeedsSign, Building, Signing, Failed, NotFound, or
+    /// SpokeResolved (the hub cannot check the image: each cluster resolves the tag with
+    /// its own pull Secret and CAs and loads the digest it found, listed in `clusters`).
     pub state: String,
     /// The manifest digest nodes on the module's latest revision load: the tag resolved
     /// once (with `imagePullPolicy: Always`, again whenever the tag moved), or the signed
-    /// image.
+    /// image. Unset for a SpokeResolved image, whose digests are per cluster.
     pub digest: Option<String>,
     /// The module's `pinGeneration` when `digest` was pinned. Absent: 0.
     pub pin_generation: Option<i64>,
@@ -252,4 +260,28 @@ pub struct ImageStatus {
     pub message: String,
     /// When `state` last changed.
     pub last_transition_time: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+    /// For a SpokeResolved image, each cluster's answer, by cluster name (at most 50
+    /// listed): the digest its nodes load, or why it could not resolve the tag.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 50))]
+    pub clusters: Vec<ImageClusterStatus>,
+}
+
+/// One cluster's resolution of a SpokeResolved image.
+#[skip_serializing_none]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ImageClusterStatus {
+    /// The ManagedCluster.
+    pub cluster: String,
+    /// The manifest digest the cluster resolved the tag to, which its nodes load; kept
+    /// until the image is resolved anew (`imageRebuildTriggerGeneration`).
+    pub digest: Option<String>,
+    /// Why the cluster could not resolve the tag (e.g. `ImageNotFound`,
+    /// `RegistryUnauthorized`); unset once it did.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub reason: String,
+    /// The registry's answer to the cluster.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub message: String,
 }

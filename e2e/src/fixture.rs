@@ -87,6 +87,13 @@ impl Fleet {
     pub fn spoke_names(&self) -> Vec<String> {
         self.spokes.keys().cloned().collect()
     }
+
+    /// The fleet's second registry, which the spokes reach and the hub does not, started
+    /// on first use (see [`fleet::spoke_registry`]).
+    pub async fn spoke_registry(&self) -> Result<fleet::spoke_registry::SpokeRegistry> {
+        let settings = Settings::from_env()?;
+        fleet::spoke_registry::spoke_registry(&settings, &self.state).await
+    }
 }
 
 /// A namespace with a generated name, deleted by [`TempNamespace::delete`].

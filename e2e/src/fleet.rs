@@ -34,6 +34,7 @@ pub mod nodes;
 mod ocm;
 mod registry;
 mod simulated_nodes;
+pub mod spoke_registry;
 mod state;
 pub mod ui;
 

@@ -17,16 +17,14 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, ensure};
 use k8s_openapi::ByteString;
-use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
+use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{Node, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kmm_e2e::fixture::{Fleet, wait_until};
-use kmm_e2e::fleet::kmm::{self as fleet_kmm, SPOKE_NAMESPACE};
+use kmm_e2e::fleet::kmm::SPOKE_NAMESPACE;
 use kmm_registry_fixture::RegistryServer;
 use kube::api::{DeleteParams, PostParams};
 use kube::{Api, Client};
-use oci_client::client::{ClientConfig, ClientProtocol};
-use oci_client::secrets::RegistryAuth;
 use serde_json::json;
 use support::*;
 
@@ -40,37 +38,6 @@ fn random_hex(bytes: usize) -> Result<String> {
     let mut buffer = vec![0u8; bytes];
     std::fs::File::open("/dev/urandom")?.read_exact(&mut buffer)?;
     Ok(buffer.iter().map(|b| format!("{b:02x}")).collect())
-}
-
-/// Copies `image` of the fleet's registry (plain HTTP, open) into `to` as `name`.
-async fn copy_image(image: &str, to: &RegistryServer, name: &str) -> Result<()> {
-    let source = oci_client::Client::new(ClientConfig {
-        protocol: ClientProtocol::Http,
-        ..ClientConfig::default()
-    });
-    let pulled = source
-        .pull(
-            &image.parse()?,
-            &RegistryAuth::Anonymous,
-            vec![
-                oci_client::manifest::IMAGE_LAYER_GZIP_MEDIA_TYPE,
-                oci_client::manifest::IMAGE_LAYER_MEDIA_TYPE,
-                oci_client::manifest::IMAGE_DOCKER_LAYER_GZIP_MEDIA_TYPE,
-            ],
-        )
-        .await
-        .with_context(|| format!("pulling {image}"))?;
-    to.client()
-        .push(
-            &to.image(name).parse()?,
-            &pulled.layers,
-            pulled.config,
-            &to.auth(),
-            pulled.manifest,
-        )
-        .await
-        .with_context(|| format!("pushing {}", to.image(name)))?;
-    Ok(())
 }
 
 /// containerd's `hosts.toml` for `registry` on a real node: plain HTTP, as the node's
@@ -95,58 +62,6 @@ impl Drop for NodeRegistryHosts {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
-}
-
-/// Waits until the spoke's proxy runs with `--cluster-pull-secret=<secret>` (empty:
-/// none), rolled out and ready.
-async fn wait_proxy_pull_secret(spoke: &Client, secret: &str) -> Result<()> {
-    let wanted = format!("--cluster-pull-secret={secret}");
-    let deployments = Api::<Deployment>::namespaced(spoke.clone(), SPOKE_NAMESPACE);
-    wait_until(&format!("the proxy with {wanted}"), WAIT, || async {
-        let deployment = deployments
-            .get("kmm-spoke-proxy")
-            .await
-            .map_err(|e| e.to_string())?;
-        let args = deployment
-            .spec
-            .as_ref()
-            .and_then(|s| s.template.spec.as_ref())
-            .and_then(|p| p.containers[0].args.clone())
-            .unwrap_or_default();
-        let status = deployment.status.clone().unwrap_or_default();
-        let rolled = status.observed_generation == deployment.metadata.generation
-            && status.updated_replicas == Some(1)
-            && status.ready_replicas == Some(1)
-            && status.replicas == Some(1);
-        if args.contains(&wanted) && rolled {
-            Ok(())
-        } else {
-            Err(format!("args {args:?}; {status:?}"))
-        }
-    })
-    .await?;
-    fleet_kmm::wait_proxy_ready(spoke, WAIT).await?;
-    Ok(())
-}
-
-/// Waits until the module's status samples a failure of `node` with `reason`, and
-/// returns its message.
-async fn wait_failure(hub: &Client, name: &str, node: &str, reason: &str) -> Result<String> {
-    Ok(wait_until(
-        &format!("{name} failing on {node} with {reason}"),
-        WAIT,
-        || async {
-            let status = status(hub, name).await.map_err(|e| e.to_string())?;
-            status["failures"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .find(|f| f["node"] == node && f["reason"] == reason)
-                .and_then(|f| f["message"].as_str().map(str::to_owned))
-                .ok_or_else(|| format!("failures: {}", status["failures"]))
-        },
-    )
-    .await?)
 }
 
 async fn put_secret(
@@ -255,7 +170,7 @@ async fn a_clusters_pull_secret_loads_a_module_and_runs_its_plugin_from_a_regist
     let (id, name) = (unique("kmm-e2e.dev/cluster-pull"), unique("cluster-pull"));
     let secrets = Api::<Secret>::namespaced(client.clone(), SPOKE_NAMESPACE);
     let checked = async {
-        wait_proxy_pull_secret(&client, &secret_name).await?;
+        addon_config::wait_proxy_pull_secret(&client, &secret_name).await?;
         loads_and_runs_its_plugin(&fleet, &spoke, &registry, &real, &id, &name, &secret_name).await
     }
     .await;
@@ -265,7 +180,7 @@ async fn a_clusters_pull_secret_loads_a_module_and_runs_its_plugin_from_a_regist
     let _ = label_node(&client, &real.name, &id, false).await;
     let _ = label_cluster(&fleet.hub, &spoke, &id, false).await;
     addon_config::use_fleet_config(&fleet.hub, &spoke).await?;
-    wait_proxy_pull_secret(&client, "").await?;
+    addon_config::wait_proxy_pull_secret(&client, "").await?;
     addon_config::delete_own_config(&fleet.hub, &spoke, &own).await?;
     if secrets.get_opt(&secret_name).await?.is_some() {
         delete_secret(&secrets, &secret_name).await?;
@@ -310,15 +225,15 @@ async fn loads_and_runs_its_plugin(
     ensure!(module.spec.module_spec.image_repo_secret.is_none());
     create(&fleet.hub, &module).await?;
 
-    // The hub cannot look at the image: it goes unpinned, for the cluster to pull.
-    wait_until("the image Unchecked in status", WAIT, || async {
+    // The hub cannot look at the image: the cluster resolves it, with its own Secret.
+    wait_until("the image SpokeResolved in status", WAIT, || async {
         let status = status(&fleet.hub, name).await.map_err(|e| e.to_string())?;
         let images = status["images"].clone();
         images
             .as_array()
             .into_iter()
             .flatten()
-            .find(|i| i["state"] == "Unchecked" && i["reason"] == "ImageUnchecked")
+            .find(|i| i["state"] == "SpokeResolved" && i["reason"] == "ImageResolvedBySpokes")
             .map(|_| ())
             .ok_or_else(|| format!("images: {images}"))
     })

@@ -14,7 +14,6 @@ use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kmm_e2e::fixture::{Fleet, wait_until};
-use kmm_e2e::fleet::kmm::Agent;
 use kmm_e2e::guest::module_signing::TestKey;
 use kmm_e2e::versions::Versions;
 use kube::api::{DeleteParams, PostParams};
@@ -419,26 +418,6 @@ async fn a_preflight_builds_and_signs_ahead_for_a_kernel_no_node_runs_and_sends_
     }
     std::fs::remove_dir_all(&work)?;
     Ok(())
-}
-
-/// The digest the agent recorded loading module `key` (`namespace/name`) from, once it
-/// has.
-async fn loaded_digest(agent: &Agent, key: &str) -> Result<String> {
-    Ok(wait_until(
-        &format!("{} to record loading {key}", agent.node),
-        WAIT,
-        || async {
-            let state: Value = std::fs::read(agent.state_file())
-                .ok()
-                .and_then(|b| serde_json::from_slice(&b).ok())
-                .ok_or("no state yet")?;
-            state["modules"][key]["digest"]
-                .as_str()
-                .map(str::to_owned)
-                .ok_or_else(|| state.to_string())
-        },
-    )
-    .await?)
 }
 
 /// How many `.ko` files of `image`'s last layer end with Linux's signature marker.

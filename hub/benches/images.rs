@@ -212,7 +212,7 @@ fn memory(what: &str, module: &ManagedClusterModule, images: usize) -> Result<()
         .map(|(key, need)| (key.clone(), need.kernels.clone()))
         .collect();
     let before_status = dhat::HeapStats::get().curr_bytes;
-    let statuses = image_statuses(records.iter(), &needed);
+    let statuses = image_statuses(records.iter(), &needed, &BTreeMap::new());
     let status_bytes = dhat::HeapStats::get().curr_bytes - before_status;
     println!(
         "hub-images-memory: images={what} tracked={images} records_kib={} per_image_bytes={} status_entries={} status_kib={}",

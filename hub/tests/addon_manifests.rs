@@ -111,27 +111,32 @@ fn the_hub_ca_and_the_registries_cas_are_joined_from_every_part_in_order() {
             .collect();
         assert_eq!(ca["binaryData"]["ca.crt"], joined.as_str(), "{config_map}");
     }
-    // The agents trust that ConfigMap's bundle.
-    let agent = manifests
-        .iter()
-        .find(|m| m["kind"] == "DaemonSet")
-        .expect("the agents' DaemonSet");
-    let pod = &agent["spec"]["template"]["spec"];
-    assert!(
-        pod["volumes"]
-            .as_array()
-            .unwrap()
+    // The agents trust that ConfigMap's bundle, and so does the proxy, which resolves
+    // the images the hub cannot check.
+    for kind in ["DaemonSet", "Deployment"] {
+        let workload = manifests
             .iter()
-            .any(|v| v["configMap"]["name"] == "kmm-registry-ca")
-    );
-    assert!(
-        pod["containers"][0]["args"]
-            .as_array()
-            .unwrap()
-            .contains(&Value::from(
-                "--registry-ca-file=/etc/kmm/registry-ca/ca.crt"
-            ))
-    );
+            .find(|m| m["kind"] == kind)
+            .unwrap_or_else(|| panic!("the add-on's {kind}"));
+        let pod = &workload["spec"]["template"]["spec"];
+        assert!(
+            pod["volumes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|v| v["configMap"]["name"] == "kmm-registry-ca"),
+            "{kind}"
+        );
+        assert!(
+            pod["containers"][0]["args"]
+                .as_array()
+                .unwrap()
+                .contains(&Value::from(
+                    "--registry-ca-file=/etc/kmm/registry-ca/ca.crt"
+                )),
+            "{kind}"
+        );
+    }
 }
 
 /// Every rule of the proxy's Roles and ClusterRoles that names Secrets: (kind, resource

@@ -11,7 +11,7 @@ use kmm_api::ManagedClusterModule;
 use kmm_api::labels::version_module_label;
 use kmm_hub::admission::review;
 use kmm_hub::build::request::BuildRequest;
-use kmm_hub::fleet::intents::{ModuleInput, cluster_intents, selects};
+use kmm_hub::fleet::intents::{ClusterImages, ModuleInput, cluster_intents, selects};
 use kmm_hub::images::{ImageKey, ImageNeed, ImageRecord, module_needs};
 use kmm_hub::resolutions::Resolutions;
 use kmm_proto::v1::kernel_target::Target;
@@ -122,7 +122,12 @@ fn sent(module: &ManagedClusterModule, kernels: &[&str], secrets: &[&str]) -> In
         }],
         &kernels,
         &credentials,
-        &images,
+        ClusterImages {
+            records: &images,
+            spoke_pins: &BTreeMap::new(),
+            cluster: "spoke1",
+            mirrors: &[],
+        },
         &mut Resolutions::default(),
     )
     .snapshot

@@ -55,6 +55,10 @@ pub mod limits {
     /// The bytes of a module's version or image digest a receiver keeps (an OCI digest
     /// is 71, a version a label value of at most 63).
     pub const MODULE_VERSION: usize = 128;
+    /// The most images one `SpokeImageReport` may answer for: the hub asks a cluster to
+    /// resolve only the images it cannot check itself, a handful per module; the hub
+    /// drops the answers beyond (and those it never asked for).
+    pub const SPOKE_IMAGES: usize = 1024;
 
     /// Whether `release` is a kernel release a peer may name: 1 to [`KERNEL_RELEASE`]
     /// bytes of ASCII letters, digits and `.`, `-`, `_`, `+`, `~` (what `uname -r` shows

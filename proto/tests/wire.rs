@@ -2,9 +2,10 @@
 //! must never change. These golden encodings fail if one does.
 
 use kmm_proto::v1::{
-    AgentHello, IntentSnapshot, Kernel, KernelInventory, KernelTarget, LoadedModule, Modprobe,
-    ModuleIntent, ModuleKey, ModuleLoad, PullCredential, kernel_target::Target,
-    pull_credential::Content,
+    AgentHello, ImageResolution, IntentSnapshot, Kernel, KernelInventory, KernelTarget,
+    LoadedModule, Modprobe, ModuleIntent, ModuleKey, ModuleLoad, ProxyMessage, PullCredential,
+    SpokeImage, SpokeImageReport, Unresolved, kernel_target::Target, proxy_message,
+    pull_credential::Content, spoke_image,
 };
 use prost::Message;
 
@@ -103,4 +104,53 @@ fn kernel_inventory_encoding_is_stable_and_reads_older_proxies() {
         KernelInventory::decode(older.as_slice()).unwrap(),
         inventory
     );
+}
+
+#[test]
+fn spoke_resolution_encodings_are_stable() {
+    let target = KernelTarget {
+        kernel: "6.1".into(),
+        target: Some(Target::Resolve(ImageResolution {
+            load: Some(ModuleLoad {
+                image: "r/x:v1".into(),
+                ..ModuleLoad::default()
+            }),
+            image_generation: 2,
+        })),
+    };
+    let bytes = target.encode_to_vec();
+    // kernel; resolve (field 4): load (image), image_generation 2.
+    assert_eq!(hex(&bytes), "0a03362e31220c0a080a06722f783a76311002");
+    assert_eq!(KernelTarget::decode(bytes.as_slice()).unwrap(), target);
+
+    let report = ProxyMessage {
+        message: Some(proxy_message::Message::SpokeImages(SpokeImageReport {
+            images: vec![
+                SpokeImage {
+                    module: Some(key()),
+                    image: "r/x:v1".into(),
+                    image_generation: 2,
+                    result: Some(spoke_image::Result::Digest("sha256:a".into())),
+                },
+                SpokeImage {
+                    module: Some(key()),
+                    image: "r/y:v1".into(),
+                    image_generation: 0,
+                    result: Some(spoke_image::Result::Failure(Unresolved {
+                        reason: "ImageNotFound".into(),
+                        message: "m".into(),
+                    })),
+                },
+            ],
+        })),
+    };
+    let bytes = report.encode_to_vec();
+    // spoke_images (field 5): images[0] (module, image, generation 2, digest),
+    // images[1] (module, image, failure: reason, message).
+    assert_eq!(
+        hex(&bytes),
+        "2a460a1d0a070a026e7312016d1206722f783a7631180222087368613235363a61\
+         0a250a070a026e7312016d1206722f793a76312a120a0d496d6167654e6f74466f756e6412016d"
+    );
+    assert_eq!(ProxyMessage::decode(bytes.as_slice()).unwrap(), report);
 }

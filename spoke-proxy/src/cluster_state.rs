@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use kmm_proto::v1::{
     AgentHello, DesiredModules, DevicePlugin, DevicePluginCount, DevicePluginReport,
     IntentSnapshot, KernelInventory, ModuleEvent, ModuleIntent, ModuleLoad, ModuleState,
-    NodeModule, Toleration,
+    NodeModule, PullCredential, Toleration, Unresolved,
 };
 use serde_json::Value;
 
@@ -27,6 +27,7 @@ use crate::node_facts::NodeFacts;
 use crate::node_status::{NodeStatuses, StatusKey, assess, assess_device_plugin_only, to_status};
 use crate::node_upgrade::{self, Hold};
 use crate::placement::{Held, Placement, check_agent_kernel, place};
+use crate::spoke_images::{Request, SpokeImages};
 
 /// One node's current work.
 #[derive(Clone, Default)]
@@ -77,6 +78,28 @@ pub struct ClusterState {
     device_plugin_counts: BTreeMap<ModuleId, (u32, u32)>,
     /// The cluster's own pull Secret, for the loads the hub sent without a credential.
     cluster_pull_secret: ClusterPullSecret,
+    /// The images the hub asked this cluster to resolve, and the answers.
+    spoke_images: SpokeImages,
+}
+
+/// One image to resolve now, with what to resolve it with.
+#[derive(Clone)]
+pub struct SpokeResolution {
+    pub request: Request,
+    pub tls: Option<kmm_proto::v1::RegistryTls>,
+    /// The credential to ask with (the module's from the hub, else the cluster's own),
+    /// or why the cluster's own cannot be used.
+    pub credential: Result<Option<PullCredential>, Unresolved>,
+}
+
+impl std::fmt::Debug for SpokeResolution {
+    /// Without the credential's content.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SpokeResolution")
+            .field("request", &self.request)
+            .field("tls", &self.tls)
+            .finish_non_exhaustive()
+    }
 }
 
 /// What the agent must do for a module, without what it needs to do it (credentials,
@@ -147,6 +170,7 @@ impl ClusterState {
             device_plugin_pods: None,
             device_plugin_counts: BTreeMap::new(),
             cluster_pull_secret: ClusterPullSecret::NotConfigured,
+            spoke_images: SpokeImages::default(),
         }
     }
 
@@ -157,6 +181,9 @@ impl ClusterState {
             return false;
         }
         self.cluster_pull_secret = secret;
+        // Resolutions for the hub that failed may succeed with it now.
+        self.spoke_images
+            .retry_failed_now(std::time::Instant::now());
         self.refresh();
         true
     }
@@ -223,8 +250,58 @@ impl ClusterState {
     /// Applies a snapshot from the hub: a complete one as it is, a delta onto the one
     /// applied before.
     pub fn set_intents(&mut self, snapshot: IntentSnapshot) {
-        self.intents = Some(kmm_proto::apply_snapshot(self.intents.as_ref(), snapshot));
+        let snapshot = kmm_proto::apply_snapshot(self.intents.as_ref(), snapshot);
+        self.spoke_images.set_requests(&snapshot);
+        self.intents = Some(snapshot);
         self.refresh();
+    }
+
+    /// The images to resolve for the hub at `now`, each with its credential.
+    pub fn spoke_images_due(&self, now: std::time::Instant) -> Vec<SpokeResolution> {
+        let credentials = self.intents.iter().flat_map(|s| &s.credentials);
+        self.spoke_images
+            .due(now)
+            .into_iter()
+            .map(|(request, mut load)| {
+                let credential = self.cluster_pull_secret.supply(&mut load).map(|()| {
+                    credentials
+                        .clone()
+                        .find(|c| {
+                            !load.pull_credential_id.is_empty() && c.id == load.pull_credential_id
+                        })
+                        .or_else(|| {
+                            self.cluster_pull_secret
+                                .credential(&load.pull_credential_id)
+                        })
+                        .cloned()
+                });
+                SpokeResolution {
+                    request,
+                    tls: load.registry_tls,
+                    credential,
+                }
+            })
+            .collect()
+    }
+
+    /// When a failed resolution is due again.
+    pub fn spoke_images_next_retry(&self) -> Option<std::time::Instant> {
+        self.spoke_images.next_retry()
+    }
+
+    /// What resolving `request` found; `true` when the report to the hub changed.
+    pub fn spoke_image_answered(
+        &mut self,
+        request: Request,
+        found: Result<String, Unresolved>,
+        now: std::time::Instant,
+    ) -> bool {
+        self.spoke_images.answered(request, found, now)
+    }
+
+    /// The answers for the hub.
+    pub fn spoke_image_report(&self) -> kmm_proto::v1::SpokeImageReport {
+        self.spoke_images.report()
     }
 
     /// Revision of the last applied IntentSnapshot, 0 if none.

@@ -208,7 +208,7 @@ async fn session(
     let mut changes = state.subscribe();
     let mut reporter = StatusReporter::default();
     changes.borrow_and_update();
-    let (hello, inventory, statuses, plugins) = state.update_quietly(|s| {
+    let (hello, inventory, statuses, plugins, spoke_images) = state.update_quietly(|s| {
         s.take_status_dirty();
         (
             ProxyHello {
@@ -218,10 +218,12 @@ async fn session(
             s.inventory(),
             s.all_statuses(),
             s.device_plugin_report(),
+            s.spoke_image_report(),
         )
     });
     let mut inventory_revision = inventory.revision;
     let mut plugins_sent = plugins.clone();
+    let mut spoke_images_sent = spoke_images.clone();
     let applied = hello.applied_intent_revision;
     // The plugin counts before the statuses made from the same state: the hub reads a
     // module that loads nothing as converged from the counts once a status report
@@ -230,6 +232,7 @@ async fn session(
         proxy_message::Message::Hello(hello),
         proxy_message::Message::Inventory(inventory),
         proxy_message::Message::DevicePlugins(plugins),
+        proxy_message::Message::SpokeImages(spoke_images),
     ];
     first.extend(
         report_parts(reporter.full(statuses, applied), REPORT_PART)
@@ -283,13 +286,14 @@ async fn session(
                 Err(status) => return Err(SessionError::Broken(status)),
             },
             _ = changes.changed() => {
-                let (inventory, statuses, applied, plugins) = state.update_quietly(|s| {
+                let (inventory, statuses, applied, plugins, spoke_images) = state.update_quietly(|s| {
                     let dirty = s.take_status_dirty();
                     (
                         s.inventory(),
                         s.statuses_of(&dirty),
                         s.applied_intent_revision(),
                         s.device_plugin_report(),
+                        s.spoke_image_report(),
                     )
                 });
                 if inventory.revision != inventory_revision {
@@ -299,6 +303,10 @@ async fn session(
                 if plugins != plugins_sent {
                     plugins_sent = plugins.clone();
                     send(&tx, proxy_message::Message::DevicePlugins(plugins)).await?;
+                }
+                if spoke_images != spoke_images_sent {
+                    spoke_images_sent = spoke_images.clone();
+                    send(&tx, proxy_message::Message::SpokeImages(spoke_images)).await?;
                 }
                 if let Some(delta) = reporter.delta(statuses, applied) {
                     for part in report_parts(delta, REPORT_PART) {

@@ -34,4 +34,6 @@ pub mod placement;
 pub mod review_cache;
 pub mod run;
 pub mod shared_state;
+pub mod spoke_image_sync;
+pub mod spoke_images;
 pub mod tolerations;

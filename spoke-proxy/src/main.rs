@@ -104,6 +104,11 @@ struct RunArgs {
     /// How often the cluster pull Secret is read, in seconds.
     #[arg(long, default_value_t = kmm_spoke_proxy::cluster_pull_secret_sync::DEFAULT_POLL.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
     cluster_pull_secret_poll_seconds: u64,
+    /// PEM CAs the cluster's registries chain to, besides the system's (the add-on's
+    /// variables REGISTRY_CA_BUNDLE_n): the proxy resolves the images the hub cannot
+    /// check with them. Read at each resolution; absent or empty: none.
+    #[arg(long)]
+    registry_ca_file: Option<std::path::PathBuf>,
 }
 
 fn parse_hub_address(address: &str) -> Result<Uri, String> {
@@ -174,6 +179,7 @@ async fn main() -> anyhow::Result<()> {
         metrics_addr: args.metrics_addr,
         cluster_pull_secret: Some(args.cluster_pull_secret).filter(|name| !name.is_empty()),
         cluster_pull_secret_poll: Duration::from_secs(args.cluster_pull_secret_poll_seconds),
+        registry_ca_file: args.registry_ca_file,
     };
     let client = kube::Client::try_default()
         .await

@@ -124,7 +124,9 @@ pub fn place(intent: &ModuleIntent, node: &NodeFacts, may_have_it: bool) -> Plac
             }
         }
         Some(Target::Unresolved(unresolved)) => Placement::Unresolved(unresolved.clone()),
-        None => Placement::AwaitingKernel,
+        // The cluster resolves the image for the hub first (`spoke_images`): nothing is
+        // loaded before the hub pins the digest it found.
+        Some(Target::Resolve(_)) | None => Placement::AwaitingKernel,
     }
 }
 

@@ -23,7 +23,7 @@ use crate::hub_connection::{self, HubLink};
 use crate::metrics::Metrics;
 use crate::node_events::{self, NodeEvents};
 use crate::shared_state::SharedState;
-use crate::{cluster_pull_secret_sync, device_plugin_sync, node_labels, nodes};
+use crate::{cluster_pull_secret_sync, device_plugin_sync, node_labels, nodes, spoke_image_sync};
 
 /// Everything the proxy needs to run.
 #[derive(Clone, Debug)]
@@ -45,6 +45,9 @@ pub struct ProxyConfig {
     pub cluster_pull_secret: Option<String>,
     /// How often that Secret is read.
     pub cluster_pull_secret_poll: Duration,
+    /// The cluster's registry CAs (PEM) besides the system's, for resolving the images
+    /// the hub cannot check.
+    pub registry_ca_file: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Error)]
@@ -132,6 +135,11 @@ pub async fn run(
             cancel.clone(),
         ));
     }
+    tasks.spawn(spoke_image_sync::run(
+        state.clone(),
+        config.registry_ca_file.clone(),
+        cancel.clone(),
+    ));
     tasks.spawn(nodes::run(
         client.clone(),
         state.clone(),

@@ -368,7 +368,9 @@ impl ClusterSim {
                             u.reason.as_str(),
                             u.message.clone(),
                         ),
-                        None => (
+                        // This stand-in resolves no image for the hub: it waits, as a
+                        // proxy does until the hub pins what it resolved.
+                        Some(Target::Resolve(_)) | None => (
                             ModuleState::Pending,
                             None,
                             "",

@@ -127,6 +127,10 @@ fn target(
     match kernel.target.as_ref()? {
         Target::Load(load) => Some(Ok(load.digest.clone())),
         Target::Unresolved(why) => Some(Err((why.reason.clone(), why.message.clone()))),
+        Target::Resolve(_) => Some(Err((
+            "ResolveOnSpoke".into(),
+            "the cluster is to resolve the image".into(),
+        ))),
     }
 }
 

@@ -22,8 +22,11 @@ use kmm_e2e::fleet::{Settings, managed_clusters};
 use kmm_e2e::guest::firmware_image::{FIRMWARE_FILE, FIRMWARE_PATH};
 use kmm_e2e::guest::module_signing::TestKey;
 use kmm_e2e::kmod_builder;
+use kmm_registry_fixture::RegistryServer;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, ResourceExt};
+use oci_client::client::{ClientConfig, ClientProtocol};
+use oci_client::secrets::RegistryAuth;
 use serde_json::{Value, json};
 
 pub const WAIT: Duration = Duration::from_secs(120);
@@ -627,5 +630,92 @@ pub fn readme_example(fleet: &Fleet) -> Result<ReadmeExample> {
         module,
         spoke,
         nodes: expected,
+    })
+}
+
+/// Waits until the module's status samples a failure of `node` with `reason`, and
+/// returns its message.
+pub async fn wait_failure(hub: &Client, name: &str, node: &str, reason: &str) -> Result<String> {
+    Ok(wait_until(
+        &format!("{name} failing on {node} with {reason}"),
+        WAIT,
+        || async {
+            let status = status(hub, name).await.map_err(|e| e.to_string())?;
+            status["failures"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|f| f["node"] == node && f["reason"] == reason)
+                .and_then(|f| f["message"].as_str().map(str::to_owned))
+                .ok_or_else(|| format!("failures: {}", status["failures"]))
+        },
+    )
+    .await?)
+}
+
+/// The digest the agent recorded loading module `key` (`namespace/name`) from, once it
+/// has.
+pub async fn loaded_digest(agent: &Agent, key: &str) -> Result<String> {
+    Ok(wait_until(
+        &format!("{} to record loading {key}", agent.node),
+        WAIT,
+        || async {
+            let state: Value = std::fs::read(agent.state_file())
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok())
+                .ok_or("no state yet")?;
+            state["modules"][key]["digest"]
+                .as_str()
+                .map(str::to_owned)
+                .ok_or_else(|| state.to_string())
+        },
+    )
+    .await?)
+}
+
+/// Copies `image` of the fleet's registry (plain HTTP, open) into `to` as `name`.
+pub async fn copy_image(image: &str, to: &RegistryServer, name: &str) -> Result<()> {
+    copy_image_to(image, &to.client(), &to.auth(), &to.image(name)).await
+}
+
+/// Copies `image` of the fleet's registry (plain HTTP, open) to `target`, pushed with
+/// `client` and `auth`.
+pub async fn copy_image_to(
+    image: &str,
+    client: &oci_client::Client,
+    auth: &RegistryAuth,
+    target: &str,
+) -> Result<()> {
+    let source = plain_client();
+    let pulled = source
+        .pull(
+            &image.parse()?,
+            &RegistryAuth::Anonymous,
+            vec![
+                oci_client::manifest::IMAGE_LAYER_GZIP_MEDIA_TYPE,
+                oci_client::manifest::IMAGE_LAYER_MEDIA_TYPE,
+                oci_client::manifest::IMAGE_DOCKER_LAYER_GZIP_MEDIA_TYPE,
+            ],
+        )
+        .await
+        .with_context(|| format!("pulling {image}"))?;
+    client
+        .push(
+            &target.parse()?,
+            &pulled.layers,
+            pulled.config,
+            auth,
+            pulled.manifest,
+        )
+        .await
+        .with_context(|| format!("pushing {target}"))?;
+    Ok(())
+}
+
+/// A client of plain HTTP registries, as the fleet's.
+pub fn plain_client() -> oci_client::Client {
+    oci_client::Client::new(ClientConfig {
+        protocol: ClientProtocol::Http,
+        ..ClientConfig::default()
     })
 }

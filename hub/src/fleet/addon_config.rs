@@ -3,7 +3,7 @@
 //! the CA only from there), and the variables users must set. Pure: the runtime passes
 //! the watched objects' contents.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 use base64::Engine as _;
@@ -12,6 +12,8 @@ use kmm_api::ocm::ADD_ON_DEPLOYMENT_CONFIG as ADC;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
+
+use super::mirrors::ImageMirror;
 
 /// Prefix of the variables holding the hub's CA bundle: `HUB_CA_BUNDLE_1`,
 /// `HUB_CA_BUNDLE_2`, ... Concatenated in order they are the base64 of the CA certificate
@@ -63,6 +65,9 @@ pub struct Variable {
 #[serde(default, rename_all = "camelCase")]
 pub struct DeploymentConfigSpec {
     pub customized_variables: Vec<Variable>,
+    /// OCM's image mirrors, which the hub applies to the cluster's kmod and device
+    /// plugin images too (`super::mirrors`).
+    pub registries: Vec<ImageMirror>,
 }
 
 /// Namespace and name of a namespaced config.
@@ -212,6 +217,23 @@ pub fn effective_config(
         .find_map(ConfigRef::deployment_config)
         .or_else(|| spec.configs.iter().find_map(ConfigRef::deployment_config))
         .or_else(|| management.and_then(ManagementAddOnSpec::default_config))
+}
+
+/// Each cluster's image mirrors: the `registries` of the config its add-on is rendered
+/// with ([`effective_config`]), for the clusters (by `addons`' namespaces) that have any.
+pub fn mirrors_by_cluster<'a>(
+    management: Option<&ManagementAddOnSpec>,
+    addons: impl IntoIterator<Item = (&'a str, &'a AddOnSpec, &'a AddOnStatus)>,
+    config: impl Fn(&ConfigName) -> Option<&'a DeploymentConfigSpec>,
+) -> BTreeMap<String, Vec<ImageMirror>> {
+    addons
+        .into_iter()
+        .filter_map(|(cluster, spec, status)| {
+            let name = effective_config(management, spec, status)?;
+            let registries = &config(&name)?.registries;
+            (!registries.is_empty()).then(|| (cluster.to_owned(), registries.clone()))
+        })
+        .collect()
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
@@ -467,6 +489,7 @@ mod tests {
                     value: (*value).into(),
                 })
                 .collect(),
+            registries: Vec::new(),
         }
     }
 
@@ -530,6 +553,38 @@ mod tests {
             Some(ConfigName::new("kmm", "defaults"))
         );
         assert_eq!(effective_config(None, &AddOnSpec::default(), &none), None);
+    }
+
+    #[test]
+    fn each_cluster_gets_the_mirrors_of_the_config_its_add_on_uses() {
+        let cma = management(Some(("kmm", "defaults")));
+        let own: AddOnSpec = parse(&json!({"configs": [adc_ref("spoke1", "own")]}));
+        let plain = AddOnSpec::default();
+        let status = AddOnStatus::default();
+        let with_mirror: DeploymentConfigSpec = parse(&json!({
+            "registries": [{"source": "r.example", "mirror": "m.example"}],
+        }));
+        let without = DeploymentConfigSpec::default();
+        let configs = BTreeMap::from([
+            (ConfigName::new("spoke1", "own"), with_mirror),
+            (ConfigName::new("kmm", "defaults"), without),
+        ]);
+        let mirrors = mirrors_by_cluster(
+            Some(&cma),
+            [("spoke1", &own, &status), ("spoke2", &plain, &status)],
+            |name| configs.get(name),
+        );
+        assert_eq!(
+            mirrors,
+            BTreeMap::from([(
+                "spoke1".to_owned(),
+                vec![ImageMirror {
+                    source: "r.example".into(),
+                    mirror: "m.example".into()
+                }]
+            )]),
+            "spoke2's default config has none"
+        );
     }
 
     #[test]

@@ -6,16 +6,18 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use kmm_api::{ManagedClusterModule, MaxUnavailable};
 use kmm_proto::v1::{
-    DevicePlugin, IntentSnapshot, KernelTarget, Modprobe, ModprobeArgs, ModuleIntent, ModuleKey,
-    ModuleLoad, PullCredential, RegistryTls, Toleration, Unresolved, kernel_target::Target,
-    module_intent,
+    DevicePlugin, ImageResolution, IntentSnapshot, KernelTarget, Modprobe, ModprobeArgs,
+    ModuleIntent, ModuleKey, ModuleLoad, PullCredential, RegistryTls, Toleration, Unresolved,
+    kernel_target::Target, module_intent,
 };
 use kmm_resolver::Resolution;
 use kube::ResourceExt;
 
+use super::mirrors::{ImageMirror, mirrored};
 use super::shared_snapshot::SharedSnapshot;
 use crate::images::need::pin_generation;
-use crate::images::{ImageKey, ImageRecord, Verdict};
+use crate::images::spoke_pins::cluster_verdict;
+use crate::images::{ClusterVerdict, ImageKey, ImageRecord, SpokePins, Verdict};
 use crate::resolutions::{ModuleResolutions, Resolutions};
 
 /// A module as the hub sees it for one cluster.
@@ -100,15 +102,29 @@ pub fn while_unchecked(
     Some(snapshot)
 }
 
+/// Where the images stand for one cluster: the hub's records, and the digests clusters
+/// resolved for the images the hub cannot check.
+#[derive(Clone, Copy, Debug)]
+pub struct ClusterImages<'a> {
+    pub records: &'a BTreeMap<ImageKey, ImageRecord>,
+    pub spoke_pins: &'a BTreeMap<ImageKey, SpokePins>,
+    /// The cluster the snapshot is for: its own pins apply.
+    pub cluster: &'a str,
+    /// The cluster's image mirrors (its AddOnDeploymentConfig's `registries`): its loads
+    /// and device plugins pull through them, a load still by its pinned digest.
+    pub mirrors: &'a [ImageMirror],
+}
+
 /// Builds the cluster's snapshot (revision left at 0 for the caller to stamp).
 /// `credentials` maps pull Secret names in the hub's namespace to their content; only the
 /// credentials an image of this snapshot needs are included. `images` is where each
-/// image stands: only an image with a digest is loaded, by that digest.
+/// image stands: only an image with a digest is loaded, by that digest (the hub's, or the
+/// one this cluster resolved); one the cluster is to resolve is sent as a resolution.
 pub fn cluster_intents(
     modules: &[ModuleInput<'_>],
     kernels: &BTreeSet<String>,
     credentials: &BTreeMap<String, PullCredential>,
-    images: &BTreeMap<ImageKey, ImageRecord>,
+    images: ClusterImages<'_>,
     resolutions: &mut Resolutions,
 ) -> ClusterIntents {
     let mut needed = BTreeSet::new();
@@ -116,19 +132,22 @@ pub fn cluster_intents(
     let intents = modules
         .iter()
         .map(|input| {
-            if input.module.spec.module_spec.module_loader.is_none() {
+            let mut intent = if input.module.spec.module_spec.module_loader.is_none() {
                 let valid = resolutions.invalid(input.module).is_none();
-                return device_plugin_only_intent(input, valid);
-            }
-            module_intent(
-                input,
-                kernels,
-                credentials,
-                images,
-                resolutions.resolve(input.module, kernels),
-                &mut needed,
-                &mut unchecked,
-            )
+                device_plugin_only_intent(input, valid)
+            } else {
+                module_intent(
+                    input,
+                    kernels,
+                    credentials,
+                    images,
+                    resolutions.resolve(input.module, kernels),
+                    &mut needed,
+                    &mut unchecked,
+                )
+            };
+            through_mirrors(&mut intent, images.mirrors);
+            intent
         })
         .collect();
     ClusterIntents {
@@ -149,7 +168,7 @@ fn module_intent(
     input: &ModuleInput<'_>,
     kernels: &BTreeSet<String>,
     credentials: &BTreeMap<String, PullCredential>,
-    images: &BTreeMap<ImageKey, ImageRecord>,
+    images: ClusterImages<'_>,
     resolutions: &ModuleResolutions,
     needed: &mut BTreeSet<String>,
     unchecked: &mut BTreeSet<String>,
@@ -162,6 +181,7 @@ fn module_intent(
         .as_ref()
         .map(|s| s.name.clone())
         .filter(|n| !n.is_empty());
+    let generation = spec.image_rebuild_trigger_generation.unwrap_or_default();
     // The revision served loads the digests pinned by its pin generation.
     let pinned_at = pin_generation(mcm);
     let targets = kernels
@@ -185,17 +205,36 @@ fn module_intent(
                                 module: name.clone(),
                                 image: resolution.container_image.clone(),
                             };
-                            let verdict = images.get(&key).map(|r| r.verdict_at(pinned_at));
+                            let verdict = images.records.get(&key).map(|r| r.verdict_at(pinned_at));
                             match verdict {
                                 Some(Verdict::Load { digest }) => {
                                     needed.extend(secret.clone());
                                     Target::Load(module_load(resolution, secret.as_deref(), digest))
                                 }
-                                // No imageRepoSecret: the nodes resolve the tag with their
-                                // cluster's pull Secret, if it has one.
-                                Some(Verdict::LoadUnpinned) => {
-                                    Target::Load(module_load(resolution, None, ""))
-                                }
+                                // The hub cannot check it: this cluster's pin, or a request to
+                                // make one (with the credentials the load names, or the
+                                // cluster's own).
+                                Some(Verdict::ResolveOnSpoke) => match cluster_verdict(
+                                    images.spoke_pins.get(&key),
+                                    generation,
+                                    images.cluster,
+                                ) {
+                                    ClusterVerdict::Load { digest } => {
+                                        needed.extend(secret.clone());
+                                        Target::Load(module_load(resolution, secret.as_deref(), digest))
+                                    }
+                                    ClusterVerdict::Resolve => {
+                                        needed.extend(secret.clone());
+                                        Target::Resolve(ImageResolution {
+                                            load: Some(module_load(resolution, secret.as_deref(), "")),
+                                            image_generation: generation,
+                                        })
+                                    }
+                                    ClusterVerdict::Wait { reason, message } => unresolved(
+                                        reason,
+                                        format!("kernel {kernel}: {message}"),
+                                    ),
+                                },
                                 Some(Verdict::Wait { reason, message }) => unresolved(
                                     reason,
                                     format!("kernel {kernel}: image {}: {message}", key.image),
@@ -220,6 +259,30 @@ fn module_intent(
     ModuleIntent {
         kernels: targets,
         ..placed_intent(input)
+    }
+}
+
+/// The intent's images as the cluster pulls them through its `mirrors`: each load's (by
+/// the same digest) and the device plugin's containers'. A request to resolve keeps the
+/// image as the hub names it: the cluster's answer is about that name.
+fn through_mirrors(intent: &mut ModuleIntent, mirrors: &[ImageMirror]) {
+    if mirrors.is_empty() {
+        return;
+    }
+    for target in &mut intent.kernels {
+        if let Some(Target::Load(load)) = &mut target.target {
+            load.image = mirrored(mirrors, &load.image);
+        }
+    }
+    if let Some(plugin) = &mut intent.device_plugin
+        && let Ok(mut spec) = serde_json::from_str::<serde_json::Value>(&plugin.spec_json)
+    {
+        for container in ["container", "initContainer"] {
+            if let Some(image) = spec[container]["image"].as_str() {
+                spec[container]["image"] = mirrored(mirrors, image).into();
+            }
+        }
+        plugin.spec_json = spec.to_string();
     }
 }
 
@@ -345,6 +408,7 @@ mod tests {
     use kmm_api::testing::ModuleBuilder;
 
     use super::*;
+    use crate::images::SpokePin;
 
     fn mcm(name: &str, yaml_module_spec: &str) -> ManagedClusterModule {
         ModuleBuilder::new(name)
@@ -366,6 +430,18 @@ mod tests {
 "#;
 
     const PINNED: &str = "sha256:0123";
+
+    static NO_SPOKE_PINS: BTreeMap<ImageKey, SpokePins> = BTreeMap::new();
+
+    /// The hub's records, no cluster's pins, for spoke1, without mirrors.
+    fn hub_only(records: &BTreeMap<ImageKey, ImageRecord>) -> ClusterImages<'_> {
+        ClusterImages {
+            records,
+            spoke_pins: &NO_SPOKE_PINS,
+            cluster: "spoke1",
+            mirrors: &[],
+        }
+    }
 
     /// Every image of HELLO found, pinned to [`PINNED`].
     fn pinned() -> BTreeMap<ImageKey, ImageRecord> {
@@ -419,7 +495,7 @@ mod tests {
             &ModuleInput { module, unload },
             &kernels(&[]),
             &creds(&[]),
-            &pinned(),
+            hub_only(&pinned()),
             &ModuleResolutions::default(),
             &mut BTreeSet::new(),
             &mut BTreeSet::new(),
@@ -444,7 +520,7 @@ mod tests {
                 }],
                 &kernels(&["6.1.0-13-amd64"]),
                 &creds(&["pull"]),
-                &images,
+                hub_only(&images),
                 &mut Resolutions::default(),
             )
             .snapshot;
@@ -485,6 +561,53 @@ mod tests {
     }
 
     #[test]
+    fn a_clusters_mirrors_rewrite_its_loads_by_the_same_digest_and_its_plugin() {
+        let mut module = mcm("hello", HELLO);
+        module.spec.module_spec.device_plugin = Some(
+            serde_json::from_value(serde_json::json!({
+                "container": {"image": "r.example/plugin:1"},
+                "initContainer": {"image": "other.example/init:1"},
+            }))
+            .unwrap(),
+        );
+        let records = pinned();
+        let mirrors = [crate::fleet::mirrors::ImageMirror {
+            source: "r.example".into(),
+            mirror: "mirror.internal:5000".into(),
+        }];
+        let snapshot = cluster_intents(
+            &[ModuleInput {
+                module: &module,
+                unload: false,
+            }],
+            &kernels(&["6.1.0-13-amd64"]),
+            &creds(&["pull"]),
+            ClusterImages {
+                mirrors: &mirrors,
+                ..hub_only(&records)
+            },
+            &mut Resolutions::default(),
+        )
+        .snapshot;
+        let intent = &snapshot.modules[0];
+        let Some(Target::Load(load)) = &intent.kernels[0].target else {
+            panic!("a load")
+        };
+        assert_eq!(load.image, "mirror.internal:5000/hello:6.1.0-13-amd64");
+        assert_eq!(load.digest, PINNED, "the hub's bytes, from the mirror");
+        let plugin: serde_json::Value =
+            serde_json::from_str(&intent.device_plugin.as_ref().unwrap().spec_json).unwrap();
+        assert_eq!(
+            plugin["container"]["image"],
+            "mirror.internal:5000/plugin:1"
+        );
+        assert_eq!(
+            plugin["initContainer"]["image"], "other.example/init:1",
+            "no mirror for its registry"
+        );
+    }
+
+    #[test]
     fn every_kernel_is_resolved_or_explained() {
         let module = mcm("hello", HELLO);
         let snapshot = cluster_intents(
@@ -494,7 +617,7 @@ mod tests {
             }],
             &kernels(&["6.1.0-13-amd64", "5.14.0-427.el9.x86_64"]),
             &creds(&["pull", "unrelated"]),
-            &pinned(),
+            hub_only(&pinned()),
             &mut Resolutions::default(),
         )
         .snapshot;
@@ -586,36 +709,73 @@ mod tests {
     }
 
     #[test]
-    fn an_image_the_registry_refused_the_hub_goes_unpinned_without_credentials() {
+    fn an_image_the_hub_cannot_check_is_resolved_then_loaded_by_each_clusters_pin() {
         let module = mcm(
             "hello",
             &HELLO.replace("    imageRepoSecret: {name: pull}\n", ""),
         );
-        let mut images = pinned();
-        let record = images.values_mut().next().unwrap();
+        let mut records = pinned();
+        let (key, record) = records.iter_mut().next().unwrap();
+        let key = key.clone();
         record.digest = None;
-        record.state = crate::images::ImageState::Unchecked;
-        let intents = cluster_intents(
-            &[ModuleInput {
-                module: &module,
-                unload: false,
-            }],
-            &kernels(&["6.1.0-13-amd64"]),
-            &creds(&["pull"]),
-            &images,
-            &mut Resolutions::default(),
-        );
-        assert!(intents.unchecked.is_empty(), "the hub looked");
-        let Some(Target::Load(load)) = &intents.snapshot.modules[0].kernels[0].target else {
-            panic!("an unpinned load")
+        record.state = crate::images::ImageState::SpokeResolved;
+        let record = record.clone();
+        let mut pins = BTreeMap::from([(key.clone(), SpokePins::default())]);
+        let target = |pins: &BTreeMap<ImageKey, SpokePins>, cluster: &str| {
+            let intents = cluster_intents(
+                &[ModuleInput {
+                    module: &module,
+                    unload: false,
+                }],
+                &kernels(&["6.1.0-13-amd64"]),
+                &creds(&["pull"]),
+                ClusterImages {
+                    records: &records,
+                    spoke_pins: pins,
+                    cluster,
+                    mirrors: &[],
+                },
+                &mut Resolutions::default(),
+            );
+            assert!(intents.unchecked.is_empty(), "the hub looked");
+            assert!(intents.snapshot.credentials.is_empty());
+            intents.snapshot.modules[0].kernels[0]
+                .target
+                .clone()
+                .unwrap()
         };
+        let Target::Resolve(request) = target(&pins, "spoke1") else {
+            panic!("a request to resolve")
+        };
+        let load = request.load.unwrap();
         assert_eq!(load.image, "r.example/hello:6.1.0-13-amd64");
-        assert_eq!(load.digest, "", "each node resolves the tag");
-        assert_eq!(
-            load.pull_credential_id, "",
-            "the cluster's credentials, if any"
+        assert_eq!(load.digest, "", "nothing pinned yet");
+        assert_eq!(load.pull_credential_id, "", "the cluster's credentials");
+
+        let pins_of = pins.get_mut(&key).unwrap();
+        pins_of.answer(&record, "spoke1", 0, SpokePin::Digest("sha256:s1".into()));
+        pins_of.answer(
+            &record,
+            "spoke2",
+            0,
+            SpokePin::Failed {
+                reason: "ImageNotFound".into(),
+                message: "spoke2 resolved r.example/hello:6.1.0-13-amd64: manifest unknown".into(),
+            },
         );
-        assert!(intents.snapshot.credentials.is_empty());
+        let Target::Load(load) = target(&pins, "spoke1") else {
+            panic!("spoke1's pin loads")
+        };
+        assert_eq!(load.digest, "sha256:s1");
+        let Target::Unresolved(why) = target(&pins, "spoke2") else {
+            panic!("spoke2's failure waits")
+        };
+        assert_eq!(why.reason, "ImageNotFound");
+        assert!(
+            why.message
+                .starts_with("kernel 6.1.0-13-amd64: spoke2 resolved")
+        );
+        assert!(matches!(target(&pins, "spoke3"), Target::Resolve(_)));
     }
 
     const PLUGIN_ONLY: &str = r#"    selector: {role: gpu}
@@ -635,7 +795,7 @@ mod tests {
                 }],
                 &kernels(&["6.1.0-13-amd64", "5.14.0-427.el9.x86_64"]),
                 &creds(&["pull"]),
-                &BTreeMap::new(),
+                hub_only(&BTreeMap::new()),
                 &mut Resolutions::default(),
             );
             assert!(intents.unchecked.is_empty(), "no image to check");
@@ -661,7 +821,7 @@ mod tests {
             }],
             &kernels(&[]),
             &creds(&[]),
-            &pinned(),
+            hub_only(&pinned()),
             &mut Resolutions::default(),
         );
         assert!(!loader.snapshot.modules[0].device_plugin_only);
@@ -678,7 +838,7 @@ mod tests {
             }],
             &kernels(&["6.1.0-13-amd64"]),
             &creds(&[]),
-            &BTreeMap::new(),
+            hub_only(&BTreeMap::new()),
             &mut Resolutions::default(),
         )
         .snapshot;
@@ -697,7 +857,7 @@ mod tests {
             }],
             &kernels(&["6.1.0-13-amd64"]),
             &BTreeMap::new(),
-            &pinned(),
+            hub_only(&pinned()),
             &mut Resolutions::default(),
         )
         .snapshot;
@@ -718,7 +878,7 @@ mod tests {
             }],
             &kernels(&["5.14.0-427.el9.x86_64"]),
             &creds(&["pull"]),
-            &pinned(),
+            hub_only(&pinned()),
             &mut Resolutions::default(),
         )
         .snapshot;
@@ -738,7 +898,7 @@ mod tests {
             }],
             &kernels(&["6.1.0"]),
             &BTreeMap::new(),
-            &pinned(),
+            hub_only(&pinned()),
             &mut Resolutions::default(),
         )
         .snapshot;
@@ -772,7 +932,7 @@ mod tests {
             &input,
             &kernels,
             &creds(&["pull"]),
-            &images,
+            hub_only(&images),
             &mut Resolutions::default(),
         );
         assert!(intents.unchecked.is_empty());
@@ -790,7 +950,7 @@ mod tests {
             &input,
             &kernels,
             &creds(&["pull"]),
-            &BTreeMap::new(),
+            hub_only(&BTreeMap::new()),
             &mut Resolutions::default(),
         );
         assert_eq!(held.unchecked, BTreeSet::from(["hello".to_owned()]));
@@ -803,7 +963,7 @@ mod tests {
                 &unloading,
                 &kernels,
                 &creds(&["pull"]),
-                &BTreeMap::new(),
+                hub_only(&BTreeMap::new()),
                 &mut Resolutions::default(),
             )
             .unchecked

@@ -87,8 +87,8 @@ pub fn verdict(finding: &Finding<'_>, push: bool) -> (bool, String, &'static str
                     "Done",
                 ),
                 ImageState::NotFound => (false, detail(record), "Done"),
-                // Only the clusters' own credentials can tell.
-                ImageState::Unchecked => (false, detail(record), "Done"),
+                // Only the clusters, each with its own credentials and CAs, can tell.
+                ImageState::SpokeResolved => (false, detail(record), "Done"),
                 // The worker retries after its backoff.
                 ImageState::Failed => (false, detail(record), "Requeued"),
             }

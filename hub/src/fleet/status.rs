@@ -113,7 +113,10 @@ impl StatusTally {
         }
         for target in report.kernels {
             match target.target {
-                Some(Target::Load(_)) => self.resolved.insert(target.kernel.clone()),
+                // The kernel has an image, which the cluster resolves for the hub.
+                Some(Target::Load(_) | Target::Resolve(_)) => {
+                    self.resolved.insert(target.kernel.clone())
+                }
                 _ => self.unresolved.insert(target.kernel.clone()),
             };
         }

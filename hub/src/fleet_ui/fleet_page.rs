@@ -85,7 +85,8 @@ impl KernelChart {
         for (namespace, name) in modules {
             for target in cluster.resolutions(namespace, name) {
                 let by_kernel = match &target.target {
-                    Some(Target::Load(_)) => &mut self.resolving,
+                    // An image the cluster resolves for the hub resolves too.
+                    Some(Target::Load(_) | Target::Resolve(_)) => &mut self.resolving,
                     // No mapping: the module does not apply to the kernel, no image lacks.
                     Some(Target::Unresolved(unresolved))
                         if unresolved.reason == ResolveErrorKind::NoMatchingMapping.reason() =>

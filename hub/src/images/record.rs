@@ -15,10 +15,18 @@
 //! clusters on an earlier revision keep loading the earlier digest until the rollout
 //! moves them ([`ImageRecord::digest_at`]).
 //!
-//! One image is loaded unpinned: one the registry refuses to show the hub, of a module
-//! that names no `imageRepoSecret` and has nothing for the hub to build or sign. The hub
-//! has no credentials for it, the managed clusters may (their own pull Secret,
-//! `CLUSTER_PULL_SECRET`): each node's agent resolves the tag itself, once.
+//! An image the hub cannot check (its registry refuses or does not answer the hub) of a
+//! module that names no `imageRepoSecret` (the clusters' own credentials serve it) and
+//! that the hub needs for no build or signing is resolved by the clusters instead
+//! ([`ImageState::SpokeResolved`]):
+//! each cluster's proxy resolves the tag with what the cluster has (its own pull Secret,
+//! its registry CAs) and reports the digest, which is pinned for that cluster
+//! (`super::spoke_pins`). No node ever loads an unpinned image. The hub keeps looking
+//! every [`EXISTS_RECHECK`]: once it reaches the registry and finds the digest every
+//! cluster pinned, the image is the hub's again (`super::spoke_pins::settle`).
+//!
+//! A pin, the hub's or a cluster's, holds until [`re_resolve_now`] says otherwise: while
+//! `imageRebuildTriggerGeneration` is unchanged, a moved tag moves nothing.
 
 use std::time::Duration;
 
@@ -44,9 +52,9 @@ pub enum ImageState {
     Signing,
     Failed,
     NotFound,
-    /// The registry refused the hub, which has no credentials for the image: nodes load
-    /// it unpinned, with their cluster's.
-    Unchecked,
+    /// The hub cannot check the image: each cluster resolves its tag and loads the digest
+    /// it found, pinned for that cluster.
+    SpokeResolved,
 }
 
 impl ImageState {
@@ -58,7 +66,7 @@ impl ImageState {
         Self::Signing,
         Self::Failed,
         Self::NotFound,
-        Self::Unchecked,
+        Self::SpokeResolved,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -70,7 +78,7 @@ impl ImageState {
             Self::Signing => "Signing",
             Self::Failed => "Failed",
             Self::NotFound => "NotFound",
-            Self::Unchecked => "Unchecked",
+            Self::SpokeResolved => "SpokeResolved",
         }
     }
 }
@@ -169,8 +177,9 @@ pub struct ImageRecord {
 pub enum Verdict<'a> {
     /// Load these bytes.
     Load { digest: &'a str },
-    /// Load the tag, resolved by each node with its cluster's credentials.
-    LoadUnpinned,
+    /// The hub cannot check the image: each cluster's proxy resolves the tag, and the
+    /// cluster loads the digest it reported (`super::spoke_pins`).
+    ResolveOnSpoke,
     /// Nothing to load yet, and why.
     Wait { reason: &'a str, message: &'a str },
 }
@@ -184,6 +193,25 @@ impl ImageRecord {
             digest: Some(digest),
             reason: "ImageExists".into(),
             message: String::new(),
+            need: need.clone(),
+            failures: 0,
+            then: Next::Check,
+            next_at: now,
+            since: now,
+            pinned_at: 0,
+            earlier: Vec::new(),
+        }
+    }
+
+    /// An image an earlier leader left resolved by the clusters (its pins persisted in
+    /// the module's status, see `SpokePins::seeded`): it stays so, the hub looking again
+    /// at once as for a seeded pin.
+    pub fn seeded_spoke_resolved(need: &ImageNeed, message: String, now: Timestamp) -> Self {
+        Self {
+            state: ImageState::SpokeResolved,
+            digest: None,
+            reason: "ImageResolvedBySpokes".into(),
+            message,
             need: need.clone(),
             failures: 0,
             then: Next::Check,
@@ -232,7 +260,7 @@ impl ImageRecord {
     pub fn verdict_at(&self, pin_generation: i64) -> Verdict<'_> {
         match self.digest_at(pin_generation) {
             Some(digest) => Verdict::Load { digest },
-            None if self.state == ImageState::Unchecked => Verdict::LoadUnpinned,
+            None if self.state == ImageState::SpokeResolved => Verdict::ResolveOnSpoke,
             None => Verdict::Wait {
                 reason: &self.reason,
                 message: &self.message,
@@ -263,7 +291,7 @@ pub fn due(need: &ImageNeed, record: Option<&ImageRecord>, now: Timestamp) -> Op
     let Some(record) = record else {
         return Some(Next::Check);
     };
-    if recipe_changed(&record.need, need) {
+    if re_resolve_now(record, need) {
         // The user asked for other bytes: rebuild, re-sign or re-resolve once.
         return Some(if need.build.is_some() {
             Next::Build
@@ -276,6 +304,8 @@ pub fn due(need: &ImageNeed, record: Option<&ImageRecord>, now: Timestamp) -> Op
     if record.need.tls != need.tls || record.need.pull_secret != need.pull_secret {
         return Some(Next::Check);
     }
+    // A spoke-resolved image too: the hub looks again, and takes the image over only
+    // where that moves no cluster (`spoke_pins::settle`).
     let follows = need.follow_interval.is_some();
     if follows != record.need.follow_interval.is_some() {
         // The policy changed: start following the tag, or hold the pin, now.
@@ -286,6 +316,15 @@ pub fn due(need: &ImageNeed, record: Option<&ImageRecord>, now: Timestamp) -> Op
         Next::Check if follows && record.digest.is_some() => Next::Resolve,
         step => step,
     })
+}
+
+/// Whether the image's pins (the hub's digest and every cluster's) give way to a new
+/// resolution of its tag now: when the user asks for other bytes, a new
+/// `imageRebuildTriggerGeneration` or new build or sign settings. `imagePullPolicy:
+/// Always` follows a hub-checked image's tag on its own schedule (`follow_interval`,
+/// in [`due`]); the clusters' pins of a spoke-resolved image follow no tag.
+pub fn re_resolve_now(record: &ImageRecord, need: &ImageNeed) -> bool {
+    recipe_changed(&record.need, need)
 }
 
 /// Whether what the image is made of changed: kernels joining or leaving do not change
@@ -403,24 +442,31 @@ pub fn observe(
                 )
             }
         }
-        // Nothing pinned, nothing to build or sign, and no credentials of the module's: the
-        // hub cannot look, the clusters' own pull Secrets may let their nodes pull.
+        // Nothing pinned, nothing to build or sign, and no credentials of the module's:
+        // the hub cannot look (the registry refused or did not answer it), the clusters
+        // may, with their own pull Secrets and CAs. A module that names an
+        // imageRepoSecret gave the hub what it needs to check: its failures are the hub's.
         Observation::CheckFailed {
-            unauthorized: true,
+            unauthorized,
             message,
         } if pinned.is_none()
             && need.pull_secret.is_none()
             && need.build.is_none()
             && need.sign.is_none() =>
         {
+            let why = if unauthorized {
+                "the registry refused the hub, and the module names no imageRepoSecret"
+            } else {
+                "the hub cannot reach the registry, and the module names no imageRepoSecret"
+            };
             record(
-                ImageState::Unchecked,
+                ImageState::SpokeResolved,
                 None,
-                "ImageUnchecked",
+                "ImageResolvedBySpokes",
                 format!(
-                    "the registry refused the hub, and the module names no imageRepoSecret: \
-                     nodes pull the tag unpinned, with their cluster's pull Secret \
-                     (CLUSTER_PULL_SECRET); the registry answered: {message}"
+                    "{why}: each cluster resolves the tag with its own pull Secret and CAs \
+                     and loads the digest it found (status.images[].clusters); the registry \
+                     answered the hub: {message}"
                 ),
                 0,
                 Next::Check,
@@ -531,6 +577,7 @@ mod tests {
     use std::collections::BTreeSet;
 
     use kmm_api::Build;
+    use kmm_registry::RegistryTls;
 
     use super::*;
     use crate::images::need::SignPlan;
@@ -817,60 +864,23 @@ mod tests {
     }
 
     #[test]
-    fn an_image_the_registry_refuses_the_hub_is_loaded_unpinned_only_without_hub_credentials() {
+    fn an_image_the_hub_cannot_check_is_resolved_by_the_spokes() {
         let refused = || Observation::CheckFailed {
             unauthorized: true,
             message: "unauthorized: authentication required".into(),
         };
-        let (steps, unchecked) = run(&plain(), None, |_| refused());
+        let (steps, spoke) = run(&plain(), None, |_| refused());
         assert_eq!(steps, [Next::Check]);
-        assert_eq!(unchecked.state, ImageState::Unchecked);
-        assert_eq!(unchecked.verdict(), Verdict::LoadUnpinned);
+        assert_eq!(spoke.state, ImageState::SpokeResolved);
+        assert_eq!(spoke.verdict(), Verdict::ResolveOnSpoke);
         assert!(
-            unchecked.message.contains("CLUSTER_PULL_SECRET")
-                && unchecked.message.ends_with("authentication required"),
+            spoke.message.contains("each cluster resolves the tag")
+                && spoke.message.ends_with("authentication required"),
             "{}",
-            unchecked.message
+            spoke.message
         );
-        assert_eq!(unchecked.failures, 0, "not a failure: nothing backs off");
-        assert_eq!(due(&plain(), Some(&unchecked), later(599)), None);
-        assert_eq!(
-            due(&plain(), Some(&unchecked), later(600)),
-            Some(Next::Check)
-        );
-        // Once the hub may look, the image is pinned as any other.
-        let pinned = observe(
-            &plain(),
-            Some(&unchecked),
-            Next::Check,
-            Observation::Found {
-                digest: "sha256:aa".into(),
-            },
-            later(600),
-        );
-        assert_eq!(
-            pinned.verdict(),
-            Verdict::Load {
-                digest: "sha256:aa"
-            }
-        );
-
-        // The module's own Secret refused, or something for the hub to build or sign: a
-        // failure, nothing loaded.
-        let with_secret = ImageNeed {
-            pull_secret: Some("pull".into()),
-            ..plain()
-        };
-        for need in [with_secret, built(), signed(false)] {
-            let failed = observe(&need, None, Next::Check, refused(), now());
-            assert_eq!(
-                (failed.state, failed.reason.as_str()),
-                (ImageState::Failed, "RegistryUnauthorized"),
-                "{need:?}"
-            );
-            assert!(matches!(failed.verdict(), Verdict::Wait { .. }));
-        }
-        // Another failure than a refusal is no reason to load blind.
+        assert_eq!(spoke.failures, 0, "not a failure: nothing backs off");
+        // A registry that does not answer the hub at all: the spokes may reach it.
         let unreachable = observe(
             &plain(),
             None,
@@ -881,7 +891,122 @@ mod tests {
             },
             now(),
         );
+        assert_eq!(unreachable.state, ImageState::SpokeResolved);
+        assert!(unreachable.message.contains("cannot reach"));
+        // The module's own Secret (the hub was given what it needs to check), or
+        // something for the hub to build or sign: a failure, nothing loaded.
+        let with_secret = ImageNeed {
+            pull_secret: Some("pull".into()),
+            ..plain()
+        };
+        for need in [with_secret.clone(), built(), signed(false)] {
+            let failed = observe(&need, None, Next::Check, refused(), now());
+            assert_eq!(
+                (failed.state, failed.reason.as_str()),
+                (ImageState::Failed, "RegistryUnauthorized"),
+                "{need:?}"
+            );
+            assert!(matches!(failed.verdict(), Verdict::Wait { .. }));
+        }
+        let unreachable_with_secret = observe(
+            &with_secret,
+            None,
+            Next::Check,
+            Observation::CheckFailed {
+                unauthorized: false,
+                message: "certificate verify failed".into(),
+            },
+            now(),
+        );
+        assert_eq!(
+            (
+                unreachable_with_secret.state,
+                unreachable_with_secret.reason.as_str()
+            ),
+            (ImageState::Failed, "ImageCheckFailed")
+        );
+    }
+
+    #[test]
+    fn a_spoke_resolved_image_is_looked_at_again_only_for_a_new_recipe() {
+        let spoke = observe(
+            &plain(),
+            None,
+            Next::Check,
+            Observation::CheckFailed {
+                unauthorized: true,
+                message: "401".into(),
+            },
+            now(),
+        );
+        // The hub looks again later, as for a pin (whether it may take the image over is
+        // `spoke_pins::settle`'s); no re-resolution while the generation holds.
+        assert_eq!(due(&plain(), Some(&spoke), later(599)), None);
+        assert_eq!(due(&plain(), Some(&spoke), later(600)), Some(Next::Check));
+        assert!(!re_resolve_now(&spoke, &plain()));
+        // A new rebuild generation: the hub tries first, and pins for the whole fleet if
+        // it can now.
+        let bumped = ImageNeed {
+            rebuild_generation: 1,
+            ..plain()
+        };
+        assert!(re_resolve_now(&spoke, &bumped));
+        assert_eq!(due(&bumped, Some(&spoke), now()), Some(Next::Resolve));
+        let pinned = observe(
+            &bumped,
+            Some(&spoke),
+            Next::Resolve,
+            Observation::Found {
+                digest: "sha256:aa".into(),
+            },
+            now(),
+        );
+        assert_eq!(
+            pinned.verdict(),
+            Verdict::Load {
+                digest: "sha256:aa"
+            }
+        );
+        // Other TLS settings (a module change) are worth one more look by the hub.
+        let insecure = ImageNeed {
+            tls: RegistryTls {
+                insecure: true,
+                insecure_skip_tls_verify: false,
+            },
+            ..plain()
+        };
+        assert_eq!(due(&insecure, Some(&spoke), now()), Some(Next::Check));
+    }
+
+    #[test]
+    fn a_pinned_image_whose_registry_stops_answering_the_hub_keeps_its_pin() {
+        let pinned = observe(
+            &plain(),
+            None,
+            Next::Check,
+            Observation::Found {
+                digest: "sha256:aa".into(),
+            },
+            now(),
+        );
+        let unreachable = observe(
+            &plain(),
+            Some(&pinned),
+            Next::Check,
+            Observation::CheckFailed {
+                unauthorized: false,
+                message: "connection refused".into(),
+            },
+            now(),
+        );
         assert_eq!(unreachable.state, ImageState::Failed);
+        assert_eq!(
+            unreachable.verdict(),
+            Verdict::Load {
+                digest: "sha256:aa"
+            },
+            "the hub's pin holds: the clusters are not asked for another"
+        );
     }
 
     #[test]
@@ -1109,6 +1234,13 @@ mod tests {
         );
         assert!(matches!(lost.verdict_at(0), Verdict::Wait { .. }));
         assert!(matches!(lost.verdict(), Verdict::Wait { .. }));
+    }
+
+    #[test]
+    fn a_seeded_spoke_resolved_image_stays_with_the_clusters() {
+        let seeded = ImageRecord::seeded_spoke_resolved(&plain(), "m".into(), now());
+        assert_eq!(seeded.verdict(), Verdict::ResolveOnSpoke);
+        assert_eq!(due(&plain(), Some(&seeded), now()), Some(Next::Check));
     }
 
     #[test]

@@ -3,19 +3,25 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use kmm_api::{ImageStatus, MAX_IMAGE_KERNELS, MAX_IMAGE_STATUSES};
+use kmm_api::{
+    ImageClusterStatus, ImageStatus, MAX_IMAGE_CLUSTER_MESSAGE, MAX_IMAGE_CLUSTERS,
+    MAX_IMAGE_KERNELS, MAX_IMAGE_STATUSES, MAX_MODULE_IMAGE_CLUSTERS,
+};
+use kmm_proto::limits::truncated;
 
 use super::need::ImageKey;
-use super::record::ImageRecord;
+use super::record::{ImageRecord, ImageState};
+use super::spoke_pins::{SpokePin, SpokePins};
 
 /// Status entries for `records` (one module's), bounded: the images some kernel needs
 /// now first, with those kernels (`needed`), then the ones none needs at the moment
 /// (their pins are kept, see `FleetView::track_images`), with no kernels; each group
 /// sorted by image. Only the entries kept are built: a module may track many more images
-/// than status lists.
+/// than status lists. A spoke-resolved image lists its clusters' answers (`spoke_pins`).
 pub fn image_statuses<'a>(
     records: impl Iterator<Item = (&'a ImageKey, &'a ImageRecord)>,
     needed: &BTreeMap<ImageKey, BTreeSet<String>>,
+    spoke_pins: &BTreeMap<ImageKey, SpokePins>,
 ) -> Vec<ImageStatus> {
     let mut records: Vec<_> = records
         .map(|(key, record)| (key, record, needed.get(key)))
@@ -23,6 +29,7 @@ pub fn image_statuses<'a>(
     records.sort_by(|(a, _, a_needed), (b, _, b_needed)| {
         (a_needed.is_none(), &a.image).cmp(&(b_needed.is_none(), &b.image))
     });
+    let mut cluster_budget = MAX_MODULE_IMAGE_CLUSTERS;
     records
         .into_iter()
         .take(MAX_IMAGE_STATUSES)
@@ -41,8 +48,61 @@ pub fn image_statuses<'a>(
             reason: record.reason.clone(),
             message: record.message.clone(),
             last_transition_time: Some(Time(record.since)),
+            clusters: if record.state == ImageState::SpokeResolved {
+                let listed: Vec<ImageClusterStatus> = spoke_pins
+                    .get(key)
+                    .filter(|p| p.generation == record.need.rebuild_generation)
+                    .map(|pins| cluster_statuses(pins, cluster_budget))
+                    .unwrap_or_default();
+                cluster_budget -= listed.len();
+                listed
+            } else {
+                Vec::new()
+            },
         })
         .collect()
+}
+
+/// Each cluster's answer, by name, at most `budget` and [`MAX_IMAGE_CLUSTERS`], each
+/// message cut to [`MAX_IMAGE_CLUSTER_MESSAGE`] bytes.
+fn cluster_statuses(pins: &SpokePins, budget: usize) -> Vec<ImageClusterStatus> {
+    pins.clusters
+        .iter()
+        .take(MAX_IMAGE_CLUSTERS.min(budget))
+        .map(|(cluster, pin)| match pin {
+            SpokePin::Digest(digest) => ImageClusterStatus {
+                cluster: cluster.clone(),
+                digest: Some(digest.clone()),
+                ..ImageClusterStatus::default()
+            },
+            SpokePin::Failed { reason, message } => ImageClusterStatus {
+                cluster: cluster.clone(),
+                digest: None,
+                reason: reason.clone(),
+                message: truncated(message, MAX_IMAGE_CLUSTER_MESSAGE).to_owned(),
+            },
+        })
+        .collect()
+}
+
+/// The clusters' pins status persisted for a spoke-resolved `image`, with its message,
+/// for a new leader to start from; `None` for any other image.
+pub fn persisted_spoke_pins(
+    statuses: &[ImageStatus],
+    image: &str,
+) -> Option<(String, BTreeMap<String, SpokePin>)> {
+    let status = statuses
+        .iter()
+        .find(|s| s.image == image && s.state == ImageState::SpokeResolved.as_str())?;
+    let pins = status
+        .clusters
+        .iter()
+        .filter_map(|c| {
+            let digest = c.digest.clone()?;
+            Some((c.cluster.clone(), SpokePin::Digest(digest)))
+        })
+        .collect();
+    Some((status.message.clone(), pins))
 }
 
 /// `listed` (from the records this hub holds) completed with the pinned entries an
@@ -52,7 +112,10 @@ pub fn image_statuses<'a>(
 pub fn with_persisted(mut listed: Vec<ImageStatus>, persisted: &[ImageStatus]) -> Vec<ImageStatus> {
     let unseen: Vec<ImageStatus> = persisted
         .iter()
-        .filter(|p| p.digest.is_some() && !listed.iter().any(|l| l.image == p.image))
+        .filter(|p| {
+            (p.digest.is_some() || p.clusters.iter().any(|c| c.digest.is_some()))
+                && !listed.iter().any(|l| l.image == p.image)
+        })
         .cloned()
         .collect();
     listed.extend(unseen);
@@ -110,13 +173,21 @@ mod tests {
             .filter(|(key, _)| key.image.as_str() >= "r/x:010")
             .map(|(key, record)| (key.clone(), record.need.kernels.clone()))
             .collect();
-        let statuses = image_statuses(records.iter().map(|(k, r)| (k, r)), &needed);
+        let statuses = image_statuses(
+            records.iter().map(|(k, r)| (k, r)),
+            &needed,
+            &BTreeMap::new(),
+        );
         assert_eq!(statuses.len(), MAX_IMAGE_STATUSES);
         assert_eq!(statuses[0].image, "r/x:010", "needed images come first");
         assert_eq!(statuses[0].kernels.len(), MAX_IMAGE_KERNELS);
         assert_eq!(statuses[99].image, "r/x:109");
         // r/x:014 down to r/x:000.
-        let few = image_statuses(records[135..].iter().map(|(k, r)| (k, r)), &needed);
+        let few = image_statuses(
+            records[135..].iter().map(|(k, r)| (k, r)),
+            &needed,
+            &BTreeMap::new(),
+        );
         let listed: Vec<(&str, usize)> = few
             .iter()
             .map(|s| (s.image.as_str(), s.kernels.len()))
@@ -173,7 +244,11 @@ mod tests {
             module: "m".into(),
             image: "r/x:v1".into(),
         };
-        let statuses = image_statuses([(&key, &record)].into_iter(), &BTreeMap::new());
+        let statuses = image_statuses(
+            [(&key, &record)].into_iter(),
+            &BTreeMap::new(),
+            &BTreeMap::new(),
+        );
         let persisted = persisted_pin(&statuses, "r/x:v1").expect("pinned");
         assert_eq!(
             (persisted.digest.as_deref(), persisted.pin_generation),
@@ -181,7 +256,11 @@ mod tests {
         );
         assert_eq!(persisted.earlier_pins, earlier);
         let first = ImageRecord::seeded(&need, "sha256:d1".into(), Timestamp::UNIX_EPOCH);
-        let statuses = image_statuses([(&key, &first)].into_iter(), &BTreeMap::new());
+        let statuses = image_statuses(
+            [(&key, &first)].into_iter(),
+            &BTreeMap::new(),
+            &BTreeMap::new(),
+        );
         assert_eq!(
             statuses[0].pin_generation, None,
             "a first pin says nothing more"
@@ -197,10 +276,20 @@ mod tests {
             digest: digest.map(str::to_owned),
             ..ImageStatus::default()
         };
+        let spoke_resolved = ImageStatus {
+            state: "SpokeResolved".into(),
+            clusters: vec![ImageClusterStatus {
+                cluster: "spoke1".into(),
+                digest: Some("sha256:s1".into()),
+                ..ImageClusterStatus::default()
+            }],
+            ..entry("r/d:1", None)
+        };
         let persisted = [
             entry("r/a:1", Some("sha256:a")),
             entry("r/b:1", Some("sha256:b")),
             entry("r/c:1", None),
+            spoke_resolved,
         ];
         let listed = with_persisted(vec![entry("r/a:1", Some("sha256:new"))], &persisted);
         let images: Vec<_> = listed
@@ -209,8 +298,121 @@ mod tests {
             .collect();
         assert_eq!(
             images,
-            [("r/a:1", Some("sha256:new")), ("r/b:1", Some("sha256:b"))],
-            "what this hub holds wins; an unseen pin stays; an entry without a pin goes"
+            [
+                ("r/a:1", Some("sha256:new")),
+                ("r/b:1", Some("sha256:b")),
+                ("r/d:1", None)
+            ],
+            "what this hub holds wins; an unseen pin stays, a cluster's too; an entry \
+             without a pin goes"
+        );
+    }
+
+    #[test]
+    fn a_spoke_resolved_image_lists_each_clusters_answer_and_round_trips_the_pins() {
+        use crate::images::record::{Next, Observation, observe};
+
+        let need = ImageNeed {
+            module_uid: String::new(),
+            spoke_namespace: String::new(),
+            kernels: BTreeSet::from(["6.1.0".to_owned()]),
+            tls: Default::default(),
+            pull_secret: None,
+            build: None,
+            sign: None,
+            rebuild_generation: 0,
+            follow_interval: None,
+            pin_generation: 0,
+        };
+        let record = observe(
+            &need,
+            None,
+            Next::Check,
+            Observation::CheckFailed {
+                unauthorized: false,
+                message: "connection refused".into(),
+            },
+            Timestamp::UNIX_EPOCH,
+        );
+        let key = ImageKey {
+            module: "m".into(),
+            image: "r/x:1".into(),
+        };
+        let mut pins = SpokePins::default();
+        pins.answer(&record, "spoke2", 0, SpokePin::Digest("sha256:b".into()));
+        pins.answer(
+            &record,
+            "spoke1",
+            0,
+            SpokePin::Failed {
+                reason: "RegistryUnauthorized".into(),
+                message: "401".into(),
+            },
+        );
+        let statuses = image_statuses(
+            [(&key, &record)].into_iter(),
+            &BTreeMap::from([(key.clone(), need.kernels.clone())]),
+            &BTreeMap::from([(key.clone(), pins)]),
+        );
+        let status = &statuses[0];
+        assert_eq!(
+            (status.state.as_str(), status.digest.as_deref()),
+            ("SpokeResolved", None)
+        );
+        assert_eq!(
+            status.clusters,
+            [
+                ImageClusterStatus {
+                    cluster: "spoke1".into(),
+                    digest: None,
+                    reason: "RegistryUnauthorized".into(),
+                    message: "401".into(),
+                },
+                ImageClusterStatus {
+                    cluster: "spoke2".into(),
+                    digest: Some("sha256:b".into()),
+                    ..ImageClusterStatus::default()
+                },
+            ]
+        );
+        let (message, persisted) = persisted_spoke_pins(&statuses, "r/x:1").unwrap();
+        assert_eq!(message, record.message);
+        assert_eq!(
+            persisted,
+            BTreeMap::from([("spoke2".to_owned(), SpokePin::Digest("sha256:b".into()))]),
+            "only pins come back: a failure is asked again"
+        );
+        assert!(persisted_pin(&statuses, "r/x:1").is_none());
+
+        // Bounded per image, per module, and in message length.
+        let mut many = SpokePins::default();
+        for i in 0..80 {
+            many.answer(
+                &record,
+                &format!("c{i:02}"),
+                0,
+                SpokePin::Failed {
+                    reason: "ImageNotFound".into(),
+                    message: "x".repeat(1000),
+                },
+            );
+        }
+        let keys: Vec<ImageKey> = (0..5)
+            .map(|i| ImageKey {
+                module: "m".into(),
+                image: format!("r/x:{i}"),
+            })
+            .collect();
+        let statuses = image_statuses(
+            keys.iter().map(|k| (k, &record)),
+            &BTreeMap::new(),
+            &keys.iter().map(|k| (k.clone(), many.clone())).collect(),
+        );
+        let listed: Vec<usize> = statuses.iter().map(|s| s.clusters.len()).collect();
+        assert_eq!(listed, [50, 50, 50, 50, 0]);
+        assert_eq!(
+            statuses[0].clusters[0].message.len(),
+            MAX_IMAGE_CLUSTER_MESSAGE
         );
     }
 }

@@ -26,12 +26,13 @@ use tokio::sync::{Notify, watch};
 
 use crate::fleet::addon_config::{
     AddOnSpec, AddOnStatus, ConfigName, DeploymentConfigSpec, ManagementAddOnSpec, Variable,
-    ca_bundle_variables, config_problem, effective_config, lacks, parse, used_configs,
+    ca_bundle_variables, config_problem, effective_config, lacks, mirrors_by_cluster, parse,
+    used_configs,
 };
 use crate::fleet::addon_status::{DEGRADED, degraded_condition, is_current, session};
 
 use super::controller::FIELD_MANAGER;
-use super::fleet_view::Connections;
+use super::fleet_view::{Connections, FleetView};
 
 /// Changes arriving together make one pass.
 const DEBOUNCE: Duration = Duration::from_millis(200);
@@ -125,6 +126,7 @@ pub async fn run(
     addon: String,
     ca_pem: String,
     connections: watch::Receiver<Connections>,
+    fleet: Arc<FleetView>,
 ) {
     let changed = Arc::new(Notify::new());
     let by_name = || watcher::Config::default().fields(&format!("metadata.name={addon}"));
@@ -163,6 +165,7 @@ pub async fn run(
         addons,
         configs,
         serving_since: Timestamp::now(),
+        fleet,
     };
     tokio::join!(
         publisher.run(changed, connections),
@@ -181,6 +184,8 @@ struct Publisher {
     addons: Watched,
     configs: Watched,
     serving_since: Timestamp,
+    /// Told each cluster's image mirrors.
+    fleet: Arc<FleetView>,
 }
 
 impl Publisher {
@@ -258,6 +263,19 @@ impl Publisher {
                 (name, (adc, spec))
             })
             .collect();
+
+        let clusters: Vec<String> = addons
+            .iter()
+            .map(|(mca, ..)| mca.namespace().unwrap_or_default())
+            .collect();
+        self.fleet.set_mirrors(mirrors_by_cluster(
+            management.as_ref(),
+            clusters
+                .iter()
+                .zip(&addons)
+                .map(|(cluster, (_, spec, status))| (cluster.as_str(), spec, status)),
+            |name| configs.get(name).map(|(_, spec)| spec),
+        ));
 
         if let Some(bundle) = &self.bundle {
             let used = used_configs(

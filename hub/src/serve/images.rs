@@ -21,8 +21,8 @@ use super::image_tasks::ImageTasks;
 use super::signing::{MAX_IMAGE_BYTES, sign_image, signing_key};
 use crate::build::{BuildJobs, BuildProgress, BuildRequest};
 use crate::images::record::{Next, Observation, due, observe};
-use crate::images::status::persisted_pin;
-use crate::images::{ImageKey, ImageNeed, ImageRecord, ImageState};
+use crate::images::status::{persisted_pin, persisted_spoke_pins};
+use crate::images::{ImageKey, ImageNeed, ImageRecord, ImageState, SpokePins};
 
 /// Images worked on at once.
 const IN_FLIGHT: usize = 16;
@@ -146,10 +146,21 @@ impl ImageWorker {
     }
 
     /// A digest an earlier leader persisted in the module's status: nodes keep loading it
-    /// while this leader checks it again.
+    /// while this leader checks it again. An image the clusters resolved stays theirs,
+    /// each cluster with the pin it had.
     fn seed(&self, key: &ImageKey, need: &ImageNeed, now: Timestamp) -> Option<ImageRecord> {
         let module = self.modules.get(&ObjectRef::new(&key.module))?;
-        let pin = persisted_pin(&module.status.as_ref()?.images, &key.image)?;
+        let images = &module.status.as_ref()?.images;
+        if let Some((message, pins)) = persisted_spoke_pins(images, &key.image) {
+            let record = ImageRecord::seeded_spoke_resolved(need, message, now);
+            self.state.seed_spoke_pins(
+                key.clone(),
+                SpokePins::seeded(need.rebuild_generation, pins),
+            );
+            self.state.set_image(key.clone(), record.clone());
+            return Some(record);
+        }
+        let pin = persisted_pin(images, &key.image)?;
         let record = ImageRecord::seeded(need, pin.digest.clone()?, now).with_pins(
             pin.pin_generation.unwrap_or_default(),
             pin.earlier_pins.clone(),
@@ -168,8 +179,8 @@ impl ImageWorker {
             };
             let observation = self.perform(key, need, record.as_ref(), step).await;
             let next = observe(need, record.as_ref(), step, observation, Timestamp::now());
+            let next = self.state.set_image(key.clone(), next);
             self.announce(key, record.as_ref(), &next).await;
-            self.state.set_image(key.clone(), next.clone());
             record = Some(next);
         }
     }
@@ -424,11 +435,7 @@ impl ImageWorker {
         let Some(module) = self.modules.get(&ObjectRef::new(&key.module)) else {
             return;
         };
-        // Unchecked too: nodes load a tag the hub could not pin.
-        let warning = matches!(
-            after.state,
-            ImageState::Failed | ImageState::NotFound | ImageState::Unchecked
-        );
+        let warning = matches!(after.state, ImageState::Failed | ImageState::NotFound);
         let kernels: Vec<&str> = after
             .need
             .kernels

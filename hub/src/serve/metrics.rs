@@ -351,7 +351,7 @@ impl Metrics {
         );
         registry.register(
             "kmm_hub_module_images",
-            "Images of each ManagedClusterModule listed in its status, by state (Exists, NeedsBuild, NeedsSign, Building, Signing, Failed, NotFound, Unchecked)",
+            "Images of each ManagedClusterModule listed in its status, by state (Exists, NeedsBuild, NeedsSign, Building, Signing, Failed, NotFound, SpokeResolved)",
             self.module_images.clone(),
         );
         registry.register(

@@ -372,6 +372,7 @@ pub async fn run(
         settings.addon_name.clone(),
         ca_pem,
         state.connections(),
+        state.clone(),
     )));
 
     let events = EventPublisher::new(client.clone(), &settings.instance);

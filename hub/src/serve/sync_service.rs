@@ -232,6 +232,10 @@ async fn serve_stream(
                     tracing::debug!(plugins = report.plugins.len(), "device plugins");
                     state.device_plugins(cluster, id, report);
                 }
+                proxy_message::Message::SpokeImages(report) => {
+                    tracing::debug!(images = report.images.len(), "spoke images");
+                    state.spoke_images(cluster, id, report);
+                }
             },
             Ok(Some(ProxyMessage { message: None })) => {}
             Ok(None) => break,

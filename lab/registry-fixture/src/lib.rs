@@ -13,7 +13,7 @@ use std::path::PathBuf;
 
 pub use ca::internal_ca;
 pub use program::{registry_binary, registry_config};
-pub use server::{RegistryServer, docker_config_json};
+pub use server::{RegistryServer, docker_config_json, tls_with_auth_config};
 
 /// Why a registry could not be set up, started or used.
 #[derive(Debug, thiserror::Error)]

@@ -75,6 +75,12 @@ impl RegistryServer {
         )
     }
 
+    /// Plain HTTP on `ip` (the fleet's bridge, which its nodes, its Pods and the hub
+    /// reach), anyone may pull and push.
+    pub fn plain_on(ip: IpAddr) -> Result<Self> {
+        Self::start(ip, None, None)
+    }
+
     /// Plain HTTP on `ip` (the fleet's bridge, which its nodes and Pods reach), and only
     /// `user` with `password` may pull or push.
     pub fn plain_with_auth_on(ip: IpAddr, user: &str, password: &str) -> Result<Self> {
@@ -250,6 +256,28 @@ impl Drop for RegistryServer {
     }
 }
 
+/// Writes under `dir` the configuration of a registry that outlives the process writing
+/// it (the local fleet's second registry, which the fleet stops by its PID): HTTPS on
+/// `address` with a certificate for its IP issued by the CA `ca_cert_pem` (key
+/// `ca_key_pem`), and only `user` with `password` may pull or push. Returns the
+/// configuration's path, for `docker-registry serve` ([`registry_binary`]).
+pub fn tls_with_auth_config(
+    dir: &Path,
+    address: &str,
+    (ca_cert_pem, ca_key_pem): (&str, &str),
+    (user, password): (&str, &str),
+) -> Result<std::path::PathBuf> {
+    config(
+        dir,
+        address,
+        Some(Certificate::IssuedBy {
+            ca_cert_pem: ca_cert_pem.to_owned(),
+            ca_key_pem: ca_key_pem.to_owned(),
+        }),
+        Some(&(user.to_owned(), password.to_owned())),
+    )
+}
+
 /// A `.dockerconfigjson` for `registry` with these credentials.
 pub fn docker_config_json(registry: &str, user: &str, password: &str) -> String {
     let auth = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
@@ -270,7 +298,7 @@ fn tar_of(files: &[(&str, &[u8])]) -> Result<Vec<u8>> {
     builder.into_inner().context(|| "finishing a layer".into())
 }
 
-/// The registry's TLS certificate for 127.0.0.1.
+/// The registry's TLS certificate for the address it listens on.
 enum Certificate {
     SelfSigned,
     IssuedBy {
@@ -294,7 +322,11 @@ fn config(
     };
     let mut http = json!({ "addr": address });
     if let Some(certificate) = certificate {
-        let names = vec!["127.0.0.1".to_owned()];
+        let ip = address
+            .parse::<SocketAddr>()
+            .map_err(|e| Error::Invalid(format!("the registry's address {address}: {e}")))?
+            .ip();
+        let names = vec![ip.to_string()];
         let (cert, key) = match certificate {
             Certificate::SelfSigned => {
                 let certified = rcgen::generate_simple_self_signed(names)?;

@@ -1346,3 +1346,69 @@ fn a_module_that_loads_nothing_runs_its_plugin_on_every_selected_node() {
     assert_eq!(state_of(&s, "m", "c"), Some(ModuleState::Unloaded));
     assert_eq!(plugin_counts(&s, "m"), None, "no plugin runs for it");
 }
+
+/// Intent `m` whose 6.1 image the cluster is to resolve for the hub, without the hub's
+/// credential.
+fn to_resolve() -> IntentSnapshot {
+    let mut resolving = intent("m", "v1");
+    let mut load = load("6.1", "v1");
+    load.pull_credential_id.clear();
+    resolving.kernels[0].target = Some(Target::Resolve(kmm_proto::v1::ImageResolution {
+        load: Some(load),
+        image_generation: 2,
+    }));
+    snapshot(1, vec![resolving])
+}
+
+#[test]
+fn an_image_to_resolve_loads_nothing_until_pinned_and_is_resolved_with_the_clusters_secret() {
+    let now = std::time::Instant::now();
+    let mut s = cluster();
+    s.set_cluster_pull_secret(cluster_secret(Some(CLUSTER_CONFIG)));
+    s.set_intents(to_resolve());
+    assert!(
+        s.desired_modules("a").modules.is_empty(),
+        "nothing to load yet"
+    );
+    assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Pending));
+    let due = s.spoke_images_due(now);
+    assert_eq!(due.len(), 1);
+    assert_eq!(due[0].request.image, "reg/m:6.1-v1");
+    assert_eq!(due[0].request.generation, 2);
+    let credential = due[0].credential.clone().unwrap().expect("a credential");
+    assert_eq!(credential.id, "cluster:kmm/cluster-pull");
+    assert!(
+        !format!("{:?}", due[0]).contains("dTpw"),
+        "Debug shows no credential"
+    );
+
+    let request = due[0].request.clone();
+    assert!(s.spoke_image_answered(request, Ok("sha256:aa".into()), now));
+    let report = s.spoke_image_report();
+    assert_eq!(report.images.len(), 1);
+    assert_eq!(report.images[0].image_generation, 2);
+    assert!(s.spoke_images_due(now).is_empty());
+
+    // The hub pins the digest: the node loads it, by digest.
+    let mut pinned = to_resolve();
+    let mut load = load("6.1", "v1");
+    load.pull_credential_id.clear();
+    load.digest = "sha256:aa".into();
+    pinned.revision = 2;
+    pinned.modules[0].kernels[0].target = Some(Target::Load(load));
+    s.set_intents(pinned);
+    let modules = s.desired_modules("a").modules;
+    assert_eq!(modules[0].load.as_ref().unwrap().digest, "sha256:aa");
+    assert_eq!(s.spoke_image_report().images.len(), 1, "the answer is kept");
+}
+
+#[test]
+fn an_image_to_resolve_with_an_unusable_cluster_secret_fails_naming_it() {
+    let mut s = cluster();
+    s.set_cluster_pull_secret(cluster_secret(None));
+    s.set_intents(to_resolve());
+    let due = s.spoke_images_due(std::time::Instant::now());
+    let why = due[0].credential.clone().unwrap_err();
+    assert_eq!(why.reason, "ClusterPullSecretNotFound");
+    assert!(why.message.contains("kmm/cluster-pull"), "{}", why.message);
+}

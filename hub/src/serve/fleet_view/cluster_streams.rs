@@ -2,7 +2,7 @@
 //! defined here, beside its implementation, so the service depends on the view and the
 //! view never on the service.
 
-use kmm_proto::v1::{DevicePluginReport, KernelInventory, NodeStatusReport};
+use kmm_proto::v1::{DevicePluginReport, KernelInventory, NodeStatusReport, SpokeImageReport};
 use tokio::sync::watch;
 
 use super::SessionId;
@@ -27,4 +27,5 @@ pub trait ClusterStreams: Send + Sync + std::fmt::Debug + 'static {
     fn inventory(&self, cluster: &str, id: SessionId, inventory: KernelInventory);
     fn status(&self, cluster: &str, id: SessionId, report: NodeStatusReport);
     fn device_plugins(&self, cluster: &str, id: SessionId, report: DevicePluginReport);
+    fn spoke_images(&self, cluster: &str, id: SessionId, report: SpokeImageReport);
 }

@@ -7,8 +7,9 @@ use std::sync::{RwLock, RwLockReadGuard};
 use k8s_openapi::jiff::Timestamp;
 use kmm_api::ImageStatus;
 
+use crate::images::spoke_pins::{SpokeAnswer, settle};
 use crate::images::status::{image_statuses, with_persisted};
-use crate::images::{ImageKey, ImageNeed, ImageRecord};
+use crate::images::{ImageKey, ImageNeed, ImageRecord, ImageState, SpokePins};
 
 /// Pinned records of images no kernel needs now that one module keeps (the most recently
 /// changed): a cluster reconnecting has not sent its kernels yet, and its pins must
@@ -22,11 +23,15 @@ pub struct Images {
     pub records: BTreeMap<ImageKey, ImageRecord>,
     /// The kernels needing each image now, as the image worker last computed them.
     needed: BTreeMap<ImageKey, BTreeSet<String>>,
+    /// The clusters' digests of the images the hub cannot check (spoke-resolved).
+    pub spoke_pins: BTreeMap<ImageKey, SpokePins>,
 }
 
 /// What a new record changed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct RecordChange {
+    /// The record kept (see [`ImageBook::set`]).
+    pub kept: ImageRecord,
     /// What nodes get (the verdict) changed: the module's snapshots follow.
     pub verdict: bool,
     /// What status shows changed.
@@ -55,10 +60,23 @@ impl ImageBook {
         self.read().records.get(key).cloned()
     }
 
-    /// Records the image worker's new `record` for `key`.
+    /// Records the image worker's new `record` for `key`, unless it would move a cluster
+    /// off its own pin (`spoke_pins::settle`). An image no longer resolved by the
+    /// clusters (the hub pinned it, or it failed) forgets their pins.
     pub fn set(&self, key: ImageKey, record: ImageRecord) -> RecordChange {
-        let previous = self.write().records.insert(key, record.clone());
+        let mut images = self.write();
+        let record = settle(
+            images.records.get(&key),
+            record,
+            images.spoke_pins.get(&key),
+        );
+        if record.state != ImageState::SpokeResolved {
+            images.spoke_pins.remove(&key);
+        }
+        let previous = images.records.insert(key, record.clone());
+        drop(images);
         RecordChange {
+            kept: record.clone(),
             verdict: previous.as_ref().map(ImageRecord::verdict) != Some(record.verdict()),
             reported: previous.is_none_or(|p| !p.reported_alike(&record)),
         }
@@ -111,6 +129,12 @@ impl ImageBook {
             .collect();
         touched.extend(dropped.iter().map(|key| key.module.clone()));
         images.records.retain(|key, _| !dropped.contains(key));
+        let Images {
+            records,
+            spoke_pins,
+            ..
+        } = &mut *images;
+        spoke_pins.retain(|key, _| records.contains_key(key));
         let keys: BTreeSet<&ImageKey> = images.needed.keys().chain(needed.keys()).collect();
         touched.extend(
             keys.into_iter()
@@ -144,9 +168,43 @@ impl ImageBook {
                     .iter()
                     .filter(|(key, _)| key.module == module),
                 &images.needed,
+                &images.spoke_pins,
             ),
             persisted,
         )
+    }
+
+    /// The pins an earlier leader persisted for a spoke-resolved image.
+    pub fn seed_spoke_pins(&self, key: ImageKey, pins: SpokePins) {
+        self.write().spoke_pins.insert(key, pins);
+    }
+
+    /// Takes `cluster`'s answers; an answer for an image the hub does not leave to the
+    /// clusters (or to another generation) is ignored. Returns the modules whose answers
+    /// changed: the cluster's snapshot and their status follow.
+    pub fn answer(&self, cluster: &str, answers: Vec<SpokeAnswer>) -> BTreeSet<String> {
+        let mut images = self.write();
+        let Images {
+            records,
+            spoke_pins,
+            ..
+        } = &mut *images;
+        let mut changed = BTreeSet::new();
+        for answer in answers {
+            let Some(record) = records.get(&answer.key) else {
+                continue;
+            };
+            if spoke_pins.entry(answer.key.clone()).or_default().answer(
+                record,
+                cluster,
+                answer.generation,
+                answer.pin,
+            ) {
+                changed.insert(answer.key.module);
+            }
+        }
+        spoke_pins.retain(|_, pins| !pins.clusters.is_empty());
+        changed
     }
 }
 

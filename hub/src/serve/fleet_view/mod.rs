@@ -22,6 +22,7 @@ pub mod sessions;
 pub mod signals;
 mod snapshots;
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Mutex, MutexGuard};
 
 use tokio::sync::{Notify, watch};
@@ -38,6 +39,7 @@ use self::index::FleetIndex;
 use self::sessions::Sessions;
 use self::signals::{Signals, Touched};
 use super::metrics::Metrics;
+use crate::fleet::mirrors::ImageMirror;
 use crate::fleet::module_events::{RecentEvent, RecentEvents};
 
 /// The shared fleet view.
@@ -50,6 +52,9 @@ pub struct FleetView {
     signals: Signals,
     /// Fed by its own watch, read by the fleet view's module page only.
     recent_events: Mutex<RecentEvents>,
+    /// Each cluster's image mirrors (its AddOnDeploymentConfig's `registries`), as the
+    /// add-on controller last read them; none for a cluster not listed.
+    mirrors: Mutex<BTreeMap<String, Vec<ImageMirror>>>,
     metrics: Metrics,
 }
 
@@ -70,8 +75,38 @@ impl FleetView {
             caches: Caches::default(),
             signals: Signals::default(),
             recent_events: Mutex::default(),
+            mirrors: Mutex::default(),
             metrics,
         }
+    }
+
+    /// Takes every cluster's image mirrors; the clusters whose mirrors changed get a
+    /// new snapshot.
+    pub fn set_mirrors(&self, mirrors: BTreeMap<String, Vec<ImageMirror>>) {
+        let changed: BTreeSet<String> = {
+            let mut known = lock(&self.mirrors);
+            let changed = known
+                .keys()
+                .chain(mirrors.keys())
+                .filter(|cluster| known.get(*cluster) != mirrors.get(*cluster))
+                .cloned()
+                .collect();
+            *known = mirrors;
+            changed
+        };
+        for cluster in changed {
+            if let Some(session) = self.sessions.get(&cluster) {
+                self.recompute(&cluster, &mut lock(&session));
+            }
+        }
+    }
+
+    /// The cluster's image mirrors.
+    fn mirrors_of(&self, cluster: &str) -> Vec<ImageMirror> {
+        lock(&self.mirrors)
+            .get(cluster)
+            .cloned()
+            .unwrap_or_default()
     }
 
     /// Keeps an Event of `module` among its recent ones.

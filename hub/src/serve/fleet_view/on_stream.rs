@@ -15,11 +15,12 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use kmm_api::ManagedClusterModule;
-use kmm_proto::v1::{DevicePluginReport, KernelInventory, NodeStatusReport};
+use kmm_proto::v1::{DevicePluginReport, KernelInventory, NodeStatusReport, SpokeImageReport};
 use tokio::sync::watch;
 
 use crate::fleet::node_statuses::{Applied, Arrival};
 use crate::fleet::outbox::Outbox;
+use crate::fleet::spoke_answers::spoke_answers;
 use crate::serve::outbound::OutboundSender;
 
 use super::sessions::{ClusterSession, SessionId};
@@ -216,6 +217,35 @@ impl ClusterStreams for FleetView {
         if !changed.is_empty() {
             self.signals.touched.add(changed);
         }
+    }
+
+    /// The cluster's answers for the images it was asked to resolve: each new pin (or
+    /// failure) changes what the cluster gets, and the module's status.
+    fn spoke_images(&self, cluster: &str, id: SessionId, report: SpokeImageReport) {
+        let Some(session) = self.sessions.get(cluster) else {
+            return;
+        };
+        let mut session = lock(&session);
+        if !session.current(id) {
+            return;
+        }
+        let (answers, dropped) = spoke_answers(report);
+        if dropped > 0 {
+            tracing::warn!(
+                cluster,
+                dropped,
+                "dropped answers (SpokeImageReport.images[]) beyond the limit or without a module, an image or a valid digest"
+            );
+            self.metrics.bound_tripped("spoke_image");
+        }
+        let changed = self.images.answer(cluster, answers);
+        if changed.is_empty() {
+            return;
+        }
+        tracing::info!(cluster, modules = ?changed, "the cluster resolved images");
+        self.recompute(cluster, &mut session);
+        drop(session);
+        self.signals.touched.add(changed);
     }
 }
 

@@ -14,7 +14,7 @@ use crate::fleet::image_needs::ServedKernels;
 use crate::fleet::module_view::{ModuleView, ModuleViewBuilder};
 use crate::fleet::preflight::preflight_statuses;
 use crate::images::need::pin_generation;
-use crate::images::{ImageKey, ImageNeed, ImageRecord};
+use crate::images::{ImageKey, ImageNeed, ImageRecord, SpokePins};
 
 use super::{FleetView, lock};
 
@@ -137,9 +137,10 @@ impl FleetView {
         self.images.get(key)
     }
 
-    /// The image worker's new record for `key`. Snapshots are recomputed only when what
-    /// nodes get changes; status follows every change.
-    pub fn set_image(&self, key: ImageKey, record: ImageRecord) {
+    /// The image worker's new record for `key`; returns the one kept (a spoke-resolved
+    /// image stays so where the hub's finding would move a cluster). Snapshots are
+    /// recomputed only when what nodes get changes; status follows every change.
+    pub fn set_image(&self, key: ImageKey, record: ImageRecord) -> ImageRecord {
         let module = key.module.clone();
         let change = self.images.set(key, record);
         if change.verdict
@@ -151,6 +152,13 @@ impl FleetView {
             self.signals.touched.add([module]);
             self.signals.preflight_changed.notify_one();
         }
+        change.kept
+    }
+
+    /// The clusters' pins an earlier leader persisted for a spoke-resolved image, before
+    /// its record ([`FleetView::set_image`]) makes snapshots of them.
+    pub fn seed_spoke_pins(&self, key: ImageKey, pins: SpokePins) {
+        self.images.seed_spoke_pins(key, pins);
     }
 
     /// Takes the image worker's latest `needs`: status lists each image with the kernels

@@ -8,7 +8,7 @@ use kube::ResourceExt;
 
 use crate::fleet::assignment::{ClusterFacts, cluster_modules, is_selected};
 use crate::fleet::cluster_view::ClusterView;
-use crate::fleet::intents::{cluster_intents, while_unchecked};
+use crate::fleet::intents::{ClusterImages, cluster_intents, while_unchecked};
 use crate::fleet::served_revisions::{MissingRevision, at_revisions};
 
 use super::sessions::ClusterSession;
@@ -79,13 +79,21 @@ impl FleetView {
         };
         let inputs = cluster_modules(&refs, facts, &session.statuses, &unconfirmed);
         let credentials = self.index.credentials(inputs.iter().map(|i| i.module));
+        let images = self.images.read();
+        let mirrors = self.mirrors_of(cluster);
         let intents = cluster_intents(
             &inputs,
             kernels,
             &credentials,
-            &self.images.read().records,
+            ClusterImages {
+                records: &images.records,
+                spoke_pins: &images.spoke_pins,
+                cluster,
+                mirrors: &mirrors,
+            },
             &mut self.caches.resolutions(),
         );
+        drop(images);
         let mut snapshot = intents.snapshot;
         if !intents.unchecked.is_empty() {
             // The image worker checks them within moments and recomputes.

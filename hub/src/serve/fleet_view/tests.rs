@@ -715,3 +715,130 @@ fn a_followed_tag_moves_each_cluster_only_as_the_rollout_releases_it() {
         "a cluster the rollout has not reached keeps the earlier bytes"
     );
 }
+
+/// The target of the module's one kernel in the last snapshot sent on `stream`.
+fn sent_target(
+    stream: &tokio::sync::watch::Receiver<Outbound>,
+) -> Option<kmm_proto::v1::kernel_target::Target> {
+    match &*stream.borrow() {
+        Outbound::Snapshot(snapshot) => snapshot
+            .modules
+            .iter()
+            .find(|m| m.key.as_ref().is_some_and(|k| k.name == "hello"))
+            .and_then(|m| m.kernels.first())
+            .and_then(|k| k.target.clone()),
+        _ => None,
+    }
+}
+
+#[test]
+fn an_image_the_hub_cannot_check_is_pinned_per_cluster_from_each_clusters_answer() {
+    use kmm_proto::v1::kernel_target::Target;
+    use kmm_proto::v1::{ModuleKey, SpokeImage, SpokeImageReport, spoke_image};
+
+    let mut fleet = Fleet::new();
+    fleet.add_cluster("spoke1");
+    fleet.add_cluster("spoke2");
+    let module = hello().build();
+    fleet.add_module(module.clone());
+    let mut streams = vec![];
+    for cluster in ["spoke1", "spoke2"] {
+        let outbound = OutboundSender::default();
+        let sent = outbound.subscribe();
+        let id = fleet.view.open_session(cluster, 0, outbound);
+        fleet.view.inventory(
+            cluster,
+            id,
+            KernelInventory {
+                revision: 1,
+                kernels: vec![Kernel {
+                    release: "6.1".into(),
+                }],
+            },
+        );
+        streams.push((cluster, id, sent));
+    }
+    // The image worker's part: the registry does not answer the hub.
+    for (key, need) in fleet.view.image_needs(None) {
+        let record = crate::images::record::observe(
+            &need,
+            None,
+            crate::images::Next::Check,
+            crate::images::Observation::CheckFailed {
+                unauthorized: false,
+                message: "connection refused".into(),
+            },
+            Timestamp::now(),
+        );
+        fleet.view.set_image(key, record);
+    }
+    for (_, _, sent) in &streams {
+        let Some(Target::Resolve(request)) = sent_target(sent) else {
+            panic!("each cluster is asked to resolve: {:?}", sent_target(sent))
+        };
+        assert_eq!(request.load.unwrap().digest, "");
+    }
+    let answer = |image: &str, result| SpokeImageReport {
+        images: vec![SpokeImage {
+            module: Some(ModuleKey {
+                namespace: "drivers".into(),
+                name: "hello".into(),
+            }),
+            image: image.into(),
+            image_generation: 0,
+            result: Some(result),
+        }],
+    };
+    let Some(Target::Resolve(request)) = sent_target(&streams[0].2) else {
+        unreachable!()
+    };
+    let image = request.load.unwrap().image;
+    let digest1 = format!("sha256:{}", "1".repeat(64));
+    let digest2 = format!("sha256:{}", "2".repeat(64));
+    fleet.view.spoke_images(
+        "spoke1",
+        streams[0].1,
+        answer(&image, spoke_image::Result::Digest(digest1.clone())),
+    );
+    let Some(Target::Load(load)) = sent_target(&streams[0].2) else {
+        panic!("spoke1 loads its pin")
+    };
+    assert_eq!(load.digest, digest1);
+    assert!(
+        matches!(sent_target(&streams[1].2), Some(Target::Resolve(_))),
+        "spoke2 has answered nothing yet"
+    );
+    fleet.view.spoke_images(
+        "spoke2",
+        streams[1].1,
+        answer(&image, spoke_image::Result::Digest(digest2.clone())),
+    );
+    let Some(Target::Load(load)) = sent_target(&streams[1].2) else {
+        panic!("spoke2 loads its own pin")
+    };
+    assert_eq!(load.digest, digest2);
+    // A later answer does not move a pin.
+    fleet.view.spoke_images(
+        "spoke1",
+        streams[0].1,
+        answer(&image, spoke_image::Result::Digest(digest2.clone())),
+    );
+    let Some(Target::Load(load)) = sent_target(&streams[0].2) else {
+        unreachable!()
+    };
+    assert_eq!(load.digest, digest1);
+    let status = fleet.view.module_view(&module).status;
+    let listed: Vec<(&str, Option<&str>)> = status.images[0]
+        .clusters
+        .iter()
+        .map(|c| (c.cluster.as_str(), c.digest.as_deref()))
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            ("spoke1", Some(digest1.as_str())),
+            ("spoke2", Some(digest2.as_str()))
+        ]
+    );
+    assert_eq!(status.images[0].state, "SpokeResolved");
+}
