@@ -1,18 +1,21 @@
 //! What a spoke proxy with a valid certificate can send the hub, on arbitrary bytes:
 //! decoding and applying inventories, node status reports (in parts, arriving over
-//! time) and device plugin reports to the cluster's session, and counting a module's
-//! status from it, never panics, keeps only statuses and plugin counts of known modules,
-//! and never holds more than the documented bounds: the session's accounted bytes stay
-//! within `reported_bytes_bound` and its kernels within the inventory limits.
+//! time) and device plugin reports to the cluster's session, reading the images a
+//! cluster resolved, and counting a module's status from it, never panics, keeps only
+//! statuses and plugin counts of known modules, and never holds more than the documented
+//! bounds: the session's accounted bytes stay within `reported_bytes_bound`, its kernels
+//! within the inventory limits, and a report's answers within `SPOKE_IMAGES`.
 
 #![no_main]
 
 use std::time::Duration;
 
 use kmm_hub::fleet::node_statuses::{Arrival, MAX_BYTES, MAX_ENTRIES};
+use kmm_hub::fleet::spoke_answers::spoke_answers;
 use kmm_hub::fleet::status::{ClusterReport, module_status};
+use kmm_hub::images::SpokePin;
 use kmm_hub::serve::fleet_view::sessions::{ClusterSession, reported_bytes_bound};
-use kmm_proto::limits::{ERROR_TEXT, INVENTORY_KERNELS, valid_kernel_release};
+use kmm_proto::limits::{ERROR_TEXT, INVENTORY_KERNELS, SPOKE_IMAGES, valid_kernel_release};
 use kmm_proto::v1::{ProxyMessage, proxy_message};
 use libfuzzer_sys::fuzz_target;
 use prost::Message as _;
@@ -44,6 +47,16 @@ fuzz_target!(|data: &[u8]| {
             }
             Some(proxy_message::Message::DevicePlugins(report)) => {
                 session.receive_device_plugins(report, known);
+            }
+            Some(proxy_message::Message::SpokeImages(report)) => {
+                let sent = report.images.len();
+                let (answers, dropped) = spoke_answers(report);
+                assert!(answers.len() <= SPOKE_IMAGES && answers.len() + dropped == sent);
+                for answer in &answers {
+                    if let SpokePin::Failed { reason, message } = &answer.pin {
+                        assert!(reason.len() <= ERROR_TEXT && message.len() <= ERROR_TEXT);
+                    }
+                }
             }
             Some(proxy_message::Message::Hello(_)) | None => {}
         }
