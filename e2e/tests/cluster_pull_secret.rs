@@ -112,13 +112,7 @@ async fn a_clusters_pull_secret_loads_a_module_and_runs_its_plugin_from_a_regist
     let kmm = kmm(&fleet)?;
     let spoke = fleet.spoke_names()[0].clone();
     let client = fleet.spoke(&spoke)?.clone();
-    let real = fleet
-        .state
-        .cluster(&spoke)?
-        .real_nodes
-        .first()
-        .context("the spoke has no real node")?
-        .clone();
+    let real = real_node(&fleet, &spoke)?;
     ensure!(
         kmm.agents.iter().any(|a| a.node == real.name),
         "no agent on {}",

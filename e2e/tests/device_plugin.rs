@@ -271,14 +271,7 @@ struct PluginCase<'a> {
 
 fn plugin_case<'a>(fleet: &'a Fleet, kmm: &'a Kmm, prefix: &str) -> Result<PluginCase<'a>> {
     let spoke = fleet.spoke_names()[0].clone();
-    let real = fleet
-        .state
-        .cluster(&spoke)?
-        .real_nodes
-        .first()
-        .context("the spoke has no real node")?
-        .name
-        .clone();
+    let real = real_node(fleet, &spoke)?.name;
     let agent = kmm
         .agents
         .iter()

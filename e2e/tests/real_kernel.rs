@@ -420,32 +420,16 @@ async fn in_tree_dependency(
 const IN_TREE_NAME: &str = "kmm-crc-user";
 
 fn in_tree_key() -> pb::ModuleKey {
-    pb::ModuleKey {
-        namespace: NAMESPACE.into(),
-        name: IN_TREE_NAME.into(),
-    }
+    module_key(IN_TREE_NAME)
 }
 
 /// The image relying on the in-tree dependency link; or its explicit unload.
 fn in_tree_module(image: &str, unload: bool) -> pb::NodeModule {
-    pb::NodeModule {
-        key: Some(in_tree_key()),
-        load: Some(pb::ModuleLoad {
-            image: image.into(),
-            registry_tls: Some(pb::RegistryTls {
-                insecure: true,
-                insecure_skip_tls_verify: false,
-            }),
-            modprobe: Some(pb::Modprobe {
-                module_name: in_tree_image::MODULE.into(),
-                ..Default::default()
-            }),
-            version: VERSION.into(),
-            ..Default::default()
-        }),
-        credential: None,
-        unload,
-    }
+    let modprobe = pb::Modprobe {
+        module_name: in_tree_image::MODULE.into(),
+        ..Default::default()
+    };
+    desired(in_tree_key(), image, modprobe, vec![], unload)
 }
 
 /// The next event about the in-tree dependency's module; an event about another module
@@ -688,32 +672,48 @@ async fn expect_refused(
 }
 
 fn key() -> pb::ModuleKey {
+    module_key(NAME)
+}
+
+fn module_key(name: &str) -> pb::ModuleKey {
     pb::ModuleKey {
         namespace: NAMESPACE.into(),
-        name: NAME.into(),
+        name: name.into(),
     }
 }
 
 /// The sample image with firmware, `dummy` to remove first; or its explicit unload.
 fn node_module(image: &str, unload: bool) -> pb::NodeModule {
+    let modprobe = pb::Modprobe {
+        module_name: MODULE.into(),
+        parameters: vec![PARAMETER.into()],
+        firmware_path: FIRMWARE_PATH.into(),
+        ..Default::default()
+    };
+    desired(key(), image, modprobe, vec![IN_TREE.into()], unload)
+}
+
+/// `key` loading `image` from the fleet's plain-HTTP registry with `modprobe`, after
+/// removing `in_tree` modules; or its explicit unload.
+fn desired(
+    key: pb::ModuleKey,
+    image: &str,
+    modprobe: pb::Modprobe,
+    in_tree: Vec<String>,
+    unload: bool,
+) -> pb::NodeModule {
     pb::NodeModule {
-        key: Some(key()),
+        key: Some(key),
         load: Some(pb::ModuleLoad {
             image: image.into(),
             registry_tls: Some(pb::RegistryTls {
                 insecure: true,
                 insecure_skip_tls_verify: false,
             }),
-            modprobe: Some(pb::Modprobe {
-                module_name: MODULE.into(),
-                parameters: vec![PARAMETER.into()],
-                firmware_path: FIRMWARE_PATH.into(),
-                ..Default::default()
-            }),
-            in_tree_modules_to_remove: vec![IN_TREE.into()],
+            modprobe: Some(modprobe),
+            in_tree_modules_to_remove: in_tree,
             version: VERSION.into(),
-            pull_credential_id: String::new(),
-            digest: String::new(),
+            ..Default::default()
         }),
         credential: None,
         unload,

@@ -160,13 +160,7 @@ async fn an_image_only_the_spokes_reach_loads_pinned_to_the_digest_the_spoke_res
     let fleet = Fleet::get().await?;
     let kmm = kmm(&fleet)?;
     let spoke = fleet.spoke_names()[0].clone();
-    let real = fleet
-        .state
-        .cluster(&spoke)?
-        .real_nodes
-        .first()
-        .context("the spoke has no real node")?
-        .clone();
+    let real = real_node(&fleet, &spoke)?;
     ensure!(
         kmm.agents.iter().any(|a| a.node == real.name),
         "no agent on {}",
@@ -385,13 +379,7 @@ async fn a_clusters_mirror_serves_the_digest_the_hub_pinned_at_the_source() -> R
         fleet.spoke_names().len() > 1,
         "this test needs a second spoke (the other test of this binary changes the first)"
     );
-    let real = fleet
-        .state
-        .cluster(&spoke)?
-        .real_nodes
-        .first()
-        .context("the spoke has no real node")?
-        .clone();
+    let real = real_node(&fleet, &spoke)?;
     let gateway = fleet
         .state
         .network

@@ -18,6 +18,7 @@ use kmm_api::ManagedClusterModule;
 use kmm_api::labels::{ready_label, version_ready_label};
 use kmm_e2e::fixture::{Fleet, wait_until};
 use kmm_e2e::fleet::kmm::{self as fleet_kmm, Agent, Kmm, SPOKE_NAMESPACE};
+use kmm_e2e::fleet::nodes::RealNode;
 use kmm_e2e::fleet::{Settings, managed_clusters};
 use kmm_e2e::guest::firmware_image::{FIRMWARE_FILE, FIRMWARE_PATH};
 use kmm_e2e::guest::module_signing::TestKey;
@@ -49,6 +50,17 @@ pub fn kmm(fleet: &Fleet) -> Result<&Kmm> {
 }
 
 /// The nodes of `cluster` (KWOK and real) with a sample image for their kernel.
+/// The first real node (containerd, kubelet) of `spoke`.
+pub fn real_node(fleet: &Fleet, spoke: &str) -> Result<RealNode> {
+    fleet
+        .state
+        .cluster(spoke)?
+        .real_nodes
+        .first()
+        .cloned()
+        .context("the spoke has no real node")
+}
+
 pub fn nodes_with_images(fleet: &Fleet, cluster: &str) -> Result<Vec<(String, String)>> {
     let images: BTreeSet<&str> = fleet
         .state
