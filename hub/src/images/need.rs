@@ -47,6 +47,26 @@ pub struct ImageNeed {
     pub pin_generation: i64,
 }
 
+#[cfg(test)]
+impl ImageNeed {
+    /// Module `u` in `drivers` needing the image for `kernels`, with nothing to build,
+    /// sign or follow: what tests start from.
+    pub(crate) fn for_kernels<'a>(kernels: impl IntoIterator<Item = &'a str>) -> Self {
+        Self {
+            module_uid: "u".into(),
+            spoke_namespace: "drivers".into(),
+            kernels: kernels.into_iter().map(str::to_owned).collect(),
+            tls: Default::default(),
+            pull_secret: None,
+            build: None,
+            sign: None,
+            rebuild_generation: 0,
+            follow_interval: None,
+            pin_generation: 0,
+        }
+    }
+}
+
 impl ImageNeed {
     /// The kernel a build of this image targets.
     pub fn build_kernel(&self) -> &str {

@@ -574,7 +574,6 @@ pub fn backoff(failures: u32) -> Duration {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeSet;
 
     use kmm_api::Build;
     use kmm_registry::RegistryTls;
@@ -583,18 +582,7 @@ mod tests {
     use crate::images::need::SignPlan;
 
     fn plain() -> ImageNeed {
-        ImageNeed {
-            module_uid: "u".into(),
-            spoke_namespace: "drivers".into(),
-            kernels: BTreeSet::from(["6.1.0".to_string()]),
-            tls: Default::default(),
-            pull_secret: None,
-            build: None,
-            sign: None,
-            rebuild_generation: 0,
-            follow_interval: None,
-            pin_generation: 0,
-        }
+        ImageNeed::for_kernels(["6.1.0"])
     }
 
     fn built() -> ImageNeed {

@@ -154,7 +154,6 @@ pub fn cluster_verdict<'a>(
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeSet;
 
     use k8s_openapi::jiff::Timestamp;
 
@@ -164,16 +163,8 @@ mod tests {
 
     fn need(generation: i64) -> ImageNeed {
         ImageNeed {
-            module_uid: "u".into(),
-            spoke_namespace: "drivers".into(),
-            kernels: BTreeSet::from(["6.1.0".to_string()]),
-            tls: Default::default(),
-            pull_secret: None,
-            build: None,
-            sign: None,
             rebuild_generation: generation,
-            follow_interval: None,
-            pin_generation: 0,
+            ..ImageNeed::for_kernels(["6.1.0"])
         }
     }
 

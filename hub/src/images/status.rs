@@ -143,18 +143,8 @@ mod tests {
 
     #[test]
     fn statuses_are_sorted_bounded_and_round_trip_the_pin() {
-        let need = ImageNeed {
-            module_uid: String::new(),
-            spoke_namespace: String::new(),
-            kernels: (0..20).map(|i| format!("6.1.{i}")).collect::<BTreeSet<_>>(),
-            tls: Default::default(),
-            pull_secret: None,
-            build: None,
-            sign: None,
-            rebuild_generation: 0,
-            follow_interval: None,
-            pin_generation: 0,
-        };
+        let kernels: Vec<String> = (0..20).map(|i| format!("6.1.{i}")).collect();
+        let need = ImageNeed::for_kernels(kernels.iter().map(String::as_str));
         let records: Vec<(ImageKey, ImageRecord)> = (0..150)
             .rev()
             .map(|i| {
@@ -222,18 +212,7 @@ mod tests {
 
     #[test]
     fn a_followed_images_pins_round_trip_through_status() {
-        let need = ImageNeed {
-            module_uid: String::new(),
-            spoke_namespace: String::new(),
-            kernels: BTreeSet::from(["6.1.0".to_owned()]),
-            tls: Default::default(),
-            pull_secret: None,
-            build: None,
-            sign: None,
-            rebuild_generation: 0,
-            follow_interval: None,
-            pin_generation: 0,
-        };
+        let need = ImageNeed::for_kernels(["6.1.0"]);
         let earlier = vec![kmm_api::ImagePin {
             pin_generation: 0,
             digest: "sha256:d1".into(),
@@ -312,18 +291,7 @@ mod tests {
     fn a_spoke_resolved_image_lists_each_clusters_answer_and_round_trips_the_pins() {
         use crate::images::record::{Next, Observation, observe};
 
-        let need = ImageNeed {
-            module_uid: String::new(),
-            spoke_namespace: String::new(),
-            kernels: BTreeSet::from(["6.1.0".to_owned()]),
-            tls: Default::default(),
-            pull_secret: None,
-            build: None,
-            sign: None,
-            rebuild_generation: 0,
-            follow_interval: None,
-            pin_generation: 0,
-        };
+        let need = ImageNeed::for_kernels(["6.1.0"]);
         let record = observe(
             &need,
             None,

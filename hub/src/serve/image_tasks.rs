@@ -83,18 +83,7 @@ mod tests {
     use super::*;
 
     fn need() -> ImageNeed {
-        ImageNeed {
-            module_uid: "u".into(),
-            spoke_namespace: "drivers".into(),
-            kernels: Default::default(),
-            tls: Default::default(),
-            pull_secret: None,
-            build: None,
-            sign: None,
-            rebuild_generation: 0,
-            follow_interval: None,
-            pin_generation: 0,
-        }
+        ImageNeed::for_kernels([])
     }
 
     fn key(image: &str) -> ImageKey {

@@ -217,15 +217,7 @@ mod tests {
     fn need(kernel: &str) -> ImageNeed {
         ImageNeed {
             module_uid: "u1".into(),
-            spoke_namespace: "drivers".into(),
-            kernels: BTreeSet::from([kernel.to_owned()]),
-            tls: Default::default(),
-            pull_secret: None,
-            build: None,
-            sign: None,
-            rebuild_generation: 0,
-            follow_interval: None,
-            pin_generation: 0,
+            ..ImageNeed::for_kernels([kernel])
         }
     }
 
