@@ -116,12 +116,27 @@ fn spoke_resolution_encodings_are_stable() {
                 ..ModuleLoad::default()
             }),
             image_generation: 2,
+            failed: None,
         })),
     };
     let bytes = target.encode_to_vec();
     // kernel; resolve (field 4): load (image), image_generation 2.
     assert_eq!(hex(&bytes), "0a03362e31220c0a080a06722f783a76311002");
     assert_eq!(KernelTarget::decode(bytes.as_slice()).unwrap(), target);
+    // A failed last answer rides along (field 3 of the resolution): reason "R".
+    let mut failed = target.clone();
+    if let Some(Target::Resolve(resolution)) = &mut failed.target {
+        resolution.failed = Some(Unresolved {
+            reason: "R".into(),
+            message: String::new(),
+        });
+    }
+    let bytes = failed.encode_to_vec();
+    assert_eq!(
+        hex(&bytes),
+        "0a03362e3122110a080a06722f783a763110021a030a0152"
+    );
+    assert_eq!(KernelTarget::decode(bytes.as_slice()).unwrap(), failed);
 
     let report = ProxyMessage {
         message: Some(proxy_message::Message::SpokeImages(SpokeImageReport {

@@ -125,8 +125,13 @@ pub fn place(intent: &ModuleIntent, node: &NodeFacts, may_have_it: bool) -> Plac
         }
         Some(Target::Unresolved(unresolved)) => Placement::Unresolved(unresolved.clone()),
         // The cluster resolves the image for the hub first (`spoke_images`): nothing is
-        // loaded before the hub pins the digest it found.
-        Some(Target::Resolve(_)) | None => Placement::AwaitingKernel,
+        // loaded before the hub pins the digest it found. While its last answer failed,
+        // the nodes say why.
+        Some(Target::Resolve(resolution)) => match &resolution.failed {
+            Some(failed) => Placement::Unresolved(failed.clone()),
+            None => Placement::AwaitingKernel,
+        },
+        None => Placement::AwaitingKernel,
     }
 }
 
@@ -244,6 +249,32 @@ mod tests {
         };
         assert_eq!(u.reason, "ImageNotFound");
         assert_eq!(u.message, "reg/m:5.14: manifest unknown");
+    }
+
+    #[test]
+    fn an_image_the_cluster_resolves_waits_and_shows_its_last_failure() {
+        let mut intent = intent();
+        let resolution = |failed| {
+            Some(Target::Resolve(kmm_proto::v1::ImageResolution {
+                load: Some(load("spoke-only/m:5.14")),
+                image_generation: 0,
+                failed,
+            }))
+        };
+        intent.kernels[2].target = resolution(None);
+        assert_eq!(
+            place(&intent, &node("5.14"), false),
+            Placement::AwaitingKernel
+        );
+        let failed = Unresolved {
+            reason: "ClusterPullSecretInvalid".into(),
+            message: "kernel 5.14: the cluster's pull Secret kmm/pull ...".into(),
+        };
+        intent.kernels[2].target = resolution(Some(failed.clone()));
+        assert_eq!(
+            place(&intent, &node("5.14"), false),
+            Placement::Unresolved(failed)
+        );
     }
 
     #[test]

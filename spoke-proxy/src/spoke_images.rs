@@ -253,6 +253,7 @@ mod tests {
         Target::Resolve(ImageResolution {
             load: Some(load(image)),
             image_generation: generation,
+            failed: None,
         })
     }
 

@@ -223,17 +223,23 @@ fn module_intent(
                                         needed.extend(secret.clone());
                                         Target::Load(module_load(resolution, secret.as_deref(), digest))
                                     }
-                                    ClusterVerdict::Resolve => {
+                                    // A failed answer is shown on the nodes while the
+                                    // cluster goes on resolving: the request stays.
+                                    verdict @ (ClusterVerdict::Resolve | ClusterVerdict::Wait { .. }) => {
                                         needed.extend(secret.clone());
+                                        let failed = match verdict {
+                                            ClusterVerdict::Wait { reason, message } => Some(Unresolved {
+                                                reason: reason.to_owned(),
+                                                message: format!("kernel {kernel}: {message}"),
+                                            }),
+                                            _ => None,
+                                        };
                                         Target::Resolve(ImageResolution {
                                             load: Some(module_load(resolution, secret.as_deref(), "")),
                                             image_generation: generation,
+                                            failed,
                                         })
                                     }
-                                    ClusterVerdict::Wait { reason, message } => unresolved(
-                                        reason,
-                                        format!("kernel {kernel}: {message}"),
-                                    ),
                                 },
                                 Some(Verdict::Wait { reason, message }) => unresolved(
                                     reason,
@@ -447,15 +453,7 @@ mod tests {
     fn pinned() -> BTreeMap<ImageKey, ImageRecord> {
         let need = crate::images::ImageNeed {
             module_uid: String::new(),
-            spoke_namespace: "drivers".into(),
-            kernels: BTreeSet::new(),
-            tls: Default::default(),
-            pull_secret: None,
-            build: None,
-            sign: None,
-            rebuild_generation: 0,
-            follow_interval: None,
-            pin_generation: 0,
+            ..crate::images::ImageNeed::for_kernels([])
         };
         let now = k8s_openapi::jiff::Timestamp::UNIX_EPOCH;
         BTreeMap::from([(
@@ -767,15 +765,26 @@ mod tests {
             panic!("spoke1's pin loads")
         };
         assert_eq!(load.digest, "sha256:s1");
-        let Target::Unresolved(why) = target(&pins, "spoke2") else {
-            panic!("spoke2's failure waits")
+        // A failure is shown, and the request stays: without it the proxy would forget the
+        // image and never answer again, whatever changes on the cluster.
+        let Target::Resolve(ImageResolution {
+            failed: Some(why),
+            load: Some(load),
+            ..
+        }) = target(&pins, "spoke2")
+        else {
+            panic!("spoke2 goes on resolving, with its failure")
         };
+        assert_eq!(load.image, "r.example/hello:6.1.0-13-amd64");
         assert_eq!(why.reason, "ImageNotFound");
         assert!(
             why.message
                 .starts_with("kernel 6.1.0-13-amd64: spoke2 resolved")
         );
-        assert!(matches!(target(&pins, "spoke3"), Target::Resolve(_)));
+        assert!(matches!(
+            target(&pins, "spoke3"),
+            Target::Resolve(ImageResolution { failed: None, .. })
+        ));
     }
 
     const PLUGIN_ONLY: &str = r#"    selector: {role: gpu}

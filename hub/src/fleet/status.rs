@@ -112,9 +112,11 @@ impl StatusTally {
             self.degraded += 1;
         }
         for target in report.kernels {
-            match target.target {
-                // The kernel has an image, which the cluster resolves for the hub.
-                Some(Target::Load(_) | Target::Resolve(_)) => {
+            match &target.target {
+                // The kernel has an image, which the cluster resolves for the hub (until
+                // its resolution fails).
+                Some(Target::Load(_)) => self.resolved.insert(target.kernel.clone()),
+                Some(Target::Resolve(resolution)) if resolution.failed.is_none() => {
                     self.resolved.insert(target.kernel.clone())
                 }
                 _ => self.unresolved.insert(target.kernel.clone()),

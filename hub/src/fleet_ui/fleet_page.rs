@@ -85,15 +85,19 @@ impl KernelChart {
         for (namespace, name) in modules {
             for target in cluster.resolutions(namespace, name) {
                 let by_kernel = match &target.target {
-                    // An image the cluster resolves for the hub resolves too.
-                    Some(Target::Load(_) | Target::Resolve(_)) => &mut self.resolving,
+                    // An image the cluster resolves for the hub resolves too, until its
+                    // resolution fails.
+                    Some(Target::Load(_)) => &mut self.resolving,
+                    Some(Target::Resolve(resolution)) if resolution.failed.is_none() => {
+                        &mut self.resolving
+                    }
                     // No mapping: the module does not apply to the kernel, no image lacks.
                     Some(Target::Unresolved(unresolved))
                         if unresolved.reason == ResolveErrorKind::NoMatchingMapping.reason() =>
                     {
                         continue;
                     }
-                    Some(Target::Unresolved(_)) => &mut self.lacking,
+                    Some(Target::Unresolved(_) | Target::Resolve(_)) => &mut self.lacking,
                     None => continue,
                 };
                 let modules = match by_kernel.get_mut(target.kernel.as_str()) {

@@ -1356,6 +1356,7 @@ fn to_resolve() -> IntentSnapshot {
     resolving.kernels[0].target = Some(Target::Resolve(kmm_proto::v1::ImageResolution {
         load: Some(load),
         image_generation: 2,
+        failed: None,
     }));
     snapshot(1, vec![resolving])
 }
