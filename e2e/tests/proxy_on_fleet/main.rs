@@ -245,8 +245,15 @@ async fn inventory_and_agents_bound_to_their_own_node() -> Result<()> {
         bail!("third message is not DevicePluginReport");
     };
     ensure!(plugins.plugins.is_empty(), "{plugins:?}");
+    let proxy_message::Message::SpokeImages(resolved) = stream.next().await? else {
+        bail!("fourth message is not SpokeImageReport");
+    };
+    ensure!(
+        resolved.images.is_empty(),
+        "nothing was asked: {resolved:?}"
+    );
     let proxy_message::Message::Status(full) = stream.next().await? else {
-        bail!("fourth message is not NodeStatusReport: the plugin counts come before it");
+        bail!("fifth message is not NodeStatusReport: the plugin counts come before it");
     };
     ensure!(full.full && full.statuses.is_empty(), "{full:?}");
 
@@ -444,6 +451,9 @@ async fn labels_on_proof_hub_loss_changes_nothing_unload_removes_labels() -> Res
     };
     let proxy_message::Message::DevicePlugins(_) = stream.next().await? else {
         bail!("no device plugin counts after reconnect");
+    };
+    let proxy_message::Message::SpokeImages(_) = stream.next().await? else {
+        bail!("no resolved images after reconnect");
     };
     let proxy_message::Message::Status(full) = stream.next().await? else {
         bail!("no status after reconnect");
