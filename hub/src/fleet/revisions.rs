@@ -5,9 +5,9 @@
 //! undone is the same revision, and a change of anything else (the selector, the strategy)
 //! is none. A followed tag that moved (`imagePullPolicy: Always`) is a change too: the
 //! module's pin generation (`status.pinGeneration`) is part of the revision, so that the
-//! new digest rolls out like a new spec. Each one the hub serves is kept in a `ControllerRevision` in the hub's
-//! namespace, as DaemonSets keep theirs: the spec a cluster still runs after the module
-//! moved on must survive hub restarts.
+//! new digest rolls out like a new spec. Each one the hub serves is kept in a
+//! `ControllerRevision` in the hub's namespace, as DaemonSets keep theirs: the spec a
+//! cluster still runs after the module moved on must survive hub restarts.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
