@@ -7,7 +7,9 @@
 //! and CA (`REGISTRY_CA_BUNDLE_1`, item 13: no insecureSkipTLSVerify anywhere), the hub
 //! pins that digest for the cluster (item 15), the real node's agent loads exactly it,
 //! and moving the tag afterwards moves nothing. And a cluster's mirror (OCM's `registries`,
-//! item 12) serves the digest the hub pinned at the source, once the source is gone.
+//! item 12), that same registry, serves the digest the hub pinned at a source behind a CA
+//! only the hub trusts (`kmm-hub-registry-ca`, item 13's hub half), once the source is
+//! gone.
 //!
 //! The test changes the add-on's configuration of a whole spoke (its proxy restarts): run
 //! it alone.
@@ -27,6 +29,10 @@ use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::{Value, json};
 use support::*;
+
+/// How long the kubelet may take to show a changed ConfigMap in the Pods that mount it
+/// (its sync period, a minute, and its cache's).
+const CONFIG_MAP_REFRESH: std::time::Duration = std::time::Duration::from_secs(90);
 
 /// OCM caps a variable's value at 1024 characters: the CA in `REGISTRY_CA_BUNDLE_n`
 /// parts.
@@ -54,12 +60,14 @@ fn ca_bundle_variables(ca_pem: &str) -> Result<Vec<(String, String)>> {
         .collect())
 }
 
-/// Gives `spoke` the registry's CA and a pull Secret for it, and waits until the proxy
-/// runs with them and the CA reached the spoke.
+/// Gives `spoke` the registry's CA, a pull Secret for it and the image mirrors
+/// `registries` (OCM's `registries`; `null`: none), and waits until the proxy runs with
+/// them and the CA reached the spoke.
 async fn configure_spoke(
     fleet: &Fleet,
     spoke: &str,
     registry: &SpokeRegistry,
+    registries: Value,
 ) -> Result<SpokeConfig> {
     let client = fleet.spoke(spoke)?.clone();
     let secret = unique("spoke-registry-pull");
@@ -90,7 +98,7 @@ async fn configure_spoke(
         .iter()
         .map(|(n, v)| (n.as_str(), v.as_str()))
         .collect();
-    let own = addon_config::use_own_config_with(fleet, spoke, &settings).await?;
+    let own = addon_config::use_own_config_full(fleet, spoke, &settings, registries).await?;
     addon_config::wait_proxy_pull_secret(&client, &secret).await?;
     // The agents and the proxy read the bundle from this ConfigMap's volume.
     let config_maps = Api::<ConfigMap>::namespaced(client.clone(), SPOKE_NAMESPACE);
@@ -133,7 +141,19 @@ async fn image_status(
     what: &str,
     check: impl Fn(&Value) -> bool,
 ) -> Result<Value> {
-    Ok(wait_until(what, WAIT, || async {
+    image_status_within(hub, name, image, what, WAIT, check).await
+}
+
+/// [`image_status`], waiting `within`.
+async fn image_status_within(
+    hub: &Client,
+    name: &str,
+    image: &str,
+    what: &str,
+    within: std::time::Duration,
+    check: impl Fn(&Value) -> bool,
+) -> Result<Value> {
+    Ok(wait_until(what, within, || async {
         let status = status(hub, name).await.map_err(|e| e.to_string())?;
         status["images"]
             .as_array()
@@ -173,7 +193,7 @@ async fn an_image_only_the_spokes_reach_loads_pinned_to_the_digest_the_spoke_res
         real.kernel
     );
     let registry = fleet.spoke_registry().await?;
-    let config = configure_spoke(&fleet, &spoke, &registry).await?;
+    let config = configure_spoke(&fleet, &spoke, &registry, Value::Null).await?;
     let (id, name) = (unique("kmm-e2e.dev/registries"), unique("spoke-only"));
     let checked = loads_pinned(&fleet, &spoke, &registry, &real, &id, &name).await;
     let client = fleet.spoke(&spoke)?.clone();
@@ -367,7 +387,8 @@ async fn wait_config_in_use(hub: &Client, spoke: &str, own: &str) -> Result<()> 
 }
 
 #[tokio::test]
-async fn a_clusters_mirror_serves_the_digest_the_hub_pinned_at_the_source() -> Result<()> {
+async fn a_clusters_mirror_behind_its_own_ca_serves_the_digest_the_hub_pinned_at_the_source()
+-> Result<()> {
     let fleet = Fleet::get().await?;
     // Another spoke than the other test's: both change their spoke's add-on config.
     let spoke = fleet
@@ -386,79 +407,131 @@ async fn a_clusters_mirror_serves_the_digest_the_hub_pinned_at_the_source() -> R
         .as_ref()
         .context("the fleet has no bridge")?
         .gateway;
-    // The source: a registry of the test's own that the hub and the nodes reach. The
-    // mirror: the fleet's registry, as the nodes name it.
-    let source = kmm_registry_fixture::RegistryServer::plain_on(std::net::IpAddr::V4(gateway))?;
-    let tag = unique("t");
-    let name_in = |registry: &str| format!("{registry}/kmm-e2e/mirrored:{tag}-{}", real.kernel);
-    let sample = format!("{}/samples/kmm-hello:{}", fleet.state.registry, real.kernel);
-    copy_image(
-        &sample,
-        &source,
-        &format!("kmm-e2e/mirrored:{tag}-{}", real.kernel),
-    )
-    .await?;
-    // The same bytes in the mirror (pushed through the host's name of the fleet's
-    // registry, which the nodes reach as `node_registry`).
-    copy_image_to(
-        &sample,
-        &plain_client(),
-        &oci_client::secrets::RegistryAuth::Anonymous,
-        &name_in(&fleet.state.registry),
-    )
-    .await?;
-    let registries = json!([{
-        "source": format!("{}/kmm-e2e", source.address),
-        "mirror": format!("{}/kmm-e2e", fleet.state.node_registry),
-    }]);
-    let own = addon_config::use_own_config_full(&fleet, &spoke, &[], registries).await?;
-    let (id, name) = (unique("kmm-e2e.dev/mirror"), unique("mirrored"));
+    // The source: HTTPS behind a CA of the test's own, on the bridge, which the hub
+    // reaches and trusts through its registry CA bundle (item 13's hub half).
+    let (ca_cert, ca_key) = kmm_registry_fixture::internal_ca("kmm-e2e source registry CA");
+    let source = kmm_registry_fixture::RegistryServer::tls_issued_by_on(
+        std::net::IpAddr::V4(gateway),
+        &ca_cert,
+        &ca_key,
+    )?;
+    trust_on_the_hub(&fleet.hub, Some(&ca_cert)).await?;
     let checked = async {
-        wait_config_in_use(&fleet.hub, &spoke, &own).await?;
-        pulls_from_the_mirror(&fleet, &spoke, &real, source, &name_in, &id, &name).await
+        let tag = unique("t");
+        let path = format!("kmm-e2e/mirrored:{tag}-{}", real.kernel);
+        let sample = format!("{}/samples/kmm-hello:{}", fleet.state.registry, real.kernel);
+        copy_image(&sample, &source, &path).await?;
+        // The mirror: the fleet's second registry, HTTPS behind a CA of its own with basic
+        // auth, which only the spokes reach; the cluster trusts its CA and pulls from it
+        // with the cluster's pull Secret.
+        let registry = fleet.spoke_registry().await?;
+        let mirrored = registry.copy_from_fleet(&sample, &path).await?;
+        let registries = json!([{
+            "source": format!("{}/kmm-e2e", source.address),
+            "mirror": format!("{}/kmm-e2e", registry.address),
+        }]);
+        let config = configure_spoke(&fleet, &spoke, &registry, registries).await?;
+        let (id, name) = (unique("kmm-e2e.dev/mirror"), unique("mirrored"));
+        let pulled = async {
+            wait_config_in_use(&fleet.hub, &spoke, &config.own).await?;
+            let source = Source {
+                image: source.image(&path),
+                server: source,
+                mirrored,
+            };
+            pulls_from_the_mirror(&fleet, &spoke, &real, source, &id, &name).await
+        }
+        .await;
+        let client = fleet.spoke(&spoke)?.clone();
+        let _ = delete(&fleet.hub, &name).await;
+        let _ = wait_labelled(&fleet, &name, &[]).await;
+        let _ = label_node(&client, &real.name, &id, false).await;
+        let _ = label_cluster(&fleet.hub, &spoke, &id, false).await;
+        restore_spoke(&fleet, &spoke, &config).await?;
+        pulled
     }
     .await;
-    let client = fleet.spoke(&spoke)?.clone();
-    let _ = delete(&fleet.hub, &name).await;
-    let _ = wait_labelled(&fleet, &name, &[]).await;
-    let _ = label_node(&client, &real.name, &id, false).await;
-    let _ = label_cluster(&fleet.hub, &spoke, &id, false).await;
-    addon_config::use_fleet_config(&fleet.hub, &spoke).await?;
-    addon_config::delete_own_config(&fleet.hub, &spoke, &own).await?;
+    trust_on_the_hub(&fleet.hub, None).await?;
     checked
 }
 
-/// The module `name` maps the real node's kernel to the image at `source`: the hub pins
-/// its digest there; then `source` stops, and only then is the node selected: it loads
-/// the pinned digest, which only the mirror can have served.
+/// Sets (or, with `None`, removes) the hub's registry CA bundle, the optional ConfigMap
+/// `kmm-hub-registry-ca` its Pods mount.
+async fn trust_on_the_hub(hub: &Client, ca_pem: Option<&str>) -> Result<()> {
+    let config_maps = Api::<ConfigMap>::namespaced(hub.clone(), HUB_NAMESPACE);
+    let name = "kmm-hub-registry-ca";
+    let _ = config_maps.delete(name, &DeleteParams::default()).await;
+    if let Some(ca_pem) = ca_pem {
+        let bundle = ConfigMap {
+            metadata: ObjectMeta {
+                name: Some(name.to_owned()),
+                ..ObjectMeta::default()
+            },
+            data: Some([("ca.crt".to_owned(), ca_pem.to_owned())].into()),
+            ..ConfigMap::default()
+        };
+        config_maps.create(&PostParams::default(), &bundle).await?;
+    }
+    Ok(())
+}
+
+/// An image at its source registry, and the digest its mirror holds.
+struct Source {
+    server: kmm_registry_fixture::RegistryServer,
+    image: String,
+    mirrored: String,
+}
+
+/// The module `name` maps the real node's kernel to the source's image: the hub pins its
+/// digest there (once its Pods see the CA: the kubelet refreshes a mounted ConfigMap
+/// within about a minute), the digest the mirror holds. Then the source stops, and only
+/// then is the node selected: it loads the pinned digest, which only the mirror can have
+/// served.
 async fn pulls_from_the_mirror(
     fleet: &Fleet,
     spoke: &str,
     real: &RealNode,
-    source: kmm_registry_fixture::RegistryServer,
-    name_in: &impl Fn(&str) -> String,
+    source: Source,
     id: &str,
     name: &str,
 ) -> Result<()> {
     let client = fleet.spoke(spoke)?.clone();
-    let image = name_in(&source.address);
+    let Source {
+        server,
+        image,
+        mirrored,
+    } = source;
     label_cluster(&fleet.hub, spoke, id, true).await?;
-    let module = module(
+    let mut module = module(
         name,
         id,
-        json!([{"literal": real.kernel, "containerImage": image}]),
+        json!([{"literal": real.kernel, "containerImage": &image}]),
     )?;
+    // Verified HTTPS on both sides: no registryTLS.
+    module
+        .spec
+        .module_spec
+        .module_loader
+        .as_mut()
+        .context("a loader")?
+        .container
+        .registry_tls = None;
     create(&fleet.hub, &module).await?;
-    let pinned = image_status(
+    let pinned = image_status_within(
         &fleet.hub,
         name,
         &image,
         "the image pinned by the hub",
+        WAIT + CONFIG_MAP_REFRESH,
         |i| i["state"] == "Exists" && i["digest"].is_string(),
     )
     .await?;
     let digest = pinned["digest"].as_str().context("a digest")?.to_owned();
-    drop(source);
+    ensure!(
+        digest == mirrored,
+        "the hub pinned {digest}, the mirror holds {mirrored}"
+    );
+    drop(server);
     label_node(&client, &real.name, id, true).await?;
     wait_labelled(fleet, name, &[(spoke.to_owned(), real.name.clone())]).await?;
     let agent = kmm(fleet)?

@@ -45,6 +45,12 @@ pub struct ImageNeed {
     /// The module's pin generation now (see `record::ImageRecord::pinned_at`): a moved
     /// tag's new digest is pinned at the next one.
     pub pin_generation: i64,
+    /// A fingerprint of what the hub reaches the registry with besides the spec: its
+    /// extra CAs and the contents of the Secrets the image names ([`ImageNeed::secrets`]).
+    /// Filled in by the image worker, which reads them; 0 until then. A new one is worth
+    /// a look at once, whatever the backoff: a CA or a Secret added is what fixes a
+    /// failing check.
+    pub access: u64,
 }
 
 #[cfg(test)]
@@ -63,11 +69,22 @@ impl ImageNeed {
             rebuild_generation: 0,
             follow_interval: None,
             pin_generation: 0,
+            access: 0,
         }
     }
 }
 
 impl ImageNeed {
+    /// The Secrets (hub namespace) the hub's work on the image reads: the pull secret,
+    /// and the signing key and certificate.
+    pub fn secrets(&self) -> impl Iterator<Item = &str> {
+        let signing = self
+            .sign
+            .iter()
+            .flat_map(|s| [s.key_secret.as_str(), s.cert_secret.as_str()]);
+        self.pull_secret.as_deref().into_iter().chain(signing)
+    }
+
     /// The kernel a build of this image targets.
     pub fn build_kernel(&self) -> &str {
         self.kernels.first().map(String::as_str).unwrap_or_default()
@@ -157,6 +174,7 @@ pub fn module_needs(
                 rebuild_generation: spec.image_rebuild_trigger_generation.unwrap_or_default(),
                 follow_interval,
                 pin_generation: pin_generation(module),
+                access: 0,
             },
         );
     }

@@ -301,7 +301,10 @@ pub fn due(need: &ImageNeed, record: Option<&ImageRecord>, now: Timestamp) -> Op
             Next::Resolve
         });
     }
-    if record.need.tls != need.tls || record.need.pull_secret != need.pull_secret {
+    if record.need.tls != need.tls
+        || record.need.pull_secret != need.pull_secret
+        || record.need.access != need.access
+    {
         return Some(Next::Check);
     }
     // A spoke-resolved image too: the hub looks again, and takes the image over only
@@ -913,6 +916,45 @@ mod tests {
             ),
             (ImageState::Failed, "ImageCheckFailed")
         );
+    }
+
+    #[test]
+    fn new_access_checks_a_failing_image_at_once_whatever_its_backoff() {
+        let need = ImageNeed {
+            pull_secret: Some("pull".into()),
+            ..plain()
+        };
+        let distrusted = Observation::CheckFailed {
+            unauthorized: false,
+            message: "certificate verify failed".into(),
+        };
+        let failed = observe(&need, None, Next::Check, distrusted, now());
+        assert_eq!(failed.state, ImageState::Failed);
+        assert_eq!(due(&need, Some(&failed), later(1)), None, "backing off");
+        // The hub's CA bundle or the Secret changed: the fix the user made counts now.
+        let trusted = ImageNeed { access: 1, ..need };
+        assert_eq!(due(&trusted, Some(&failed), later(1)), Some(Next::Check));
+        let found = observe(
+            &trusted,
+            Some(&failed),
+            Next::Check,
+            Observation::Found {
+                digest: "sha256:aa".into(),
+            },
+            later(1),
+        );
+        assert_eq!(found.state, ImageState::Exists);
+        assert_eq!(due(&trusted, Some(&found), later(2)), None, "one look");
+    }
+
+    #[test]
+    fn an_images_secrets_are_its_pull_secret_and_signing_keys() {
+        let need = ImageNeed {
+            pull_secret: Some("pull".into()),
+            ..signed(false)
+        };
+        assert_eq!(need.secrets().collect::<Vec<_>>(), ["pull", "key", "cert"]);
+        assert_eq!(plain().secrets().count(), 0);
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! into the clusters' intents and lists the images in status. Transitions become Events
 //! on the module.
 
+use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,8 +13,8 @@ use k8s_openapi::jiff::Timestamp;
 use kmm_api::{ManagedClusterModule, TlsOptions};
 use kmm_registry::{PullSecret, RegistryCas, RegistryError, RegistryTls, error_chain};
 use kmm_runtime::events::EventType;
-use kube::Api;
 use kube::runtime::reflector::{ObjectRef, Store};
+use kube::{Api, ResourceExt};
 
 use super::events::EventPublisher;
 use super::fleet_view::FleetView;
@@ -38,6 +39,8 @@ const PASS_INTERVAL: Duration = Duration::from_millis(100);
 const PASS_SPACING: u32 = 5;
 /// Steps one image may take in a row (check, check unsigned, build, sign, resolve).
 const MAX_STEPS: usize = 8;
+/// How often the worker looks whether its CAs or Secrets changed (`ImageNeed::access`).
+const ACCESS_POLL: Duration = Duration::from_secs(5);
 
 /// What the worker works with.
 pub struct ImageWorker {
@@ -69,18 +72,26 @@ pub async fn run(worker: ImageWorker) {
     let worker = Arc::new(worker);
     let mut needs_changed = worker.state.needs_changed();
     let mut tasks = ImageTasks::default();
+    let mut cas_before = worker.cas_fingerprint();
     loop {
         let pass = tokio::time::Instant::now();
         let needs = worker.state.image_needs(Some(worker.follow_interval));
         let spacing = PASS_INTERVAL.max(pass.elapsed() * PASS_SPACING);
         tracing::debug!(needed = needs.len(), in_flight = tasks.len(), "images");
         worker.state.track_images(&needs);
+        let cas = worker.cas_fingerprint();
+        if cas != cas_before {
+            tracing::info!("the hub's registry CA bundle changed: images are checked again");
+            cas_before = cas;
+        }
+        let access = worker.access_version(cas);
         let now = Timestamp::now();
         let mut wake = now + k8s_openapi::jiff::SignedDuration::from_secs(60);
-        for (key, need) in needs {
+        for (key, mut need) in needs {
             if tasks.contains(&key) {
                 continue;
             }
+            need.access = worker.access(&need, cas);
             let record = match worker.state.image(&key) {
                 Some(record) => Some(record),
                 None => worker.seed(&key, &need, now),
@@ -120,6 +131,7 @@ pub async fn run(worker: ImageWorker) {
                 }
             }
             () = worker.state.images_unchecked() => {}
+            () = worker.access_changed(access) => {}
             () = tokio::time::sleep(until) => {}
         }
     }
@@ -252,6 +264,54 @@ impl ImageWorker {
             Next::Build => self.build(key, need, &cas, false).await,
             Next::RetryBuild => self.build(key, need, &cas, true).await,
             Next::Sign => self.sign(key, need, &cas, secret.as_ref()).await,
+        }
+    }
+
+    /// A fingerprint of the extra CAs as `--registry-ca-file` holds them now.
+    fn cas_fingerprint(&self) -> u64 {
+        let mut hasher = DefaultHasher::new();
+        if let Some(file) = &self.registry_ca_file {
+            std::fs::read(file).ok().hash(&mut hasher);
+        }
+        hasher.finish()
+    }
+
+    /// `need.access`: the CAs' fingerprint `cas` and the versions of the Secrets the
+    /// image names.
+    fn access(&self, need: &ImageNeed, cas: u64) -> u64 {
+        let mut hasher = DefaultHasher::new();
+        cas.hash(&mut hasher);
+        for name in need.secrets() {
+            let secret = self
+                .secrets
+                .get(&ObjectRef::new(name).within(&self.namespace));
+            (name, secret.and_then(|s| s.resource_version())).hash(&mut hasher);
+        }
+        hasher.finish()
+    }
+
+    /// The CAs' fingerprint `cas` and the versions of every Secret the hub watches: a
+    /// change is worth a pass, which finds the images it concerns.
+    fn access_version(&self, cas: u64) -> u64 {
+        let mut versions: Vec<_> = self
+            .secrets
+            .state()
+            .iter()
+            .map(|s| (s.name_any(), s.resource_version()))
+            .collect();
+        versions.sort_unstable();
+        let mut hasher = DefaultHasher::new();
+        (cas, versions).hash(&mut hasher);
+        hasher.finish()
+    }
+
+    /// Returns once the CAs or the Secrets differ from `seen` (an [`Self::access_version`]).
+    async fn access_changed(&self, seen: u64) {
+        loop {
+            tokio::time::sleep(ACCESS_POLL).await;
+            if self.access_version(self.cas_fingerprint()) != seen {
+                return;
+            }
         }
     }
 

@@ -75,6 +75,19 @@ impl RegistryServer {
         )
     }
 
+    /// [`RegistryServer::tls_issued_by`], its certificate for and listening on `ip` (the
+    /// fleet's bridge, which its nodes, its Pods and the hub reach).
+    pub fn tls_issued_by_on(ip: IpAddr, ca_cert_pem: &str, ca_key_pem: &str) -> Result<Self> {
+        Self::start(
+            ip,
+            Some(Certificate::IssuedBy {
+                ca_cert_pem: ca_cert_pem.to_owned(),
+                ca_key_pem: ca_key_pem.to_owned(),
+            }),
+            None,
+        )
+    }
+
     /// Plain HTTP on `ip` (the fleet's bridge, which its nodes, its Pods and the hub
     /// reach), anyone may pull and push.
     pub fn plain_on(ip: IpAddr) -> Result<Self> {
