@@ -248,6 +248,10 @@ pub struct ImageStatus {
     pub digest: Option<String>,
     /// The module's `pinGeneration` when `digest` was pinned. Absent: 0.
     pub pin_generation: Option<i64>,
+    /// The module's `imageRebuildTriggerGeneration` the digests here were resolved,
+    /// built or signed for: a new leader that finds another one in the spec resolves
+    /// (builds, signs) the image anew. Absent: the spec's.
+    pub rebuild_generation: Option<i64>,
     /// Digests pinned before `digest` for clusters still on an earlier revision, oldest
     /// first; at most 4.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

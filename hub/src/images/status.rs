@@ -3,13 +3,14 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
 use kmm_api::{
     ImageClusterStatus, ImageStatus, MAX_IMAGE_CLUSTER_MESSAGE, MAX_IMAGE_CLUSTERS,
     MAX_IMAGE_KERNELS, MAX_IMAGE_STATUSES, MAX_MODULE_IMAGE_CLUSTERS,
 };
 use kmm_proto::limits::truncated;
 
-use super::need::ImageKey;
+use super::need::{ImageKey, ImageNeed};
 use super::record::{ImageRecord, ImageState};
 use super::spoke_pins::{SpokePin, SpokePins};
 
@@ -44,6 +45,7 @@ pub fn image_statuses<'a>(
             state: record.state.as_str().to_owned(),
             digest: record.digest.clone(),
             pin_generation: (record.pinned_at > 0).then_some(record.pinned_at),
+            rebuild_generation: Some(record.need.rebuild_generation),
             earlier_pins: record.earlier.clone(),
             reason: record.reason.clone(),
             message: record.message.clone(),
@@ -85,9 +87,51 @@ fn cluster_statuses(pins: &SpokePins, budget: usize) -> Vec<ImageClusterStatus> 
         .collect()
 }
 
-/// The clusters' pins status persisted for a spoke-resolved `image`, with its message,
-/// for a new leader to start from; `None` for any other image.
-pub fn persisted_spoke_pins(
+/// What a new leader starts an image from: the record an earlier leader persisted, and
+/// for a spoke-resolved image the clusters' pins.
+#[derive(Debug)]
+pub struct Seed {
+    pub record: ImageRecord,
+    pub spoke_pins: Option<SpokePins>,
+}
+
+/// The [`Seed`] of `image` for `need` from the module's persisted `statuses`; `None`
+/// when nothing was pinned. An entry persisted for another `imageRebuildTriggerGeneration`
+/// than `need`'s seeds a record of that generation, which `record::due` then resolves,
+/// builds or signs anew: a generation bumped while no leader ran is not lost, and nodes
+/// keep loading the pinned bytes meanwhile.
+pub fn seed(
+    need: &ImageNeed,
+    statuses: &[ImageStatus],
+    image: &str,
+    now: Timestamp,
+) -> Option<Seed> {
+    let status = statuses.iter().find(|s| s.image == image)?;
+    let generation = status.rebuild_generation.unwrap_or(need.rebuild_generation);
+    let at = ImageNeed {
+        rebuild_generation: generation,
+        ..need.clone()
+    };
+    if let Some((message, pins)) = persisted_spoke_pins(statuses, image) {
+        return Some(Seed {
+            record: ImageRecord::seeded_spoke_resolved(&at, message, now),
+            spoke_pins: Some(SpokePins::seeded(generation, pins)),
+        });
+    }
+    let pin = persisted_pin(statuses, image)?;
+    let record = ImageRecord::seeded(&at, pin.digest.clone()?, now).with_pins(
+        pin.pin_generation.unwrap_or_default(),
+        pin.earlier_pins.clone(),
+    );
+    Some(Seed {
+        record,
+        spoke_pins: None,
+    })
+}
+
+/// The clusters' pins status persisted for a spoke-resolved `image`, with its message;
+/// `None` for any other image.
+fn persisted_spoke_pins(
     statuses: &[ImageStatus],
     image: &str,
 ) -> Option<(String, BTreeMap<String, SpokePin>)> {
@@ -124,8 +168,8 @@ pub fn with_persisted(mut listed: Vec<ImageStatus>, persisted: &[ImageStatus]) -
 }
 
 /// The pin status persisted for `image` (its digest, with the generation it was pinned
-/// at and the earlier pins), for a new leader to start from.
-pub fn persisted_pin<'a>(statuses: &'a [ImageStatus], image: &str) -> Option<&'a ImageStatus> {
+/// at and the earlier pins).
+fn persisted_pin<'a>(statuses: &'a [ImageStatus], image: &str) -> Option<&'a ImageStatus> {
     statuses
         .iter()
         .find(|s| s.image == image)
@@ -243,6 +287,73 @@ mod tests {
         assert_eq!(
             statuses[0].pin_generation, None,
             "a first pin says nothing more"
+        );
+    }
+
+    #[test]
+    fn a_rebuild_generation_bumped_between_leaders_is_made_anew() {
+        use crate::images::record::{Next, Observation, due, observe};
+
+        let at = |generation| ImageNeed {
+            rebuild_generation: generation,
+            ..ImageNeed::for_kernels(["6.1.0"])
+        };
+        let now = Timestamp::UNIX_EPOCH;
+        let key = |image: &str| ImageKey {
+            module: "m".into(),
+            image: image.into(),
+        };
+        let (pinned, resolved) = (key("r/x:1"), key("r/y:1"));
+        // The last leader, at generation 0: one image it pinned, one its clusters did.
+        let record = ImageRecord::seeded(&at(0), "sha256:d0".into(), now);
+        let spoke_record = observe(
+            &at(0),
+            None,
+            Next::Check,
+            Observation::CheckFailed {
+                unauthorized: false,
+                message: "connection refused".into(),
+            },
+            now,
+        );
+        let mut pins = SpokePins::default();
+        pins.answer(
+            &spoke_record,
+            "spoke1",
+            0,
+            SpokePin::Digest("sha256:s0".into()),
+        );
+        let statuses = image_statuses(
+            [(&pinned, &record), (&resolved, &spoke_record)].into_iter(),
+            &BTreeMap::new(),
+            &BTreeMap::from([(resolved.clone(), pins)]),
+        );
+        assert_eq!(statuses[0].rebuild_generation, Some(0));
+
+        // The spec moved to generation 1 while no leader ran: the next one makes both
+        // anew, the nodes loading the pinned bytes meanwhile.
+        let seeded = seed(&at(1), &statuses, "r/x:1", now).expect("a seed");
+        assert_eq!(seeded.record.digest.as_deref(), Some("sha256:d0"));
+        assert_eq!(due(&at(1), Some(&seeded.record), now), Some(Next::Resolve));
+        let seeded = seed(&at(1), &statuses, "r/y:1", now).expect("a seed");
+        let spoke_pins = seeded.spoke_pins.expect("the clusters' pins");
+        assert_eq!(
+            spoke_pins.generation, 0,
+            "pins of the generation they were for"
+        );
+        assert_eq!(due(&at(1), Some(&seeded.record), now), Some(Next::Resolve));
+
+        // The same generation: checked again only, the pins kept.
+        let seeded = seed(&at(0), &statuses, "r/x:1", now).expect("a seed");
+        assert_eq!(due(&at(0), Some(&seeded.record), now), Some(Next::Check));
+        // A status an older hub wrote (no generation) is taken as the spec's.
+        let mut older = statuses.clone();
+        older[0].rebuild_generation = None;
+        let seeded = seed(&at(1), &older, "r/x:1", now).expect("a seed");
+        assert_eq!(due(&at(1), Some(&seeded.record), now), Some(Next::Check));
+        assert!(
+            seed(&at(0), &statuses, "r/z:1", now).is_none(),
+            "nothing pinned"
         );
     }
 

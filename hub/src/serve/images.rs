@@ -22,8 +22,8 @@ use super::image_tasks::ImageTasks;
 use super::signing::{MAX_IMAGE_BYTES, sign_image, signing_key};
 use crate::build::{BuildJobs, BuildProgress, BuildRequest};
 use crate::images::record::{Next, Observation, due, observe};
-use crate::images::status::{persisted_pin, persisted_spoke_pins};
-use crate::images::{ImageKey, ImageNeed, ImageRecord, ImageState, SpokePins};
+use crate::images::status::{Seed, seed};
+use crate::images::{ImageKey, ImageNeed, ImageRecord, ImageState};
 
 /// Images worked on at once.
 const IN_FLIGHT: usize = 16;
@@ -158,25 +158,16 @@ impl ImageWorker {
     }
 
     /// A digest an earlier leader persisted in the module's status: nodes keep loading it
-    /// while this leader checks it again. An image the clusters resolved stays theirs,
-    /// each cluster with the pin it had.
+    /// while this leader checks it again (or makes it anew, for a rebuild generation the
+    /// spec moved past). An image the clusters resolved stays theirs, each cluster with
+    /// the pin it had.
     fn seed(&self, key: &ImageKey, need: &ImageNeed, now: Timestamp) -> Option<ImageRecord> {
         let module = self.modules.get(&ObjectRef::new(&key.module))?;
         let images = &module.status.as_ref()?.images;
-        if let Some((message, pins)) = persisted_spoke_pins(images, &key.image) {
-            let record = ImageRecord::seeded_spoke_resolved(need, message, now);
-            self.state.seed_spoke_pins(
-                key.clone(),
-                SpokePins::seeded(need.rebuild_generation, pins),
-            );
-            self.state.set_image(key.clone(), record.clone());
-            return Some(record);
+        let Seed { record, spoke_pins } = seed(need, images, &key.image, now)?;
+        if let Some(pins) = spoke_pins {
+            self.state.seed_spoke_pins(key.clone(), pins);
         }
-        let pin = persisted_pin(images, &key.image)?;
-        let record = ImageRecord::seeded(need, pin.digest.clone()?, now).with_pins(
-            pin.pin_generation.unwrap_or_default(),
-            pin.earlier_pins.clone(),
-        );
         self.state.set_image(key.clone(), record.clone());
         Some(record)
     }
