@@ -7,7 +7,10 @@
 //! starts the fleet). `KMM_BENCH_ROUNDS` sets the number of rounds (default 3).
 //!
 //! The moments are taken from watches of the spokes' Nodes and the hub's modules, so
-//! the figures are the fleet's own and not rounded up to a polling interval.
+//! the figures are the fleet's own and not rounded up to a polling interval. Each round
+//! also prints the hops of its create (hub, proxies, agents, label patches), from the
+//! timestamp gauges every component publishes (`kmm_e2e::hops`), read once the round
+//! converged, and the medians of the hops follow the rounds.
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -20,6 +23,8 @@ use k8s_openapi::api::core::v1::Node;
 use kmm_api::ManagedClusterModule;
 use kmm_api::labels::{ready_label, version_ready_label};
 use kmm_e2e::fixture::Fleet;
+use kmm_e2e::fleet::kmm::{Kmm, agent_metrics, hub_metrics, proxy_metrics};
+use kmm_e2e::hops::{self, Hop};
 use kmm_e2e::watched::Watched;
 use kube::{Api, ResourceExt};
 use support::*;
@@ -72,6 +77,49 @@ impl SpokeNodes {
     }
 }
 
+/// Every kmm process's `/metrics`.
+struct Scrape {
+    /// kmm-hub's replicas and the spokes' proxies.
+    components: Vec<String>,
+    agents: Vec<String>,
+}
+
+impl Scrape {
+    async fn read(fleet: &Fleet, kmm: &Kmm) -> Result<Self> {
+        let mut components = hub_metrics(&fleet.hub)
+            .await
+            .context("/metrics of kmm-hub")?;
+        for spoke in fleet.spoke_names() {
+            components.push(
+                proxy_metrics(fleet.spoke(&spoke)?)
+                    .await
+                    .with_context(|| format!("/metrics of the proxy of {spoke}"))?,
+            );
+        }
+        let mut agents = vec![];
+        for agent in &kmm.agents {
+            agents.push(
+                agent_metrics(fleet.spoke(&agent.cluster)?, &agent.node)
+                    .await
+                    .with_context(|| format!("/metrics of the agent of {}", agent.node))?,
+            );
+        }
+        Ok(Self { components, agents })
+    }
+
+    fn all(&self) -> Vec<String> {
+        self.components
+            .iter()
+            .chain(&self.agents)
+            .cloned()
+            .collect()
+    }
+}
+
+fn unix_now() -> f64 {
+    kmm_runtime::timestamp::unix_seconds(std::time::SystemTime::now())
+}
+
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     values[values.len() / 2]
@@ -84,7 +132,7 @@ async fn main() -> Result<()> {
         .and_then(|v| v.parse().ok())
         .unwrap_or(3);
     let fleet = Fleet::get().await?;
-    kmm(&fleet)?;
+    let kmm = kmm(&fleet)?;
     let id = unique("kmm-bench.dev/all");
     let mut targets = vec![];
     for spoke in fleet.spoke_names() {
@@ -104,12 +152,24 @@ async fn main() -> Result<()> {
     let modules_api = Api::<ManagedClusterModule>::all(fleet.hub.clone());
     let mut modules = Watched::start(modules_api.clone(), Default::default());
     let (mut converge, mut cleanup) = (vec![], vec![]);
+    let mut round_hops: Vec<Vec<Hop>> = vec![];
     for round in 1..=rounds {
         let name = unique("bench");
+        let steps_before = hops::step_totals(&Scrape::read(&fleet, kmm).await?.agents)?;
+        let created = unix_now();
         let started = Instant::now();
         create(&fleet.hub, &module(&name, &id, sample_mapping(&fleet))?).await?;
         nodes.wait_labelled(&name, &targets).await?;
         let up = started.elapsed().as_secs_f64();
+        let seen = unix_now();
+        let scrape = Scrape::read(&fleet, kmm).await?;
+        let this_round = hops::hops(created, &hops::latest_moments(&scrape.all())?, seen);
+        let steps = hops::step_means(&steps_before, &hops::step_totals(&scrape.agents)?);
+        println!(
+            "round {round} hops: {}",
+            hops::round_line(&this_round, &steps)
+        );
+        round_hops.push(this_round);
         let started = Instant::now();
         modules_api.delete(&name, &Default::default()).await?;
         modules
@@ -137,6 +197,10 @@ async fn main() -> Result<()> {
     println!(
         "deletion (MCM deleted -> labels gone, finalizer done): median {:.2}s",
         median(cleanup)
+    );
+    println!(
+        "hops (create -> all ready), median over {rounds} rounds: {}",
+        hops::medians_line(&hops::median_hops(&round_hops), rounds)
     );
 
     let state = kmm_e2e::fleet::running(&settings()?).context("the fleet stopped")?;

@@ -16,6 +16,8 @@
 //! * [`scale`] puts a real kmm-hub in front of thousands of simulated clusters.
 //! * [`watched`] keeps a kind's objects current by a watch and waits on them;
 //!   [`wait`] polls until a probe answers.
+//! * [`hops`] turns the components' timestamp gauges into the hops of a load, read out
+//!   of their `/metrics` by [`metrics_text`].
 
 pub mod binaries;
 pub mod browser;
@@ -25,8 +27,10 @@ pub mod fixture;
 pub mod fleet;
 pub mod guest;
 pub mod helm;
+pub mod hops;
 pub mod kmod;
 pub mod kmod_builder;
+pub mod metrics_text;
 pub mod monitoring;
 mod pki;
 mod process;

@@ -18,6 +18,7 @@ use kmm_api::ManagedClusterModule;
 use kmm_e2e::fixture::{Fleet, wait_until};
 use kmm_e2e::fleet::hub_install;
 use kmm_e2e::fleet::kmm::{self as fleet_kmm, Agent};
+use kmm_e2e::hops::{self, Hop};
 use kmm_runtime::pki::IssuedCertificate;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, ResourceExt};
@@ -78,6 +79,61 @@ async fn a_module_labels_exactly_the_selected_nodes_of_the_selected_cluster_unti
 
     delete(&fleet.hub, &name).await?;
     wait_labelled(&fleet, &name, &[]).await?;
+    label_cluster(&fleet.hub, &spoke, &id, false).await?;
+    Ok(())
+}
+
+/// Every component publishes when it did its part of a load (the timestamp gauges the
+/// convergence bench turns into hops): each stage moves within the round of a create.
+#[tokio::test]
+async fn every_stage_of_a_load_publishes_its_moment_within_the_round() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let fleet = Fleet::get().await?;
+    kmm(&fleet)?;
+    let (id, name) = (unique("kmm-e2e.dev/hops"), unique("hops"));
+    let spoke = fleet.spoke_names()[0].clone();
+    let (node, _) = nodes_with_images(&fleet, &spoke)?
+        .into_iter()
+        .next()
+        .with_context(|| format!("{spoke} has no node with an image"))?;
+    let spoke_client = fleet.spoke(&spoke)?;
+    label_cluster(&fleet.hub, &spoke, &id, true).await?;
+    label_node(spoke_client, &node, &id, true).await?;
+    let unix_now = || kmm_runtime::timestamp::unix_seconds(std::time::SystemTime::now());
+    let agent_metrics = || fleet_kmm::agent_metrics(spoke_client, &node);
+    let steps_before = hops::step_totals(&[agent_metrics().await?])?;
+    let created = unix_now();
+    create(&fleet.hub, &module(&name, &id, sample_mapping(&fleet))?).await?;
+    let chosen = [(spoke.clone(), node.clone())];
+    wait_labelled(&fleet, &name, &chosen).await?;
+    let seen = unix_now();
+    let mut texts = fleet_kmm::hub_metrics(&fleet.hub).await?;
+    texts.push(fleet_kmm::proxy_metrics(spoke_client).await?);
+    texts.push(agent_metrics().await?);
+    let round = hops::hops(created, &hops::latest_moments(&texts)?, seen);
+
+    let unmoved: Vec<String> = round
+        .iter()
+        .filter(|h| matches!(h, Hop::Missing(_) | Hop::Stale(_)))
+        .map(ToString::to_string)
+        .collect();
+    ensure!(
+        unmoved.is_empty(),
+        "stages that did not move in the round: {unmoved:?} (every hop: {})",
+        hops::round_line(&round, &Default::default())
+    );
+    let steps = hops::step_means(
+        &steps_before,
+        &hops::step_totals(&texts[texts.len() - 1..])?,
+    );
+    ensure!(
+        steps.contains_key("modprobe"),
+        "the agent of {node} timed no modprobe step in the round: {steps:?}"
+    );
+
+    delete(&fleet.hub, &name).await?;
+    wait_labelled(&fleet, &name, &[]).await?;
+    label_node(spoke_client, &node, &id, false).await?;
     label_cluster(&fleet.hub, &spoke, &id, false).await?;
     Ok(())
 }

@@ -75,11 +75,33 @@ pub struct AgentEvent {
     /// control plane reports the overlap on both modules.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub kept: Vec<Kept>,
+    /// A load's steps at the clock's precision, for the metrics (the wire and the JSON
+    /// lines carry the milliseconds above).
+    #[serde(skip)]
+    pub timing: LoadTiming,
+}
+
+/// How long a load attempt's steps took, each `None` when it did not run (an image
+/// already extracted is neither pulled nor extracted), and when the attempt ended.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LoadTiming {
+    pub pull: Option<Duration>,
+    pub extract: Option<Duration>,
+    /// The kernel side: in-tree removals, firmware, modprobe.
+    pub modprobe: Option<Duration>,
+    pub finished: Option<SystemTime>,
 }
 
 impl AgentEvent {
     pub fn is_success(&self) -> bool {
         self.outcome == Outcome::Success
+    }
+
+    /// The attempt ended `at`.
+    pub(crate) fn ended(mut self, at: SystemTime) -> Self {
+        self.at_unix_ms = unix_ms(at);
+        self.timing.finished = Some(at);
+        self
     }
 }
 
@@ -88,11 +110,11 @@ pub(crate) fn millis(duration: Duration) -> u64 {
 }
 
 pub(crate) fn now_unix_ms() -> u64 {
-    millis(
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default(),
-    )
+    unix_ms(SystemTime::now())
+}
+
+pub(crate) fn unix_ms(at: SystemTime) -> u64 {
+    millis(at.duration_since(UNIX_EPOCH).unwrap_or_default())
 }
 
 /// The latest desired snapshot; `None` until the control plane sent one, so that the

@@ -144,6 +144,7 @@ mod tests {
             at_unix_ms: 0,
             revision: 1,
             kept: vec![],
+            timing: Default::default(),
         }
     }
 

@@ -16,6 +16,7 @@ use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
 
 use crate::control::{EventReceiver, Hello, IntentSender, Progress};
 use crate::image::pull::error_chain;
+use crate::metrics::Metrics;
 use crate::proxy_messages;
 use kmm_runtime::backoff::{Backoff, random_fraction};
 
@@ -207,6 +208,7 @@ pub struct ProxyConnection {
     pub events: EventReceiver,
     /// True while a stream is established.
     pub connected: watch::Sender<bool>,
+    pub metrics: Metrics,
 }
 
 impl ProxyConnection {
@@ -319,6 +321,7 @@ impl ProxyConnection {
             tracing::warn!("ignoring an empty instruction from the proxy");
             return Ok(());
         };
+        self.metrics.desired_received();
         let translated = proxy_messages::desired_snapshot(desired);
         let revision = translated.snapshot.revision;
         tracing::info!(

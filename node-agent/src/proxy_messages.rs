@@ -515,6 +515,7 @@ mod tests {
             at_unix_ms: 5,
             revision: 17,
             kept: vec![],
+            timing: Default::default(),
         };
         let pb = module_event(&event);
         assert_eq!(pb.key, key("ns", "a"));
@@ -554,6 +555,7 @@ mod tests {
                 module: "kmm_hello".into(),
                 needed_by: vec!["kmm-ops/kmm-hello".into()],
             }],
+            timing: Default::default(),
         };
         assert_eq!(
             module_event(&event).kept,

@@ -13,7 +13,8 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::control::{
-    AgentEvent, EventAction, Hello, LoadedModule, Outcome, Progress, millis, now_unix_ms,
+    AgentEvent, EventAction, Hello, LoadTiming, LoadedModule, Outcome, Progress, millis,
+    now_unix_ms,
 };
 use crate::desired::{DesiredModule, DesiredSnapshot};
 use crate::firmware::{self, FirmwareError};
@@ -210,6 +211,7 @@ impl Reconciler {
                 at_unix_ms: now_unix_ms(),
                 revision: snapshot.revision,
                 kept: vec![],
+                timing: LoadTiming::default(),
             })
             .collect()
     }
@@ -314,10 +316,12 @@ impl Reconciler {
                     digest: desired.digest.clone(),
                     pull_ms: 0,
                     duration_ms: 0,
-                    at_unix_ms: now_unix_ms(),
+                    at_unix_ms: 0,
                     revision: snapshot.revision,
                     kept: vec![],
+                    timing: LoadTiming::default(),
                 }
+                .ended(SystemTime::now())
             } else {
                 let fetch = self.fetches.get_mut(&key).expect("started above");
                 let joined = tokio::select! {
@@ -441,13 +445,13 @@ impl Reconciler {
             at_unix_ms: 0,
             revision,
             kept: vec![],
+            timing: LoadTiming::default(),
         };
         let fetched = match fetched {
             Ok(f) => f,
             Err(error) => {
                 event.outcome = Outcome::Failure(error);
-                event.at_unix_ms = now_unix_ms();
-                return event;
+                return event.ended(SystemTime::now());
             }
         };
         keep.insert(fetched.digest.clone());
@@ -457,6 +461,8 @@ impl Reconciler {
         } else {
             0
         };
+        event.timing.pull = fetched.steps.pull;
+        event.timing.extract = fetched.steps.extract;
 
         let started = Instant::now();
         let kernel = self.kernel.clone();
@@ -469,7 +475,9 @@ impl Reconciler {
         let result = tokio::task::spawn_blocking(move || job.run(kernel.as_ref()))
             .await
             .expect("load does not panic");
-        event.duration_ms = millis(started.elapsed());
+        let modprobe = started.elapsed();
+        event.duration_ms = millis(modprobe);
+        event.timing.modprobe = Some(modprobe);
         event.at_unix_ms = now_unix_ms();
         match result {
             Ok((loaded, firmware_files)) => {
@@ -497,6 +505,8 @@ impl Reconciler {
             }
             Err(e) => event.outcome = Outcome::Failure(signature::explain(&error_chain(&e))),
         }
+        // The state saved too: the agent's part of the load is done.
+        event.timing.finished = Some(SystemTime::now());
         event
     }
 
@@ -529,6 +539,7 @@ impl Reconciler {
             at_unix_ms: now_unix_ms(),
             revision,
             kept: vec![],
+            timing: LoadTiming::default(),
         };
         match result {
             Ok(kept) => {

@@ -94,13 +94,20 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<()> {
                 intents: intent_tx,
                 events,
                 connected: connected_tx,
+                metrics: metrics.clone(),
             };
             (tokio::spawn(connection.run()), Some(connected_rx))
         }
         (None, Some(file)) => {
             println!("{}", serde_json::json!({ "hello": hello }));
             let poll = Duration::from_millis(args.desired_poll_ms);
-            let task = tokio::spawn(standalone::run(file.clone(), poll, intent_tx, events));
+            let task = tokio::spawn(standalone::run(
+                file.clone(),
+                poll,
+                intent_tx,
+                events,
+                metrics.clone(),
+            ));
             (task, None)
         }
         (None, None) => anyhow::bail!("one of --proxy-address or --desired-file is required"),

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use kmm_node_agent::control::{EventReceiver, IntentSender};
 use kmm_node_agent::desired::DesiredSnapshot;
+use kmm_node_agent::metrics::Metrics;
 
 /// Feeds the agent the file's snapshots and prints its events as JSON lines on stdout.
 pub(crate) async fn run(
@@ -13,23 +14,30 @@ pub(crate) async fn run(
     poll: Duration,
     intents: IntentSender,
     mut events: EventReceiver,
+    metrics: Metrics,
 ) {
     let printer = async move {
         while let Some(event) = events.recv().await {
             println!("{}", serde_json::json!({ "event": event }));
         }
     };
-    tokio::join!(printer, watch_desired_file(path, poll, intents));
+    tokio::join!(printer, watch_desired_file(path, poll, intents, metrics));
 }
 
 /// Feeds the desired-module snapshots from a JSON file, re-read when it changes.
-async fn watch_desired_file(path: PathBuf, every: Duration, intents: IntentSender) {
+async fn watch_desired_file(
+    path: PathBuf,
+    every: Duration,
+    intents: IntentSender,
+    metrics: Metrics,
+) {
     let mut last: Option<Vec<u8>> = None;
     loop {
         match tokio::fs::read(&path).await {
             Ok(bytes) if last.as_deref() != Some(&bytes[..]) => {
                 match DesiredSnapshot::from_json(&bytes) {
                     Ok(desired) => {
+                        metrics.desired_received();
                         tracing::info!(
                             revision = desired.revision,
                             modules = desired.modules.len(),

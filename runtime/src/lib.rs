@@ -2,7 +2,8 @@
 //! the `/metrics` `/healthz` `/readyz` endpoint, the bounded HTTP accept loop it and the
 //! admission webhook share, shutdown on SIGTERM, reconnect backoff,
 //! the certificates the components issue to each other and the TLS servers that renew
-//! them while running, and (feature `events`) Events on Kubernetes objects.
+//! them while running, timestamp gauges, and (feature `events`) Events on Kubernetes
+//! objects.
 
 pub mod backoff;
 pub mod cli;
@@ -15,3 +16,4 @@ pub mod pki;
 pub mod rate_limit;
 pub mod serving;
 pub mod shutdown;
+pub mod timestamp;

@@ -278,6 +278,8 @@ impl AgentService {
                 tokio::select! {
                     sent = tx.send(Ok(instruction)) => if sent.is_err() {
                         return "agent went away";
+                    } else {
+                        self.metrics.work_sent.set_now();
                     },
                     () = self.cancel.cancelled() => return "proxy shutting down",
                     _ = &mut replaced => return "replaced by a newer stream",

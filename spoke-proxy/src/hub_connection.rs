@@ -273,6 +273,8 @@ async fn session(
             () = cancel.cancelled() => return Ok(SessionEnd::Shutdown),
             message = inbound.message() => match message {
                 Ok(Some(HubMessage { message: Some(hub_message::Message::Intents(snapshot)) })) => {
+                    // As it arrived: applying it is the placement, the next hop.
+                    metrics.intents_received.set_now();
                     let revision = snapshot.revision;
                     let modules = snapshot.modules.len();
                     state.update(|s| s.set_intents(snapshot));
@@ -531,6 +533,50 @@ mod tests {
             drop(self.streams);
             self.hub.await.unwrap().unwrap();
         }
+    }
+
+    /// The value of `name` in a `/metrics` response, if it has the series.
+    fn sample(response: &str, name: &str) -> Option<f64> {
+        response
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    #[tokio::test]
+    async fn intents_from_the_hub_mark_when_they_arrived() {
+        const RECEIVED: &str = "kmm_spoke_proxy_intents_last_received_timestamp_seconds";
+        let mut fixture = Fixture::start(true, Duration::from_secs(3600)).await;
+        fixture.nodes_listed();
+        let (_inbound, hub) = fixture.next_stream().await;
+        let idle = fixture
+            .wait_for("/metrics", |r| {
+                r.contains("kmm_spoke_proxy_hub_connected 1")
+            })
+            .await;
+        assert_eq!(sample(&idle, RECEIVED), Some(0.0), "{idle}");
+
+        let before = kmm_runtime::timestamp::unix_seconds(std::time::SystemTime::now());
+        let intents = kmm_proto::v1::IntentSnapshot {
+            revision: 1,
+            ..Default::default()
+        };
+        hub.send(Ok(HubMessage {
+            message: Some(hub_message::Message::Intents(intents)),
+        }))
+        .await
+        .unwrap();
+        let applied = fixture
+            .wait_for("/metrics", |r| {
+                r.contains("kmm_spoke_proxy_intent_revision 1")
+            })
+            .await;
+        let after = kmm_runtime::timestamp::unix_seconds(std::time::SystemTime::now());
+        let received = sample(&applied, RECEIVED).expect("the series");
+        assert!(
+            (before..=after).contains(&received),
+            "{before} <= {received} <= {after}"
+        );
+        fixture.stop().await;
     }
 
     /// OCM's health check of the add-on is the proxy's readiness: /readyz says ok while

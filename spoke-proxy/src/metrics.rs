@@ -1,5 +1,6 @@
 //! The proxy's Prometheus metrics.
 
+use kmm_runtime::timestamp::TimestampGauge;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -16,6 +17,12 @@ pub struct Metrics {
     pub hub_disconnects: Counter,
     pub hub_client_certificate_expiry: Gauge,
     pub intent_revision: Gauge,
+    /// When intents (a snapshot or a delta) last arrived from the hub.
+    pub intents_received: TimestampGauge,
+    /// When a node's desired modules were last handed to its agent's stream.
+    pub work_sent: TimestampGauge,
+    /// When the apiserver last accepted a node label patch.
+    pub label_patched: TimestampGauge,
     pub nodes: Gauge,
     pub agents_connected: Gauge,
     pub agent_refusals: Family<ReasonLabel, Counter>,
@@ -57,6 +64,21 @@ impl Metrics {
             "intent_revision",
             "Revision of the last IntentSnapshot applied",
             self.intent_revision.clone(),
+        );
+        r.register(
+            "intents_last_received_timestamp_seconds",
+            "When intents (a snapshot or a delta) last arrived from kmm-hub, in Unix seconds (0 until then)",
+            self.intents_received.metric(),
+        );
+        r.register(
+            "work_last_sent_timestamp_seconds",
+            "When a node's desired modules were last handed to its agent's stream, in Unix seconds (0 until then)",
+            self.work_sent.metric(),
+        );
+        r.register(
+            "label_last_patched_timestamp_seconds",
+            "When the API server last accepted a node label patch, in Unix seconds (0 until then)",
+            self.label_patched.metric(),
         );
         r.register("nodes", "Nodes in the cluster", self.nodes.clone());
         r.register(
@@ -109,5 +131,37 @@ impl Metrics {
             "Agent attaches answered from the TokenReview cache",
             self.token_review_cache_hits.clone(),
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, UNIX_EPOCH};
+
+    use prometheus_client::encoding::text::encode;
+
+    use super::*;
+
+    #[test]
+    fn the_moments_of_a_loads_hops_are_exposed_in_unix_seconds() {
+        let metrics = Metrics::default();
+        let mut registry = Registry::default();
+        metrics.register(&mut registry);
+        let at = UNIX_EPOCH + Duration::from_millis(1_733_000_000_500);
+        metrics.intents_received.set(at);
+        metrics.work_sent.set(at + Duration::from_millis(1));
+        metrics.label_patched.set(at + Duration::from_millis(30));
+        let mut text = String::new();
+        encode(&mut text, &registry).unwrap();
+        for line in [
+            "kmm_spoke_proxy_intents_last_received_timestamp_seconds 1733000000.5",
+            "kmm_spoke_proxy_work_last_sent_timestamp_seconds 1733000000.501",
+            "kmm_spoke_proxy_label_last_patched_timestamp_seconds 1733000000.53",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "{line} missing in:\n{text}"
+            );
+        }
     }
 }

@@ -62,6 +62,7 @@ pub async fn run(client: Client, state: SharedState, metrics: Metrics, cancel: C
                 .await
             {
                 Ok(_) => {
+                    metrics.label_patched.set_now();
                     metrics.label_patches.inc();
                     tracing::info!(node, labels = %patch["metadata"]["labels"], "node labels patched");
                     in_flight.insert(node, patch);

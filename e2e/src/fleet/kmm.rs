@@ -54,6 +54,8 @@ const AGENT_DAEMONSET: &str = "kmm-node-agent";
 pub const PROXY_AGENTS_PORT: u16 = 7444;
 pub const PROXY_METRICS_PORT: u16 = 8081;
 pub const AGENT_METRICS_PORT: u16 = 8082;
+/// kmm-hub's `--metrics-addr` port (addon-manifests/hub/deployment.yaml).
+pub const HUB_METRICS_PORT: u16 = 8080;
 /// KWOK's Pods are marked running with an IP from this part of the spoke's real node's
 /// pod subnet (the CNI's host-local range keeps to the lower half).
 pub const KWOK_POD_RANGE: &str = "128/25";
@@ -578,6 +580,24 @@ pub async fn agent_metrics(spoke: &Client, node: &str) -> Result<String> {
         "/metrics",
     )
     .await
+}
+
+/// The `/metrics` text of every kmm-hub replica on the hub (the leader's and the
+/// standby's).
+pub async fn hub_metrics(hub: &Client) -> Result<Vec<String>> {
+    let api: Api<Pod> = Api::namespaced(hub.clone(), HUB_NAMESPACE);
+    let selector = format!("app.kubernetes.io/name={}", hub_install::DEPLOYMENT);
+    let mut texts = vec![];
+    for pod in api
+        .list(&ListParams::default().labels(&selector))
+        .await?
+        .items
+        .iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+    {
+        texts.push(get(pod, HUB_METRICS_PORT, "/metrics").await?);
+    }
+    Ok(texts)
 }
 
 /// The `/metrics` text of the spoke's proxy.

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use kmm_api::ManagedClusterModuleStatus;
 use kmm_runtime::http_server::ConnectionMetrics;
+use kmm_runtime::timestamp::TimestampGauge;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -80,6 +81,11 @@ pub struct Metrics {
     pub admission_seconds: Histogram,
     pub connected_clusters: Gauge,
     pub snapshots_sent: Counter,
+    /// When the modules' watch last delivered a change (create, edit, delete) to the
+    /// fleet view, which recomputes the clusters' intents from it.
+    pub module_change_received: TimestampGauge,
+    /// When a cluster's intents (a snapshot or a delta) were last handed to its stream.
+    pub intents_sent: TimestampGauge,
     pub streams_refused: Counter,
     pub streams_replaced: Counter,
     pub reconcile_errors: Counter,
@@ -119,6 +125,8 @@ impl Default for Metrics {
             admission_seconds: Histogram::new(exponential_buckets(0.000_05, 2.0, 14)),
             connected_clusters: Gauge::default(),
             snapshots_sent: Counter::default(),
+            module_change_received: TimestampGauge::default(),
+            intents_sent: TimestampGauge::default(),
             streams_refused: Counter::default(),
             streams_replaced: Counter::default(),
             reconcile_errors: Counter::default(),
@@ -303,6 +311,16 @@ impl Metrics {
             "kmm_hub_intent_snapshots_sent",
             "Intent snapshots sent to spoke proxies",
             self.snapshots_sent.clone(),
+        );
+        registry.register(
+            "kmm_hub_module_change_last_received_timestamp_seconds",
+            "When the ManagedClusterModule watch last delivered a change (a create, an edit or a delete) to the reconciliation of the clusters' intents, in Unix seconds (0 until then)",
+            self.module_change_received.metric(),
+        );
+        registry.register(
+            "kmm_hub_intents_last_sent_timestamp_seconds",
+            "When a cluster's intents (a snapshot or a delta) were last handed to its proxy's stream, in Unix seconds (0 until then)",
+            self.intents_sent.metric(),
         );
         registry.register(
             "kmm_hub_streams_refused",
@@ -494,5 +512,33 @@ mod tests {
                     == r#"kmm_hub_certificate_expiry_timestamp_seconds{certificate="grpc"} 42"#),
             "{shown}"
         );
+    }
+
+    #[test]
+    fn the_moments_of_a_loads_hops_are_exposed_in_unix_seconds() {
+        let metrics = Metrics::default();
+        let shown = text(&metrics);
+        for name in [
+            "kmm_hub_module_change_last_received_timestamp_seconds",
+            "kmm_hub_intents_last_sent_timestamp_seconds",
+        ] {
+            assert!(
+                shown.lines().any(|l| l == format!("{name} 0.0")),
+                "{name} at 0 until set, in:\n{shown}"
+            );
+        }
+        let at = std::time::UNIX_EPOCH + Duration::from_millis(1_733_000_000_250);
+        metrics.module_change_received.set(at);
+        metrics.intents_sent.set(at + Duration::from_millis(20));
+        let shown = text(&metrics);
+        for line in [
+            "kmm_hub_module_change_last_received_timestamp_seconds 1733000000.25",
+            "kmm_hub_intents_last_sent_timestamp_seconds 1733000000.27",
+        ] {
+            assert!(
+                shown.lines().any(|l| l == line),
+                "{line} missing in:\n{shown}"
+            );
+        }
     }
 }

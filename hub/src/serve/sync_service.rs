@@ -10,6 +10,7 @@ use std::time::Duration;
 use futures::{Stream, StreamExt};
 use kmm_proto::v1::{HubMessage, ProxyMessage, hub_message, hub_server::Hub, proxy_message};
 use kmm_runtime::rate_limit::TokenBucket;
+use kmm_runtime::timestamp::TimestampGauge;
 use time::OffsetDateTime;
 use tokio::sync::watch;
 use tonic::{Code, Request, Response, Status, Streaming};
@@ -68,7 +69,10 @@ impl Hub for SyncService {
             request.into_inner(),
             outbound,
         ));
-        Ok(Response::new(outgoing(receiver)))
+        Ok(Response::new(outgoing(
+            receiver,
+            self.metrics.intents_sent.clone(),
+        )))
     }
 }
 
@@ -254,12 +258,13 @@ async fn serve_stream(
     tracing::info!("proxy stream ended");
 }
 
-/// The outbound half: the latest snapshot whenever it changes, then the end.
-fn outgoing(receiver: watch::Receiver<Outbound>) -> Outgoing {
+/// The outbound half: the latest snapshot whenever it changes, then the end. `sent_at`
+/// marks when intents were last handed to the stream.
+fn outgoing(receiver: watch::Receiver<Outbound>, sent_at: TimestampGauge) -> Outgoing {
     futures::stream::unfold(
-        Some((receiver, None::<Arc<SharedSnapshot>>)),
+        Some((receiver, None::<Arc<SharedSnapshot>>, sent_at)),
         |state| async move {
-            let (mut receiver, mut sent) = state?;
+            let (mut receiver, mut sent, sent_at) = state?;
             loop {
                 receiver.changed().await.ok()?;
                 let next = receiver.borrow_and_update().clone();
@@ -276,7 +281,10 @@ fn outgoing(receiver: watch::Receiver<Outbound>) -> Outgoing {
                         let message = HubMessage {
                             message: Some(hub_message::Message::Intents(intents)),
                         };
-                        return Some((Ok(message), Some((receiver, sent))));
+                        // Computed and in the wire's types: tonic encodes and writes it
+                        // as soon as it takes it.
+                        sent_at.set_now();
+                        return Some((Ok(message), Some((receiver, sent, sent_at))));
                     }
                     Outbound::End(code, message) => {
                         return Some((Err(Status::new(code, message)), None));
@@ -286,4 +294,43 @@ fn outgoing(receiver: watch::Receiver<Outbound>) -> Outgoing {
         },
     )
     .boxed()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::SystemTime;
+
+    use kmm_runtime::timestamp::unix_seconds;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn handing_intents_to_the_stream_marks_when() {
+        let outbound = OutboundSender::default();
+        let sent_at = TimestampGauge::default();
+        let mut stream = outgoing(outbound.subscribe(), sent_at.clone());
+        outbound.snapshot(Arc::new(SharedSnapshot {
+            revision: 3,
+            ..SharedSnapshot::default()
+        }));
+        assert_eq!(sent_at.get(), 0.0, "nothing was handed to the stream yet");
+
+        let before = unix_seconds(SystemTime::now());
+        let message = stream.next().await.expect("a message").expect("intents");
+        let after = unix_seconds(SystemTime::now());
+        assert!(
+            matches!(message.message, Some(hub_message::Message::Intents(ref i)) if i.revision == 3),
+            "{message:?}"
+        );
+        assert!(
+            (before..=after).contains(&sent_at.get()),
+            "{before} <= {} <= {after}",
+            sent_at.get()
+        );
+
+        let marked = sent_at.get();
+        outbound.end(Code::Unavailable, "the hub is shutting down");
+        assert!(stream.next().await.expect("the end").is_err());
+        assert_eq!(sent_at.get(), marked, "an end is no intents");
+    }
 }

@@ -47,6 +47,16 @@ pub struct Fetched {
     /// Whether anything was downloaded or extracted.
     pub fresh: bool,
     pub elapsed: Duration,
+    /// What the steps that ran took; neither ran for an image already extracted.
+    pub steps: FetchSteps,
+}
+
+/// How long a fresh fetch's steps took.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FetchSteps {
+    /// Resolving the reference, the manifest and the layers (from when a pull could start).
+    pub pull: Option<Duration>,
+    pub extract: Option<Duration>,
 }
 
 /// How many pulls run at once by default.
@@ -132,6 +142,7 @@ impl ImageStore {
                     root,
                     fresh: false,
                     elapsed: started.elapsed(),
+                    steps: FetchSteps::default(),
                 });
             }
         }
@@ -157,12 +168,14 @@ impl ImageStore {
             detail: format!("the pull did not finish within its deadline of {deadline:?}"),
         })??;
         let (digest, root, manifest) = pulled;
+        let pulled_in = started.elapsed();
         let Some(manifest) = manifest else {
             return Ok(Fetched {
                 digest,
                 root,
                 fresh: false,
                 elapsed: started.elapsed(),
+                steps: FetchSteps::default(),
             });
         };
         let mut layers = vec![];
@@ -179,6 +192,7 @@ impl ImageStore {
         let limits = self.limits;
         let image = request.pull.image.to_string();
         let target = root.clone();
+        let extracting = Instant::now();
         // Extraction and the rename into the cache run to the end even when the fetch
         // is cancelled (the agent drops a pull no longer wanted): no half state.
         tokio::task::spawn_blocking(move || {
@@ -191,6 +205,10 @@ impl ImageStore {
             root,
             fresh: true,
             elapsed: started.elapsed(),
+            steps: FetchSteps {
+                pull: Some(pulled_in),
+                extract: Some(extracting.elapsed()),
+            },
         })
     }
 

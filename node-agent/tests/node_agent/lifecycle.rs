@@ -218,6 +218,12 @@ async fn an_unused_image_stays_cached_for_its_retention_then_goes() {
     let events = agent.reconcile(&load(std::slice::from_ref(&one))).await;
     assert_success(&events, &[EventAction::Load]);
     assert!(events[0].pull_ms > 0, "the first load pulls");
+    let timing = events[0].timing;
+    assert!(
+        timing.pull.is_some() && timing.extract.is_some() && timing.modprobe.is_some(),
+        "every step ran and was timed: {timing:?}"
+    );
+    let first_finished = timing.finished.expect("the end of the load");
 
     // Unloaded: the image stays, and loading it again pulls and extracts nothing.
     let extracted = || {
@@ -233,6 +239,14 @@ async fn an_unused_image_stays_cached_for_its_retention_then_goes() {
     let events = agent.reconcile(&load(std::slice::from_ref(&one))).await;
     assert_success(&events, &[EventAction::Load]);
     assert_eq!(events[0].pull_ms, 0, "loaded from the cache");
+    let timing = events[0].timing;
+    assert_eq!(
+        (timing.pull, timing.extract),
+        (None, None),
+        "neither pulled nor extracted"
+    );
+    assert!(timing.modprobe.is_some(), "{timing:?}");
+    assert!(timing.finished.expect("the end of the load") > first_finished);
     assert_eq!(node.loaded(), [MODULE, DEP_MODULE]);
 
     // Unloaded again, and last used longer ago than the retention: the next pass

@@ -44,6 +44,16 @@ pub struct ViewChange {
     pub now: Option<ClusterView>,
 }
 
+/// What of a module the snapshots depend on changed since they were last computed for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModuleChange {
+    None,
+    /// Only which revision clusters are to run (a progressive rollout moved).
+    Assignment,
+    /// A new module, another generation, or its deletion began.
+    Spec,
+}
+
 /// Per module: what the snapshots were last computed for.
 #[derive(Debug, Default)]
 struct ModuleBook {
@@ -273,9 +283,9 @@ impl FleetIndex {
             .collect()
     }
 
-    /// Notes the module as the snapshots are about to be computed for it; false when
-    /// nothing they depend on (generation, deletion, rollout assignment) changed since.
-    pub fn note(&self, module: &ManagedClusterModule) -> bool {
+    /// Notes the module as the snapshots are about to be computed for it, and says what
+    /// of what they depend on (generation, deletion, rollout assignment) changed since.
+    pub fn note(&self, module: &ManagedClusterModule) -> ModuleChange {
         let key = (
             module.metadata.generation,
             is_deleting(module),
@@ -283,11 +293,15 @@ impl FleetIndex {
         );
         let mut book = lock(&self.modules);
         let name = module.name_any();
-        if book.seen.get(&name) == Some(&key) {
-            return false;
-        }
+        let change = match book.seen.get(&name) {
+            Some(seen) if *seen == key => return ModuleChange::None,
+            Some((generation, deleting, _)) if (*generation, *deleting) == (key.0, key.1) => {
+                ModuleChange::Assignment
+            }
+            _ => ModuleChange::Spec,
+        };
         book.seen.insert(name, key);
-        true
+        change
     }
 
     /// The hub released the module's finalizer: it is gone.

@@ -10,7 +10,7 @@ use kube::ResourceExt;
 
 use crate::fleet::revisions::MODULE_LABEL;
 
-use super::index::ViewChange;
+use super::index::{ModuleChange, ViewChange};
 use super::sessions::ClusterSession;
 use super::{FleetView, gauge, lock};
 
@@ -19,8 +19,12 @@ impl FleetView {
     /// concerns when what snapshots depend on (generation, deletion, rollout assignment)
     /// changed since last time.
     pub fn note_module(&self, module: &ManagedClusterModule) {
-        if !self.index.note(module) {
-            return;
+        match self.index.note(module) {
+            ModuleChange::None => return,
+            ModuleChange::Assignment => {}
+            // The moment the work on a module's change begins; its status writes, which
+            // the watch delivers too, are not changes of the module.
+            ModuleChange::Spec => self.metrics.module_change_received.set_now(),
         }
         self.recompute_module(module);
         self.signals.bump_needs();

@@ -842,3 +842,30 @@ fn an_image_the_hub_cannot_check_is_pinned_per_cluster_from_each_clusters_answer
     );
     assert_eq!(status.images[0].state, "SpokeResolved");
 }
+
+/// The moment a module's change reached the hub: a create, an edit, a deletion, never
+/// a status write (the watch delivers those too).
+#[test]
+fn a_change_of_a_module_marks_when_it_was_received_and_its_status_writes_do_not() {
+    let mut fleet = Fleet::new();
+    let moment = fleet.view.metrics.module_change_received.clone();
+    let received_on = |fleet: &mut Fleet, module: ManagedClusterModule| {
+        moment.set(std::time::UNIX_EPOCH);
+        fleet.add_module(module);
+        moment.get()
+    };
+    assert_eq!(moment.get(), 0.0);
+
+    assert!(received_on(&mut fleet, hello().generation(1).build()) > 0.0);
+    let status_written = hello()
+        .generation(1)
+        .with("/status", serde_json::json!({"conditions": []}))
+        .build();
+    assert_eq!(
+        received_on(&mut fleet, status_written),
+        0.0,
+        "a status write is no change"
+    );
+    assert!(received_on(&mut fleet, hello().generation(2).build()) > 0.0);
+    assert!(received_on(&mut fleet, hello().generation(2).deleting().build()) > 0.0);
+}
