@@ -78,6 +78,7 @@ impl Fleet {
         self.modules
             .apply_watcher_event(&watcher::Event::Apply(module.clone()));
         self.view.note_module(&module);
+        self.view.recompute_stale();
     }
 
     pub fn add_cluster(&mut self, name: &str) {
@@ -138,6 +139,7 @@ impl Fleet {
                 self.view.set_image(key, record);
             }
         }
+        self.view.recompute_stale();
     }
 
     /// The cluster reports each (module, node, state, reason, message) on kernel 6.1, as

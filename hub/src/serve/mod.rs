@@ -365,6 +365,9 @@ pub async fn run(
     tokio::spawn(wait_synced(stores.clone(), state.clone(), health.clone()));
     let departures = AbortOnDropHandle::new(tokio::spawn(settle_departures(state.clone())));
     background.push(AbortOnDropHandle::new(tokio::spawn(
+        state.clone().follow_stale(),
+    )));
+    background.push(AbortOnDropHandle::new(tokio::spawn(
         metrics::follow_connections(state.connections(), metrics.clone()),
     )));
     let addon = AbortOnDropHandle::new(tokio::spawn(addon::run(

@@ -113,6 +113,7 @@ impl Harness {
         self.modules
             .apply_watcher_event(&watcher::Event::Apply(module.clone()));
         self.ctx.state.note_module(module);
+        self.ctx.state.recompute_stale();
     }
 }
 
@@ -480,6 +481,7 @@ fn loaded_on_spoke1(
             ImageRecord::seeded(&need, "sha256:0123".into(), Timestamp::now()),
         );
     }
+    state.recompute_stale();
     let loaded_at = last_revision(&sent);
     state.status(
         "spoke1",

@@ -61,12 +61,44 @@ impl Touched {
     }
 }
 
+/// Clusters whose snapshots a change of a module made stale, waiting for the recompute
+/// task (`FleetView::recompute_stale`): changes that come together (modules created at
+/// once, the image checks of a kernel upgrade) cost each cluster one recompute, not one
+/// per change.
+#[derive(Debug, Default)]
+pub struct StaleClusters {
+    clusters: Mutex<BTreeSet<String>>,
+    notify: Notify,
+}
+
+impl StaleClusters {
+    pub fn add(&self, clusters: impl IntoIterator<Item = String>) {
+        let mut stale = lock(&self.clusters);
+        let before = stale.len();
+        stale.extend(clusters);
+        if stale.len() != before {
+            self.notify.notify_one();
+        }
+    }
+
+    /// Takes the stale clusters, none waited for.
+    pub fn take(&self) -> BTreeSet<String> {
+        std::mem::take(&mut *lock(&self.clusters))
+    }
+
+    /// Returns once clusters were added since the last return.
+    pub async fn added(&self) {
+        self.notify.notified().await;
+    }
+}
+
 /// The fleet view's wake-ups.
 #[derive(Debug)]
 pub struct Signals {
     /// True once every watch has listed.
     pub synced: watch::Sender<bool>,
     pub touched: Touched,
+    pub stale: StaleClusters,
     /// Bumped when what the fleet's images are needed for may have changed (kernels,
     /// modules, selection): wakes the image worker.
     pub needs: watch::Sender<u64>,
@@ -86,6 +118,7 @@ impl Default for Signals {
         Self {
             synced: watch::Sender::new(false),
             touched: Touched::default(),
+            stale: StaleClusters::default(),
             needs: watch::Sender::new(0),
             unchecked_images: Notify::new(),
             preflight_changed: Notify::new(),

@@ -15,20 +15,48 @@ use super::sessions::ClusterSession;
 use super::{FleetView, lock};
 
 impl FleetView {
-    /// Recomputes the connected clusters the module is selected by or sent to.
+    /// Marks the connected clusters the module is selected by or sent to as stale, for
+    /// the recompute task.
     pub(super) fn recompute_module(&self, module: &ManagedClusterModule) {
         let name = module.name_any();
         let namespace = module.spec.spoke_namespace.as_str();
-        for (cluster, session) in self.sessions.all() {
-            let view = self.index.cluster_view(&cluster);
-            let mut session = lock(&session);
-            if session.stream.is_some()
-                && (is_selected(module, view.as_ref().map(ClusterView::facts))
-                    || session.carries(namespace, &name)
-                    || session.statuses.lingers(namespace, &name))
-            {
-                self.recompute(&cluster, &mut session);
+        let stale: Vec<String> = self
+            .sessions
+            .all()
+            .into_iter()
+            .filter_map(|(cluster, session)| {
+                let view = self.index.cluster_view(&cluster);
+                let session = lock(&session);
+                (session.stream.is_some()
+                    && (is_selected(module, view.as_ref().map(ClusterView::facts))
+                        || session.carries(namespace, &name)
+                        || session.statuses.lingers(namespace, &name)))
+                .then_some(cluster)
+            })
+            .collect();
+        self.signals.stale.add(stale);
+    }
+
+    /// Recomputes the clusters marked stale until none is.
+    pub fn recompute_stale(&self) {
+        loop {
+            let stale = self.signals.stale.take();
+            if stale.is_empty() {
+                return;
             }
+            for cluster in stale {
+                if let Some(session) = self.sessions.get(&cluster) {
+                    self.recompute(&cluster, &mut lock(&session));
+                }
+            }
+        }
+    }
+
+    /// The recompute task: runs until dropped.
+    pub async fn follow_stale(self: std::sync::Arc<Self>) {
+        loop {
+            self.signals.stale.added().await;
+            self.recompute_stale();
         }
     }
 

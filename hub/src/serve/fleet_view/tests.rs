@@ -116,6 +116,7 @@ impl Fleet {
         self.revisions
             .apply_watcher_event(&watcher::Event::Apply(kept.clone()));
         self.view.revision_changed(&kept);
+        self.view.recompute_stale();
     }
 
     /// Placement `fleet/gpu`'s one PlacementDecision now lists `clusters`.
@@ -137,6 +138,7 @@ impl Fleet {
         self.decisions
             .apply_watcher_event(&watcher::Event::Apply(decision));
         self.view.decisions_changed();
+        self.view.recompute_stale();
     }
 
     /// OCM taints the cluster unreachable (its agent's lease lapsed), or clears it.
@@ -149,6 +151,7 @@ impl Fleet {
         self.clusters
             .apply_watcher_event(&watcher::Event::Apply(cluster));
         self.view.cluster_changed(name);
+        self.view.recompute_stale();
     }
 
     fn managed_cluster(name: &str) -> DynamicObject {
@@ -166,6 +169,7 @@ impl Fleet {
         self.clusters
             .apply_watcher_event(&watcher::Event::Apply(cluster));
         self.view.cluster_changed(name);
+        self.view.recompute_stale();
     }
 
     fn delete_cluster(&mut self, name: &str) {
@@ -173,12 +177,14 @@ impl Fleet {
         self.clusters
             .apply_watcher_event(&watcher::Event::Delete(cluster));
         self.view.cluster_changed(name);
+        self.view.recompute_stale();
     }
 
     fn add_module(&mut self, module: ManagedClusterModule) {
         self.modules
             .apply_watcher_event(&watcher::Event::Apply(module.clone()));
         self.view.note_module(&module);
+        self.view.recompute_stale();
     }
 }
 
@@ -226,6 +232,7 @@ fn check_images(fleet: &Fleet) {
             fleet.view.set_image(key, record);
         }
     }
+    fleet.view.recompute_stale();
 }
 
 fn loaded_on(node: &str) -> NodeStatusReport {
@@ -772,6 +779,7 @@ fn an_image_the_hub_cannot_check_is_pinned_per_cluster_from_each_clusters_answer
         );
         fleet.view.set_image(key, record);
     }
+    fleet.view.recompute_stale();
     for (_, _, sent) in &streams {
         let Some(Target::Resolve(request)) = sent_target(sent) else {
             panic!("each cluster is asked to resolve: {:?}", sent_target(sent))
@@ -868,4 +876,53 @@ fn a_change_of_a_module_marks_when_it_was_received_and_its_status_writes_do_not(
     );
     assert!(received_on(&mut fleet, hello().generation(2).build()) > 0.0);
     assert!(received_on(&mut fleet, hello().generation(2).deleting().build()) > 0.0);
+}
+
+/// Changes that come together (modules created at once, the image checks of a kernel
+/// upgrade) cost each cluster one recompute and one snapshot, not one per change.
+#[test]
+fn modules_changed_together_cost_each_cluster_one_snapshot() {
+    let mut fleet = Fleet::new();
+    fleet.add_cluster("spoke1");
+    fleet.add_module(hello().build());
+    let (_, sent) = connect(&fleet, "spoke1", 0);
+    let (before, _) = last_sent(&sent).expect("a snapshot");
+    let names = ["second", "third", "fourth"];
+    for (i, name) in names.iter().enumerate() {
+        let module = ModuleBuilder::new(name)
+            .uid(&format!("u-{i}"))
+            .finalizers(&[FINALIZER])
+            .selector(&[("env", "prod")])
+            .build();
+        fleet
+            .modules
+            .apply_watcher_event(&watcher::Event::Apply(module.clone()));
+        fleet.view.note_module(&module);
+    }
+    for (key, need) in fleet.view.image_needs(None) {
+        if fleet.view.image(&key).is_none() {
+            let record = ImageRecord::seeded(&need, "sha256:0123".into(), Timestamp::now());
+            fleet.view.set_image(key, record);
+        }
+    }
+    assert_eq!(
+        last_sent(&sent).map(|(revision, _)| revision),
+        Some(before),
+        "the changes only marked the cluster"
+    );
+    let snapshots = fleet.view.metrics.snapshots_sent.get();
+    fleet.view.recompute_stale();
+    assert_eq!(fleet.view.metrics.snapshots_sent.get(), snapshots + 1);
+    let Outbound::Snapshot(snapshot) = &*sent.borrow() else {
+        panic!("a snapshot")
+    };
+    let sent_modules: BTreeSet<&str> = snapshot
+        .modules
+        .iter()
+        .filter_map(|m| m.key.as_ref().map(|k| k.name.as_str()))
+        .collect();
+    assert_eq!(
+        sent_modules,
+        BTreeSet::from(["hello", "second", "third", "fourth"])
+    );
 }
