@@ -21,6 +21,7 @@ use base64::Engine;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kmm_api::ManagedClusterModule;
 use kmm_e2e::fixture::{Fleet, wait_until};
 use kmm_e2e::fleet::kmm::{self as fleet_kmm, PROXY_LABEL, SPOKE_NAMESPACE};
 use kmm_e2e::fleet::nodes::RealNode;
@@ -226,21 +227,8 @@ async fn loads_pinned(
     let image = registry.image(&format!("kmm-e2e/spoke-only:{tag}-{kernel}"));
     label_cluster(&fleet.hub, spoke, id, true).await?;
     label_node(&client, &real.name, id, true).await?;
-    let mut module = module(
-        name,
-        id,
-        json!([{"literal": kernel, "containerImage": registry.image(&repository)}]),
-    )?;
-    // HTTPS verified against the cluster's CA: no registryTLS, no credentials of the
-    // module's.
-    module
-        .spec
-        .module_spec
-        .module_loader
-        .as_mut()
-        .context("a loader")?
-        .container
-        .registry_tls = None;
+    // HTTPS verified against the cluster's CA: no credentials of the module's.
+    let module = verified_module(name, id, kernel, &registry.image(&repository))?;
     ensure!(module.spec.module_spec.image_repo_secret.is_none());
     create(&fleet.hub, &module).await?;
 
@@ -339,6 +327,30 @@ async fn loads_pinned(
     let loaded = loaded_digest(agent, &key).await?;
     ensure!(loaded == pushed, "the node loaded {loaded} after the move");
     Ok(())
+}
+
+/// Module `name` selecting by label `id`, loading `image` on `kernel` over verified
+/// HTTPS: no `registryTLS`.
+fn verified_module(
+    name: &str,
+    id: &str,
+    kernel: &str,
+    image: &str,
+) -> Result<ManagedClusterModule> {
+    let mut module = module(
+        name,
+        id,
+        json!([{"literal": kernel, "containerImage": image}]),
+    )?;
+    module
+        .spec
+        .module_spec
+        .module_loader
+        .as_mut()
+        .context("a loader")?
+        .container
+        .registry_tls = None;
+    Ok(module)
 }
 
 /// Deletes the spoke's proxy Pod and waits for its replacement, connected to the hub.
@@ -502,20 +514,8 @@ async fn pulls_from_the_mirror(
         mirrored,
     } = source;
     label_cluster(&fleet.hub, spoke, id, true).await?;
-    let mut module = module(
-        name,
-        id,
-        json!([{"literal": real.kernel, "containerImage": &image}]),
-    )?;
-    // Verified HTTPS on both sides: no registryTLS.
-    module
-        .spec
-        .module_spec
-        .module_loader
-        .as_mut()
-        .context("a loader")?
-        .container
-        .registry_tls = None;
+    // Verified HTTPS on both sides.
+    let module = verified_module(name, id, &real.kernel, &image)?;
     create(&fleet.hub, &module).await?;
     let pinned = image_status_within(
         &fleet.hub,
