@@ -125,12 +125,18 @@ impl Fault {
             }
             Self::HubStandbyKill => {
                 let leader = hub_install::wait_leader(&fleet.hub, RECOVERY).await?;
-                let pods = hub_pods(&fleet.hub).await?;
-                let standby = pods
-                    .iter()
-                    .find(|p| p.name_any() != leader)
-                    .context("a standby kmm-hub Pod")?;
-                kill_container(standby, "kmm-hub")?;
+                // The Deployment may still count a standby ready whose container just
+                // exited (one started while the apiserver was away exits, and waits out
+                // the kubelet's back-off): the kill waits for its process.
+                wait_until("a kmm-hub process in the standby Pod", RECOVERY, || async {
+                    let pods = hub_pods(&fleet.hub).await.map_err(|e| e.to_string())?;
+                    let standby = pods
+                        .iter()
+                        .find(|p| p.name_any() != leader)
+                        .ok_or("no standby kmm-hub Pod")?;
+                    kill_container(standby, "kmm-hub").map_err(|e| e.to_string())
+                })
+                .await?;
             }
             Self::ProxyKill(spoke) => {
                 let pod = fleet_kmm::proxy_pod(fleet.spoke(spoke)?).await?;
