@@ -197,14 +197,27 @@ async fn an_image_only_the_spokes_reach_loads_pinned_to_the_digest_the_spoke_res
     let config = configure_spoke(&fleet, &spoke, &registry, Value::Null).await?;
     let (id, name) = (unique("kmm-e2e.dev/registries"), unique("spoke-only"));
     let checked = loads_pinned(&fleet, &spoke, &registry, &real, &id, &name).await;
-    let client = fleet.spoke(&spoke)?.clone();
     // Whatever happened, the fleet as it was for the next tests.
-    let _ = delete(&fleet.hub, &name).await;
-    let _ = wait_labelled(&fleet, &name, &[]).await;
-    let _ = label_node(&client, &real.name, &id, false).await;
-    let _ = label_cluster(&fleet.hub, &spoke, &id, false).await;
-    restore_spoke(&fleet, &spoke, &config).await?;
+    clean_up(&fleet, &spoke, &real, &id, &name, &config).await?;
     checked
+}
+
+/// Deletes module `name`, takes label `id` off the spoke and its real node, and gives
+/// the spoke the fleet's add-on configuration back.
+async fn clean_up(
+    fleet: &Fleet,
+    spoke: &str,
+    real: &RealNode,
+    id: &str,
+    name: &str,
+    config: &SpokeConfig,
+) -> Result<()> {
+    let client = fleet.spoke(spoke)?.clone();
+    let _ = delete(&fleet.hub, name).await;
+    let _ = wait_labelled(fleet, name, &[]).await;
+    let _ = label_node(&client, &real.name, id, false).await;
+    let _ = label_cluster(&fleet.hub, spoke, id, false).await;
+    restore_spoke(fleet, spoke, config).await
 }
 
 /// The module `name` (selecting `spoke` and its real node by label `id`), its image only
@@ -454,12 +467,7 @@ async fn a_clusters_mirror_behind_its_own_ca_serves_the_digest_the_hub_pinned_at
             pulls_from_the_mirror(&fleet, &spoke, &real, source, &id, &name).await
         }
         .await;
-        let client = fleet.spoke(&spoke)?.clone();
-        let _ = delete(&fleet.hub, &name).await;
-        let _ = wait_labelled(&fleet, &name, &[]).await;
-        let _ = label_node(&client, &real.name, &id, false).await;
-        let _ = label_cluster(&fleet.hub, &spoke, &id, false).await;
-        restore_spoke(&fleet, &spoke, &config).await?;
+        clean_up(&fleet, &spoke, &real, &id, &name, &config).await?;
         pulled
     }
     .await;
