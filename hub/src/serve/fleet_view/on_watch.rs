@@ -26,7 +26,7 @@ impl FleetView {
             // the watch delivers too, are not changes of the module.
             ModuleChange::Spec => self.metrics.module_change_received.set_now(),
         }
-        self.recompute_module(module);
+        self.mark_module_stale(module);
         self.signals.bump_needs();
         self.signals.preflight_changed.notify_one();
     }
@@ -35,7 +35,7 @@ impl FleetView {
     pub fn forget_module(&self, module: &ManagedClusterModule) {
         self.index.forget(module);
         self.caches.forget(&module.name_any());
-        self.recompute_module(module);
+        self.mark_module_stale(module);
         self.signals.bump_needs();
     }
 
@@ -104,7 +104,7 @@ impl FleetView {
     /// A pull Secret changed: recompute the clusters of the modules referencing it.
     pub fn secret_changed(&self, secret: &str) {
         for module in self.index.modules_pulling_with(secret) {
-            self.recompute_module(&module);
+            self.mark_module_stale(&module);
         }
     }
 
@@ -115,7 +115,7 @@ impl FleetView {
             return;
         };
         if let Some(module) = self.index.module(name) {
-            self.recompute_module(&module);
+            self.mark_module_stale(&module);
             self.signals.bump_needs();
         }
     }

@@ -146,7 +146,7 @@ impl FleetView {
         if change.verdict
             && let Some(module) = self.index.module(&module)
         {
-            self.recompute_module(&module);
+            self.mark_module_stale(&module);
         }
         if change.reported {
             self.signals.touched.add([module]);

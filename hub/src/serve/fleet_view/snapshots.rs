@@ -17,7 +17,7 @@ use super::{FleetView, lock};
 impl FleetView {
     /// Marks the connected clusters the module is selected by or sent to as stale, for
     /// the recompute task.
-    pub(super) fn recompute_module(&self, module: &ManagedClusterModule) {
+    pub(super) fn mark_module_stale(&self, module: &ManagedClusterModule) {
         let name = module.name_any();
         let namespace = module.spec.spoke_namespace.as_str();
         let stale: Vec<String> = self
