@@ -129,7 +129,9 @@ impl Fault {
                 // exited (one started while the apiserver was away exits, and waits out
                 // the kubelet's back-off): the kill waits for its process.
                 wait_until("a kmm-hub process in the standby Pod", RECOVERY, || async {
-                    let pods = hub_pods(&fleet.hub).await.map_err(|e| e.to_string())?;
+                    let pods = hub_install::pods(&fleet.hub)
+                        .await
+                        .map_err(|e| e.to_string())?;
                     let standby = pods
                         .iter()
                         .find(|p| p.name_any() != leader)
@@ -305,20 +307,6 @@ fn apiserver_port(state: &State, cluster: &str) -> Result<String> {
         .next()
         .map(|p| p.trim_end_matches('/').to_owned())
         .with_context(|| format!("the port of {server}"))
-}
-
-async fn hub_pods(hub: &Client) -> Result<Vec<Pod>> {
-    let pods: Api<Pod> = Api::namespaced(hub.clone(), HUB_NAMESPACE);
-    Ok(pods
-        .list(&ListParams::default().labels(&format!(
-            "app.kubernetes.io/name={}",
-            hub_install::DEPLOYMENT
-        )))
-        .await?
-        .items
-        .into_iter()
-        .filter(|p| p.metadata.deletion_timestamp.is_none())
-        .collect())
 }
 
 /// SIGKILL to the `comm` processes of a Pod's containers (found on the host by the Pod's

@@ -266,6 +266,18 @@ pub fn apply_written(
     Ok(())
 }
 
+/// kmm-hub's Pods, those being deleted left out.
+pub async fn pods(hub: &Client) -> Result<Vec<Pod>> {
+    let pods: Api<Pod> = Api::namespaced(hub.clone(), HUB_NAMESPACE);
+    Ok(pods
+        .list(&ListParams::default().labels(&format!("app.kubernetes.io/name={DEPLOYMENT}")))
+        .await?
+        .items
+        .into_iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .collect())
+}
+
 /// Waits until every replica is ready and one Pod is labelled leader; returns its name.
 pub async fn wait_installed(hub: &Client) -> Result<String> {
     wait_until("kmm-hub: every replica ready", INSTALL_TIMEOUT, || {

@@ -585,17 +585,9 @@ pub async fn agent_metrics(spoke: &Client, node: &str) -> Result<String> {
 /// The `/metrics` text of every kmm-hub replica on the hub (the leader's and the
 /// standby's).
 pub async fn hub_metrics(hub: &Client) -> Result<Vec<String>> {
-    let api: Api<Pod> = Api::namespaced(hub.clone(), HUB_NAMESPACE);
-    let selector = format!("app.kubernetes.io/name={}", hub_install::DEPLOYMENT);
     let mut texts = vec![];
-    for pod in api
-        .list(&ListParams::default().labels(&selector))
-        .await?
-        .items
-        .iter()
-        .filter(|p| p.metadata.deletion_timestamp.is_none())
-    {
-        texts.push(get(pod, HUB_METRICS_PORT, "/metrics").await?);
+    for pod in hub_install::pods(hub).await? {
+        texts.push(get(&pod, HUB_METRICS_PORT, "/metrics").await?);
     }
     Ok(texts)
 }
