@@ -30,6 +30,9 @@
 //! Boots 1 and 2 start the kernel from SeaBIOS, boot 3 from OVMF; both with qemu's
 //! `-kernel`. The images of boot 3 are made per run, named after the test key's ID.
 //!
+//! A second test boots the guest alone and keeps its command channel busy while
+//! processes a command left behind exit (the agent is one).
+//!
 //! Figures are printed with the prefix `real-kernel:`; a failure leaves the consoles and
 //! the agent's logs in the work directory it names.
 
@@ -72,6 +75,40 @@ const METRICS: &str = "http://127.0.0.1:8082";
 const WAIT: Duration = Duration::from_secs(90);
 /// A build Job (about a minute on the fleet), then the signing.
 const BUILD_WAIT: Duration = Duration::from_secs(420);
+
+/// The agent outlives the command that starts it, so it is re-parented to the guest's
+/// PID 1 and signals it when it exits. That signal once restarted the shell's `read` of
+/// the next request and dropped the part already read: the channel then failed on a
+/// request whose start was gone. Here every command leaves a process behind that exits
+/// a few milliseconds later, spread over the next request's arrival.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_guests_channel_keeps_every_request_whole_while_orphans_exit() -> Result<()> {
+    const ROUNDS: u32 = 60;
+    let work = std::env::temp_dir().join(format!("kmm-guest-channel-{}", std::process::id()));
+    let rig = Rig::prepare(work.clone(), &[])?;
+    let mut guest = rig.boot("channel", &[]).await?;
+    let result = async {
+        for round in 0..ROUNDS {
+            let delay_us = (round * 7919) % 20_000;
+            let out = guest
+                .check(&format!(
+                    "setsid usleep {delay_us} </dev/null >/dev/null 2>&1 & \
+                     echo round {round}; head -c 300 /proc/cpuinfo >/dev/null"
+                ))
+                .await
+                .with_context(|| format!("round {round} (orphan exiting after {delay_us} us)"))?;
+            ensure!(
+                out == format!("round {round}\n"),
+                "round {round} answered {out:?}"
+            );
+        }
+        Ok(())
+    }
+    .await;
+    finish(guest, result, &work, "channel").await?;
+    std::fs::remove_dir_all(&work).ok();
+    Ok(())
+}
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_agent_loads_and_unloads_real_modules_on_a_real_kernel() -> Result<()> {
