@@ -41,10 +41,10 @@ pub fn selects(selector: &BTreeMap<String, String>, labels: &BTreeMap<String, St
 #[derive(Clone, Debug, PartialEq)]
 pub struct ClusterIntents {
     pub snapshot: IntentSnapshot,
-    /// The modules (by name) with an image to load that has no record yet: sending them
-    /// now would tell nodes "not checked" where they may be running them fine (after a
-    /// failover, say). See [`while_unchecked`].
-    pub unchecked: BTreeSet<String>,
+    /// The images to load that have no record yet: sending their modules now would tell
+    /// nodes "not checked" where they may be running them fine (after a failover, say).
+    /// See [`while_unchecked`].
+    pub unchecked: BTreeSet<ImageKey>,
 }
 
 /// The snapshot to send while some modules' images are not checked yet, so that they hold
@@ -54,7 +54,7 @@ pub struct ClusterIntents {
 /// stop its device plugin). `None`: hold the whole snapshot until the checks.
 pub fn while_unchecked(
     mut snapshot: IntentSnapshot,
-    unchecked: &BTreeSet<String>,
+    unchecked: &BTreeSet<ImageKey>,
     previous: Option<&SharedSnapshot>,
     runs: impl Fn(&ModuleKey) -> bool,
 ) -> Option<IntentSnapshot> {
@@ -68,7 +68,7 @@ pub fn while_unchecked(
     let mut kept = Vec::with_capacity(snapshot.modules.len());
     for intent in std::mem::take(&mut snapshot.modules) {
         let key = intent.key.clone().unwrap_or_default();
-        if !unchecked.contains(&key.name) {
+        if !unchecked.iter().any(|image| image.module == key.name) {
             kept.push(intent);
             continue;
         }
@@ -171,7 +171,7 @@ fn module_intent(
     images: ClusterImages<'_>,
     resolutions: &ModuleResolutions,
     needed: &mut BTreeSet<String>,
-    unchecked: &mut BTreeSet<String>,
+    unchecked: &mut BTreeSet<ImageKey>,
 ) -> ModuleIntent {
     let mcm = input.module;
     let name = mcm.name_any();
@@ -248,7 +248,7 @@ fn module_intent(
                                 None => {
                                     // An unloading module's targets are never acted on.
                                     if !input.unload {
-                                        unchecked.insert(name.clone());
+                                        unchecked.insert(key.clone());
                                     }
                                     unresolved(
                                         "ImageNotChecked",
@@ -962,7 +962,13 @@ mod tests {
             hub_only(&BTreeMap::new()),
             &mut Resolutions::default(),
         );
-        assert_eq!(held.unchecked, BTreeSet::from(["hello".to_owned()]));
+        assert_eq!(
+            held.unchecked,
+            BTreeSet::from([ImageKey {
+                module: "hello".into(),
+                image: "r.example/hello:6.1.0-13-amd64".into(),
+            }])
+        );
         let unloading = [ModuleInput {
             module: &module,
             unload: true,
@@ -1031,7 +1037,16 @@ mod tests {
             ],
             ..IntentSnapshot::default()
         };
-        let unchecked = BTreeSet::from(["a".to_owned(), "c".to_owned()]);
+        let unchecked = BTreeSet::from([
+            ImageKey {
+                module: "a".into(),
+                image: "r/a:v2".into(),
+            },
+            ImageKey {
+                module: "c".into(),
+                image: "r/c:v1".into(),
+            },
+        ]);
         let sent = while_unchecked(now.clone(), &unchecked, Some(&previous), |_| false)
             .expect("sent, not held");
         assert_eq!(

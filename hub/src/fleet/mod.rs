@@ -16,6 +16,7 @@ pub mod intents;
 pub mod inventory;
 pub mod mirrors;
 pub mod module_events;
+pub mod module_id;
 pub mod module_view;
 pub mod node_statuses;
 pub mod outbox;

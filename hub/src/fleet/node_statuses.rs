@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 use kmm_proto::limits::{ERROR_TEXT, truncate};
 use kmm_proto::v1::{ModuleKey, ModuleNodeStatus, ModuleState, NodeStatusReport};
 
-/// `(spokeNamespace, module name)`.
-pub type ModuleId = (String, String);
+use super::module_id::ModuleId;
+use super::module_id::module_key;
 
 /// Node statuses one cluster may hold: a report that would go beyond is refused, so no
 /// proxy can grow the hub's memory without bound (5,000 nodes with 50 modules fit).
@@ -592,7 +592,7 @@ impl NodeStatuses {
     /// Every node's status for one module, ordered by node name.
     pub fn module(&self, namespace: &str, name: &str) -> &[NodeStatus] {
         self.modules
-            .get(&(namespace.to_owned(), name.to_owned()))
+            .get(module_key(&(namespace, name)))
             .map_or(&[], Vec::as_slice)
     }
 

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use kmm_proto::v1::ModuleIntent;
 use kmm_proto::v1::kernel_target::Target;
 
+use super::module_id::{ModuleId, module_key};
 use super::shared_snapshot::SharedSnapshot;
 
 /// The snapshots sent to one cluster, kept across its reconnects.
@@ -22,10 +23,10 @@ pub struct Outbox {
     /// Per module (namespace, name) in the last snapshot: the generation it carries, a
     /// digest of the image digests it loads, and the revision of the first snapshot that
     /// carried both (a followed tag moves the digests and not the generation).
-    generations: BTreeMap<(String, String), (i64, u64, u64)>,
+    generations: BTreeMap<ModuleId, (i64, u64, u64)>,
     /// Per module the last snapshot unloads: the revision of the first snapshot that
     /// unloaded it. Only a report made with that revision applied can confirm the unload.
-    unloads: BTreeMap<(String, String), u64>,
+    unloads: BTreeMap<ModuleId, u64>,
 }
 
 impl Outbox {
@@ -88,7 +89,7 @@ impl Outbox {
         acked: u64,
     ) -> bool {
         self.generations
-            .get(&(namespace.to_owned(), name.to_owned()))
+            .get(module_key(&(namespace, name)))
             .is_some_and(|&(sent, _, revision)| Some(sent) == generation && acked >= revision)
     }
 
@@ -98,7 +99,7 @@ impl Outbox {
     /// intents, is one such.
     pub fn unload_unconfirmed(&self, namespace: &str, name: &str, acked: u64) -> bool {
         self.unloads
-            .get(&(namespace.to_owned(), name.to_owned()))
+            .get(module_key(&(namespace, name)))
             .is_some_and(|&since| acked < since)
     }
 

@@ -35,6 +35,11 @@ impl ImageTasks {
         self.keys.len()
     }
 
+    /// The images in flight.
+    pub fn keys(&self) -> &BTreeSet<ImageKey> {
+        &self.keys
+    }
+
     /// Runs `work` for `key`, which must not be in flight already.
     pub fn spawn(
         &mut self,

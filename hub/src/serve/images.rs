@@ -111,6 +111,10 @@ pub async fn run(worker: ImageWorker) {
         let until = Duration::try_from(wake.duration_since(Timestamp::now()))
             .unwrap_or_default()
             .max(Duration::from_millis(200));
+        // An unchecked image wakes a pass only when the pass could start its check.
+        let in_flight = tasks.keys().clone();
+        let full = tasks.len() >= IN_FLIGHT;
+        let covered = |key: &ImageKey| full || in_flight.contains(key);
         tokio::select! {
             finished = tasks.next() => {
                 if let Some(panic) = finished.panic {
@@ -127,10 +131,10 @@ pub async fn run(worker: ImageWorker) {
                 // created): its clusters get nothing until then.
                 tokio::select! {
                     () = tokio::time::sleep_until(pass + spacing) => {}
-                    () = worker.state.images_unchecked() => {}
+                    () = worker.state.images_unchecked(covered) => {}
                 }
             }
-            () = worker.state.images_unchecked() => {}
+            () = worker.state.images_unchecked(covered) => {}
             () = worker.access_changed(access) => {}
             () = tokio::time::sleep(until) => {}
         }
@@ -180,9 +184,12 @@ impl ImageWorker {
             let Some(step) = due(need, record.as_ref(), now) else {
                 return;
             };
+            let check = matches!(step, Next::Check | Next::Resolve | Next::CheckUnsigned)
+                .then(|| self.state.checking());
             let observation = self.perform(key, need, record.as_ref(), step).await;
             let next = observe(need, record.as_ref(), step, observation, Timestamp::now());
             let next = self.state.set_image(key.clone(), next);
+            drop(check);
             self.announce(key, record.as_ref(), &next).await;
             record = Some(next);
         }

@@ -41,6 +41,7 @@ use self::signals::{Signals, Touched};
 use super::metrics::Metrics;
 use crate::fleet::mirrors::ImageMirror;
 use crate::fleet::module_events::{RecentEvent, RecentEvents};
+use crate::images::ImageKey;
 
 /// The shared fleet view.
 #[derive(Debug)]
@@ -139,9 +140,13 @@ impl FleetView {
         self.sessions.connections()
     }
 
-    /// Resolves when a snapshot waits for images that were never checked.
-    pub async fn images_unchecked(&self) {
-        self.signals.unchecked_images.notified().await;
+    /// Resolves when a snapshot waits for an image that was never checked and that is
+    /// neither `in_flight` nor recorded meanwhile.
+    pub async fn images_unchecked(&self, in_flight: impl Fn(&ImageKey) -> bool) {
+        self.signals
+            .unchecked_images
+            .uncovered(|key| in_flight(key) || self.image(key).is_some())
+            .await;
     }
 
     /// Changes whenever the images the fleet needs may have changed.

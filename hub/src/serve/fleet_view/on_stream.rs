@@ -164,16 +164,19 @@ impl ClusterStreams for FleetView {
         session.acked_revision = session.acked_revision.max(acked);
         // Only a confirmed unload (the module leaves the snapshot: its statuses changed,
         // or the report is the first made with the unload applied) or a module the
-        // snapshot does not carry yet (still loaded somewhere: it must be unloaded) can
-        // change what the cluster must run.
+        // snapshot does not carry but some node may still run (it must be unloaded) can
+        // change what the cluster must run. The recompute task does it: the reports of a
+        // fleet-wide deletion come faster than clusters are recomputed, and a cluster
+        // reporting again meanwhile costs one recompute, not one per report.
         let snapshot_may_change = (newly_acked && session.outbox.unloads())
             || changed.iter().any(|(namespace, name)| {
-                session
-                    .carried_intent(namespace, name)
-                    .is_none_or(|m| m.unload)
+                match session.carried_intent(namespace, name) {
+                    Some(intent) => intent.unload,
+                    None => session.statuses.lingers(namespace, name),
+                }
             });
         if snapshot_may_change {
-            self.recompute(cluster, &mut session);
+            self.signals.stale.add([cluster.to_owned()]);
         }
         let mut touched: BTreeSet<String> = changed.into_iter().map(|(_, name)| name).collect();
         if newly_acked {

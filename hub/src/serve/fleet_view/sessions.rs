@@ -13,6 +13,7 @@ use kmm_proto::v1::{DevicePluginReport, KernelInventory, ModuleIntent};
 use tokio::sync::watch;
 
 use crate::fleet::inventory::{self, InventoryRefused};
+use crate::fleet::module_id::module_key;
 use crate::fleet::module_view::ClusterSight;
 use crate::fleet::node_statuses::{self, NodeStatuses};
 use crate::fleet::outbox::Outbox;
@@ -208,7 +209,7 @@ impl ClusterSession {
             ),
             device_plugin: self
                 .device_plugins
-                .get(&(namespace.to_owned(), name.to_owned()))
+                .get(module_key(&(namespace, name)))
                 .copied(),
         }
     }

@@ -8,6 +8,7 @@ use std::sync::Mutex;
 use tokio::sync::{Notify, watch};
 
 use super::lock;
+use crate::images::ImageKey;
 
 /// Modules whose status an event may have changed, waiting for their reconciliation.
 #[derive(Debug)]
@@ -92,6 +93,57 @@ impl StaleClusters {
     }
 }
 
+/// Images snapshots wait for because nobody checked them yet, for the image worker.
+/// Every recompute that meets them reports them again: the worker looks anew only for
+/// one it is not already checking (a kernel upgrade reports the same few images from
+/// every cluster while their checks run, and each pass reads every cluster).
+#[derive(Debug, Default)]
+pub struct UncheckedImages {
+    keys: Mutex<BTreeSet<ImageKey>>,
+    notify: Notify,
+}
+
+impl UncheckedImages {
+    pub fn report(&self, keys: impl IntoIterator<Item = ImageKey>) {
+        let mut waiting = lock(&self.keys);
+        let before = waiting.len();
+        waiting.extend(keys);
+        if waiting.len() != before {
+            self.notify.notify_one();
+        }
+    }
+
+    /// Returns once an image was reported that `covered` does not cover (not in flight,
+    /// say); the covered ones are forgotten.
+    pub async fn uncovered(&self, covered: impl Fn(&ImageKey) -> bool) {
+        loop {
+            let reported = std::mem::take(&mut *lock(&self.keys));
+            if reported.iter().any(|key| !covered(key)) {
+                return;
+            }
+            self.notify.notified().await;
+        }
+    }
+}
+
+/// A registry check of the image worker, counted in [`Signals::checks`] from before it
+/// asks until its outcome is recorded (dropped).
+#[derive(Debug)]
+pub struct CheckUnderWay<'a>(&'a watch::Sender<usize>);
+
+impl<'a> CheckUnderWay<'a> {
+    pub fn start(checks: &'a watch::Sender<usize>) -> Self {
+        checks.send_modify(|n| *n += 1);
+        Self(checks)
+    }
+}
+
+impl Drop for CheckUnderWay<'_> {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
 /// The fleet view's wake-ups.
 #[derive(Debug)]
 pub struct Signals {
@@ -103,7 +155,10 @@ pub struct Signals {
     /// modules, selection): wakes the image worker.
     pub needs: watch::Sender<u64>,
     /// A snapshot waits for an image check: wakes the image worker.
-    pub unchecked_images: Notify,
+    pub unchecked_images: UncheckedImages,
+    /// Registry checks under way (see [`CheckUnderWay`]): the recompute task waits a
+    /// moment for them.
+    pub checks: watch::Sender<usize>,
     /// An image record or a PreflightValidation changed: wakes the preflight writer.
     pub preflight_changed: Notify,
     /// Bumped when a module's clusters by state, counted anew, changed: readers showing
@@ -120,7 +175,8 @@ impl Default for Signals {
             touched: Touched::default(),
             stale: StaleClusters::default(),
             needs: watch::Sender::new(0),
-            unchecked_images: Notify::new(),
+            unchecked_images: UncheckedImages::default(),
+            checks: watch::Sender::new(0),
             preflight_changed: Notify::new(),
             counted: watch::Sender::new(0),
             events: watch::Sender::new(0),
@@ -208,5 +264,30 @@ mod tests {
             .expect("the taker wakes")
             .unwrap();
         assert_eq!(taken, BTreeSet::from(["a".to_owned(), "b".to_owned()]));
+    }
+
+    #[tokio::test]
+    async fn images_already_in_flight_wake_nobody_and_a_new_one_does() {
+        let unchecked = Arc::new(UncheckedImages::default());
+        let key = |image: &str| ImageKey {
+            module: "m".into(),
+            image: image.into(),
+        };
+        let waiter = tokio::spawn({
+            let unchecked = unchecked.clone();
+            async move { unchecked.uncovered(|k| k.image == "in-flight").await }
+        });
+        tokio::task::yield_now().await;
+        // Every cluster reports the image whose check runs: the worker sleeps on.
+        for _ in 0..3 {
+            unchecked.report([key("in-flight")]);
+            tokio::task::yield_now().await;
+            assert!(!waiter.is_finished());
+        }
+        unchecked.report([key("in-flight"), key("new")]);
+        tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("an image nobody checks wakes the worker")
+            .unwrap();
     }
 }

@@ -1,6 +1,7 @@
 //! Recomputing clusters' snapshots and sending those that changed.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use kmm_api::ManagedClusterModule;
 use kmm_proto::v1::ModuleKey;
@@ -12,7 +13,11 @@ use crate::fleet::intents::{ClusterImages, cluster_intents, while_unchecked};
 use crate::fleet::served_revisions::{MissingRevision, at_revisions};
 
 use super::sessions::ClusterSession;
+use super::signals::CheckUnderWay;
 use super::{FleetView, lock};
+
+/// Longest the recompute task waits for registry checks under way.
+const STALE_HOLD: Duration = Duration::from_millis(100);
 
 impl FleetView {
     /// Marks the connected clusters the module is selected by or sent to as stale, for
@@ -52,12 +57,23 @@ impl FleetView {
         }
     }
 
-    /// The recompute task: runs until dropped.
+    /// The recompute task: runs until dropped. Registry checks under way would mark the
+    /// same clusters stale again within moments (a kernel upgrade checks each module's
+    /// image for every new kernel: one recompute per check made a dozen snapshots per
+    /// cluster), so the task waits for them to be recorded, up to [`STALE_HOLD`]: a
+    /// slow registry holds nothing up for longer.
     pub async fn follow_stale(self: std::sync::Arc<Self>) {
+        let mut checks = self.signals.checks.subscribe();
         loop {
             self.signals.stale.added().await;
+            let _ = tokio::time::timeout(STALE_HOLD, checks.wait_for(|n| *n == 0)).await;
             self.recompute_stale();
         }
+    }
+
+    /// A registry check is under way until the guard drops.
+    pub fn checking(&self) -> CheckUnderWay<'_> {
+        CheckUnderWay::start(&self.signals.checks)
     }
 
     /// The modules as `cluster` is to run them (see `fleet::served_revisions`).
@@ -125,7 +141,9 @@ impl FleetView {
         let mut snapshot = intents.snapshot;
         if !intents.unchecked.is_empty() {
             // The image worker checks them within moments and recomputes.
-            self.signals.unchecked_images.notify_one();
+            self.signals
+                .unchecked_images
+                .report(intents.unchecked.iter().cloned());
             let runs = |key: &ModuleKey| session.statuses.lingers(&key.namespace, &key.name);
             match while_unchecked(snapshot, &intents.unchecked, session.outbox.last(), runs) {
                 Some(partial) => snapshot = partial,

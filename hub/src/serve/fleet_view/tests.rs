@@ -1,5 +1,8 @@
 //! The fleet view over stores a test writes, and sessions it opens.
 
+use std::sync::Arc;
+use std::time::Duration;
+
 use k8s_openapi::jiff::Timestamp;
 use kmm_api::testing::ModuleBuilder;
 use kmm_api::{ManagedClusterModule, ocm};
@@ -280,6 +283,57 @@ fn a_deleted_managed_cluster_holds_no_later_deletion() {
         "a cluster that no longer exists is waited for: {}",
         view.leftovers
     );
+}
+
+/// A report confirming the unload of a module the cluster no longer selects makes the
+/// cluster stale; the recompute task drops the module from its snapshot, once however
+/// many such reports came meanwhile.
+#[test]
+fn a_confirmed_unload_leaves_the_snapshot_through_the_recompute_task() {
+    let mut fleet = Fleet::new();
+    fleet.add_cluster("spoke1");
+    fleet.add_module(hello().build());
+    let (id, sent) = connect(&fleet, "spoke1", 0);
+    fleet.view.recompute_stale();
+    let (loaded_at, _) = last_sent(&sent).expect("the module is sent");
+    fleet.view.status(
+        "spoke1",
+        id,
+        NodeStatusReport {
+            intent_revision: loaded_at,
+            ..loaded_on("n1")
+        },
+    );
+    let mut moved = Fleet::managed_cluster("spoke1");
+    moved.metadata.labels = Some([("env".to_owned(), "dev".to_owned())].into());
+    crate::fleet::cluster_view::trim_managed_cluster(&mut moved);
+    fleet
+        .clusters
+        .apply_watcher_event(&watcher::Event::Apply(moved));
+    fleet.view.cluster_changed("spoke1");
+    let (unload_at, unload) = last_sent(&sent).expect("the unload is sent");
+    assert_eq!(unload, Some(true));
+
+    for _ in 0..2 {
+        fleet.view.status(
+            "spoke1",
+            id,
+            NodeStatusReport {
+                intent_revision: unload_at,
+                ..full_report(&[("hello", "n1", ModuleState::Unloaded)])
+            },
+        );
+    }
+    assert_eq!(
+        last_sent(&sent),
+        Some((unload_at, Some(true))),
+        "only marked"
+    );
+    let snapshots = fleet.view.metrics.snapshots_sent.get();
+    fleet.view.recompute_stale();
+    assert_eq!(fleet.view.metrics.snapshots_sent.get(), snapshots + 1);
+    let (_, carried) = last_sent(&sent).expect("a snapshot");
+    assert_eq!(carried, None, "the confirmed unload leaves the snapshot");
 }
 
 #[test]
@@ -925,4 +979,68 @@ fn modules_changed_together_cost_each_cluster_one_snapshot() {
         sent_modules,
         BTreeSet::from(["hello", "second", "third", "fourth"])
     );
+}
+
+/// The recompute task waits for registry checks under way, whose outcomes would make the
+/// same clusters stale again at once, and no longer than its hold when one lingers.
+#[tokio::test(start_paused = true)]
+async fn the_recompute_task_waits_for_checks_under_way_up_to_its_hold() {
+    let mut fleet = Fleet::new();
+    fleet.add_cluster("spoke1");
+    fleet.add_module(hello().build());
+    let (_, sent) = connect(&fleet, "spoke1", 0);
+    let view = Arc::new(fleet.view);
+    tokio::spawn(view.clone().follow_stale());
+    let settle = || async {
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+    };
+    settle().await;
+    let snapshots = || view.metrics.snapshots_sent.get();
+    let before = snapshots();
+    let second = ModuleBuilder::new("second")
+        .uid("u-2")
+        .finalizers(&[FINALIZER])
+        .selector(&[("env", "prod")])
+        .build();
+
+    // A module created while a check is under way, its image then found.
+    let check = view.checking();
+    fleet
+        .modules
+        .apply_watcher_event(&watcher::Event::Apply(second.clone()));
+    view.note_module(&second);
+    for (key, need) in view.image_needs(None) {
+        if view.image(&key).is_none() {
+            view.set_image(
+                key,
+                ImageRecord::seeded(&need, "sha256:0123".into(), Timestamp::now()),
+            );
+        }
+    }
+    tokio::time::advance(Duration::from_millis(50)).await;
+    settle().await;
+    assert_eq!(snapshots(), before, "held while a check is under way");
+    drop(check);
+    settle().await;
+    assert_eq!(
+        snapshots(),
+        before + 1,
+        "recomputed once the check was recorded"
+    );
+
+    // A check that lingers holds the recompute for the hold, no longer.
+    let lingering = view.checking();
+    fleet
+        .modules
+        .apply_watcher_event(&watcher::Event::Delete(second.clone()));
+    view.forget_module(&second);
+    settle().await;
+    assert_eq!(snapshots(), before + 1);
+    tokio::time::advance(Duration::from_millis(100)).await;
+    settle().await;
+    assert_eq!(snapshots(), before + 2, "recomputed at the end of the hold");
+    assert!(last_sent(&sent).is_some());
+    drop(lingering);
 }
