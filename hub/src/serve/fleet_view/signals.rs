@@ -62,66 +62,69 @@ impl Touched {
     }
 }
 
-/// Clusters whose snapshots a change of a module made stale, waiting for the recompute
-/// task (`FleetView::recompute_stale`): changes that come together (modules created at
-/// once, the image checks of a kernel upgrade) cost each cluster one recompute, not one
-/// per change.
-#[derive(Debug, Default)]
-pub struct StaleClusters {
-    clusters: Mutex<BTreeSet<String>>,
+/// A set that wakes whoever waits on it when it grows.
+#[derive(Debug)]
+pub struct WakingSet<T> {
+    items: Mutex<BTreeSet<T>>,
     notify: Notify,
 }
 
-impl StaleClusters {
-    pub fn add(&self, clusters: impl IntoIterator<Item = String>) {
-        let mut stale = lock(&self.clusters);
-        let before = stale.len();
-        stale.extend(clusters);
-        if stale.len() != before {
+impl<T> Default for WakingSet<T> {
+    fn default() -> Self {
+        Self {
+            items: Mutex::new(BTreeSet::new()),
+            notify: Notify::new(),
+        }
+    }
+}
+
+impl<T: Ord> WakingSet<T> {
+    pub fn add(&self, items: impl IntoIterator<Item = T>) {
+        let mut set = lock(&self.items);
+        let before = set.len();
+        set.extend(items);
+        if set.len() != before {
             self.notify.notify_one();
         }
     }
 
-    /// Takes the stale clusters, none waited for.
-    pub fn take(&self) -> BTreeSet<String> {
-        std::mem::take(&mut *lock(&self.clusters))
+    /// Takes what was added, none waited for.
+    pub fn take(&self) -> BTreeSet<T> {
+        std::mem::take(&mut *lock(&self.items))
     }
 
-    /// Returns once clusters were added since the last return.
+    /// Returns once items were added since the last return.
     pub async fn added(&self) {
         self.notify.notified().await;
     }
 }
+
+/// Clusters whose snapshots a change of a module made stale, waiting for the recompute
+/// task (`FleetView::recompute_stale`): changes that come together (modules created at
+/// once, the image checks of a kernel upgrade) cost each cluster one recompute, not one
+/// per change.
+pub type StaleClusters = WakingSet<String>;
 
 /// Images snapshots wait for because nobody checked them yet, for the image worker.
 /// Every recompute that meets them reports them again: the worker looks anew only for
 /// one it is not already checking (a kernel upgrade reports the same few images from
 /// every cluster while their checks run, and each pass reads every cluster).
 #[derive(Debug, Default)]
-pub struct UncheckedImages {
-    keys: Mutex<BTreeSet<ImageKey>>,
-    notify: Notify,
-}
+pub struct UncheckedImages(WakingSet<ImageKey>);
 
 impl UncheckedImages {
     pub fn report(&self, keys: impl IntoIterator<Item = ImageKey>) {
-        let mut waiting = lock(&self.keys);
-        let before = waiting.len();
-        waiting.extend(keys);
-        if waiting.len() != before {
-            self.notify.notify_one();
-        }
+        self.0.add(keys);
     }
 
     /// Returns once an image was reported that `covered` does not cover (not in flight,
     /// say); the covered ones are forgotten.
     pub async fn uncovered(&self, covered: impl Fn(&ImageKey) -> bool) {
         loop {
-            let reported = std::mem::take(&mut *lock(&self.keys));
-            if reported.iter().any(|key| !covered(key)) {
+            if self.0.take().iter().any(|key| !covered(key)) {
                 return;
             }
-            self.notify.notified().await;
+            self.0.added().await;
         }
     }
 }
