@@ -311,39 +311,23 @@ impl ClusterSim {
         let snapshot = kmm_proto::apply_snapshot(Some(&previous), snapshot);
         self.applied = snapshot.revision;
         self.intents = snapshot.modules;
-        let before: BTreeMap<ModuleId, &ModuleIntent> = previous
+        let mut before: BTreeMap<ModuleId, &ModuleIntent> = previous
             .modules
             .iter()
             .filter_map(|intent| Some((module_id(intent.key.as_ref()?), intent)))
             .collect();
-        let mut changed = BTreeSet::new();
         for intent in &self.intents {
             let Some(id) = intent.key.as_ref().map(module_id) else {
                 continue;
             };
-            if before.get(&id) != Some(&intent) {
-                changed.insert(id);
-            }
-        }
-        // A module absent from the snapshot is forgotten, never unloaded: what stays
-        // loaded of it shows in the audit as a lost unload.
-        let now: BTreeSet<ModuleId> = self
-            .intents
-            .iter()
-            .filter_map(|intent| intent.key.as_ref().map(module_id))
-            .collect();
-        self.dirty
-            .extend(before.into_keys().filter(|id| !now.contains(id)));
-        for intent in &self.intents {
-            if intent
-                .key
-                .as_ref()
-                .is_some_and(|key| changed.contains(&module_id(key)))
-            {
+            if before.remove(&id) != Some(intent) {
                 Self::reconcile(&self.nodes, &mut self.loaded, &mut self.unloads, intent);
+                self.dirty.insert(id);
             }
         }
-        self.dirty.extend(changed);
+        // What is left was removed. A module absent from the snapshot is forgotten, never
+        // unloaded: what stays loaded of it shows in the audit as a lost unload.
+        self.dirty.extend(before.into_keys());
     }
 
     /// The node agents act on one module's intent.
