@@ -13,8 +13,7 @@ use crate::images::ImageKey;
 /// Modules whose status an event may have changed, waiting for their reconciliation.
 #[derive(Debug)]
 pub struct Touched {
-    modules: Mutex<BTreeSet<String>>,
-    notify: Notify,
+    modules: WakingSet<String>,
     /// Bumped on every touch, even of a module already waiting: the controller takes
     /// touched modules, readers of the view (the fleet UI) only follow that they were.
     version: watch::Sender<u64>,
@@ -23,8 +22,7 @@ pub struct Touched {
 impl Default for Touched {
     fn default() -> Self {
         Self {
-            modules: Mutex::default(),
-            notify: Notify::new(),
+            modules: WakingSet::default(),
             version: watch::Sender::new(0),
         }
     }
@@ -32,14 +30,9 @@ impl Default for Touched {
 
 impl Touched {
     pub fn add(&self, modules: impl IntoIterator<Item = String>) {
-        let mut touched = lock(&self.modules);
-        let before = touched.len();
         let mut any = false;
-        touched.extend(modules.into_iter().inspect(|_| any = true));
-        if touched.len() != before {
-            self.notify.notify_one();
-        }
-        drop(touched);
+        self.modules
+            .add(modules.into_iter().inspect(|_| any = true));
         if any {
             self.version.send_modify(|n| *n = n.wrapping_add(1));
         }
@@ -53,11 +46,11 @@ impl Touched {
     /// Waits for touched modules and takes them all.
     pub async fn take(&self) -> BTreeSet<String> {
         loop {
-            let taken = std::mem::take(&mut *lock(&self.modules));
+            let taken = self.modules.take();
             if !taken.is_empty() {
                 return taken;
             }
-            self.notify.notified().await;
+            self.modules.added().await;
         }
     }
 }
