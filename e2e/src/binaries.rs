@@ -1,8 +1,8 @@
 //! kmm-fleet's own debug binaries, for the tests and the fleet that run them as
 //! processes. Not `CARGO_BIN_EXE_*`: cargo sets those only in the binary's own package,
 //! and the tests that run kmm-hub or kmm-spoke-proxy live here so that no product crate
-//! dev-depends on the test lab. `cargo build --bins` builds them (`cargo xtask test` and
-//! `cargo xtask env up` do); `cargo test -p kmm-e2e` does not.
+//! dev-depends on the test lab. `cargo build --bins` builds them (`cargo xtask test` does;
+//! `cargo xtask env up` builds only the KWOK runner); `cargo test -p kmm-e2e` does not.
 
 use std::path::{Path, PathBuf};
 

@@ -66,9 +66,7 @@ pub fn run(args: EnvArgs) -> Result<()> {
             no_kmm,
         } => {
             setup()?;
-            if !no_kmm {
-                build_kmm()?;
-            }
+            prebuild(&settings, !no_kmm)?;
             let rt = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
             let state = rt.block_on(fleet::up(
                 &settings,
@@ -135,15 +133,52 @@ pub fn run(args: EnvArgs) -> Result<()> {
     }
 }
 
-/// Everything the fleet needs before it can start: Debian packages and upstream builds.
-pub fn prepare() -> Result<()> {
+/// Everything the tests' fleet needs before it can start: Debian packages, then the
+/// upstream builds and the images' release binaries side by side.
+pub fn prebuild_for_tests() -> Result<()> {
+    eprintln!("==> local fleet prerequisites (Debian packages, upstream builds; cached)");
     setup()?;
-    build(&Settings::from_env()?)
+    prebuild_release(&Settings::from_env()?)
 }
 
 fn build(settings: &Settings) -> Result<()> {
     Toolchain::ensure(&Versions::pinned(), settings.bin_dir.as_deref())?;
     Ok(())
+}
+
+/// What the fleet runs, built before it starts: the upstream programs (Go) and, with
+/// kmm, the debug KWOK runner and the release binaries the images hold. Only those:
+/// the debug kmm-fleet binaries are the tests' (`cargo xtask test` builds them).
+fn prebuild(settings: &Settings, kmm: bool) -> Result<()> {
+    if !kmm {
+        return build(settings);
+    }
+    cargo_build(&["-p", "kmm-kwok-pod-runner"])?;
+    prebuild_release(settings)
+}
+
+/// The upstream programs and the images' release binaries, side by side: on a fresh
+/// machine each takes minutes, and neither keeps both cores busy throughout (Go's module
+/// downloads and links, cargo's last crates and links), so together they take less
+/// than one after the other. Warm, both are checks that take a second.
+fn prebuild_release(settings: &Settings) -> Result<()> {
+    std::thread::scope(|scope| {
+        let release = scope.spawn(|| {
+            let started = std::time::Instant::now();
+            kmm_images::release_binaries(&kmm_images::default_target_dir())
+                .context("the release build of the images' binaries")?;
+            eprintln!(
+                "release build of the images' binaries: {:.0}s",
+                started.elapsed().as_secs_f64()
+            );
+            anyhow::Ok(())
+        });
+        let toolchain = build(settings);
+        release
+            .join()
+            .map_err(|_| anyhow::anyhow!("the release build of kmm-fleet's binaries panicked"))??;
+        toolchain
+    })
 }
 
 /// Installs the Debian packages the fleet needs that are not installed yet (as root),
@@ -219,26 +254,29 @@ fn installed(package: &str) -> bool {
 /// Builds the kmm-fleet binaries the fleet runs and the end-to-end tests start as
 /// processes (`kmm_e2e::binaries`: `cargo test` cannot build another package's binaries).
 pub fn build_kmm() -> Result<()> {
-    let root = crate::repository_root();
-    eprintln!("==> cargo build --bins (kmm-hub, kmm-spoke-proxy, kmm-node-agent, kwok-pod-runner)");
+    cargo_build(&[
+        "-p",
+        "kmm-hub",
+        "-p",
+        "kmm-spoke-proxy",
+        "-p",
+        "kmm-node-agent",
+        "-p",
+        "kmm-kwok-pod-runner",
+    ])
+}
+
+/// `cargo build --bins` of these packages, in the dev profile.
+fn cargo_build(packages: &[&str]) -> Result<()> {
+    let args = [["build", "--bins"].as_slice(), packages].concat();
+    eprintln!("==> cargo {}", args.join(" "));
     let status = std::process::Command::new(env!("CARGO"))
-        .args([
-            "build",
-            "--bins",
-            "-p",
-            "kmm-hub",
-            "-p",
-            "kmm-spoke-proxy",
-            "-p",
-            "kmm-node-agent",
-            "-p",
-            "kmm-kwok-pod-runner",
-        ])
-        .current_dir(root)
+        .args(&args)
+        .current_dir(crate::repository_root())
         .status()
         .context("running cargo build")?;
     if !status.success() {
-        bail!("cargo build of the kmm-fleet binaries failed ({status})");
+        bail!("cargo {} failed ({status})", args.join(" "));
     }
     Ok(())
 }
