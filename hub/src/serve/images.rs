@@ -4,6 +4,7 @@
 //! into the clusters' intents and lists the images in status. Transitions become Events
 //! on the module.
 
+use std::collections::BTreeMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
 use std::time::Duration;
@@ -73,12 +74,21 @@ pub async fn run(worker: ImageWorker) {
     let mut needs_changed = worker.state.needs_changed();
     let mut tasks = ImageTasks::default();
     let mut cas_before = worker.cas_fingerprint();
+    let mut needs = BTreeMap::new();
+    let mut pass = tokio::time::Instant::now();
+    let mut spacing = PASS_INTERVAL;
+    let mut read = Read::Fleet;
     loop {
-        let pass = tokio::time::Instant::now();
-        let needs = worker.state.image_needs(Some(worker.follow_interval));
-        let spacing = PASS_INTERVAL.max(pass.elapsed() * PASS_SPACING);
+        match read {
+            Read::Fleet => {
+                pass = tokio::time::Instant::now();
+                needs = worker.state.image_needs(Some(worker.follow_interval));
+                spacing = PASS_INTERVAL.max(pass.elapsed() * PASS_SPACING);
+                worker.state.track_images(&needs);
+            }
+            Read::Pins => worker.state.pin_needs(&mut needs),
+        }
         tracing::debug!(needed = needs.len(), in_flight = tasks.len(), "images");
-        worker.state.track_images(&needs);
         let cas = worker.cas_fingerprint();
         if cas != cas_before {
             tracing::info!("the hub's registry CA bundle changed: images are checked again");
@@ -87,20 +97,23 @@ pub async fn run(worker: ImageWorker) {
         let access = worker.access_version(cas);
         let now = Timestamp::now();
         let mut wake = now + k8s_openapi::jiff::SignedDuration::from_secs(60);
-        for (key, mut need) in needs {
-            if tasks.contains(&key) {
+        for (key, need) in &needs {
+            if tasks.contains(key) {
                 continue;
             }
-            need.access = worker.access(&need, cas);
-            let record = match worker.state.image(&key) {
+            let need = ImageNeed {
+                access: worker.access(need, cas),
+                ..need.clone()
+            };
+            let record = match worker.state.image(key) {
                 Some(record) => Some(record),
-                None => worker.seed(&key, &need, now),
+                None => worker.seed(key, &need, now),
             };
             if due(&need, record.as_ref(), now).is_some() {
                 if tasks.len() < IN_FLIGHT {
                     let worker = worker.clone();
                     let (task_key, task_need) = (key.clone(), need.clone());
-                    tasks.spawn(key, need, async move {
+                    tasks.spawn(key.clone(), need, async move {
                         worker.advance(&task_key, &task_need, record).await;
                     });
                 }
@@ -115,11 +128,12 @@ pub async fn run(worker: ImageWorker) {
         let in_flight = tasks.keys().clone();
         let full = tasks.len() >= IN_FLIGHT;
         let covered = |key: &ImageKey| full || in_flight.contains(key);
-        tokio::select! {
+        read = tokio::select! {
             finished = tasks.next() => {
                 if let Some(panic) = finished.panic {
                     worker.failed_unexpectedly(finished.key, &finished.need, &panic);
                 }
+                Read::Pins
             }
             changed = needs_changed.changed() => {
                 if changed.is_err() {
@@ -133,12 +147,25 @@ pub async fn run(worker: ImageWorker) {
                     () = tokio::time::sleep_until(pass + spacing) => {}
                     () = worker.state.images_unchecked(covered) => {}
                 }
+                Read::Fleet
             }
-            () = worker.state.images_unchecked(covered) => {}
-            () = worker.access_changed(access) => {}
-            () = tokio::time::sleep(until) => {}
-        }
+            () = worker.state.images_unchecked(covered) => Read::Fleet,
+            () = worker.access_changed(access) => Read::Fleet,
+            () = tokio::time::sleep(until) => Read::Fleet,
+        };
     }
+}
+
+/// What the next pass reads before it starts the due steps.
+#[derive(Debug, Clone, Copy)]
+enum Read {
+    /// What every cluster needs: after a change of the fleet, and on the timer, which
+    /// also bounds how long a change no signal announces goes unseen.
+    Fleet,
+    /// Only the pins of the needs kept from the last read: after an image's work ended,
+    /// which changes its record, not what the clusters need (a kernel upgrade's dozens of
+    /// checks each read every cluster again before).
+    Pins,
 }
 
 impl ImageWorker {

@@ -103,16 +103,23 @@ impl FleetView {
             &mut resolutions,
             follow,
         );
-        // A move is pinned past every generation the module has: its current object's
-        // (an earlier revision served somewhere has its own, older one).
-        for (key, need) in &mut needs {
+        drop(resolutions);
+        self.pin_needs(&mut needs);
+        needs
+    }
+
+    /// Brings the needs' pin generations up to date with the image records: a move is
+    /// pinned past every generation the module has, its current object's included (an
+    /// earlier revision served somewhere has its own, older one). The image worker calls
+    /// it on needs it keeps between reads of the fleet, as records change under them.
+    pub fn pin_needs(&self, needs: &mut BTreeMap<ImageKey, ImageNeed>) {
+        for (key, need) in needs {
             let persisted = self
                 .index
                 .module(&key.module)
                 .map_or(need.pin_generation, |m| pin_generation(&m));
             need.pin_generation = self.images.pin_generation(&key.module, persisted);
         }
-        needs
     }
 
     /// Every module's preflight answer for `preflight`, sorted by module name.

@@ -728,9 +728,9 @@ fn a_followed_tag_moves_each_cluster_only_as_the_rollout_releases_it() {
     assert_eq!(loaded_digest(&spoke1).as_deref(), Some("sha256:0123"));
 
     // The image worker finds the tag moved.
-    let needs = fleet
-        .view
-        .image_needs(Some(std::time::Duration::from_secs(5)));
+    let follow = Some(std::time::Duration::from_secs(5));
+    let needs = fleet.view.image_needs(follow);
+    let mut kept = needs.clone();
     let (key, need) = needs.into_iter().next().expect("one image");
     assert!(need.follow_interval.is_some(), "Always follows the tag");
     let before = fleet.view.image(&key).expect("checked");
@@ -743,12 +743,18 @@ fn a_followed_tag_moves_each_cluster_only_as_the_rollout_releases_it() {
         },
         Timestamp::now(),
     );
-    fleet.view.set_image(key, moved);
+    fleet.view.set_image(key.clone(), moved);
     assert_eq!(
         loaded_digest(&spoke1).as_deref(),
         Some("sha256:0123"),
         "nothing moves before status records the pin generation"
     );
+    // The image worker keeps its needs while only records change: pinned again, they
+    // are what a read of every cluster finds.
+    assert_eq!(kept[&key].pin_generation, 0);
+    fleet.view.pin_needs(&mut kept);
+    assert_eq!(kept[&key].pin_generation, 1);
+    assert_eq!(kept, fleet.view.image_needs(follow));
     let status = fleet.view.module_view(&at0).status;
     assert_eq!(status.pin_generation, Some(1));
     assert_eq!(status.images[0].digest.as_deref(), Some("sha256:4567"));
