@@ -233,23 +233,22 @@ impl Toolchain {
         if prebuilt.is_none() {
             let total = Instant::now();
             for c in &components {
-                if c.is_built() {
+                let started = Instant::now();
+                if ensure_built(c, build)? {
+                    eprintln!(
+                        "toolchain: built {} {} in {}",
+                        c.name,
+                        c.version,
+                        human(started.elapsed())
+                    );
+                } else {
                     eprintln!(
                         "toolchain: {} {} cached at {}",
                         c.name,
                         c.version,
                         c.out_dir().display()
                     );
-                    continue;
                 }
-                let started = Instant::now();
-                build(c)?;
-                eprintln!(
-                    "toolchain: built {} {} in {}",
-                    c.name,
-                    c.version,
-                    human(started.elapsed())
-                );
             }
             eprintln!("toolchain: ready in {}", human(total.elapsed()));
         }
@@ -287,6 +286,30 @@ fn kubernetes_version_vars(version: &str) -> Vec<String> {
         ]
     })
     .collect()
+}
+
+/// Builds `c` with `build` unless it is built; whether this call built it. One builder
+/// at a time per component, across threads and processes (a lock file beside its
+/// directory): the tests of one binary run side by side, and two of them asking for
+/// Prometheus on a fresh machine ran two Go builds of it at once into one directory.
+fn ensure_built(c: &Component, build: impl FnOnce(&Component) -> Result<()>) -> Result<bool> {
+    if c.is_built() {
+        return Ok(false);
+    }
+    let lock_path = c.out_dir().with_extension("lock");
+    if let Some(parent) = lock_path.parent() {
+        std::fs::create_dir_all(parent).context(|| format!("creating {}", parent.display()))?;
+    }
+    let lock = std::fs::File::create(&lock_path)
+        .context(|| format!("creating {}", lock_path.display()))?;
+    lock.lock()
+        .context(|| format!("locking {}", lock_path.display()))?;
+    // Another builder may have finished while this one waited.
+    if c.is_built() {
+        return Ok(false);
+    }
+    build(c)?;
+    Ok(true)
 }
 
 fn human(d: Duration) -> String {
@@ -441,6 +464,41 @@ fn output(cmd: &mut Command) -> Result<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn two_callers_wanting_one_component_build_it_once() {
+        let c = Component {
+            name: "lock-test",
+            version: format!("v0-{}", std::process::id()),
+            packages: vec!["example.com/lock-test"],
+            substitutions: vec![],
+            version_vars: vec![],
+        };
+        let build_once = |started: std::sync::mpsc::Sender<()>,
+                          other: std::sync::mpsc::Receiver<()>| {
+            let c = c.clone();
+            move || {
+                ensure_built(&c, |c| {
+                    started.send(()).expect("the other caller listens");
+                    // Built side by side, the other caller starts too: it gets the time a
+                    // build takes to do so, and must not.
+                    let _ = other.recv_timeout(Duration::from_secs(2));
+                    std::fs::create_dir_all(c.out_dir()).expect("out dir");
+                    std::fs::write(c.out_dir().join("lock-test"), b"").expect("binary");
+                    Ok(())
+                })
+                .expect("ensure_built")
+            }
+        };
+        let (a_started, a_heard) = std::sync::mpsc::channel();
+        let (b_started, b_heard) = std::sync::mpsc::channel();
+        let a = std::thread::spawn(build_once(a_started, b_heard));
+        let b = std::thread::spawn(build_once(b_started, a_heard));
+        let built = [a.join().expect("a"), b.join().expect("b")];
+        let _ = std::fs::remove_dir_all(c.out_dir());
+        let _ = std::fs::remove_file(c.out_dir().with_extension("lock"));
+        assert_eq!(built.iter().filter(|b| **b).count(), 1, "{built:?}");
+    }
 
     #[test]
     fn staging_replacements_use_published_versions() {

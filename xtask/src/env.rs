@@ -133,12 +133,10 @@ pub fn run(args: EnvArgs) -> Result<()> {
     }
 }
 
-/// Everything the tests' fleet needs before it can start: Debian packages, then the
-/// upstream builds and the images' release binaries side by side.
-pub fn prebuild_for_tests() -> Result<()> {
-    eprintln!("==> local fleet prerequisites (Debian packages, upstream builds; cached)");
+/// Everything the fleet needs before it can start: Debian packages and upstream builds.
+pub fn prepare() -> Result<()> {
     setup()?;
-    prebuild_release(&Settings::from_env()?)
+    build(&Settings::from_env()?)
 }
 
 fn build(settings: &Settings) -> Result<()> {
@@ -146,39 +144,16 @@ fn build(settings: &Settings) -> Result<()> {
     Ok(())
 }
 
-/// What the fleet runs, built before it starts: the upstream programs (Go) and, with
-/// kmm, the debug KWOK runner and the release binaries the images hold. Only those:
-/// the debug kmm-fleet binaries are the tests' (`cargo xtask test` builds them).
+/// What the fleet runs that `fleet::up` does not build: the upstream programs (Go) and,
+/// with kmm, the debug KWOK runner (the release binaries come with the images). Only
+/// those: the debug kmm-fleet binaries are the tests' (`cargo xtask test` builds them).
+/// One after the other: side by side, the Go and the release builds took as long as in
+/// turn, both keeping the 2 cores busy.
 fn prebuild(settings: &Settings, kmm: bool) -> Result<()> {
-    if !kmm {
-        return build(settings);
+    if kmm {
+        cargo_build(&["-p", "kmm-kwok-pod-runner"])?;
     }
-    cargo_build(&["-p", "kmm-kwok-pod-runner"])?;
-    prebuild_release(settings)
-}
-
-/// The upstream programs and the images' release binaries, side by side: on a fresh
-/// machine each takes minutes, and neither keeps both cores busy throughout (Go's module
-/// downloads and links, cargo's last crates and links), so together they take less
-/// than one after the other. Warm, both are checks that take a second.
-fn prebuild_release(settings: &Settings) -> Result<()> {
-    std::thread::scope(|scope| {
-        let release = scope.spawn(|| {
-            let started = std::time::Instant::now();
-            kmm_images::release_binaries(&kmm_images::default_target_dir())
-                .context("the release build of the images' binaries")?;
-            eprintln!(
-                "release build of the images' binaries: {:.0}s",
-                started.elapsed().as_secs_f64()
-            );
-            anyhow::Ok(())
-        });
-        let toolchain = build(settings);
-        release
-            .join()
-            .map_err(|_| anyhow::anyhow!("the release build of kmm-fleet's binaries panicked"))??;
-        toolchain
-    })
+    build(settings)
 }
 
 /// Installs the Debian packages the fleet needs that are not installed yet (as root),

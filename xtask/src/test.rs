@@ -4,7 +4,7 @@ use std::{
     io::{BufRead, BufReader},
     path::Path,
     process::Command,
-    time::{Duration, Instant},
+    time::Instant,
 };
 
 use anyhow::{Context, bail};
@@ -36,42 +36,6 @@ pub fn run(root: &Path, options: &Options) -> anyhow::Result<()> {
 
 fn pipeline(root: &Path, options: &Options, timings: &mut Timings) -> anyhow::Result<()> {
     timings.step("fmt", || cargo(root, &["fmt", "--all", "--", "--check"]))?;
-    // What the fleet runs is built beside the checks: on a fresh machine the upstream
-    // programs take minutes, the images' release build too, and the fuzz runs leave
-    // nothing else to do for two of them (a fuzz run's length is fixed, so they lose
-    // executions, not time). Warm, it is a second of checks.
-    let (checked, prepared, took) = std::thread::scope(|scope| {
-        let fleet = scope.spawn(|| {
-            let started = Instant::now();
-            (crate::env::prebuild_for_tests(), started.elapsed())
-        });
-        let checked = checks(root, options, timings);
-        let (prepared, took) = timings.step("wait for the fleet's prerequisites", || {
-            fleet.join().unwrap_or_else(|_| {
-                (
-                    Err(anyhow::anyhow!("the fleet's build panicked")),
-                    Duration::ZERO,
-                )
-            })
-        });
-        (checked, prepared, took)
-    });
-    timings.alongside(
-        "fleet prerequisites (Debian packages, upstream builds, images' release build)",
-        took,
-    );
-    checked?;
-    prepared?;
-    timings.step("kmm debug binaries", crate::env::build_kmm)?;
-    let (suites, tested) = timings.step("cargo test --workspace", || tests(root));
-    timings.add_suites(suites);
-    tested?;
-    timings.step("chaos", || chaos(root))
-}
-
-/// The checks that need no fleet: formatting aside, in the order the quickest failure
-/// comes first.
-fn checks(root: &Path, options: &Options, timings: &mut Timings) -> anyhow::Result<()> {
     timings.step("clippy", || {
         cargo(
             root,
@@ -92,7 +56,15 @@ fn checks(root: &Path, options: &Options, timings: &mut Timings) -> anyhow::Resu
             fuzz_together(root, targets, options.fuzz_seconds)
         })?;
     }
-    Ok(())
+    timings.step("fleet prerequisites", || {
+        eprintln!("==> local fleet prerequisites (Debian packages, upstream builds; cached)");
+        crate::env::prepare()
+    })?;
+    timings.step("kmm debug binaries", crate::env::build_kmm)?;
+    let (suites, tested) = timings.step("cargo test --workspace", || tests(root));
+    timings.add_suites(suites);
+    tested?;
+    timings.step("chaos", || chaos(root))
 }
 
 /// The chaos soak's short run (issue #27), on the fleet the tests ran on. The seed is
@@ -203,15 +175,23 @@ const FUZZ_AT_ONCE: usize = 2;
 /// figures, or the crash and its input's path).
 const FUZZ_TAIL_LINES: usize = 40;
 
-/// cargo-fuzz with the stable toolchain: RUSTC_BOOTSTRAP spares downloading a nightly one.
-fn cargo_fuzz(root: &Path, args: &[&str]) -> Command {
-    let mut command = Command::new(env!("CARGO"));
-    command
-        .arg("fuzz")
-        .args(args)
+/// Codegen units of the fuzz build. cargo-fuzz's default, 1, compiled each crate on one
+/// core: the build of kmm-hub, kmm-spoke-proxy and their dependencies took 28 minutes of
+/// a cold CI run. 16 is what cargo-fuzz suggests for faster builds, at the cost of
+/// somewhat slower runs.
+const FUZZ_CODEGEN_UNITS: &str = "16";
+
+/// `cargo fuzz <command> [target]` with the build options every call shares (a run with
+/// other ones would build everything again), with the stable toolchain: RUSTC_BOOTSTRAP
+/// spares downloading a nightly one.
+fn cargo_fuzz(root: &Path, command: &str, target: Option<&str>) -> Command {
+    let mut cargo = Command::new(env!("CARGO"));
+    cargo
+        .args(["fuzz", command, "--codegen-units", FUZZ_CODEGEN_UNITS])
+        .args(target)
         .env("RUSTC_BOOTSTRAP", "1")
         .current_dir(root);
-    command
+    cargo
 }
 
 const CARGO_FUZZ_MISSING: &str =
@@ -220,7 +200,7 @@ const CARGO_FUZZ_MISSING: &str =
 /// Builds every fuzz target at once: the runs after it find them built.
 fn fuzz_build(root: &Path) -> anyhow::Result<()> {
     eprintln!("==> cargo fuzz build");
-    let status = cargo_fuzz(root, &["build"])
+    let status = cargo_fuzz(root, "build", None)
         .status()
         .context(CARGO_FUZZ_MISSING)?;
     if !status.success() {
@@ -242,7 +222,8 @@ fn fuzz_together(root: &Path, targets: &[&str], seconds: u32) -> anyhow::Result<
         let log_path = logs.join(format!("{target}.log"));
         let log = std::fs::File::create(&log_path)
             .with_context(|| format!("creating {}", log_path.display()))?;
-        let child = cargo_fuzz(root, &["run", target, "--", max_time.as_str()])
+        let child = cargo_fuzz(root, "run", Some(target))
+            .args(["--", max_time.as_str()])
             .stdout(log.try_clone().context("sharing the fuzz log")?)
             .stderr(log)
             .spawn()

@@ -15,9 +15,6 @@ pub struct Timing {
 #[derive(Debug, Default)]
 pub struct Timings {
     steps: Vec<Timing>,
-    /// Work done beside the steps (in another thread): printed, but not in the total,
-    /// which the steps (the wait for that work among them) already cover.
-    alongside: Vec<Timing>,
     suites: Vec<Timing>,
 }
 
@@ -33,20 +30,11 @@ impl Timings {
         outcome
     }
 
-    /// Records work that ran beside the steps.
-    pub fn alongside(&mut self, name: &str, took: Duration) {
-        self.alongside.push(Timing {
-            name: name.to_owned(),
-            took,
-        });
-    }
-
     pub fn add_suites(&mut self, suites: Vec<Timing>) {
         self.suites.extend(suites);
     }
 
-    /// The report: every step in order, the work beside them, then the suites slowest
-    /// first, then the total.
+    /// The report: every step in order, then the suites slowest first, then the total.
     pub fn report(&self) -> String {
         let mut out = String::from("timings (seconds):\n");
         for step in &self.steps {
@@ -54,13 +42,6 @@ impl Timings {
                 "  step  {:>8.1}  {}\n",
                 step.took.as_secs_f64(),
                 step.name
-            ));
-        }
-        for work in &self.alongside {
-            out.push_str(&format!(
-                "  beside {:>7.1}  {}\n",
-                work.took.as_secs_f64(),
-                work.name
             ));
         }
         let mut suites: Vec<&Timing> = self.suites.iter().collect();
@@ -188,7 +169,7 @@ mod tests {
     }
 
     #[test]
-    fn the_report_lists_steps_work_beside_and_suites_and_totals_the_steps() {
+    fn the_report_lists_steps_in_order_and_suites_slowest_first_with_a_total() {
         let mut timings = Timings {
             steps: vec![
                 Timing {
@@ -200,10 +181,8 @@ mod tests {
                     took: Duration::from_secs(90),
                 },
             ],
-            alongside: Vec::new(),
             suites: Vec::new(),
         };
-        timings.alongside("upstream builds", Duration::from_secs(100));
         timings.add_suites(vec![
             Timing {
                 name: "fast".into(),
@@ -222,7 +201,6 @@ mod tests {
                 "timings (seconds):",
                 "step      30.0  clippy",
                 "step      90.0  tests",
-                "beside   100.0  upstream builds",
                 "suite     80.0  slow",
                 "suite      1.0  fast",
                 "total    120.0",
