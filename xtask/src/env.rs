@@ -66,7 +66,11 @@ pub fn run(args: EnvArgs) -> Result<()> {
             no_kmm,
         } => {
             setup()?;
-            prebuild(&settings, !no_kmm)?;
+            // The fleet runs one debug binary, the KWOK runner; the others are the tests'
+            // (`cargo xtask test` builds them), and the images carry release builds.
+            if !no_kmm {
+                cargo_build(&["-p", "kmm-kwok-pod-runner"])?;
+            }
             let rt = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
             let state = rt.block_on(fleet::up(
                 &settings,
@@ -142,18 +146,6 @@ pub fn prepare() -> Result<()> {
 fn build(settings: &Settings) -> Result<()> {
     Toolchain::ensure(&Versions::pinned(), settings.bin_dir.as_deref())?;
     Ok(())
-}
-
-/// What the fleet runs that `fleet::up` does not build: the upstream programs (Go) and,
-/// with kmm, the debug KWOK runner (the release binaries come with the images). Only
-/// those: the debug kmm-fleet binaries are the tests' (`cargo xtask test` builds them).
-/// One after the other: side by side, the Go and the release builds took as long as in
-/// turn, both keeping the 2 cores busy.
-fn prebuild(settings: &Settings, kmm: bool) -> Result<()> {
-    if kmm {
-        cargo_build(&["-p", "kmm-kwok-pod-runner"])?;
-    }
-    build(settings)
 }
 
 /// Installs the Debian packages the fleet needs that are not installed yet (as root),
