@@ -52,6 +52,13 @@ impl Component {
             .join(format!("{}-{}", self.name, self.version))
     }
 
+    /// `<out_dir>.lock`, whole: a version's dots are not an extension to replace.
+    fn lock_path(&self) -> PathBuf {
+        let mut path = self.out_dir().into_os_string();
+        path.push(".lock");
+        PathBuf::from(path)
+    }
+
     fn src_dir(&self) -> PathBuf {
         cache_dir()
             .join("src")
@@ -296,7 +303,7 @@ fn ensure_built(c: &Component, build: impl FnOnce(&Component) -> Result<()>) -> 
     if c.is_built() {
         return Ok(false);
     }
-    let lock_path = c.out_dir().with_extension("lock");
+    let lock_path = c.lock_path();
     if let Some(parent) = lock_path.parent() {
         std::fs::create_dir_all(parent).context(|| format!("creating {}", parent.display()))?;
     }
@@ -496,7 +503,7 @@ mod tests {
         let b = std::thread::spawn(build_once(b_started, a_heard));
         let built = [a.join().expect("a"), b.join().expect("b")];
         let _ = std::fs::remove_dir_all(c.out_dir());
-        let _ = std::fs::remove_file(c.out_dir().with_extension("lock"));
+        let _ = std::fs::remove_file(c.lock_path());
         assert_eq!(built.iter().filter(|b| **b).count(), 1, "{built:?}");
     }
 
