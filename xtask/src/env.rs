@@ -218,8 +218,9 @@ fn installed(package: &str) -> bool {
         .is_ok_and(|out| out.status.success() && out.stdout.ends_with(b"install ok installed"))
 }
 
-/// Builds the kmm-fleet binaries the fleet runs and the end-to-end tests start as
-/// processes (`kmm_e2e::binaries`: `cargo test` cannot build another package's binaries).
+/// Builds the debug kmm-fleet binaries the end-to-end tests start as processes, the
+/// fleet's KWOK runner among them (`kmm_e2e::binaries`: `cargo test` cannot build another
+/// package's binaries).
 pub fn build_kmm() -> Result<()> {
     cargo_build(&[
         "-p",
@@ -236,14 +237,5 @@ pub fn build_kmm() -> Result<()> {
 /// `cargo build --bins` of these packages, in the dev profile.
 fn cargo_build(packages: &[&str]) -> Result<()> {
     let args = [["build", "--bins"].as_slice(), packages].concat();
-    eprintln!("==> cargo {}", args.join(" "));
-    let status = std::process::Command::new(env!("CARGO"))
-        .args(&args)
-        .current_dir(crate::repository_root())
-        .status()
-        .context("running cargo build")?;
-    if !status.success() {
-        bail!("cargo {} failed ({status})", args.join(" "));
-    }
-    Ok(())
+    crate::cargo(&crate::repository_root(), &args)
 }

@@ -44,6 +44,21 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
+/// Runs `cargo ARGS` in `root`, announcing it; fails naming the command.
+fn cargo(root: &std::path::Path, args: &[&str]) -> anyhow::Result<()> {
+    use anyhow::Context;
+    eprintln!("==> cargo {}", args.join(" "));
+    let status = std::process::Command::new(env!("CARGO"))
+        .args(args)
+        .current_dir(root)
+        .status()
+        .with_context(|| format!("running cargo {}", args.join(" ")))?;
+    if !status.success() {
+        anyhow::bail!("cargo {} failed ({status})", args.join(" "));
+    }
+    Ok(())
+}
+
 /// The workspace root: xtask lives one level below it.
 fn repository_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

@@ -9,6 +9,7 @@ use std::{
 
 use anyhow::{Context, bail};
 
+use crate::cargo;
 use crate::timings::{SuiteClock, Timing, Timings};
 
 /// Fuzz targets run for a bounded time by `cargo xtask test`.
@@ -153,19 +154,6 @@ fn parse_summary(line: &str) -> Option<(u64, u64)> {
         })
     };
     Some((count(" passed")?, count(" failed")?))
-}
-
-fn cargo(root: &Path, args: &[&str]) -> anyhow::Result<()> {
-    eprintln!("==> cargo {}", args.join(" "));
-    let status = Command::new(env!("CARGO"))
-        .args(args)
-        .current_dir(root)
-        .status()
-        .with_context(|| format!("running cargo {}", args.join(" ")))?;
-    if !status.success() {
-        bail!("cargo {} failed ({status})", args.join(" "));
-    }
-    Ok(())
 }
 
 /// A libFuzzer run is one process on one core: this many share the machine's cores.
