@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
-use crate::{Error, IoContext, Result, cache_dir};
+use crate::{Error, IoContext, Result, cache_dir, cache_entry};
 
 const SOURCES: &[(&str, &str)] = &[
     ("Kbuild", include_str!("../kmod/Kbuild")),
@@ -175,34 +175,40 @@ pub fn compile(kernel: &str, sources: &[(&str, &str)], modules: &[&str]) -> Resu
     let base = cache_dir().join("kmod").join(&digest[..16]).join(kernel);
     let root = base.join("root");
     let extra = root.join("opt/lib/modules").join(kernel).join("extra");
-    if modules
-        .iter()
-        .all(|module| extra.join(format!("{module}.ko")).is_file())
-    {
-        return Ok(root);
-    }
-    let headers = PathBuf::from(format!("/usr/src/linux-headers-{kernel}"));
-    if !headers.is_dir() {
-        return Err(Error::Invalid(format!(
-            "{} is missing: run `cargo xtask env setup` (apt package linux-headers-{kernel})",
-            headers.display()
-        )));
-    }
-    let src = base.join("src");
-    std::fs::create_dir_all(&src).context(|| format!("creating {}", src.display()))?;
-    for (name, text) in sources {
-        std::fs::write(src.join(name), text).context(|| format!("writing {name}"))?;
-    }
-    run(Command::new("make")
-        .arg("-C")
-        .arg(&headers)
-        .arg(format!("M={}", src.display()))
-        .arg("modules"))?;
-    std::fs::create_dir_all(&extra).context(|| format!("creating {}", extra.display()))?;
-    for module in modules {
-        let ko = format!("{module}.ko");
-        std::fs::copy(src.join(&ko), extra.join(&ko)).context(|| format!("copying {ko}"))?;
-    }
+    let ready = || {
+        modules
+            .iter()
+            .all(|module| extra.join(format!("{module}.ko")).is_file())
+            .then_some(())
+    };
+    cache_entry::once(&base, ready, || {
+        let headers = PathBuf::from(format!("/usr/src/linux-headers-{kernel}"));
+        if !headers.is_dir() {
+            return Err(Error::Invalid(format!(
+                "{} is missing: run `cargo xtask env setup` (apt package linux-headers-{kernel})",
+                headers.display()
+            )));
+        }
+        let src = base.join("src");
+        std::fs::create_dir_all(&src).context(|| format!("creating {}", src.display()))?;
+        for (name, text) in sources {
+            std::fs::write(src.join(name), text).context(|| format!("writing {name}"))?;
+        }
+        run(Command::new("make")
+            .arg("-C")
+            .arg(&headers)
+            .arg(format!("M={}", src.display()))
+            .arg("modules"))?;
+        std::fs::create_dir_all(&extra).context(|| format!("creating {}", extra.display()))?;
+        for module in modules {
+            let ko = format!("{module}.ko");
+            // Copied aside and renamed: a reader outside the lock sees a whole file or none.
+            let partial = extra.join(format!("{ko}.partial"));
+            std::fs::copy(src.join(&ko), &partial).context(|| format!("copying {ko}"))?;
+            std::fs::rename(&partial, extra.join(&ko)).context(|| format!("renaming {ko}"))?;
+        }
+        Ok(())
+    })?;
     Ok(root)
 }
 

@@ -21,6 +21,7 @@
 
 pub mod binaries;
 pub mod browser;
+mod cache_entry;
 mod cgroup;
 pub mod chaos;
 pub mod fixture;

@@ -12,7 +12,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use crate::versions::Versions;
-use crate::{Error, IoContext, Result, cache_dir};
+use crate::{Error, IoContext, Result, cache_dir, cache_entry};
 
 const TEMPLATES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/toolchain");
 
@@ -50,13 +50,6 @@ impl Component {
         cache_dir()
             .join("bin")
             .join(format!("{}-{}", self.name, self.version))
-    }
-
-    /// `<out_dir>.lock`, whole: a version's dots are not an extension to replace.
-    fn lock_path(&self) -> PathBuf {
-        let mut path = self.out_dir().into_os_string();
-        path.push(".lock");
-        PathBuf::from(path)
     }
 
     fn src_dir(&self) -> PathBuf {
@@ -241,7 +234,9 @@ impl Toolchain {
             let total = Instant::now();
             for c in &components {
                 let started = Instant::now();
-                if ensure_built(c, build)? {
+                let ((), built) =
+                    cache_entry::once(&c.out_dir(), || c.is_built().then_some(()), || build(c))?;
+                if built {
                     eprintln!(
                         "toolchain: built {} {} in {}",
                         c.name,
@@ -295,30 +290,6 @@ fn kubernetes_version_vars(version: &str) -> Vec<String> {
     .collect()
 }
 
-/// Builds `c` with `build` unless it is built; whether this call built it. One builder
-/// at a time per component, across threads and processes (a lock file beside its
-/// directory): the tests of one binary run side by side, and two of them asking for
-/// Prometheus on a fresh machine ran two Go builds of it at once into one directory.
-fn ensure_built(c: &Component, build: impl FnOnce(&Component) -> Result<()>) -> Result<bool> {
-    if c.is_built() {
-        return Ok(false);
-    }
-    let lock_path = c.lock_path();
-    if let Some(parent) = lock_path.parent() {
-        std::fs::create_dir_all(parent).context(|| format!("creating {}", parent.display()))?;
-    }
-    let lock = std::fs::File::create(&lock_path)
-        .context(|| format!("creating {}", lock_path.display()))?;
-    lock.lock()
-        .context(|| format!("locking {}", lock_path.display()))?;
-    // Another builder may have finished while this one waited.
-    if c.is_built() {
-        return Ok(false);
-    }
-    build(c)?;
-    Ok(true)
-}
-
 fn human(d: Duration) -> String {
     let s = d.as_secs();
     format!("{}m{:02}s", s / 60, s % 60)
@@ -342,7 +313,7 @@ fn build(c: &Component) -> Result<()> {
         std::fs::write(src.join(&target), text)
             .context(|| format!("writing {target} in {}", src.display()))?;
     }
-    let partial = c.out_dir().with_extension("partial");
+    let partial = cache_entry::beside(&c.out_dir(), "partial");
     let mut cmd = go(&src);
     let mut ldflags = String::from("-s -w");
     for var in &c.version_vars {
@@ -471,41 +442,6 @@ fn output(cmd: &mut Command) -> Result<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn two_callers_wanting_one_component_build_it_once() {
-        let c = Component {
-            name: "lock-test",
-            version: format!("v0-{}", std::process::id()),
-            packages: vec!["example.com/lock-test"],
-            substitutions: vec![],
-            version_vars: vec![],
-        };
-        let build_once = |started: std::sync::mpsc::Sender<()>,
-                          other: std::sync::mpsc::Receiver<()>| {
-            let c = c.clone();
-            move || {
-                ensure_built(&c, |c| {
-                    started.send(()).expect("the other caller listens");
-                    // Built side by side, the other caller starts too: it gets the time a
-                    // build takes to do so, and must not.
-                    let _ = other.recv_timeout(Duration::from_secs(2));
-                    std::fs::create_dir_all(c.out_dir()).expect("out dir");
-                    std::fs::write(c.out_dir().join("lock-test"), b"").expect("binary");
-                    Ok(())
-                })
-                .expect("ensure_built")
-            }
-        };
-        let (a_started, a_heard) = std::sync::mpsc::channel();
-        let (b_started, b_heard) = std::sync::mpsc::channel();
-        let a = std::thread::spawn(build_once(a_started, b_heard));
-        let b = std::thread::spawn(build_once(b_started, a_heard));
-        let built = [a.join().expect("a"), b.join().expect("b")];
-        let _ = std::fs::remove_dir_all(c.out_dir());
-        let _ = std::fs::remove_file(c.lock_path());
-        assert_eq!(built.iter().filter(|b| **b).count(), 1, "{built:?}");
-    }
 
     #[test]
     fn staging_replacements_use_published_versions() {

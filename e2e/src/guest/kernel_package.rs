@@ -5,7 +5,7 @@ use crate::process::run;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::{Error, IoContext, Result, cache_dir};
+use crate::{Error, IoContext, Result, cache_dir, cache_entry};
 
 /// An extracted Debian kernel package.
 #[derive(Debug, Clone)]
@@ -23,40 +23,11 @@ impl KernelPackage {
             release: release.to_string(),
             root: dir.join("root"),
         };
-        if package.modules_dir().join("modules.dep").is_file() && package.vmlinuz().is_file() {
-            return Ok(package);
-        }
-        let partial = dir.with_extension("partial");
-        if partial.exists() {
-            std::fs::remove_dir_all(&partial)
-                .context(|| format!("removing {}", partial.display()))?;
-        }
-        std::fs::create_dir_all(&partial).context(|| format!("creating {}", partial.display()))?;
-        let name = format!("linux-image-{release}");
-        run(Command::new("apt-get")
-            .args(["download", &name])
-            .current_dir(&partial))
-        .map_err(|e| {
-            Error::Invalid(format!(
-                "downloading the guest kernel package {name} (is it in the apt sources? \
-                 `apt-get update` may be needed): {e}"
-            ))
-        })?;
-        let deb = kmm_images::base::only_deb(&partial)?;
-        run(Command::new("dpkg-deb")
-            .arg("-x")
-            .arg(&deb)
-            .arg(partial.join("root")))?;
-        std::fs::remove_file(&deb).context(|| format!("removing {}", deb.display()))?;
-        // The package ships no modules.dep: its postinst runs depmod on the target.
-        run(Command::new("depmod")
-            .arg("-b")
-            .arg(partial.join("root"))
-            .arg(release))?;
-        if dir.exists() {
-            std::fs::remove_dir_all(&dir).context(|| format!("removing {}", dir.display()))?;
-        }
-        std::fs::rename(&partial, &dir).context(|| format!("renaming to {}", dir.display()))?;
+        let ready = || {
+            (package.modules_dir().join("modules.dep").is_file() && package.vmlinuz().is_file())
+                .then_some(())
+        };
+        cache_entry::once(&dir, ready, || download(release, &dir))?;
         Ok(package)
     }
 
@@ -96,6 +67,40 @@ impl KernelPackage {
         }
         Ok(all)
     }
+}
+
+/// Downloads and extracts `linux-image-<release>` into `dir`, indexed by depmod.
+fn download(release: &str, dir: &Path) -> Result<()> {
+    let partial = cache_entry::beside(dir, "partial");
+    if partial.exists() {
+        std::fs::remove_dir_all(&partial).context(|| format!("removing {}", partial.display()))?;
+    }
+    std::fs::create_dir_all(&partial).context(|| format!("creating {}", partial.display()))?;
+    let name = format!("linux-image-{release}");
+    run(Command::new("apt-get")
+        .args(["download", &name])
+        .current_dir(&partial))
+    .map_err(|e| {
+        Error::Invalid(format!(
+            "downloading the guest kernel package {name} (is it in the apt sources? \
+             `apt-get update` may be needed): {e}"
+        ))
+    })?;
+    let deb = kmm_images::base::only_deb(&partial)?;
+    run(Command::new("dpkg-deb")
+        .arg("-x")
+        .arg(&deb)
+        .arg(partial.join("root")))?;
+    std::fs::remove_file(&deb).context(|| format!("removing {}", deb.display()))?;
+    // The package ships no modules.dep: its postinst runs depmod on the target.
+    run(Command::new("depmod")
+        .arg("-b")
+        .arg(partial.join("root"))
+        .arg(release))?;
+    if dir.exists() {
+        std::fs::remove_dir_all(dir).context(|| format!("removing {}", dir.display()))?;
+    }
+    std::fs::rename(&partial, dir).context(|| format!("renaming to {}", dir.display()))
 }
 
 /// The module files of `modprobe --show-depends` output (built-ins have no file).

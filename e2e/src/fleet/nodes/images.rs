@@ -22,7 +22,7 @@ use sha2::{Digest, Sha256};
 
 use crate::process::run;
 use crate::toolchain::go_module_dir;
-use crate::{Error, IoContext, Result, cache_dir};
+use crate::{Error, IoContext, Result, cache_dir, cache_entry};
 
 /// The probe's sources (standard library only).
 const PROBE_SOURCES: &[(&str, &str)] = &[
@@ -80,20 +80,23 @@ fn pause_binary(kubernetes_version: &str) -> Result<PathBuf> {
         .join("node-images")
         .join(format!("pause-{kubernetes_version}"));
     let binary = dir.join("pause");
-    if binary.is_file() {
-        return Ok(binary);
-    }
-    let module = go_module_dir(&format!("k8s.io/kubernetes@{kubernetes_version}"))?;
-    let source = module.join("build/pause/linux/pause.c");
-    std::fs::create_dir_all(&dir).context(|| format!("creating {}", dir.display()))?;
-    let partial = dir.join("pause.partial");
-    run(Command::new("gcc")
-        .args(["-Os", "-static", "-s"])
-        .arg(format!("-DVERSION={kubernetes_version}"))
-        .arg("-o")
-        .arg(&partial)
-        .arg(&source))?;
-    std::fs::rename(&partial, &binary).context(|| format!("writing {}", binary.display()))?;
+    cache_entry::once(
+        &dir,
+        || binary.is_file().then_some(()),
+        || {
+            let module = go_module_dir(&format!("k8s.io/kubernetes@{kubernetes_version}"))?;
+            let source = module.join("build/pause/linux/pause.c");
+            std::fs::create_dir_all(&dir).context(|| format!("creating {}", dir.display()))?;
+            let partial = dir.join("pause.partial");
+            run(Command::new("gcc")
+                .args(["-Os", "-static", "-s"])
+                .arg(format!("-DVERSION={kubernetes_version}"))
+                .arg("-o")
+                .arg(&partial)
+                .arg(&source))?;
+            std::fs::rename(&partial, &binary).context(|| format!("writing {}", binary.display()))
+        },
+    )?;
     Ok(binary)
 }
 
@@ -110,22 +113,25 @@ fn probe_binary() -> Result<(PathBuf, String)> {
         .join("node-images")
         .join(format!("probe-{hash}"));
     let binary = dir.join("probe");
-    if binary.is_file() {
-        return Ok((binary, hash));
-    }
-    let src = dir.join("src");
-    std::fs::create_dir_all(&src).context(|| format!("creating {}", src.display()))?;
-    for (name, text) in PROBE_SOURCES {
-        std::fs::write(src.join(name), text).context(|| format!("writing {name}"))?;
-    }
-    let partial = dir.join("probe.partial");
-    run(Command::new("go")
-        .args(["build", "-trimpath", "-ldflags=-s -w", "-o"])
-        .arg(&partial)
-        .arg(".")
-        .current_dir(&src)
-        .env("CGO_ENABLED", "0"))?;
-    std::fs::rename(&partial, &binary).context(|| format!("writing {}", binary.display()))?;
+    cache_entry::once(
+        &dir,
+        || binary.is_file().then_some(()),
+        || {
+            let src = dir.join("src");
+            std::fs::create_dir_all(&src).context(|| format!("creating {}", src.display()))?;
+            for (name, text) in PROBE_SOURCES {
+                std::fs::write(src.join(name), text).context(|| format!("writing {name}"))?;
+            }
+            let partial = dir.join("probe.partial");
+            run(Command::new("go")
+                .args(["build", "-trimpath", "-ldflags=-s -w", "-o"])
+                .arg(&partial)
+                .arg(".")
+                .current_dir(&src)
+                .env("CGO_ENABLED", "0"))?;
+            std::fs::rename(&partial, &binary).context(|| format!("writing {}", binary.display()))
+        },
+    )?;
     Ok((binary, hash))
 }
 
