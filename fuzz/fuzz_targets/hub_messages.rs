@@ -10,11 +10,11 @@
 
 use std::time::Duration;
 
-use kmm_hub::fleet::node_statuses::{Arrival, MAX_BYTES, MAX_ENTRIES};
-use kmm_hub::fleet::spoke_answers::spoke_answers;
-use kmm_hub::fleet::status::{ClusterReport, module_status};
-use kmm_hub::images::SpokePin;
-use kmm_hub::serve::fleet_view::sessions::{ClusterSession, reported_bytes_bound};
+use kmm_hub_core::fleet::node_statuses::{Arrival, MAX_BYTES, MAX_ENTRIES};
+use kmm_hub_core::fleet::spoke_answers::spoke_answers;
+use kmm_hub_core::fleet::status::{ClusterReport, module_status};
+use kmm_hub_core::images::SpokePin;
+use kmm_hub_core::sessions::{ClusterSession, reported_bytes_bound};
 use kmm_proto::limits::{ERROR_TEXT, INVENTORY_KERNELS, SPOKE_IMAGES, valid_kernel_release};
 use kmm_proto::v1::{ProxyMessage, proxy_message};
 use libfuzzer_sys::fuzz_target;

@@ -12,8 +12,8 @@ use kmm_proto::v1::{
     AgentMessage, IntentSnapshot, KernelTarget, ModuleIntent, ModuleKey, ModuleLoad, agent_message,
     kernel_target::Target,
 };
-use kmm_spoke_proxy::cluster_state::ClusterState;
-use kmm_spoke_proxy::node_facts::NodeFacts;
+use kmm_spoke_proxy_core::cluster_state::ClusterState;
+use kmm_spoke_proxy_core::node_facts::NodeFacts;
 use libfuzzer_sys::fuzz_target;
 use prost::Message as _;
 

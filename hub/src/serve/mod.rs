@@ -12,13 +12,14 @@ pub mod images;
 pub mod leadership;
 pub mod metrics;
 pub mod module_events;
-pub mod outbound;
 pub mod preflight;
 pub mod signing;
 pub mod sync_service;
 mod watches;
 pub mod webhook;
 pub mod webhook_configuration;
+
+pub use kmm_hub_core::outbound;
 
 use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;

@@ -18,12 +18,13 @@ mod on_stream;
 mod on_watch;
 mod readouts;
 mod reads;
-pub mod sessions;
 pub mod signals;
 mod snapshots;
 
+pub use kmm_hub_core::sessions;
+
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 
 use tokio::sync::{Notify, watch};
 
@@ -36,7 +37,7 @@ pub use self::signals::Changes;
 use self::caches::Caches;
 use self::image_book::ImageBook;
 use self::index::FleetIndex;
-use self::sessions::Sessions;
+use self::sessions::{Sessions, lock};
 use self::signals::{Signals, Touched};
 use super::metrics::Metrics;
 use crate::fleet::mirrors::ImageMirror;
@@ -57,14 +58,6 @@ pub struct FleetView {
     /// add-on controller last read them; none for a cluster not listed.
     mirrors: Mutex<BTreeMap<String, Vec<ImageMirror>>>,
     metrics: Metrics,
-}
-
-/// Takes a lock. A panic while holding it leaves plain data behind, still consistent
-/// enough to serve: every recompute starts from the watched objects again.
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl FleetView {

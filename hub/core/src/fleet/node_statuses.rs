@@ -633,8 +633,8 @@ impl NodeStatuses {
 }
 
 /// A full report of (module, node, state) entries, modules in namespace `drivers`.
-#[cfg(test)]
-pub(crate) fn full_report(entries: &[(&str, &str, ModuleState)]) -> NodeStatusReport {
+#[cfg(any(test, feature = "testing"))]
+pub fn full_report(entries: &[(&str, &str, ModuleState)]) -> NodeStatusReport {
     use kmm_proto::v1::ModuleNodeKey;
     NodeStatusReport {
         full: true,

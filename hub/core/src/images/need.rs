@@ -53,11 +53,11 @@ pub struct ImageNeed {
     pub access: u64,
 }
 
-#[cfg(test)]
+#[cfg(any(test, feature = "testing"))]
 impl ImageNeed {
     /// Module `u` in `drivers` needing the image for `kernels`, with nothing to build,
     /// sign or follow: what tests start from.
-    pub(crate) fn for_kernels<'a>(kernels: impl IntoIterator<Item = &'a str>) -> Self {
+    pub fn for_kernels<'a>(kernels: impl IntoIterator<Item = &'a str>) -> Self {
         Self {
             module_uid: "u".into(),
             spoke_namespace: "drivers".into(),

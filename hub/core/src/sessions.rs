@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
@@ -17,7 +17,7 @@ use crate::fleet::module_id::module_key;
 use crate::fleet::module_view::ClusterSight;
 use crate::fleet::node_statuses::{self, NodeStatuses};
 use crate::fleet::outbox::Outbox;
-use crate::serve::outbound::OutboundSender;
+use crate::outbound::OutboundSender;
 
 /// Identifies one stream among all the streams the hub has accepted.
 pub type SessionId = u64;
@@ -327,11 +327,19 @@ impl Sessions {
     pub fn end_all(&self, why: &str) {
         self.ending.send_replace(Some(why.to_owned()));
         for (_, session) in self.all() {
-            if let Some((_, stream)) = &super::lock(&session).stream {
+            if let Some((_, stream)) = &lock(&session).stream {
                 stream.end(tonic::Code::Unavailable, why);
             }
         }
     }
+}
+
+/// Takes a lock. A panic while holding it leaves plain data behind, still consistent
+/// enough to serve: every recompute starts from the watched objects again.
+pub fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 #[cfg(test)]

@@ -58,7 +58,7 @@ impl NodeFacts {
 mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::{NodeSpec, NodeStatus, NodeSystemInfo, Taint as KubeTaint};
-    use kube::api::ObjectMeta;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
     #[test]
     fn reads_kernel_labels_and_taints() {
