@@ -7,16 +7,15 @@ use std::path::{Path, PathBuf};
 
 use crate::{IoContext, Result};
 
-/// `ready()` if the entry at `dir` is there; otherwise `make()` it, one maker at a time
-/// across threads and processes (a lock file beside `dir`). The `bool` says whether this
-/// call made it.
-pub(crate) fn once<T>(
+/// Unless `ready()` says the entry at `dir` is there, `make()` it, one maker at a time
+/// across threads and processes (a lock file beside `dir`); whether this call made it.
+pub(crate) fn once(
     dir: &Path,
-    ready: impl Fn() -> Option<T>,
-    make: impl FnOnce() -> Result<T>,
-) -> Result<(T, bool)> {
-    if let Some(entry) = ready() {
-        return Ok((entry, false));
+    ready: impl Fn() -> bool,
+    make: impl FnOnce() -> Result<()>,
+) -> Result<bool> {
+    if ready() {
+        return Ok(false);
     }
     let lock_path = beside(dir, "lock");
     if let Some(parent) = lock_path.parent() {
@@ -27,10 +26,11 @@ pub(crate) fn once<T>(
     lock.lock()
         .context(|| format!("locking {}", lock_path.display()))?;
     // Another maker may have finished while this one waited.
-    if let Some(entry) = ready() {
-        return Ok((entry, false));
+    if ready() {
+        return Ok(false);
     }
-    Ok((make()?, true))
+    make()?;
+    Ok(true)
 }
 
 /// `<dir>.<suffix>`, with `dir`'s name whole: a version's dots (`6.1.0-56-cloud-amd64`,
@@ -57,7 +57,7 @@ mod tests {
             move || {
                 once(
                     &dir,
-                    || marker.is_file().then_some(()),
+                    || marker.is_file(),
                     || {
                         started.send(()).expect("the other caller listens");
                         // Made side by side, the other caller starts too: it gets the
@@ -69,7 +69,6 @@ mod tests {
                     },
                 )
                 .expect("once")
-                .1
             }
         };
         let (a_started, a_heard) = channel();

@@ -179,7 +179,6 @@ pub fn compile(kernel: &str, sources: &[(&str, &str)], modules: &[&str]) -> Resu
         modules
             .iter()
             .all(|module| extra.join(format!("{module}.ko")).is_file())
-            .then_some(())
     };
     cache_entry::once(&base, ready, || {
         let headers = PathBuf::from(format!("/usr/src/linux-headers-{kernel}"));

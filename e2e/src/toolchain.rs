@@ -234,8 +234,7 @@ impl Toolchain {
             let total = Instant::now();
             for c in &components {
                 let started = Instant::now();
-                let ((), built) =
-                    cache_entry::once(&c.out_dir(), || c.is_built().then_some(()), || build(c))?;
+                let built = cache_entry::once(&c.out_dir(), || c.is_built(), || build(c))?;
                 if built {
                     eprintln!(
                         "toolchain: built {} {} in {}",

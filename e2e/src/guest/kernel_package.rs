@@ -23,10 +23,8 @@ impl KernelPackage {
             release: release.to_string(),
             root: dir.join("root"),
         };
-        let ready = || {
-            (package.modules_dir().join("modules.dep").is_file() && package.vmlinuz().is_file())
-                .then_some(())
-        };
+        let ready =
+            || package.modules_dir().join("modules.dep").is_file() && package.vmlinuz().is_file();
         cache_entry::once(&dir, ready, || download(release, &dir))?;
         Ok(package)
     }

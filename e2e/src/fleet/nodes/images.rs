@@ -82,7 +82,7 @@ fn pause_binary(kubernetes_version: &str) -> Result<PathBuf> {
     let binary = dir.join("pause");
     cache_entry::once(
         &dir,
-        || binary.is_file().then_some(()),
+        || binary.is_file(),
         || {
             let module = go_module_dir(&format!("k8s.io/kubernetes@{kubernetes_version}"))?;
             let source = module.join("build/pause/linux/pause.c");
@@ -115,7 +115,7 @@ fn probe_binary() -> Result<(PathBuf, String)> {
     let binary = dir.join("probe");
     cache_entry::once(
         &dir,
-        || binary.is_file().then_some(()),
+        || binary.is_file(),
         || {
             let src = dir.join("src");
             std::fs::create_dir_all(&src).context(|| format!("creating {}", src.display()))?;
