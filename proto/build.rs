@@ -11,6 +11,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let descriptors = protox::compile(files, ["."])?;
     tonic_prost_build::configure()
+        // Ordered maps encode the same way every time, so a snapshot's digest is stable.
+        .btree_map(".")
         .codec_path("crate::codec::FleetCodec")
         .compile_fds(descriptors)?;
     Ok(())

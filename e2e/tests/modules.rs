@@ -684,6 +684,7 @@ mod probe {
             proxy_message::Message::Hello(ProxyHello {
                 proxy_version: "e2e-probe".into(),
                 applied_intent_revision: 0,
+                applied_intent_digest: Vec::new(),
             }),
             proxy_message::Message::Inventory(KernelInventory {
                 revision: 1,

@@ -17,6 +17,7 @@ use k8s_openapi::jiff::Timestamp;
 use kmm_api::testing::ModuleBuilder;
 use kmm_api::{ManagedClusterModule, ocm};
 use kmm_hub::fleet::assignment::FINALIZER;
+use kmm_hub::fleet::outbox::Held;
 use kmm_hub::fleet_ui::render::Chrome;
 use kmm_hub::fleet_ui::routes::route;
 use kmm_hub::fleet_ui::server::{Answer, leader_answer};
@@ -143,7 +144,7 @@ fn connect(view: &FleetView, c: usize) -> (SessionId, tokio::sync::watch::Receiv
     let cluster = cluster_name(c);
     let outbound = OutboundSender::default();
     let sent = outbound.subscribe();
-    let id = view.open_session(&cluster, 0, outbound);
+    let id = view.open_session(&cluster, Held::default(), outbound);
     let kernels = [kernel_of(c, 0), kernel_of(c, 1)]
         .into_iter()
         .map(|release| Kernel {

@@ -32,6 +32,8 @@ pub mod limits {
     pub const AGENT_MESSAGE: usize = 1 << 20;
     /// Proxy to agent (`AgentInstruction`): one node's desired modules.
     pub const AGENT_INSTRUCTION: usize = 16 << 20;
+    /// The bytes of `ProxyHello.applied_intent_digest` when not empty: a SHA-256.
+    pub const INTENT_DIGEST: usize = 32;
     /// The highest intent revision a peer may name. Revisions grow by one per snapshot a
     /// cluster is sent: at one a millisecond this lasts 285,000 years, so a peer naming
     /// more is broken or hostile, and the hub's next revision can never overflow.
@@ -210,6 +212,36 @@ pub fn apply_snapshot(
         delta: false,
         removed: Vec::new(),
     }
+}
+
+/// The digest a proxy names in its hello (`ProxyHello.applied_intent_digest`) and a hub
+/// compares its snapshot with: SHA-256 over the intents in (name, namespace) order and the
+/// credentials in id order, each as its encoded length and bytes. Neither the revision nor
+/// the way the snapshot came (whole or as deltas) counts, only what it leaves held.
+pub fn snapshot_digest<M: std::borrow::Borrow<v1::ModuleIntent>>(
+    modules: &[M],
+    credentials: &[v1::PullCredential],
+) -> [u8; 32] {
+    use prost::Message;
+    use sha2::Digest;
+    let mut modules: Vec<&v1::ModuleIntent> = modules.iter().map(|m| m.borrow()).collect();
+    modules.sort_by_cached_key(|m| module_key(m));
+    let mut credentials: Vec<&v1::PullCredential> = credentials.iter().collect();
+    credentials.sort_by(|a, b| a.id.cmp(&b.id));
+    let mut hasher = sha2::Sha256::new();
+    let mut add = |bytes: &[u8]| {
+        hasher.update((bytes.len() as u64).to_le_bytes());
+        hasher.update(bytes);
+    };
+    for module in &modules {
+        add(&module.encode_to_vec());
+    }
+    // Between the two lists, so that no intent can pass for a credential.
+    add(b"credentials");
+    for credential in &credentials {
+        add(&credential.encode_to_vec());
+    }
+    hasher.finalize().into()
 }
 
 /// A module intent's identity: (name, namespace).

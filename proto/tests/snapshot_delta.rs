@@ -2,7 +2,7 @@
 //! one exactly: whatever modules were added, changed, removed or kept.
 
 use kmm_proto::v1::{IntentSnapshot, ModuleIntent, ModuleKey, PullCredential};
-use kmm_proto::{apply_snapshot, snapshot_delta};
+use kmm_proto::{apply_snapshot, snapshot_delta, snapshot_digest};
 
 fn intent(name: &str, generation: i64) -> ModuleIntent {
     ModuleIntent {
@@ -91,4 +91,44 @@ fn a_complete_snapshot_replaces_whatever_was_applied() {
     let complete = snapshot(2, &[("b", 1)]);
     assert_eq!(apply_snapshot(Some(&before), complete.clone()), complete);
     assert_eq!(apply_snapshot(None, complete.clone()), complete);
+}
+
+#[test]
+fn a_snapshot_rebuilt_from_deltas_has_the_digest_of_the_complete_one() {
+    let before = snapshot(1, &[("c", 1), ("a", 1), ("b", 1)]);
+    let next = snapshot(2, &[("d", 1), ("a", 1), ("b", 2)]);
+    let delta = snapshot_delta(
+        &before.modules,
+        &next.modules,
+        next.revision,
+        &next.credentials,
+    );
+    let held = apply_snapshot(Some(&before), delta);
+    assert_ne!(held.modules, next.modules, "the proxy keeps its own order");
+    assert_eq!(
+        snapshot_digest(&held.modules, &held.credentials),
+        snapshot_digest(&next.modules, &next.credentials)
+    );
+}
+
+#[test]
+fn any_difference_in_intents_or_credentials_changes_the_digest() {
+    let base = snapshot(1, &[("a", 1), ("b", 1)]);
+    let digest = |s: &IntentSnapshot| snapshot_digest(&s.modules, &s.credentials);
+    let mut other_generation = base.clone();
+    other_generation.modules[1].generation = 2;
+    let mut other_credential = base.clone();
+    other_credential.credentials[0].id = "other".into();
+    let mut fewer = base.clone();
+    fewer.modules.pop();
+    let mut selector = base.clone();
+    selector.modules[0]
+        .node_selector
+        .insert("zone".into(), "a".into());
+    let mut other_revision = base.clone();
+    other_revision.revision = 9;
+    for changed in [&other_generation, &other_credential, &fewer, &selector] {
+        assert_ne!(digest(changed), digest(&base), "{changed:?}");
+    }
+    assert_eq!(digest(&other_revision), digest(&base));
 }

@@ -214,6 +214,7 @@ async fn session(
             ProxyHello {
                 proxy_version: env!("CARGO_PKG_VERSION").to_owned(),
                 applied_intent_revision: s.applied_intent_revision(),
+                applied_intent_digest: s.applied_intent_digest(),
             },
             s.inventory(),
             s.all_statuses(),

@@ -98,6 +98,7 @@ fn attack(n: u64, module: &ModuleKey) -> Vec<ProxyMessage> {
         message(proxy_message::Message::Hello(ProxyHello {
             proxy_version: "hostile".into(),
             applied_intent_revision: 0,
+            applied_intent_digest: Vec::new(),
         })),
         inventory(1, made_up),
     ];

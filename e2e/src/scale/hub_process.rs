@@ -101,10 +101,16 @@ pub struct HubConfig {
 pub struct HubMetrics {
     pub status_writes: u64,
     pub snapshots_sent: u64,
+    pub snapshots_resumed: u64,
     pub connected_clusters: u64,
 }
 
 impl HubMetrics {
+    /// Streams given their intents: a snapshot sent, or a proxy found holding them.
+    pub fn intents_given(&self) -> u64 {
+        self.snapshots_sent + self.snapshots_resumed
+    }
+
     fn parse(text: &str) -> Self {
         let value = |name: &str| {
             text.lines()
@@ -118,6 +124,7 @@ impl HubMetrics {
         Self {
             status_writes: value("kmm_hub_status_writes_total"),
             snapshots_sent: value("kmm_hub_intent_snapshots_sent_total"),
+            snapshots_resumed: value("kmm_hub_intent_snapshots_resumed_total"),
             connected_clusters: value("kmm_hub_connected_clusters"),
         }
     }
@@ -132,6 +139,7 @@ pub struct HubFigures {
     pub peak_rss_kib: u64,
     pub status_writes: u64,
     pub snapshots_sent: u64,
+    pub snapshots_resumed: u64,
     /// Of the running process.
     pub connected_clusters: u64,
 }
@@ -260,6 +268,7 @@ impl HubProcess {
             peak_rss_kib: r.peak_rss_kib.max(peak),
             status_writes: r.status_writes + metrics.status_writes,
             snapshots_sent: r.snapshots_sent + metrics.snapshots_sent,
+            snapshots_resumed: r.snapshots_resumed + metrics.snapshots_resumed,
             connected_clusters: metrics.connected_clusters,
         })
     }
@@ -348,12 +357,14 @@ mod tests {
                     kmm_hub_status_writes_total 12\n\
                     kmm_hub_connected_clusters 1000\n\
                     kmm_hub_intent_snapshots_sent_total 3005\n\
+                    kmm_hub_intent_snapshots_resumed_total 7\n\
                     kmm_hub_admission_reviews_total{decision=\"allowed\"} 3\n";
         let m = HubMetrics::parse(text);
         assert_eq!(
             (m.status_writes, m.snapshots_sent, m.connected_clusters),
             (12, 3005, 1000)
         );
+        assert_eq!(m.intents_given(), 3012);
     }
 
     #[test]

@@ -22,7 +22,7 @@ use kmm_proto::limits::REPORT_PART;
 use kmm_proto::report_parts;
 use kmm_proto::v1::{
     HubMessage, IntentSnapshot, Kernel, KernelInventory, ModuleIntent, ModuleKey, ModuleNodeKey,
-    ModuleNodeStatus, ModuleState, NodeStatusReport, ProxyHello, ProxyMessage,
+    ModuleNodeStatus, ModuleState, NodeStatusReport, ProxyHello, ProxyMessage, PullCredential,
     hub_client::HubClient, hub_message, kernel_target::Target, proxy_message,
 };
 use kmm_runtime::backoff::{Backoff, random_fraction};
@@ -246,6 +246,8 @@ struct ClusterSim {
     /// Revision of the last snapshot applied: sent in hello, carried by every report.
     applied: u64,
     intents: Vec<ModuleIntent>,
+    /// The applied snapshot's credentials: with the intents, what its digest is of.
+    credentials: Vec<PullCredential>,
     /// Statuses as last reported to the hub, per module then node.
     sent: BTreeMap<ModuleId, BTreeMap<String, ModuleNodeStatus>>,
     /// Version loaded per (module, node), as the node agents would have it.
@@ -280,6 +282,7 @@ impl ClusterSim {
             inventory_revision: 1,
             applied: 0,
             intents: Vec::new(),
+            credentials: Vec::new(),
             sent: BTreeMap::new(),
             loaded: BTreeMap::new(),
             unloads: BTreeMap::new(),
@@ -300,6 +303,14 @@ impl ClusterSim {
         }
     }
 
+    /// What the hello names as held, as a real proxy does: empty before any snapshot.
+    fn held_digest(&self) -> Vec<u8> {
+        if self.applied == 0 {
+            return Vec::new();
+        }
+        kmm_proto::snapshot_digest(&self.intents, &self.credentials).to_vec()
+    }
+
     /// Applies a snapshot (a delta onto the one before, as a real proxy does): loads and
     /// unloads as the intents that changed say.
     fn apply(&mut self, snapshot: IntentSnapshot) {
@@ -311,6 +322,7 @@ impl ClusterSim {
         let snapshot = kmm_proto::apply_snapshot(Some(&previous), snapshot);
         self.applied = snapshot.revision;
         self.intents = snapshot.modules;
+        self.credentials = snapshot.credentials;
         let mut before: BTreeMap<ModuleId, &ModuleIntent> = previous
             .modules
             .iter()
@@ -593,6 +605,7 @@ async fn session(
         proxy_message::Message::Hello(ProxyHello {
             proxy_version: "fleet-scale-sim".into(),
             applied_intent_revision: sim.applied,
+            applied_intent_digest: sim.held_digest(),
         }),
         proxy_message::Message::Inventory(sim.inventory()),
     ];

@@ -71,6 +71,8 @@ pub struct ScenarioFigures {
     pub sent_bytes: u64,
     pub status_writes: u64,
     pub snapshots_sent: u64,
+    /// Streams whose proxy held its intents already, sent none.
+    pub snapshots_resumed: u64,
     pub fleet: FleetCpu,
 }
 
@@ -93,12 +95,14 @@ impl ScenarioFigures {
         )
     }
 
-    /// What else the scenario cost: snapshots the hub sent, the fleet's processes.
+    /// What else the scenario cost: snapshots the hub sent (and streams it resumed
+    /// without one), the fleet's processes.
     pub fn detail_line(&self) -> String {
         format!(
-            "fleet-scale: detail scenario={} snapshots_sent={} {}",
+            "fleet-scale: detail scenario={} snapshots_sent={} snapshots_resumed={} {}",
             self.scenario,
             self.snapshots_sent,
+            self.snapshots_resumed,
             self.fleet.fields()
         )
     }
@@ -258,6 +262,7 @@ mod tests {
             sent_bytes: 3 * 1024 * 1024 / 2,
             status_writes: 7,
             snapshots_sent: 1000,
+            snapshots_resumed: 0,
             fleet: FleetCpu::default(),
         };
         assert_eq!(

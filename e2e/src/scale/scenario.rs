@@ -381,19 +381,19 @@ impl Harness {
         })
     }
 
-    /// Waits until the hub reports every cluster connected and has sent at least
-    /// `snapshots` snapshots.
-    async fn wait_connected(&self, what: &str, snapshots: u64) -> Result<()> {
+    /// Waits until the hub reports every cluster connected and has given streams their
+    /// intents (sent a snapshot, or found the proxy holding it) at least `given` times.
+    async fn wait_connected(&self, what: &str, given: u64) -> Result<()> {
         let hub = self.hub()?;
         let n = self.shape().clusters as u64;
         poll_until(what, self.options.converge_timeout, METRICS_POLL, || async {
             let m = hub.metrics().await?;
-            Ok(if m.connected_clusters == n && m.snapshots_sent >= snapshots {
+            Ok(if m.connected_clusters == n && m.intents_given() >= given {
                 Ok(())
             } else {
                 Err(format!(
-                    "hub: {} of {n} clusters connected, {} snapshots sent (want {snapshots})",
-                    m.connected_clusters, m.snapshots_sent
+                    "hub: {} of {n} clusters connected, {} snapshots sent and {} resumed (want {given} together)",
+                    m.connected_clusters, m.snapshots_sent, m.snapshots_resumed
                 ))
             })
         })
@@ -481,6 +481,7 @@ impl Harness {
             sent_bytes: self.proxies()?.bytes_received() - mark.bytes,
             status_writes: hub.status_writes - mark.hub.status_writes,
             snapshots_sent: hub.snapshots_sent - mark.hub.snapshots_sent,
+            snapshots_resumed: hub.snapshots_resumed - mark.hub.snapshots_resumed,
             fleet: FleetCpu::sample(&self.fleet.state).since(&mark.fleet),
         })
     }
@@ -571,8 +572,8 @@ impl Harness {
         let dropped: Vec<usize> = (0..self.shape().clusters).step_by(10).collect();
         self.proxies()?.drop_streams(dropped.iter().copied());
         self.wait_connected(
-            "the dropped clusters reconnected and sent their snapshots",
-            mark.hub.snapshots_sent + dropped.len() as u64,
+            "the dropped clusters reconnected and were given their intents",
+            mark.hub.snapshots_sent + mark.hub.snapshots_resumed + dropped.len() as u64,
         )
         .await?;
         self.wait_converged("every node loaded after the reconnections", false)
@@ -588,7 +589,8 @@ impl Harness {
             .ok_or_else(|| Error::Invalid("the hub is not running".into()))?
             .restart()
             .await?;
-        // The new process's counters start at zero: every cluster must get a snapshot.
+        // The new process's counters start at zero: every cluster must be given its
+        // intents (sent, or resumed from what its proxy holds).
         let n = self.shape().clusters as u64;
         self.wait_connected("every cluster reconnected to the new hub", n)
             .await?;

@@ -18,6 +18,7 @@ use std::time::Duration;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::api::events::v1::Event;
+use kmm_api::ManagedClusterModule;
 use kmm_api::ocm::MANAGED_CLUSTER;
 use kmm_proto::v1::{ModuleState, kernel_target::Target, pull_credential::Content};
 use kmm_runtime::pki::{CertificateAuthority, Leaf};
@@ -47,6 +48,78 @@ async fn ca_secret_is_created_once_and_reused_across_restarts() {
         second.metadata.resource_version
     );
     hub.clean_up(namespace, &[], &[]).await;
+}
+
+/// A hub that restarts (or a new leader) finds the proxies holding what it would send
+/// them: it sends nothing, and what follows continues from the revision they hold.
+#[tokio::test]
+async fn a_restarted_hub_sends_no_snapshot_to_a_proxy_holding_its_intents() {
+    let fleet = fleet().await;
+    let (hub, namespace) = TestHub::start(&fleet, WAIT).await;
+    hub.label_cluster("spoke1", true).await;
+    hub.create_module("hello-h", module("1", None)).await;
+    let mut proxy = hub.proxy("spoke1", &[MAPPED_KERNEL]).await;
+    let held = proxy
+        .snapshot_where("hello-h", |s| intent(s, "hello-h").is_some())
+        .await;
+    let loaded = || {
+        vec![node_status(
+            "hello-h",
+            "spoke1-node1",
+            ModuleState::Loaded,
+            "",
+        )]
+    };
+    proxy.send_status(true, loaded()).await;
+    let ready_at = |generation: i64| {
+        move |m: Option<ManagedClusterModule>| {
+            let status = m.and_then(|m| m.status).ok_or("no status")?;
+            (status.observed_generation == Some(generation)
+                && status.conditions.first().is_some_and(|c| c.status == "True"))
+            .then_some(())
+            .ok_or_else(|| format!("{status:?}"))
+        }
+    };
+    hub.wait_module("hello-h", "hello-h ready", WAIT, ready_at(1))
+        .await;
+    drop(proxy);
+    hub.stop().await;
+
+    let hub = TestHub::start_in(&fleet, &namespace.name, WAIT).await;
+    let mut proxy = hub
+        .proxy_holding("spoke1", &[MAPPED_KERNEL], Some(held.clone()))
+        .await;
+    proxy.send_status(true, loaded()).await;
+    let metrics = hub.metrics.clone();
+    kmm_e2e::fixture::wait_until("the new hub resumes the stream", WAIT, || async {
+        let resumed = metrics.snapshots_resumed.get();
+        (resumed == 1)
+            .then_some(())
+            .ok_or_else(|| format!("{resumed} streams resumed"))
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        hub.metrics.snapshots_sent.get(),
+        0,
+        "the proxy held the snapshot: none is sent"
+    );
+    // The next change is the revision after the one held, and counts as applied.
+    let patch = json!({"spec": {"moduleSpec": {"moduleLoader": {"container": {"version": "2"}}}}});
+    hub.modules()
+        .patch("hello-h", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+    let next = proxy
+        .snapshot_where("hello-h at version 2", |s| {
+            intent(s, "hello-h").is_some_and(|i| i.generation == 2)
+        })
+        .await;
+    assert_eq!(next.revision, held.revision + 1);
+    proxy.send_status(false, loaded()).await;
+    hub.wait_module("hello-h", "hello-h ready at generation 2", WAIT, ready_at(2))
+        .await;
+    hub.clean_up(namespace, &["hello-h"], &["spoke1"]).await;
 }
 
 #[tokio::test]

@@ -256,11 +256,23 @@ impl TestHub {
 
     /// A proxy for `cluster` that said hello and sent `kernels`.
     pub async fn proxy(&self, cluster: &str, kernels: &[&str]) -> Proxy {
+        self.proxy_holding(cluster, kernels, None).await
+    }
+
+    /// A proxy for `cluster` holding the complete snapshot `held` (its hello names it, as
+    /// a real proxy's does after a hub restart), that sent `kernels`.
+    pub async fn proxy_holding(
+        &self,
+        cluster: &str,
+        kernels: &[&str],
+        held: Option<IntentSnapshot>,
+    ) -> Proxy {
         let cert = self.proxy_certificate(cluster).await;
-        let proxy = Proxy::open(
+        let proxy = Proxy::open_holding(
             self.channel(&cert)
                 .await
                 .expect("the hub accepts the proxy's TLS"),
+            held,
         )
         .await
         .expect("the stream opens");
@@ -380,12 +392,25 @@ pub struct Proxy {
 
 impl Proxy {
     pub async fn open(channel: Channel) -> Result<Self, tonic::Status> {
+        Self::open_holding(channel, None).await
+    }
+
+    /// A stream whose hello says the proxy holds `held`.
+    pub async fn open_holding(
+        channel: Channel,
+        held: Option<IntentSnapshot>,
+    ) -> Result<Self, tonic::Status> {
         let (outbound, rx) = mpsc::channel(16);
+        let applied = held.as_ref().map_or(0, |s| s.revision);
+        let digest = held.as_ref().map_or_else(Vec::new, |s| {
+            kmm_proto::snapshot_digest(&s.modules, &s.credentials).to_vec()
+        });
         outbound
             .send(ProxyMessage {
                 message: Some(proxy_message::Message::Hello(ProxyHello {
                     proxy_version: "test".into(),
-                    applied_intent_revision: 0,
+                    applied_intent_revision: applied,
+                    applied_intent_digest: digest,
                 })),
             })
             .await
@@ -397,8 +422,8 @@ impl Proxy {
         Ok(Self {
             outbound,
             inbound,
-            applied: AtomicU64::new(0),
-            current: None,
+            applied: AtomicU64::new(applied),
+            current: held,
         })
     }
 

@@ -16,7 +16,7 @@ use crate::fleet::inventory::{self, InventoryRefused};
 use crate::fleet::module_id::module_key;
 use crate::fleet::module_view::ClusterSight;
 use crate::fleet::node_statuses::{self, NodeStatuses};
-use crate::fleet::outbox::Outbox;
+use crate::fleet::outbox::{Held, Outbox};
 use crate::outbound::OutboundSender;
 
 /// Identifies one stream among all the streams the hub has accepted.
@@ -78,11 +78,11 @@ impl ClusterSession {
     pub fn start(
         &mut self,
         id: SessionId,
-        applied_revision: u64,
+        held: Held,
         outbound: OutboundSender,
     ) -> Option<OutboundSender> {
         let replaced = self.stream.replace((id, outbound)).map(|(_, old)| old);
-        self.outbox.new_stream(applied_revision);
+        self.outbox.new_stream(held);
         self.kernels = None;
         self.inventory_revision = 0;
         self.statuses.forget_partial();
@@ -377,7 +377,7 @@ mod tests {
             Ok(Some(true))
         );
         // A new stream starts over: its first inventory counts whatever its revision.
-        session.start(7, 0, OutboundSender::default());
+        session.start(7, Held::default(), OutboundSender::default());
         assert_eq!(session.kernels, None);
         assert_eq!(
             session.receive_inventory(inventory(1, &["6.2"])),
@@ -464,10 +464,17 @@ mod tests {
     #[test]
     fn a_replaced_stream_is_handed_back() {
         let mut session = ClusterSession::default();
-        assert!(session.start(1, 0, OutboundSender::default()).is_none());
+        assert!(session.start(1, Held::default(), OutboundSender::default()).is_none());
         assert!(session.current(1));
         session.acked_revision = 3;
-        assert!(session.start(2, 5, OutboundSender::default()).is_some());
+        assert!(session.start(
+            2,
+            Held {
+                revision: 5,
+                digest: None,
+            },
+            OutboundSender::default()
+        ).is_some());
         assert!(!session.current(1));
         assert!(session.current(2));
         assert_eq!(

@@ -19,6 +19,7 @@ use kube::runtime::reflector::store::{Writer, store};
 use kube::runtime::watcher;
 use tokio::sync::watch;
 
+use crate::fleet::outbox::Held;
 use crate::fleet::assignment::FINALIZER;
 use crate::images::ImageRecord;
 use crate::serve::fleet_view::{ClusterStreams, FleetView, SessionId, Stores};
@@ -116,7 +117,7 @@ impl Fleet {
     pub fn connect_with(&self, cluster: &str, kernels: &[&str]) -> Stream {
         let outbound = OutboundSender::default();
         let sent = outbound.subscribe();
-        let id = self.view.open_session(cluster, 0, outbound);
+        let id = self.view.open_session(cluster, Held::default(), outbound);
         let inventory = KernelInventory {
             revision: 1,
             kernels: kernels

@@ -81,6 +81,9 @@ pub struct Metrics {
     pub admission_seconds: Histogram,
     pub connected_clusters: Gauge,
     pub snapshots_sent: Counter,
+    /// Streams whose proxy held its cluster's snapshot already (its hello's digest), so
+    /// that none was sent.
+    pub snapshots_resumed: Counter,
     /// When the modules' watch last delivered a change (create, edit, delete) to the
     /// fleet view, which recomputes the clusters' intents from it.
     pub module_change_received: TimestampGauge,
@@ -125,6 +128,7 @@ impl Default for Metrics {
             admission_seconds: Histogram::new(exponential_buckets(0.000_05, 2.0, 14)),
             connected_clusters: Gauge::default(),
             snapshots_sent: Counter::default(),
+            snapshots_resumed: Counter::default(),
             module_change_received: TimestampGauge::default(),
             intents_sent: TimestampGauge::default(),
             streams_refused: Counter::default(),
@@ -311,6 +315,11 @@ impl Metrics {
             "kmm_hub_intent_snapshots_sent",
             "Intent snapshots sent to spoke proxies",
             self.snapshots_sent.clone(),
+        );
+        registry.register(
+            "kmm_hub_intent_snapshots_resumed",
+            "Streams opened by a spoke proxy that held its cluster's intents already, so that no snapshot was sent",
+            self.snapshots_resumed.clone(),
         );
         registry.register(
             "kmm_hub_module_change_last_received_timestamp_seconds",

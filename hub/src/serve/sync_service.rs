@@ -147,9 +147,10 @@ async fn serve_stream(
             );
         }
     };
-    if let Err(why) = proxy_hello::check(&hello) {
-        return refuse(Code::InvalidArgument, why);
-    }
+    let held = match proxy_hello::check(&hello) {
+        Ok(held) => held,
+        Err(why) => return refuse(Code::InvalidArgument, why),
+    };
     let mut synced = state.synced();
     tokio::select! {
         synced = synced.wait_for(|synced| *synced) => if synced.is_err() {
@@ -189,7 +190,7 @@ async fn serve_stream(
     let until_expiry = Duration::try_from(expires - OffsetDateTime::now_utc()).unwrap_or_default();
     let expiry = tokio::time::sleep(until_expiry);
     tokio::pin!(expiry);
-    let id = state.open_session(cluster, hello.applied_intent_revision, outbound);
+    let id = state.open_session(cluster, held, outbound);
     tracing::info!(
         agent = identity.agent,
         proxy_version = hello.proxy_version,

@@ -309,6 +309,14 @@ impl ClusterState {
         self.intents.as_ref().map_or(0, |s| s.revision)
     }
 
+    /// The digest of the intents held (`kmm_proto::snapshot_digest`), empty if none: a hub
+    /// whose snapshot has it sends none.
+    pub fn applied_intent_digest(&self) -> Vec<u8> {
+        self.intents.as_ref().map_or_else(Vec::new, |s| {
+            kmm_proto::snapshot_digest(&s.modules, &s.credentials).to_vec()
+        })
+    }
+
     pub fn agent_hello(&mut self, node: &str, hello: &AgentHello) {
         let view = AgentView::from_hello(hello);
         for id in view.loaded.keys() {

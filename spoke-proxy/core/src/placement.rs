@@ -2,7 +2,7 @@
 //! taints, then the kernel target for the node's kernel, provided its agent runs that
 //! kernel too. Pure.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 
 use kmm_proto::v1::{ModuleIntent, ModuleLoad, Unresolved, kernel_target::Target};
 
@@ -71,8 +71,8 @@ impl Placement {
 
 /// Whether `selector` (matchLabels semantics; empty selects every node) selects `labels`.
 pub fn selects(
-    selector: &HashMap<String, String>,
-    labels: &std::collections::BTreeMap<String, String>,
+    selector: &BTreeMap<String, String>,
+    labels: &BTreeMap<String, String>,
 ) -> bool {
     selector
         .iter()

@@ -19,6 +19,8 @@ pub struct Outbox {
     last: Option<Arc<SharedSnapshot>>,
     /// The highest revision the proxy said it applied (its hello).
     applied: u64,
+    /// What the current stream's proxy said it holds, until the stream's first snapshot.
+    held: Option<Held>,
     delivered_on_stream: bool,
     /// Per module (namespace, name) in the last snapshot: the generation it carries, a
     /// digest of the image digests it loads, and the revision of the first snapshot that
@@ -29,11 +31,46 @@ pub struct Outbox {
     unloads: BTreeMap<ModuleId, u64>,
 }
 
+/// What a proxy's hello says it holds: the revision it applied last and the digest of
+/// the intents that left it with (`kmm_proto::snapshot_digest`), if any.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Held {
+    pub revision: u64,
+    pub digest: Option<[u8; 32]>,
+}
+
 impl Outbox {
-    /// A new stream opened; `applied` is the revision its hello reports.
-    pub fn new_stream(&mut self, applied: u64) {
-        self.applied = self.applied.max(applied);
+    /// A new stream opened; `held` is what its hello reports.
+    pub fn new_stream(&mut self, held: Held) {
+        self.applied = self.applied.max(held.revision);
+        self.held = Some(held);
         self.delivered_on_stream = false;
+    }
+
+    /// Takes `content` as the stream's first snapshot without sending it when the proxy
+    /// holds it already (its hello named its digest, at a revision no older than the last
+    /// this hub sent): a hub restart, a leader change or a reconnect then costs the
+    /// cluster no snapshot. `Ok` with the revision the proxy holds it at, or `Err` with
+    /// `content` to [`offer`](Self::offer).
+    pub fn resume(&mut self, mut content: SharedSnapshot) -> Result<u64, SharedSnapshot> {
+        let Some(Held {
+            revision,
+            digest: Some(digest),
+        }) = self.held.take()
+        else {
+            return Err(content);
+        };
+        let last_revision = self.last.as_ref().map_or(0, |s| s.revision);
+        if self.delivered_on_stream
+            || revision == 0
+            || revision < last_revision
+            || kmm_proto::snapshot_digest(&content.modules, &content.credentials) != digest
+        {
+            return Err(content);
+        }
+        content.revision = revision;
+        self.record(content);
+        Ok(revision)
     }
 
     /// The snapshot to send for freshly computed `content` (its revision is ignored),
@@ -45,11 +82,17 @@ impl Outbox {
         if unchanged && self.delivered_on_stream {
             return None;
         }
+        self.held = None;
         if !unchanged || self.applied > last_revision || last_revision == 0 {
             // Saturating: a hello's revision is bounded (`MAX_INTENT_REVISION`), but a
             // wrap to 0 would make every later report count as up to date.
             content.revision = last_revision.max(self.applied).saturating_add(1);
         }
+        Some(self.record(content))
+    }
+
+    /// `content`, at its revision, as what the stream now has.
+    fn record(&mut self, content: SharedSnapshot) -> Arc<SharedSnapshot> {
         let mut generations = BTreeMap::new();
         let mut unloads = BTreeMap::new();
         for intent in &content.modules {
@@ -75,7 +118,7 @@ impl Outbox {
         let content = Arc::new(content);
         self.last = Some(content.clone());
         self.delivered_on_stream = true;
-        Some(content)
+        content
     }
 
     /// Whether statuses the proxy made with revision `acked` applied reflect `generation`
@@ -139,6 +182,13 @@ mod tests {
 
     use super::*;
 
+    fn at(revision: u64) -> Held {
+        Held {
+            revision,
+            digest: None,
+        }
+    }
+
     fn snapshot(modules: &[&str]) -> SharedSnapshot {
         SharedSnapshot::from(IntentSnapshot {
             revision: 99,
@@ -159,7 +209,7 @@ mod tests {
     #[test]
     fn sends_only_changes_with_increasing_revisions() {
         let mut outbox = Outbox::default();
-        outbox.new_stream(0);
+        outbox.new_stream(Held::default());
         let first = outbox
             .offer(snapshot(&["a"]))
             .expect("first snapshot goes out");
@@ -179,7 +229,7 @@ mod tests {
     #[test]
     fn an_empty_snapshot_is_sent_too() {
         let mut outbox = Outbox::default();
-        outbox.new_stream(0);
+        outbox.new_stream(Held::default());
         let empty = outbox
             .offer(snapshot(&[]))
             .expect("the proxy learns there is nothing");
@@ -190,9 +240,9 @@ mod tests {
     #[test]
     fn a_reconnect_resends_the_same_revision_when_nothing_changed() {
         let mut outbox = Outbox::default();
-        outbox.new_stream(0);
+        outbox.new_stream(Held::default());
         outbox.offer(snapshot(&["a"])).unwrap();
-        outbox.new_stream(1);
+        outbox.new_stream(at(1));
         let again = outbox
             .offer(snapshot(&["a"]))
             .expect("new stream gets the state");
@@ -203,12 +253,12 @@ mod tests {
     #[test]
     fn revisions_continue_past_what_the_proxy_applied_from_an_earlier_hub() {
         let mut outbox = Outbox::default();
-        outbox.new_stream(41);
+        outbox.new_stream(at(41));
         assert_eq!(outbox.offer(snapshot(&["a"])).unwrap().revision, 42);
         // The proxy reconnects claiming more than this hub sent (e.g. another replica).
-        outbox.new_stream(50);
+        outbox.new_stream(at(50));
         assert_eq!(outbox.offer(snapshot(&["a"])).unwrap().revision, 51);
-        outbox.new_stream(3);
+        outbox.new_stream(at(3));
         assert_eq!(
             outbox.offer(snapshot(&["b"])).unwrap().revision,
             52,
@@ -226,7 +276,7 @@ mod tests {
             s
         };
         let mut outbox = Outbox::default();
-        outbox.new_stream(0);
+        outbox.new_stream(Held::default());
         assert!(
             !outbox.reflects("drivers", "a", Some(1), 0),
             "nothing sent yet"
@@ -269,7 +319,7 @@ mod tests {
             s
         };
         let mut outbox = Outbox::default();
-        outbox.new_stream(0);
+        outbox.new_stream(Held::default());
         outbox.offer(loading("sha256:d1")).unwrap();
         assert!(outbox.reflects("drivers", "a", Some(1), 1));
         let moved = outbox.offer(loading("sha256:d2")).unwrap();
@@ -284,7 +334,7 @@ mod tests {
     #[test]
     fn a_hello_at_the_top_revision_never_wraps_to_zero() {
         let mut outbox = Outbox::default();
-        outbox.new_stream(u64::MAX);
+        outbox.new_stream(at(u64::MAX));
         let sent = outbox
             .offer(snapshot(&["a"]))
             .expect("the first snapshot goes out");
@@ -298,7 +348,7 @@ mod tests {
     #[test]
     fn a_report_acknowledges_no_revision_the_proxy_was_not_sent() {
         let mut outbox = Outbox::default();
-        outbox.new_stream(7);
+        outbox.new_stream(at(7));
         assert_eq!(
             outbox.acknowledged(u64::MAX),
             7,
@@ -322,7 +372,7 @@ mod tests {
             content
         };
         let mut outbox = Outbox::default();
-        outbox.new_stream(0);
+        outbox.new_stream(Held::default());
         outbox.offer(snapshot(&["a"])).unwrap();
         assert!(!outbox.unloads());
         let sent = outbox.offer(unloading(&["a"])).unwrap();
@@ -334,12 +384,73 @@ mod tests {
         );
         assert!(!outbox.unload_unconfirmed("drivers", "a", 2));
         // Resent on a new stream, the unload keeps the revision it was first sent with.
-        outbox.new_stream(0);
+        outbox.new_stream(Held::default());
         outbox.offer(unloading(&["a"])).unwrap();
         assert!(!outbox.unload_unconfirmed("drivers", "a", 2));
         assert!(outbox.unloads());
         // Once it leaves the snapshot, nothing is pending.
         outbox.offer(snapshot(&[])).unwrap();
         assert!(!outbox.unload_unconfirmed("drivers", "a", 0));
+    }
+
+    fn holding(revision: u64, content: &SharedSnapshot) -> Held {
+        Held {
+            revision,
+            digest: Some(kmm_proto::snapshot_digest(
+                &content.modules,
+                &content.credentials,
+            )),
+        }
+    }
+
+    #[test]
+    fn a_proxy_holding_the_content_is_sent_nothing_and_keeps_its_revision() {
+        let with_generation = |names: &[&str], generation: i64| {
+            let mut s = snapshot(names);
+            for m in &mut s.modules {
+                Arc::make_mut(m).generation = generation;
+            }
+            s
+        };
+        // A hub that just started: it sent nothing yet, the proxy applied 41 earlier.
+        let mut outbox = Outbox::default();
+        let content = with_generation(&["a", "b"], 3);
+        outbox.new_stream(holding(41, &content));
+        assert_eq!(outbox.resume(content.clone()), Ok(41));
+        assert_eq!(outbox.offer(content.clone()), None, "the stream has it");
+        assert!(
+            outbox.reflects("drivers", "a", Some(3), 41),
+            "reports made with 41 applied speak for what it carries"
+        );
+        assert!(!outbox.reflects("drivers", "a", Some(3), 40));
+        // The next change continues from the revision the proxy holds.
+        let next = with_generation(&["a"], 3);
+        assert_eq!(outbox.offer(next.clone()).unwrap().revision, 42);
+        // Only a stream's first snapshot may resume, and only with the digest's content.
+        assert!(outbox.resume(next.clone()).is_err(), "no new stream");
+        outbox.new_stream(holding(42, &content));
+        assert!(outbox.resume(next.clone()).is_err(), "other content");
+        assert_eq!(outbox.offer(next.clone()).unwrap().revision, 42);
+    }
+
+    #[test]
+    fn a_proxy_behind_this_hub_or_naming_no_digest_is_sent_the_snapshot() {
+        let content = snapshot(&["a"]);
+        let mut outbox = Outbox::default();
+        outbox.new_stream(Held::default());
+        let sent = outbox.offer(snapshot(&["b"])).unwrap();
+        outbox.offer(content.clone()).unwrap();
+        // Holding the content at a revision older than this hub's last: it missed one.
+        outbox.new_stream(holding(sent.revision, &content));
+        assert!(outbox.resume(content.clone()).is_err());
+        outbox.new_stream(at(2));
+        assert!(outbox.resume(content.clone()).is_err(), "no digest named");
+        assert!(outbox.offer(content.clone()).is_some(), "resent");
+        let mut fresh = Outbox::default();
+        fresh.new_stream(holding(0, &content));
+        assert!(
+            fresh.resume(content).is_err(),
+            "revision 0 is no snapshot at all"
+        );
     }
 }

@@ -137,8 +137,7 @@ impl IntentPool {
     }
 }
 
-/// A hash of an intent's content. Its node selector is a map, whose encoding follows the
-/// map's order: the selector is hashed sorted, everything else as encoded.
+/// A hash of an intent's content.
 fn content_hash(intent: &ModuleIntent) -> u64 {
     let mut hasher = DefaultHasher::new();
     if let Some(key) = &intent.key {
@@ -146,9 +145,7 @@ fn content_hash(intent: &ModuleIntent) -> u64 {
     }
     intent.generation.hash(&mut hasher);
     intent.unload.hash(&mut hasher);
-    let mut selector: Vec<_> = intent.node_selector.iter().collect();
-    selector.sort();
-    selector.hash(&mut hasher);
+    intent.node_selector.hash(&mut hasher);
     for toleration in &intent.tolerations {
         toleration.encode_to_vec().hash(&mut hasher);
     }

@@ -20,6 +20,7 @@ use serde_json::{Value, json};
 use tower_test::mock::{Handle, SendResponse};
 
 use super::*;
+use crate::fleet::outbox::Held;
 use crate::images::ImageRecord;
 use crate::serve::fleet_view::{ClusterStreams, SessionId, Stores};
 use crate::serve::outbound::{Outbound, OutboundSender};
@@ -464,7 +465,7 @@ fn loaded_on_spoke1(
     let outbound = OutboundSender::default();
     let sent = outbound.subscribe();
     let state = &harness.ctx.state;
-    let id = state.open_session("spoke1", 0, outbound);
+    let id = state.open_session("spoke1", Held::default(), outbound);
     state.inventory(
         "spoke1",
         id,

@@ -6,6 +6,7 @@ use kmm_proto::v1::{DevicePluginReport, KernelInventory, NodeStatusReport, Spoke
 use tokio::sync::watch;
 
 use super::SessionId;
+use crate::fleet::outbox::Held;
 use crate::serve::outbound::OutboundSender;
 
 /// What the service may do with the fleet view: open and close a cluster's session and
@@ -20,7 +21,7 @@ pub trait ClusterStreams: Send + Sync + std::fmt::Debug + 'static {
     fn open_session(
         &self,
         cluster: &str,
-        applied_revision: u64,
+        held: Held,
         outbound: OutboundSender,
     ) -> SessionId;
     fn close_session(&self, cluster: &str, id: SessionId);

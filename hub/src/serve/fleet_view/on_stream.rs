@@ -19,7 +19,7 @@ use kmm_proto::v1::{DevicePluginReport, KernelInventory, NodeStatusReport, Spoke
 use tokio::sync::watch;
 
 use crate::fleet::node_statuses::{Applied, Arrival};
-use crate::fleet::outbox::Outbox;
+use crate::fleet::outbox::{Held, Outbox};
 use crate::fleet::spoke_answers::spoke_answers;
 use crate::serve::outbound::OutboundSender;
 
@@ -50,13 +50,13 @@ impl ClusterStreams for FleetView {
     fn open_session(
         &self,
         cluster: &str,
-        applied_revision: u64,
+        held: Held,
         outbound: OutboundSender,
     ) -> SessionId {
         let id = self.sessions.next_id();
         let session = self.sessions.get_or_new(cluster);
         let mut session = lock(&session);
-        if let Some(old) = session.start(id, applied_revision, outbound) {
+        if let Some(old) = session.start(id, held, outbound) {
             self.metrics.streams_replaced.inc();
             old.end(
                 tonic::Code::Aborted,

@@ -151,6 +151,14 @@ impl FleetView {
             }
         }
         let shared = self.caches.intents().share(snapshot);
+        let shared = match session.outbox.resume(shared) {
+            Ok(revision) => {
+                tracing::info!(cluster, revision, "the proxy holds the intents already");
+                self.metrics.snapshots_resumed.inc();
+                return;
+            }
+            Err(shared) => shared,
+        };
         let Some(snapshot) = session.outbox.offer(shared) else {
             return;
         };

@@ -13,6 +13,7 @@ use kube::runtime::watcher;
 
 use super::*;
 use crate::fleet::assignment::FINALIZER;
+use crate::fleet::outbox::Held;
 use crate::fleet::node_statuses::full_report;
 use crate::images::ImageRecord;
 use crate::serve::outbound::{Outbound, OutboundSender};
@@ -33,10 +34,10 @@ fn view() -> FleetView {
 fn connections_follow_the_current_stream_of_each_cluster() {
     let view = view();
     let mut connections = view.connections();
-    let first = view.open_session("spoke1", 0, OutboundSender::default());
+    let first = view.open_session("spoke1", Held::default(), OutboundSender::default());
     assert!(connections.has_changed().unwrap());
     assert!(connections.borrow_and_update().open.contains("spoke1"));
-    let second = view.open_session("spoke1", 0, OutboundSender::default());
+    let second = view.open_session("spoke1", Held::default(), OutboundSender::default());
     // The replaced stream's end leaves the cluster connected.
     view.close_session("spoke1", first);
     assert!(!connections.has_changed().unwrap());
@@ -44,7 +45,7 @@ fn connections_follow_the_current_stream_of_each_cluster() {
     let now = connections.borrow_and_update().clone();
     assert!(now.open.is_empty());
     assert!(now.closed_at.contains_key("spoke1"));
-    view.open_session("spoke1", 0, OutboundSender::default());
+    view.open_session("spoke1", Held::default(), OutboundSender::default());
     let again = connections.borrow_and_update().clone();
     assert!(again.open.contains("spoke1"));
     assert!(again.closed_at.is_empty(), "open again: no longer closed");
@@ -55,11 +56,11 @@ fn streams_end_when_the_hub_stops_even_those_opened_after() {
     let view = view();
     let before = OutboundSender::default();
     let ended_before = before.subscribe();
-    view.open_session("spoke1", 0, before);
+    view.open_session("spoke1", Held::default(), before);
     view.end_streams("the hub is shutting down");
     let after = OutboundSender::default();
     let ended_after = after.subscribe();
-    view.open_session("spoke2", 0, after);
+    view.open_session("spoke2", Held::default(), after);
     let shutdown = Outbound::End(tonic::Code::Unavailable, "the hub is shutting down".into());
     assert_eq!(*ended_before.borrow(), shutdown);
     assert_eq!(*ended_after.borrow(), shutdown);
@@ -213,9 +214,22 @@ fn connect(
     cluster: &str,
     applied: u64,
 ) -> (SessionId, tokio::sync::watch::Receiver<Outbound>) {
+    let held = Held {
+        revision: applied,
+        digest: None,
+    };
+    connect_holding(fleet, cluster, held)
+}
+
+/// [`connect`] with a hello saying the proxy holds `held`.
+fn connect_holding(
+    fleet: &Fleet,
+    cluster: &str,
+    held: Held,
+) -> (SessionId, tokio::sync::watch::Receiver<Outbound>) {
     let outbound = OutboundSender::default();
     let sent = outbound.subscribe();
-    let id = fleet.view.open_session(cluster, applied, outbound);
+    let id = fleet.view.open_session(cluster, held, outbound);
     let kernels = KernelInventory {
         revision: 1,
         kernels: vec![Kernel {
@@ -249,7 +263,7 @@ fn a_stream_of_a_cluster_not_accepted_ends_even_when_its_denial_came_first() {
     // registered, and its denial found nothing to end.
     let outbound = OutboundSender::default();
     let ended = outbound.subscribe();
-    fleet.view.open_session("spoke9", 0, outbound);
+    fleet.view.open_session("spoke9", Held::default(), outbound);
     assert!(
         matches!(
             &*ended.borrow(),
@@ -268,7 +282,7 @@ fn a_deleted_managed_cluster_holds_no_later_deletion() {
     fleet.add_module(module.clone().build());
     let id = fleet
         .view
-        .open_session("spoke1", 0, OutboundSender::default());
+        .open_session("spoke1", Held::default(), OutboundSender::default());
     fleet.view.status("spoke1", id, loaded_on("n1"));
     fleet.delete_cluster("spoke1");
     assert!(
@@ -334,6 +348,36 @@ fn a_confirmed_unload_leaves_the_snapshot_through_the_recompute_task() {
     assert_eq!(fleet.view.metrics.snapshots_sent.get(), snapshots + 1);
     let (_, carried) = last_sent(&sent).expect("a snapshot");
     assert_eq!(carried, None, "the confirmed unload leaves the snapshot");
+}
+
+#[test]
+fn a_stream_whose_proxy_holds_its_snapshot_is_sent_none() {
+    let mut fleet = Fleet::new();
+    fleet.add_cluster("spoke1");
+    fleet.add_module(hello().build());
+    let (id, sent) = connect(&fleet, "spoke1", 0);
+    let Outbound::Snapshot(held) = sent.borrow().clone() else {
+        panic!("a snapshot is sent");
+    };
+    fleet.view.close_session("spoke1", id);
+    let snapshots = fleet.view.metrics.snapshots_sent.get();
+    let holding = |digest| Held {
+        revision: held.revision,
+        digest: Some(digest),
+    };
+    let digest = kmm_proto::snapshot_digest(&held.modules, &held.credentials);
+    let (id, resumed) = connect_holding(&fleet, "spoke1", holding(digest));
+    assert_eq!(*resumed.borrow(), Outbound::Idle, "nothing sent");
+    assert_eq!(fleet.view.metrics.snapshots_sent.get(), snapshots);
+    assert_eq!(fleet.view.metrics.snapshots_resumed.get(), 1);
+    // A proxy holding anything else is sent the snapshot.
+    fleet.view.close_session("spoke1", id);
+    let (_, other) = connect_holding(&fleet, "spoke1", holding([0; 32]));
+    assert_eq!(
+        last_sent(&other).map(|(revision, _)| revision),
+        Some(held.revision)
+    );
+    assert_eq!(fleet.view.metrics.snapshots_resumed.get(), 1);
 }
 
 #[test]
@@ -544,7 +588,7 @@ fn a_junk_inventory_ends_its_stream_and_the_other_clusters_are_untouched() {
 
     let outbound = OutboundSender::default();
     let ended = outbound.subscribe();
-    let id = fleet.view.open_session("spoke1", 0, outbound);
+    let id = fleet.view.open_session("spoke1", Held::default(), outbound);
     let junk = KernelInventory {
         revision: 1,
         kernels: (0..100_000)
@@ -583,7 +627,7 @@ fn the_kernels_and_images_of_a_proxy_that_moved_on_are_forgotten() {
     );
     let id = fleet
         .view
-        .open_session("spoke1", 0, OutboundSender::default());
+        .open_session("spoke1", Held::default(), OutboundSender::default());
     // Each inventory a new batch of made-up kernels, each a templated image to check.
     for batch in 0..20_u64 {
         let inventory = KernelInventory {
@@ -614,7 +658,7 @@ fn an_oversized_status_report_ends_its_stream_by_bytes_not_entries() {
     fleet.add_module(hello().build());
     let outbound = OutboundSender::default();
     let ended = outbound.subscribe();
-    let id = fleet.view.open_session("spoke1", 0, outbound);
+    let id = fleet.view.open_session("spoke1", Held::default(), outbound);
     let limit = crate::fleet::node_statuses::MAX_BYTES;
     let text = kmm_proto::limits::ERROR_TEXT;
     // As a hostile proxy sends them: parts of entries whose texts are as long as kept.
@@ -812,7 +856,7 @@ fn an_image_the_hub_cannot_check_is_pinned_per_cluster_from_each_clusters_answer
     for cluster in ["spoke1", "spoke2"] {
         let outbound = OutboundSender::default();
         let sent = outbound.subscribe();
-        let id = fleet.view.open_session(cluster, 0, outbound);
+        let id = fleet.view.open_session(cluster, Held::default(), outbound);
         fleet.view.inventory(
             cluster,
             id,

@@ -160,6 +160,27 @@ fn no_intents_means_no_work_but_an_inventory() {
     assert_eq!(s.inventory().kernels[0].release, "6.1");
     assert_eq!(s.inventory().revision, 1001);
     assert_eq!(s.applied_intent_revision(), 0);
+    assert!(s.applied_intent_digest().is_empty(), "nothing held");
+}
+
+#[test]
+fn the_digest_named_in_the_hello_is_of_the_intents_held_after_deltas() {
+    let mut s = cluster();
+    let whole = snapshot(3, vec![intent("m", "v1"), intent("n", "v1")]);
+    s.set_intents(whole.clone());
+    let digest = |snapshot: &IntentSnapshot| {
+        kmm_proto::snapshot_digest(&snapshot.modules, &snapshot.credentials).to_vec()
+    };
+    assert_eq!(s.applied_intent_digest(), digest(&whole));
+    let next = snapshot(4, vec![intent("m", "v2"), intent("n", "v1")]);
+    s.set_intents(kmm_proto::snapshot_delta(
+        &whole.modules,
+        &next.modules,
+        4,
+        &next.credentials,
+    ));
+    assert_eq!(s.applied_intent_revision(), 4);
+    assert_eq!(s.applied_intent_digest(), digest(&next));
 }
 
 #[test]
