@@ -298,13 +298,20 @@ fn parse_records(text: &str) -> Vec<Package> {
         .collect()
 }
 
+/// Where the package's .deb is kept, `<debs>/<name>_<version>/`, and where it is
+/// downloaded to first: the whole name and `.partial` (a version's dots are not an
+/// extension to replace, or two versions would share one directory).
+fn download_dirs(package: &Package, debs: &Path) -> (PathBuf, PathBuf) {
+    let name = format!("{}_{}", package.name, package.version);
+    (debs.join(&name), debs.join(format!("{name}.partial")))
+}
+
 /// The package's .deb, downloaded once into `<debs>/<name>_<version>/`.
 pub fn download(package: &Package, debs: &Path) -> Result<PathBuf> {
-    let dir = debs.join(format!("{}_{}", package.name, package.version));
+    let (dir, partial) = download_dirs(package, debs);
     if let Ok(deb) = only_deb(&dir) {
         return Ok(deb);
     }
-    let partial = dir.with_extension("partial");
     if partial.exists() {
         std::fs::remove_dir_all(&partial).context(|| format!("removing {}", partial.display()))?;
     }
@@ -468,5 +475,19 @@ mod tests {
                 },
             ]
         );
+    }
+
+    #[test]
+    fn two_versions_of_a_package_download_into_their_own_directories() {
+        let debs = Path::new("/debs");
+        let package = |version: &str| Package {
+            name: "libc6".into(),
+            version: version.into(),
+        };
+        let (kept, partial) = download_dirs(&package("2.36-9+deb12u4"), debs);
+        let (_, other) = download_dirs(&package("2.36-9+deb12u13"), debs);
+        assert_eq!(kept, Path::new("/debs/libc6_2.36-9+deb12u4"));
+        assert_eq!(partial, Path::new("/debs/libc6_2.36-9+deb12u4.partial"));
+        assert_ne!(partial, other);
     }
 }
