@@ -14,6 +14,9 @@ pub enum Outbound {
     Idle,
     /// The cluster's complete snapshot; the stream sends what changed since its last.
     Snapshot(Arc<SharedSnapshot>),
+    /// The snapshot the proxy holds already (its hello named it): nothing is sent, and
+    /// the stream's next snapshot goes as a delta from it.
+    Held(Arc<SharedSnapshot>),
     /// End the stream with this gRPC status.
     End(tonic::Code, String),
 }
@@ -35,11 +38,20 @@ impl OutboundSender {
 
     /// Offers the stream a newer snapshot; nothing once the stream is ending.
     pub fn snapshot(&self, snapshot: Arc<SharedSnapshot>) {
+        self.offer(Outbound::Snapshot(snapshot));
+    }
+
+    /// Tells the stream what the proxy holds already; nothing once the stream is ending.
+    pub fn held(&self, snapshot: Arc<SharedSnapshot>) {
+        self.offer(Outbound::Held(snapshot));
+    }
+
+    fn offer(&self, next: Outbound) {
         self.0.send_if_modified(|current| {
             if matches!(current, Outbound::End(..)) {
                 return false;
             }
-            *current = Outbound::Snapshot(snapshot);
+            *current = next;
             true
         });
     }

@@ -271,6 +271,7 @@ fn outgoing(receiver: watch::Receiver<Outbound>, sent_at: TimestampGauge) -> Out
                 let next = receiver.borrow_and_update().clone();
                 match next {
                     Outbound::Idle => {}
+                    Outbound::Held(snapshot) => sent = Some(snapshot),
                     Outbound::Snapshot(snapshot) => {
                         // The stream's first snapshot is complete, later ones only what
                         // changed since the one before.
@@ -333,5 +334,42 @@ mod tests {
         outbound.end(Code::Unavailable, "the hub is shutting down");
         assert!(stream.next().await.expect("the end").is_err());
         assert_eq!(sent_at.get(), marked, "an end is no intents");
+    }
+
+    #[tokio::test]
+    async fn after_what_the_proxy_holds_the_stream_sends_only_what_changed() {
+        use kmm_proto::v1::{ModuleIntent, ModuleKey};
+        let intent = |name: &str| {
+            Arc::new(ModuleIntent {
+                key: Some(ModuleKey {
+                    namespace: "drivers".into(),
+                    name: name.into(),
+                }),
+                ..ModuleIntent::default()
+            })
+        };
+        let outbound = OutboundSender::default();
+        let mut stream = outgoing(outbound.subscribe(), TimestampGauge::default());
+        let held = SharedSnapshot {
+            revision: 7,
+            modules: vec![intent("a"), intent("b")],
+            ..SharedSnapshot::default()
+        };
+        outbound.held(Arc::new(held.clone()));
+        assert!(
+            futures::poll!(stream.next()).is_pending(),
+            "nothing is sent for what the proxy holds"
+        );
+        let mut next = held;
+        next.revision = 8;
+        next.modules.push(intent("c"));
+        outbound.snapshot(Arc::new(next));
+        let message = stream.next().await.expect("a message").expect("intents");
+        let Some(hub_message::Message::Intents(intents)) = message.message else {
+            panic!("{message:?}");
+        };
+        assert!(intents.delta, "a delta from what the proxy holds");
+        assert_eq!(intents.revision, 8);
+        assert_eq!(intents.modules.len(), 1, "only c: {intents:?}");
     }
 }

@@ -50,9 +50,12 @@ impl Outbox {
     /// Takes `content` as the stream's first snapshot without sending it when the proxy
     /// holds it already (its hello named its digest, at a revision no older than the last
     /// this hub sent): a hub restart, a leader change or a reconnect then costs the
-    /// cluster no snapshot. `Ok` with the revision the proxy holds it at, or `Err` with
-    /// `content` to [`offer`](Self::offer).
-    pub fn resume(&mut self, mut content: SharedSnapshot) -> Result<u64, SharedSnapshot> {
+    /// cluster no snapshot. `Ok` with the snapshot at the revision the proxy holds it at,
+    /// or `Err` with `content` to [`offer`](Self::offer).
+    pub fn resume(
+        &mut self,
+        mut content: SharedSnapshot,
+    ) -> Result<Arc<SharedSnapshot>, SharedSnapshot> {
         let Some(Held {
             revision,
             digest: Some(digest),
@@ -69,8 +72,7 @@ impl Outbox {
             return Err(content);
         }
         content.revision = revision;
-        self.record(content);
-        Ok(revision)
+        Ok(self.record(content))
     }
 
     /// The snapshot to send for freshly computed `content` (its revision is ignored),
@@ -416,7 +418,7 @@ mod tests {
         let mut outbox = Outbox::default();
         let content = with_generation(&["a", "b"], 3);
         outbox.new_stream(holding(41, &content));
-        assert_eq!(outbox.resume(content.clone()), Ok(41));
+        assert_eq!(outbox.resume(content.clone()).map(|s| s.revision), Ok(41));
         assert_eq!(outbox.offer(content.clone()), None, "the stream has it");
         assert!(
             outbox.reflects("drivers", "a", Some(3), 41),

@@ -152,9 +152,16 @@ impl FleetView {
         }
         let shared = self.caches.intents().share(snapshot);
         let shared = match session.outbox.resume(shared) {
-            Ok(revision) => {
-                tracing::info!(cluster, revision, "the proxy holds the intents already");
+            Ok(held) => {
+                tracing::info!(
+                    cluster,
+                    revision = held.revision,
+                    "the proxy holds the intents already"
+                );
                 self.metrics.snapshots_resumed.inc();
+                if let Some((_, stream)) = &session.stream {
+                    stream.held(held);
+                }
                 return;
             }
             Err(shared) => shared,
