@@ -112,15 +112,19 @@ impl StatusTally {
             self.degraded += 1;
         }
         for target in report.kernels {
-            match &target.target {
+            let kernels = match &target.target {
                 // The kernel has an image, which the cluster resolves for the hub (until
                 // its resolution fails).
-                Some(Target::Load(_)) => self.resolved.insert(target.kernel.clone()),
+                Some(Target::Load(_)) => &mut self.resolved,
                 Some(Target::Resolve(resolution)) if resolution.failed.is_none() => {
-                    self.resolved.insert(target.kernel.clone())
+                    &mut self.resolved
                 }
-                _ => self.unresolved.insert(target.kernel.clone()),
+                _ => &mut self.unresolved,
             };
+            // Most clusters run kernels counted already: look before copying.
+            if !kernels.contains(&target.kernel) {
+                kernels.insert(target.kernel.clone());
+            }
         }
         // Keep the sample bounded however many clusters fail.
         if self.failures.len() > 4 * MAX_FAILURE_SAMPLES {

@@ -194,6 +194,9 @@ impl FleetIndex {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone();
         let nowhere = Placed::new();
+        // Only a module's Placements can hold a cluster: for a module without any, the
+        // excuses (read from each cluster's taints and departures) would go unread.
+        let holds = module.spec.placement_refs.is_some();
         self.stores
             .clusters
             .state()
@@ -201,10 +204,14 @@ impl FleetIndex {
             .filter_map(|c| {
                 let name = c.name_any();
                 let placed = placed.get(&name).unwrap_or(&nowhere);
-                let excuses = Excuses {
-                    unreachable: is_unreachable(c),
-                    recently_left: departures.recently_left(&name),
-                    deciding: deciding.clone(),
+                let excuses = if holds {
+                    Excuses {
+                        unreachable: is_unreachable(c),
+                        recently_left: departures.recently_left(&name),
+                        deciding: deciding.clone(),
+                    }
+                } else {
+                    Excuses::default()
                 };
                 let facts = ClusterFacts {
                     labels: c.labels(),
