@@ -75,7 +75,10 @@ async fn a_restarted_hub_sends_no_snapshot_to_a_proxy_holding_its_intents() {
         move |m: Option<ManagedClusterModule>| {
             let status = m.and_then(|m| m.status).ok_or("no status")?;
             (status.observed_generation == Some(generation)
-                && status.conditions.first().is_some_and(|c| c.status == "True"))
+                && status
+                    .conditions
+                    .first()
+                    .is_some_and(|c| c.status == "True"))
             .then_some(())
             .ok_or_else(|| format!("{status:?}"))
         }
@@ -117,8 +120,13 @@ async fn a_restarted_hub_sends_no_snapshot_to_a_proxy_holding_its_intents() {
         .await;
     assert_eq!(next.revision, held.revision + 1);
     proxy.send_status(false, loaded()).await;
-    hub.wait_module("hello-h", "hello-h ready at generation 2", WAIT, ready_at(2))
-        .await;
+    hub.wait_module(
+        "hello-h",
+        "hello-h ready at generation 2",
+        WAIT,
+        ready_at(2),
+    )
+    .await;
     hub.clean_up(namespace, &["hello-h"], &["spoke1"]).await;
 }
 

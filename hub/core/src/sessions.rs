@@ -464,17 +464,25 @@ mod tests {
     #[test]
     fn a_replaced_stream_is_handed_back() {
         let mut session = ClusterSession::default();
-        assert!(session.start(1, Held::default(), OutboundSender::default()).is_none());
+        assert!(
+            session
+                .start(1, Held::default(), OutboundSender::default())
+                .is_none()
+        );
         assert!(session.current(1));
         session.acked_revision = 3;
-        assert!(session.start(
-            2,
-            Held {
-                revision: 5,
-                digest: None,
-            },
-            OutboundSender::default()
-        ).is_some());
+        assert!(
+            session
+                .start(
+                    2,
+                    Held {
+                        revision: 5,
+                        digest: None,
+                    },
+                    OutboundSender::default()
+                )
+                .is_some()
+        );
         assert!(!session.current(1));
         assert!(session.current(2));
         assert_eq!(

@@ -19,8 +19,8 @@ use kube::runtime::reflector::store::{Writer, store};
 use kube::runtime::watcher;
 use tokio::sync::watch;
 
-use crate::fleet::outbox::Held;
 use crate::fleet::assignment::FINALIZER;
+use crate::fleet::outbox::Held;
 use crate::images::ImageRecord;
 use crate::serve::fleet_view::{ClusterStreams, FleetView, SessionId, Stores};
 use crate::serve::metrics::Metrics;

@@ -70,10 +70,7 @@ impl Placement {
 }
 
 /// Whether `selector` (matchLabels semantics; empty selects every node) selects `labels`.
-pub fn selects(
-    selector: &BTreeMap<String, String>,
-    labels: &BTreeMap<String, String>,
-) -> bool {
+pub fn selects(selector: &BTreeMap<String, String>, labels: &BTreeMap<String, String>) -> bool {
     selector
         .iter()
         .all(|(key, value)| labels.get(key) == Some(value))

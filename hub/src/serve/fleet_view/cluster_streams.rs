@@ -18,12 +18,7 @@ pub trait ClusterStreams: Send + Sync + std::fmt::Debug + 'static {
     fn synced(&self) -> watch::Receiver<bool>;
     /// Whether the cluster is one the hub accepts; `None` until the watches listed.
     fn accepts_cluster(&self, cluster: &str) -> Option<bool>;
-    fn open_session(
-        &self,
-        cluster: &str,
-        held: Held,
-        outbound: OutboundSender,
-    ) -> SessionId;
+    fn open_session(&self, cluster: &str, held: Held, outbound: OutboundSender) -> SessionId;
     fn close_session(&self, cluster: &str, id: SessionId);
     fn inventory(&self, cluster: &str, id: SessionId, inventory: KernelInventory);
     fn status(&self, cluster: &str, id: SessionId, report: NodeStatusReport);

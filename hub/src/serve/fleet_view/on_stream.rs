@@ -47,12 +47,7 @@ impl ClusterStreams for FleetView {
 
     /// A proxy said hello on a new stream: it becomes the cluster's stream, replacing any
     /// older one, which ends with a status saying why.
-    fn open_session(
-        &self,
-        cluster: &str,
-        held: Held,
-        outbound: OutboundSender,
-    ) -> SessionId {
+    fn open_session(&self, cluster: &str, held: Held, outbound: OutboundSender) -> SessionId {
         let id = self.sessions.next_id();
         let session = self.sessions.get_or_new(cluster);
         let mut session = lock(&session);

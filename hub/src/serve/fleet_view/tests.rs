@@ -13,8 +13,8 @@ use kube::runtime::watcher;
 
 use super::*;
 use crate::fleet::assignment::FINALIZER;
-use crate::fleet::outbox::Held;
 use crate::fleet::node_statuses::full_report;
+use crate::fleet::outbox::Held;
 use crate::images::ImageRecord;
 use crate::serve::outbound::{Outbound, OutboundSender};
 
