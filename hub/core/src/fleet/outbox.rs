@@ -47,6 +47,12 @@ impl Outbox {
         self.delivered_on_stream = false;
     }
 
+    /// Whether the current stream's proxy named intents it holds and was sent nothing yet:
+    /// it keeps running them, so a snapshot can wait for the whole content.
+    pub fn resuming(&self) -> bool {
+        !self.delivered_on_stream && self.held.is_some_and(|held| held.digest.is_some())
+    }
+
     /// Takes `content` as the stream's first snapshot without sending it when the proxy
     /// holds it already (its hello named its digest, at a revision no older than the last
     /// this hub sent): a hub restart, a leader change or a reconnect then costs the

@@ -144,6 +144,12 @@ impl FleetView {
             self.signals
                 .unchecked_images
                 .report(intents.unchecked.iter().cloned());
+            // A proxy that named what it holds keeps running it: rather than a snapshot
+            // leaving out what is unchecked (which it would forget until the check), it
+            // gets the whole one after the checks, or nothing if that is what it holds.
+            if session.outbox.resuming() {
+                return;
+            }
             let runs = |key: &ModuleKey| session.statuses.lingers(&key.namespace, &key.name);
             match while_unchecked(snapshot, &intents.unchecked, session.outbox.last(), runs) {
                 Some(partial) => snapshot = partial,

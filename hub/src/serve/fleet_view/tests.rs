@@ -227,6 +227,17 @@ fn connect_holding(
     cluster: &str,
     held: Held,
 ) -> (SessionId, tokio::sync::watch::Receiver<Outbound>) {
+    let connected = open_holding(fleet, cluster, held);
+    check_images(fleet);
+    connected
+}
+
+/// [`connect_holding`] before any image is checked.
+fn open_holding(
+    fleet: &Fleet,
+    cluster: &str,
+    held: Held,
+) -> (SessionId, tokio::sync::watch::Receiver<Outbound>) {
     let outbound = OutboundSender::default();
     let sent = outbound.subscribe();
     let id = fleet.view.open_session(cluster, held, outbound);
@@ -237,7 +248,6 @@ fn connect_holding(
         }],
     };
     fleet.view.inventory(cluster, id, kernels);
-    check_images(fleet);
     (id, sent)
 }
 
@@ -381,6 +391,39 @@ fn a_stream_whose_proxy_holds_its_snapshot_is_sent_none() {
         Some(held.revision)
     );
     assert_eq!(fleet.view.metrics.snapshots_resumed.get(), 1);
+}
+
+#[test]
+fn a_proxy_holding_its_intents_gets_no_snapshot_leaving_out_a_module_not_checked_yet() {
+    let snapshot_of = |fleet: &mut Fleet| {
+        fleet.add_cluster("spoke1");
+        fleet.add_module(hello().build());
+    };
+    // What the hub before the restart sent.
+    let mut before = Fleet::new();
+    snapshot_of(&mut before);
+    let (_, sent) = connect(&before, "spoke1", 0);
+    let Outbound::Snapshot(held) = sent.borrow().clone() else {
+        panic!("a snapshot is sent");
+    };
+    // The new hub has not checked the module's image when the proxy says hello: a
+    // snapshot now would leave the module out, and the proxy would forget it.
+    let mut after = Fleet::new();
+    snapshot_of(&mut after);
+    let digest = kmm_proto::snapshot_digest(&held.modules, &held.credentials);
+    let held_at = Held {
+        revision: held.revision,
+        digest: Some(digest),
+    };
+    let (_, stream) = open_holding(&after, "spoke1", held_at);
+    assert_eq!(*stream.borrow(), Outbound::Idle, "nothing until the check");
+    check_images(&after);
+    assert!(
+        matches!(&*stream.borrow(), Outbound::Held(s) if s.revision == held.revision),
+        "{:?}",
+        stream.borrow()
+    );
+    assert_eq!(after.view.metrics.snapshots_sent.get(), 0);
 }
 
 #[test]
