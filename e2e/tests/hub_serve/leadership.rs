@@ -81,12 +81,7 @@ async fn one_replica_leads_and_the_other_takes_over_when_it_stops() {
     // to expire), and a spec change made during the handover converges.
     let stopped = Instant::now();
     leader.stop().await;
-    let patch = json!({"spec": {"moduleSpec": {"moduleLoader": {"container": {"version": "2"}}}}});
-    standby
-        .modules()
-        .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-        .unwrap();
+    standby.set_version(&name, "2").await;
     kmm_e2e::fixture::wait_until("the standby leads", LEASE_DURATION, || async {
         let holder = holder(&leases).await?;
         (standby.metrics.leader.get() == 1 && holder != leader_identity)

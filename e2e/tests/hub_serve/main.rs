@@ -108,11 +108,7 @@ async fn a_restarted_hub_sends_no_snapshot_to_a_proxy_holding_its_intents() {
         "the proxy held the snapshot: none is sent"
     );
     // The next change is the revision after the one held, and counts as applied.
-    let patch = json!({"spec": {"moduleSpec": {"moduleLoader": {"container": {"version": "2"}}}}});
-    hub.modules()
-        .patch("hello-h", &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-        .unwrap();
+    hub.set_version("hello-h", "2").await;
     let next = proxy
         .snapshot_where("hello-h at version 2", |s| {
             intent(s, "hello-h").is_some_and(|i| i.generation == 2)
@@ -218,11 +214,7 @@ async fn intents_follow_inventory_module_changes_and_cluster_labels() {
     );
 
     // A spec change is a new revision with the new version.
-    let patch = json!({"spec": {"moduleSpec": {"moduleLoader": {"container": {"version": "2"}}}}});
-    hub.modules()
-        .patch("hello-a", &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-        .unwrap();
+    hub.set_version("hello-a", "2").await;
     let second = proxy
         .snapshot_where("hello-a has version 2", |s| {
             intent(s, "hello-a").is_some_and(|i| {
@@ -792,11 +784,7 @@ async fn a_module_is_ready_only_once_the_statuses_reflect_its_current_generation
     .await;
 
     // A spec change: until the proxy applied it, its statuses are of the old generation.
-    let patch = json!({"spec": {"moduleSpec": {"moduleLoader": {"container": {"version": "2"}}}}});
-    hub.modules()
-        .patch("hello-r", &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-        .unwrap();
+    hub.set_version("hello-r", "2").await;
     let changed = hub
         .wait_module("hello-r", "a status of generation 2", WAIT, |m| {
             let m = m.ok_or("gone")?;
@@ -1018,11 +1006,7 @@ async fn a_giant_message_ends_only_its_own_stream() {
         "{ended:?}"
     );
     // spoke2 is served as before: a spec change reaches it.
-    let patch = json!({"spec": {"moduleSpec": {"moduleLoader": {"container": {"version": "2"}}}}});
-    hub.modules()
-        .patch("hello-big", &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-        .unwrap();
+    hub.set_version("hello-big", "2").await;
     other
         .snapshot_where("hello-big at version 2 for spoke2", |s| {
             intent(s, "hello-big").is_some_and(|i| i.generation == 2)

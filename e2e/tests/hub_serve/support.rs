@@ -314,6 +314,16 @@ impl TestHub {
     }
 
     /// The ManagedCluster label this test's modules select.
+    /// Sets the module's `moduleLoader.container.version`: a new generation.
+    pub async fn set_version(&self, module: &str, version: &str) {
+        let patch =
+            json!({"spec": {"moduleSpec": {"moduleLoader": {"container": {"version": version}}}}});
+        self.modules()
+            .patch(module, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .expect("the module's version changes");
+    }
+
     pub fn cluster_label(&self) -> String {
         format!("test.kmm.sigs.x-k8s.io/{}", self.namespace)
     }

@@ -197,6 +197,14 @@ mod tests {
         }
     }
 
+    fn with_generation(names: &[&str], generation: i64) -> SharedSnapshot {
+        let mut s = snapshot(names);
+        for m in &mut s.modules {
+            Arc::make_mut(m).generation = generation;
+        }
+        s
+    }
+
     fn snapshot(modules: &[&str]) -> SharedSnapshot {
         SharedSnapshot::from(IntentSnapshot {
             revision: 99,
@@ -276,13 +284,6 @@ mod tests {
 
     #[test]
     fn a_generation_is_reflected_once_the_snapshot_first_carrying_it_is_applied() {
-        let with_generation = |names: &[&str], generation: i64| {
-            let mut s = snapshot(names);
-            for m in &mut s.modules {
-                Arc::make_mut(m).generation = generation;
-            }
-            s
-        };
         let mut outbox = Outbox::default();
         outbox.new_stream(Held::default());
         assert!(
@@ -413,13 +414,6 @@ mod tests {
 
     #[test]
     fn a_proxy_holding_the_content_is_sent_nothing_and_keeps_its_revision() {
-        let with_generation = |names: &[&str], generation: i64| {
-            let mut s = snapshot(names);
-            for m in &mut s.modules {
-                Arc::make_mut(m).generation = generation;
-            }
-            s
-        };
         // A hub that just started: it sent nothing yet, the proxy applied 41 earlier.
         let mut outbox = Outbox::default();
         let content = with_generation(&["a", "b"], 3);
