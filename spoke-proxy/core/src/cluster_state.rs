@@ -56,6 +56,9 @@ pub struct ClusterState {
     /// Deselecting such a node unloads explicitly; other nodes are left alone.
     may_have: BTreeSet<StatusKey>,
     work: BTreeMap<String, NodeWork>,
+    /// Nodes with a module waiting for its upgrade turn, kept as they are placed so that
+    /// an event looks at these rather than at every node.
+    waiting: BTreeSet<String>,
     /// (module, node) pairs whose module left the snapshot while the node may still carry
     /// its labels: they go once the node's agent says the module is not loaded (the hub
     /// forgets a module as soon as every node reported it unloaded, which can come before
@@ -133,6 +136,11 @@ fn carries_plugin_labels(node: &NodeFacts, id: &ModuleId) -> bool {
             .contains_key(&device_plugin_ready_label(&id.namespace, &id.name))
 }
 
+/// Whether the placement waits for the module's upgrade turn.
+fn is_waiting(placement: &Placement) -> bool {
+    matches!(placement, Placement::Held(h) if matches!(h.hold, Hold::Waiting { .. }))
+}
+
 impl NodeWork {
     /// The revision from which the agent's reports speak for `id`'s current task.
     fn since_of(&self, id: &ModuleId) -> u64 {
@@ -162,6 +170,7 @@ impl ClusterState {
             agents: BTreeMap::new(),
             may_have: BTreeSet::new(),
             work: BTreeMap::new(),
+            waiting: BTreeSet::new(),
             unlabel: BTreeSet::new(),
             status_dirty: BTreeSet::new(),
             label_dirty: BTreeSet::new(),
@@ -229,6 +238,7 @@ impl ClusterState {
             return false;
         }
         self.work.remove(name);
+        self.waiting.remove(name);
         self.agents.remove(name);
         self.touch(name);
         self.may_have.retain(|(_, node)| node != name);
@@ -630,6 +640,7 @@ impl ClusterState {
         self.may_have
             .retain(|(id, node)| known.contains(id) && self.nodes.contains_key(node));
         self.work.retain(|node, _| self.nodes.contains_key(node));
+        self.waiting.retain(|node| self.nodes.contains_key(node));
         self.agents.retain(|node, _| self.nodes.contains_key(node));
         let names: Vec<String> = self.nodes.keys().cloned().collect();
         for name in names {
@@ -757,18 +768,11 @@ impl ClusterState {
         let waiting_for = |work: &NodeWork| -> BTreeSet<ModuleId> {
             work.placements
                 .iter()
-                .filter(|(_, p)| {
-                    matches!(p, Placement::Held(h) if matches!(h.hold, Hold::Waiting { .. }))
-                })
+                .filter(|(_, p)| is_waiting(p))
                 .map(|(id, _)| id.clone())
                 .collect()
         };
-        let waiting: Vec<String> = self
-            .work
-            .iter()
-            .filter(|(_, w)| !waiting_for(w).is_empty())
-            .map(|(node, _)| node.clone())
-            .collect();
+        let waiting: Vec<String> = self.waiting.iter().cloned().collect();
         let mut full: BTreeSet<ModuleId> = BTreeSet::new();
         for node in waiting {
             let Some(before) = self.work.get(&node).map(waiting_for) else {
@@ -901,6 +905,11 @@ impl ClusterState {
         let departed = &work.departed;
         work.since
             .retain(|id, _| placements.contains_key(id) || departed.contains_key(id));
+        if placements.values().any(is_waiting) {
+            self.waiting.insert(name.to_owned());
+        } else {
+            self.waiting.remove(name);
+        }
         work.placements = placements;
     }
 }
