@@ -164,6 +164,7 @@ fn run(nodes: usize) {
     let t = Instant::now();
     state.set_intents(snapshot(1));
     let snapshot_ms = ms(t);
+    let placed = heap() - start;
 
     let t = Instant::now();
     for node in &facts {
@@ -229,9 +230,11 @@ fn run(nodes: usize) {
     );
     println!(
         "{nodes} nodes x {MODULES} modules: heap {:.1} MiB, {:.0} bytes per node listed, \
-         {:.0} bytes per node with every module loaded and labelled ({:.0} per node and module)",
+         {:.0} with the snapshot placed, {:.0} with every module loaded and labelled \
+         ({:.0} per node and module)",
         held as f64 / (1024.0 * 1024.0),
         listed as f64 / nodes as f64,
+        placed as f64 / nodes as f64,
         held as f64 / nodes as f64,
         (held - listed) as f64 / (nodes * MODULES) as f64,
     );

@@ -4,11 +4,12 @@
 //! inventory. Pure: the I/O tasks feed it and read from it.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use kmm_proto::v1::{
     AgentHello, DesiredModules, DevicePlugin, DevicePluginCount, DevicePluginReport,
     IntentSnapshot, KernelInventory, ModuleEvent, ModuleIntent, ModuleLoad, ModuleState,
-    NodeModule, PullCredential, Toleration, Unresolved,
+    PullCredential, Toleration, Unresolved,
 };
 use serde_json::Value;
 
@@ -29,12 +30,15 @@ use crate::node_upgrade::{self, Hold};
 use crate::placement::{Held, Placement, check_agent_kernel, place};
 use crate::spoke_images::{Request, SpokeImages};
 
+mod given;
+use given::{Given, SharedParts};
+
 /// One node's current work.
 #[derive(Clone, Default)]
 struct NodeWork {
     /// Revision of `modules`: the value of the cluster-wide counter when they last changed.
     revision: u64,
-    modules: Vec<NodeModule>,
+    modules: Vec<Given>,
     placements: BTreeMap<ModuleId, Placement>,
     /// Per module, the revision at which what the agent must do for it last changed.
     since: BTreeMap<ModuleId, u64>,
@@ -42,7 +46,7 @@ struct NodeWork {
     /// task: one that comes back unchanged (a new hub leader's first snapshot leaves out
     /// a module whose images it has not checked yet) is still proved by the agent's
     /// earlier report, for the agent has nothing new to do or say.
-    departed: BTreeMap<ModuleId, NodeModule>,
+    departed: BTreeMap<ModuleId, Given>,
 }
 
 /// See the module documentation. Its `Debug` shows counts only: the intents and the
@@ -83,6 +87,8 @@ pub struct ClusterState {
     cluster_pull_secret: ClusterPullSecret,
     /// The images the hub asked this cluster to resolve, and the answers.
     spoke_images: SpokeImages,
+    /// The loads and credentials of `work`, each held once.
+    shared: SharedParts,
 }
 
 /// One image to resolve now, with what to resolve it with.
@@ -108,11 +114,11 @@ impl std::fmt::Debug for SpokeResolution {
 /// What the agent must do for a module, without what it needs to do it (credentials,
 /// registry TLS): a change of those alone changes no outcome, so it must not make the
 /// module pending again while the agent has nothing to report.
-fn same_task(a: Option<&NodeModule>, b: &NodeModule) -> bool {
-    let task = |m: &NodeModule| {
+fn same_task(a: Option<&Given>, b: &Given) -> bool {
+    let task = |m: &Given| {
         (
             m.unload,
-            m.load.as_ref().map(|l: &ModuleLoad| {
+            m.load.as_deref().map(|l: &ModuleLoad| {
                 (
                     // The bytes, not their name: a retag of the pinned digest is no task.
                     crate::node_status::load_bytes(l).to_owned(),
@@ -180,6 +186,7 @@ impl ClusterState {
             device_plugin_counts: BTreeMap::new(),
             cluster_pull_secret: ClusterPullSecret::NotConfigured,
             spoke_images: SpokeImages::default(),
+            shared: SharedParts::default(),
         }
     }
 
@@ -229,6 +236,10 @@ impl ClusterState {
         }
         self.place_node(&name);
         self.place_waiting();
+        if kernel_changed {
+            // The loads of the kernel the node left may be nobody's now.
+            self.shared.prune();
+        }
         true
     }
 
@@ -342,15 +353,7 @@ impl ClusterState {
     /// agent cannot make the proxy keep modules of its own naming.
     pub fn agent_event(&mut self, node: &str, event: &ModuleEvent) -> Result<(), UnknownModule> {
         let work = self.work.get(node);
-        let sent = |id: &ModuleId| {
-            work.is_some_and(|w| {
-                w.modules.iter().any(|m| {
-                    m.key
-                        .as_ref()
-                        .is_some_and(|k| k.namespace == id.namespace && k.name == id.name)
-                })
-            })
-        };
+        let sent = |id: &ModuleId| work.is_some_and(|w| w.modules.iter().any(|m| m.id == *id));
         let view = self.agents.entry(node.to_owned()).or_default();
         view.record(node, event, sent)?;
         for id in view.loaded.keys() {
@@ -482,7 +485,7 @@ impl ClusterState {
             .get(node)
             .map(|w| DesiredModules {
                 revision: w.revision,
-                modules: w.modules.clone(),
+                modules: w.modules.iter().map(Given::message).collect(),
             })
             .unwrap_or_default()
     }
@@ -646,6 +649,7 @@ impl ClusterState {
         for name in names {
             self.place_node(&name);
         }
+        self.shared.prune();
     }
 
     /// Whether the node must keep the version it runs instead of `load`'s (see
@@ -688,12 +692,12 @@ impl ClusterState {
     }
 
     /// The load this proxy last gave `node` for the module, if any.
-    fn given(&self, node: &str, id: &ModuleId) -> Option<&ModuleLoad> {
+    fn given(&self, node: &str, id: &ModuleId) -> Option<&Arc<ModuleLoad>> {
         self.work
             .get(node)?
             .modules
             .iter()
-            .find(|m| ModuleId::from_key(m.key.as_ref()) == *id)?
+            .find(|m| m.id == *id)?
             .load
             .as_ref()
     }
@@ -816,11 +820,13 @@ impl ClusterState {
                 .is_some_and(|view| view.loaded.contains_key(&id));
             let placement = match place(intent, facts, agent_has_it || self.may_have.contains(&key))
             {
-                Placement::Load(mut load) => match self.cluster_pull_secret.supply(&mut load) {
-                    Ok(()) => Placement::Load(load),
-                    // Like a kernel the hub gives no image: what the node runs stays.
-                    Err(unresolved) => Placement::Unresolved(unresolved),
-                },
+                Placement::Load(mut load) => {
+                    match self.cluster_pull_secret.supply(Arc::make_mut(&mut load)) {
+                        Ok(()) => Placement::Load(self.shared.load(&id, load)),
+                        // Like a kernel the hub gives no image: what the node runs stays.
+                        Err(unresolved) => Placement::Unresolved(unresolved),
+                    }
+                }
                 other => other,
             };
             let placement = match check_agent_kernel(placement, &facts.kernel, agent_kernel) {
@@ -836,14 +842,14 @@ impl ClusterState {
                 self.may_have.insert(key);
             }
             let load = match &placement {
-                Placement::Load(load) => Some(load.as_ref()),
+                Placement::Load(load) => Some(load),
                 Placement::Held(held) => held.keep.as_ref(),
                 _ => None,
             };
             match (&placement, load) {
-                (_, Some(load)) => modules.push(NodeModule {
-                    key: Some(id.key()),
-                    load: Some(load.clone()),
+                (_, Some(load)) => modules.push(Given {
+                    id: id.clone(),
+                    load: Some(Arc::clone(load)),
                     credential: snapshot
                         .credentials
                         .iter()
@@ -854,18 +860,16 @@ impl ClusterState {
                             self.cluster_pull_secret
                                 .credential(&load.pull_credential_id)
                         })
-                        .cloned(),
+                        .map(|credential| self.shared.credential(credential)),
                     unload: false,
                 }),
                 // A module that loads nothing is none of the agent's business.
-                (Placement::Unload, None) if !intent.device_plugin_only => {
-                    modules.push(NodeModule {
-                        key: Some(id.key()),
-                        load: None,
-                        credential: None,
-                        unload: true,
-                    })
-                }
+                (Placement::Unload, None) if !intent.device_plugin_only => modules.push(Given {
+                    id: id.clone(),
+                    load: None,
+                    credential: None,
+                    unload: true,
+                }),
                 _ => {}
             }
             placements.insert(id, placement);
@@ -875,24 +879,19 @@ impl ClusterState {
             self.next_revision += 1;
             let revision = self.next_revision;
             for module in &modules {
-                let id = ModuleId::from_key(module.key.as_ref());
                 let old = work
                     .modules
                     .iter()
-                    .find(|m| ModuleId::from_key(m.key.as_ref()) == id)
-                    .or_else(|| work.departed.get(&id));
+                    .find(|m| m.id == module.id)
+                    .or_else(|| work.departed.get(&module.id));
                 if !same_task(old, module) {
-                    work.since.insert(id, revision);
+                    work.since.insert(module.id.clone(), revision);
                 }
             }
-            let staying: BTreeSet<ModuleId> = modules
-                .iter()
-                .map(|m| ModuleId::from_key(m.key.as_ref()))
-                .collect();
+            let staying: BTreeSet<ModuleId> = modules.iter().map(|m| m.id.clone()).collect();
             for old in std::mem::take(&mut work.modules) {
-                let id = ModuleId::from_key(old.key.as_ref());
-                if !staying.contains(&id) {
-                    work.departed.insert(id, old);
+                if !staying.contains(&old.id) {
+                    work.departed.insert(old.id.clone(), old);
                 }
             }
             work.departed.retain(|id, _| !staying.contains(id));

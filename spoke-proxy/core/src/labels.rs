@@ -175,6 +175,7 @@ mod tests {
     use super::*;
     use crate::agent_view::LoadedProof;
     use serde_json::json;
+    use std::sync::Arc;
 
     fn id() -> ModuleId {
         ModuleId {
@@ -225,7 +226,7 @@ mod tests {
 
     #[test]
     fn set_only_when_loaded_for_the_current_load() {
-        let load = Placement::Load(Box::default());
+        let load = Placement::Load(Arc::default());
         let a = assessment(ModuleState::Loaded, "v1");
         assert_eq!(
             label_intent(&load, Some(&a), Some(&loaded_view()), &id(), false),
@@ -310,7 +311,7 @@ mod tests {
         let failed = assessment(ModuleState::Failed, "");
         assert_eq!(
             label_intent(
-                &Placement::Load(Box::default()),
+                &Placement::Load(Arc::default()),
                 Some(&failed),
                 Some(&empty),
                 &id(),
@@ -407,7 +408,7 @@ mod tests {
 
     #[test]
     fn a_node_running_its_target_version_keeps_its_plugin_until_proven_otherwise() {
-        let load = Placement::Load(Box::new(kmm_proto::v1::ModuleLoad {
+        let load = Placement::Load(Arc::new(kmm_proto::v1::ModuleLoad {
             version: "v0".into(),
             ..Default::default()
         }));
@@ -420,7 +421,7 @@ mod tests {
 
     #[test]
     fn the_device_plugin_is_scheduled_with_the_load_and_unscheduled_before_a_hold_for_it() {
-        let load = Placement::Load(Box::default());
+        let load = Placement::Load(Arc::default());
         let a = assessment(ModuleState::Loaded, "v1");
         let set = label_intent(&load, Some(&a), Some(&loaded_view()), &id(), true).unwrap();
         assert_eq!(

@@ -350,6 +350,7 @@ mod tests {
     use super::*;
     use crate::agent_view::{Failure, LoadedProof, SharedKernelModule};
     use kmm_proto::v1::{ModuleLoad, Unresolved};
+    use std::sync::Arc;
 
     fn id() -> ModuleId {
         ModuleId {
@@ -359,7 +360,7 @@ mod tests {
     }
 
     fn load(version: &str, image: &str) -> Placement {
-        Placement::Load(Box::new(ModuleLoad {
+        Placement::Load(Arc::new(ModuleLoad {
             image: image.into(),
             version: version.into(),
             ..Default::default()
@@ -562,7 +563,7 @@ mod tests {
     #[test]
     fn the_hubs_pinned_digest_decides_which_proof_counts() {
         let pinned = |digest: &str| {
-            Placement::Load(Box::new(ModuleLoad {
+            Placement::Load(Arc::new(ModuleLoad {
                 image: "reg/m:v1".into(),
                 version: "v1".into(),
                 digest: digest.into(),

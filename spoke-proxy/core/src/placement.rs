@@ -3,6 +3,7 @@
 //! kernel too. Pure.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use kmm_proto::v1::{ModuleIntent, ModuleLoad, Unresolved, kernel_target::Target};
 
@@ -13,8 +14,8 @@ use crate::tolerations::{TaintVerdict, verdict};
 /// What one module means for one node.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Placement {
-    /// The node must run this load.
-    Load(Box<ModuleLoad>),
+    /// The node must run this load (shared with the other nodes given the same).
+    Load(Arc<ModuleLoad>),
     /// The node is selected but no image resolves for its kernel.
     Unresolved(Unresolved),
     /// The node is selected but the hub has not resolved its kernel (yet).
@@ -51,7 +52,7 @@ pub struct Held {
     /// The load this proxy last gave the node for the running version, sent again so the
     /// agent keeps it; `None` (e.g. after a proxy restart) sends nothing, and an agent
     /// leaves a module it is not told about as it is.
-    pub keep: Option<ModuleLoad>,
+    pub keep: Option<Arc<ModuleLoad>>,
 }
 
 impl Placement {
@@ -110,7 +111,7 @@ pub fn place(intent: &ModuleIntent, node: &NodeFacts, may_have_it: bool) -> Plac
         .find(|k| k.kernel == node.kernel)
         .and_then(|k| k.target.as_ref())
     {
-        Some(Target::Load(load)) => Placement::Load(Box::new(load.clone())),
+        Some(Target::Load(load)) => Placement::Load(Arc::new(load.clone())),
         // Like a node the selector leaves out: skipped, and unloaded first when the module
         // may be there (its mappings changed).
         Some(Target::Unresolved(unresolved)) if unresolved.reason == NO_KERNEL_MAPPING => {
@@ -212,7 +213,7 @@ mod tests {
     fn selected_node_gets_the_image_of_its_kernel() {
         assert_eq!(
             place(&intent(), &node("6.1"), false),
-            Placement::Load(Box::new(load("reg/m:6.1")))
+            Placement::Load(Arc::new(load("reg/m:6.1")))
         );
     }
 
@@ -230,7 +231,7 @@ mod tests {
     fn kernel_change_switches_the_image() {
         assert_eq!(
             place(&intent(), &node("6.2"), true),
-            Placement::Load(Box::new(load("reg/m:6.2")))
+            Placement::Load(Arc::new(load("reg/m:6.2")))
         );
     }
 
@@ -331,7 +332,7 @@ mod tests {
         });
         assert_eq!(
             place(&tolerant, &n, false),
-            Placement::Load(Box::new(load("reg/m:6.1")))
+            Placement::Load(Arc::new(load("reg/m:6.1")))
         );
     }
 
@@ -352,7 +353,7 @@ mod tests {
             });
             assert_eq!(
                 place(&intent(), &n, true),
-                Placement::Load(Box::new(load("reg/m:6.1"))),
+                Placement::Load(Arc::new(load("reg/m:6.1"))),
                 "{key}:{effect} unloaded the module"
             );
             assert_eq!(
