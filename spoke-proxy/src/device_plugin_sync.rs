@@ -153,13 +153,13 @@ async fn keep_daemon_sets(
             if applied.get(&id) == Some(&set) {
                 continue;
             }
-            if !known_namespaces.contains(&id.namespace) {
+            if !known_namespaces.contains(&*id.namespace) {
                 match ensure_namespace(&namespaces, &id.namespace).await {
                     Ok(()) => {
-                        known_namespaces.insert(id.namespace.clone());
+                        known_namespaces.insert(id.namespace.to_string());
                     }
                     Err(error) => {
-                        tracing::warn!(namespace = id.namespace, %error, "cannot create the module's namespace; will retry");
+                        tracing::warn!(namespace = &*id.namespace, %error, "cannot create the module's namespace; will retry");
                         continue;
                     }
                 }
@@ -172,8 +172,8 @@ async fn keep_daemon_sets(
             {
                 Ok(written) => {
                     tracing::info!(
-                        namespace = id.namespace,
-                        module = id.name,
+                        namespace = &*id.namespace,
+                        module = &*id.name,
                         "device plugin DaemonSet applied"
                     );
                     if let Some(uid) = written.metadata.uid {
@@ -183,8 +183,8 @@ async fn keep_daemon_sets(
                     applied.insert(id, set);
                 }
                 Err(error) => tracing::warn!(
-                    namespace = id.namespace,
-                    module = id.name,
+                    namespace = &*id.namespace,
+                    module = &*id.name,
                     %error,
                     "applying the device plugin DaemonSet failed; will retry"
                 ),
@@ -224,7 +224,7 @@ async fn keep_copies(
     proxy_namespace: &str,
     copies: &mut BTreeMap<String, Option<Secret>>,
 ) {
-    let namespaces: BTreeSet<&str> = desired.iter().map(|id| id.namespace.as_str()).collect();
+    let namespaces: BTreeSet<&str> = desired.iter().map(|id| &*id.namespace).collect();
     copies.retain(|namespace, _| namespaces.contains(namespace.as_str()));
     for namespace in namespaces {
         let wanted = match cluster_secret {
@@ -232,7 +232,7 @@ async fn keep_copies(
             Some(credential) => {
                 let mut of_namespace: Vec<Owner> = owners
                     .iter()
-                    .filter(|(id, _)| id.namespace == namespace)
+                    .filter(|(id, _)| &*id.namespace == namespace)
                     .map(|(_, owner)| owner.clone())
                     .collect();
                 // No DaemonSet written yet: a copy without owners would never go.
@@ -327,8 +327,8 @@ async fn remove_unwanted(owned: &Store<DaemonSet>, client: &Client, desired: &BT
             continue;
         };
         let id = ModuleId {
-            namespace: namespace.clone(),
-            name: module.clone(),
+            namespace: namespace.as_str().into(),
+            name: module.as_str().into(),
         };
         if desired.contains(&id) {
             continue;

@@ -91,7 +91,7 @@ pub fn related(module: &ModuleId) -> ObjectReference {
     ObjectReference {
         api_version: Some("hub.kmm.sigs.x-k8s.io/v1beta1".into()),
         kind: Some("ManagedClusterModule".into()),
-        name: Some(module.name.clone()),
+        name: Some(module.name.to_string()),
         ..ObjectReference::default()
     }
 }

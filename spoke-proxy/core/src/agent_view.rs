@@ -358,7 +358,7 @@ mod tests {
     #[test]
     fn events_of_modules_never_sent_are_refused_and_kept_nowhere() {
         let mut view = AgentView::default();
-        let sent = |m: &ModuleId| m.name == "m";
+        let sent = |m: &ModuleId| &*m.name == "m";
         for i in 0..1_000 {
             let stranger = event(&format!("x{i}"), Action::Load, Outcome::Failed, 1);
             let refused = view.record("n", &stranger, sent).unwrap_err();
@@ -400,7 +400,7 @@ mod tests {
         let mut view = AgentView::default();
         let failed = |name: &str| event(name, Action::Load, Outcome::Failed, 1);
         view.record("n", &failed("a"), |_| true).unwrap();
-        view.record("n", &failed("b"), |m| m.name == "b").unwrap();
+        view.record("n", &failed("b"), |m| &*m.name == "b").unwrap();
         assert_eq!(view.failures.keys().collect::<Vec<_>>(), [&id("b")]);
     }
 

@@ -55,6 +55,9 @@ pub struct ClusterState {
     nodes: BTreeMap<String, NodeFacts>,
     nodes_listed: bool,
     intents: Option<IntentSnapshot>,
+    /// The identity of each module of `intents`, in its order: every node's work keys
+    /// the module with a clone of it (sharing its text).
+    module_ids: Vec<ModuleId>,
     agents: BTreeMap<String, AgentView>,
     /// (module, node) pairs where the module may be: placed there, or reported loaded.
     /// Deselecting such a node unloads explicitly; other nodes are left alone.
@@ -173,6 +176,7 @@ impl ClusterState {
             nodes: BTreeMap::new(),
             nodes_listed: false,
             intents: None,
+            module_ids: Vec::new(),
             agents: BTreeMap::new(),
             may_have: BTreeSet::new(),
             work: BTreeMap::new(),
@@ -273,6 +277,11 @@ impl ClusterState {
     pub fn set_intents(&mut self, snapshot: IntentSnapshot) {
         let snapshot = kmm_proto::apply_snapshot(self.intents.as_ref(), snapshot);
         self.spoke_images.set_requests(&snapshot);
+        self.module_ids = snapshot
+            .modules
+            .iter()
+            .map(|m| ModuleId::from_key(m.key.as_ref()))
+            .collect();
         self.intents = Some(snapshot);
         self.refresh();
     }
@@ -809,8 +818,8 @@ impl ClusterState {
             .map_or("", |view| view.kernel_release.as_str());
         let mut placements = BTreeMap::new();
         let mut modules = Vec::new();
-        for intent in &snapshot.modules {
-            let id = ModuleId::from_key(intent.key.as_ref());
+        for (intent, id) in snapshot.modules.iter().zip(&self.module_ids) {
+            let id = id.clone();
             let key = (id.clone(), name.to_owned());
             // What the agent says it has loaded counts even after the module left a
             // snapshot (and `may_have` forgot it): it came back, maybe narrowed.

@@ -62,7 +62,7 @@ pub fn daemon_set(
             reason: e.to_string(),
         })?;
     let selector = BTreeMap::from([
-        (MODULE_LABEL.to_owned(), id.name.clone()),
+        (MODULE_LABEL.to_owned(), id.name.to_string()),
         (OWNER_LABEL.to_owned(), owner.to_owned()),
     ]);
     let mut labels = selector.clone();
@@ -79,7 +79,7 @@ pub fn daemon_set(
     Ok(DaemonSet {
         metadata: ObjectMeta {
             name: Some(daemon_set_name(id)),
-            namespace: Some(id.namespace.clone()),
+            namespace: Some(id.namespace.to_string()),
             labels: Some(labels.clone()),
             ..ObjectMeta::default()
         },
@@ -173,8 +173,14 @@ pub fn counts<'a>(
         .into_iter()
         .filter_map(|set| {
             let id = ModuleId {
-                namespace: set.metadata.namespace.clone()?,
-                name: set.metadata.labels.as_ref()?.get(MODULE_LABEL)?.clone(),
+                namespace: set.metadata.namespace.as_deref()?.into(),
+                name: set
+                    .metadata
+                    .labels
+                    .as_ref()?
+                    .get(MODULE_LABEL)?
+                    .as_str()
+                    .into(),
             };
             let status = set.status.as_ref();
             let count = |n: Option<i32>| n.map_or(0, |n| u32::try_from(n).unwrap_or(0));
@@ -211,8 +217,8 @@ pub fn pods_by_node<'a>(pods: impl IntoIterator<Item = &'a Pod>) -> BTreeMap<Sta
             continue;
         };
         let id = ModuleId {
-            namespace,
-            name: name.clone(),
+            namespace: namespace.into(),
+            name: name.as_str().into(),
         };
         let ready = found.entry((id, node)).or_insert(false);
         *ready |= pod.metadata.deletion_timestamp.is_none() && is_ready(pod);

@@ -1,14 +1,16 @@
 //! An ordered, hashable module identity (the proto `ModuleKey` is neither). Pure.
 
 use std::fmt;
+use std::sync::Arc;
 
 use kmm_proto::v1::ModuleKey;
 
-/// A module on this cluster: the ManagedClusterModule's spokeNamespace and name.
+/// A module on this cluster: the ManagedClusterModule's spokeNamespace and name. Cloning
+/// shares the text: every node's work keys its modules with clones of one identity.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ModuleId {
-    pub namespace: String,
-    pub name: String,
+    pub namespace: Arc<str>,
+    pub name: Arc<str>,
 }
 
 impl ModuleId {
@@ -16,20 +18,20 @@ impl ModuleId {
     pub fn from_key(key: Option<&ModuleKey>) -> Self {
         key.map_or_else(
             || Self {
-                namespace: String::new(),
-                name: String::new(),
+                namespace: "".into(),
+                name: "".into(),
             },
             |k| Self {
-                namespace: k.namespace.clone(),
-                name: k.name.clone(),
+                namespace: k.namespace.as_str().into(),
+                name: k.name.as_str().into(),
             },
         )
     }
 
     pub fn key(&self) -> ModuleKey {
         ModuleKey {
-            namespace: self.namespace.clone(),
-            name: self.name.clone(),
+            namespace: self.namespace.to_string(),
+            name: self.name.to_string(),
         }
     }
 }
