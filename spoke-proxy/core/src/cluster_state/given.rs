@@ -61,6 +61,12 @@ impl SharedParts {
         }
     }
 
+    /// How many loads are held, of every module.
+    #[cfg(test)]
+    pub fn loads_held(&self) -> usize {
+        self.loads.values().map(Vec::len).sum()
+    }
+
     /// Forgets the copies no node holds any more.
     pub fn prune(&mut self) {
         self.loads.retain(|_, loads| {

@@ -4,6 +4,7 @@ use kmm_proto::v1::{
     Action, KeptKernelModule, KernelTarget, LoadedModule, ModuleKey, ModuleNodeStatus, Outcome,
     PullCredential, Unresolved, kernel_target::Target, module_intent, pull_credential::Content,
 };
+use std::sync::Arc;
 
 const NODES: [&str; 2] = ["a", "b"];
 
@@ -200,6 +201,36 @@ fn each_node_gets_only_its_own_work_and_credentials() {
     assert_eq!(state_of(&s, "m", "a"), Some(ModuleState::Pending));
     assert_eq!(state_of(&s, "m", "b"), None);
     assert_eq!(s.label_patch("a"), None, "nothing proven yet");
+}
+
+#[test]
+fn nodes_given_the_same_load_share_one_copy_until_nobody_holds_it() {
+    let mut s = ClusterState::new(1000);
+    s.replace_nodes(vec![
+        node("a", "6.1", "worker"),
+        node("b", "6.1", "worker"),
+        node("c", "6.2", "worker"),
+    ]);
+    s.set_intents(snapshot(1, vec![intent("m", "v1")]));
+    let given = |s: &ClusterState, node: &str| s.work[node].modules[0].clone();
+    let (a, b, c) = (given(&s, "a"), given(&s, "b"), given(&s, "c"));
+    let load = |g: &Given| g.load.clone().unwrap();
+    assert!(Arc::ptr_eq(&load(&a), &load(&b)), "one copy for 6.1");
+    assert!(!Arc::ptr_eq(&load(&a), &load(&c)), "6.2 has its own");
+    assert!(Arc::ptr_eq(&a.id.name, &c.id.name), "one identity");
+    let credential = |g: &Given| g.credential.clone().unwrap();
+    assert!(Arc::ptr_eq(&credential(&a), &credential(&c)));
+    assert_eq!(s.shared.loads_held(), 2);
+    drop((a, b, c));
+
+    s.set_intents(snapshot(2, vec![intent("m", "v2")]));
+    assert_eq!(load(&given(&s, "a")).version, "v2");
+    assert_eq!(s.shared.loads_held(), 2, "v1's copies are forgotten");
+    let mut upgraded = node("c", "6.1", "worker");
+    upgraded.boot_id = "rebooted".into();
+    s.upsert_node(upgraded);
+    assert!(Arc::ptr_eq(&load(&given(&s, "a")), &load(&given(&s, "c"))));
+    assert_eq!(s.shared.loads_held(), 1, "nobody runs 6.2 any more");
 }
 
 #[test]
