@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Client};
@@ -15,6 +16,10 @@ use crate::shared_state::SharedState;
 
 /// Also retried on this period, so a failed patch is not forgotten until the next change.
 const RESYNC: Duration = Duration::from_secs(15);
+
+/// Patches sent at once: the nodes of a rollout wave load together, and one patch after
+/// the other made the last node's labels wait for all the others' round trips.
+const PATCHES_AT_ONCE: usize = 16;
 
 /// Runs until `cancel` fires.
 pub async fn run(client: Client, state: SharedState, metrics: Metrics, cancel: CancellationToken) {
@@ -49,18 +54,28 @@ pub async fn run(client: Client, state: SharedState, metrics: Metrics, cancel: C
                 })
                 .collect()
         });
-        for (node, patch) in patches {
-            let Some(patch) = patch else {
-                in_flight.remove(&node);
-                continue;
-            };
-            if in_flight.get(&node) == Some(&patch) {
-                continue;
-            }
-            match api
-                .patch(&node, &PatchParams::default(), &Patch::Merge(&patch))
-                .await
-            {
+        let to_send: Vec<(String, Value)> = patches
+            .into_iter()
+            .filter_map(|(node, patch)| match patch {
+                None => {
+                    in_flight.remove(&node);
+                    None
+                }
+                Some(patch) if in_flight.get(&node) == Some(&patch) => None,
+                Some(patch) => Some((node, patch)),
+            })
+            .collect();
+        let api = &api;
+        let mut sent = futures::stream::iter(to_send)
+            .map(|(node, patch)| async move {
+                let result = api
+                    .patch(&node, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await;
+                (node, patch, result)
+            })
+            .buffer_unordered(PATCHES_AT_ONCE);
+        while let Some((node, patch, result)) = sent.next().await {
+            match result {
                 Ok(_) => {
                     metrics.label_patched.set_now();
                     metrics.label_patches.inc();
