@@ -831,7 +831,7 @@ impl ClusterState {
             {
                 Placement::Load(mut load) => {
                     match self.cluster_pull_secret.supply(Arc::make_mut(&mut load)) {
-                        Ok(()) => Placement::Load(self.shared.load(&id, load)),
+                        Ok(()) => Placement::Load(self.shared.load(&id, &load)),
                         // Like a kernel the hub gives no image: what the node runs stays.
                         Err(unresolved) => Placement::Unresolved(unresolved),
                     }

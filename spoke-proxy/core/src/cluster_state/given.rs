@@ -42,23 +42,12 @@ impl SharedParts {
     /// The shared copy of `load`, which becomes it if there is none yet. A module has one
     /// load per kernel the cluster runs (and the versions nodes keep during an upgrade),
     /// so the search is short.
-    pub fn load(&mut self, id: &ModuleId, load: Arc<ModuleLoad>) -> Arc<ModuleLoad> {
-        let loads = match self.loads.get_mut(id) {
-            Some(loads) => loads,
-            None => self.loads.entry(id.clone()).or_default(),
-        };
-        share(loads, load)
+    pub fn load(&mut self, id: &ModuleId, load: &ModuleLoad) -> Arc<ModuleLoad> {
+        share(self.loads.entry(id.clone()).or_default(), load)
     }
 
     pub fn credential(&mut self, credential: &PullCredential) -> Arc<PullCredential> {
-        match self.credentials.iter().find(|c| ***c == *credential) {
-            Some(shared) => Arc::clone(shared),
-            None => {
-                let shared = Arc::new(credential.clone());
-                self.credentials.push(Arc::clone(&shared));
-                shared
-            }
-        }
+        share(&mut self.credentials, credential)
     }
 
     /// How many loads are held, of every module.
@@ -70,24 +59,26 @@ impl SharedParts {
     /// Forgets the copies no node holds any more.
     pub fn prune(&mut self) {
         self.loads.retain(|_, loads| {
-            loads.retain(held);
+            loads.retain(in_use);
             !loads.is_empty()
         });
-        self.credentials.retain(held);
+        self.credentials.retain(in_use);
     }
 }
 
 /// Whether anybody besides the pool holds `part`.
-fn held<T>(part: &Arc<T>) -> bool {
+fn in_use<T>(part: &Arc<T>) -> bool {
     Arc::strong_count(part) > 1
 }
 
-fn share(shared: &mut Vec<Arc<ModuleLoad>>, load: Arc<ModuleLoad>) -> Arc<ModuleLoad> {
-    match shared.iter().find(|s| Arc::ptr_eq(s, &load) || **s == load) {
-        Some(s) => Arc::clone(s),
+/// The copy in `pool` equal to `part`; a new one, kept there, if there is none.
+fn share<T: PartialEq + Clone>(pool: &mut Vec<Arc<T>>, part: &T) -> Arc<T> {
+    match pool.iter().find(|shared| ***shared == *part) {
+        Some(shared) => Arc::clone(shared),
         None => {
-            shared.push(Arc::clone(&load));
-            load
+            let shared = Arc::new(part.clone());
+            pool.push(Arc::clone(&shared));
+            shared
         }
     }
 }
@@ -103,38 +94,41 @@ mod tests {
         }
     }
 
-    fn load(image: &str) -> Arc<ModuleLoad> {
-        Arc::new(ModuleLoad {
+    fn load(image: &str) -> ModuleLoad {
+        ModuleLoad {
             image: image.into(),
             version: "v1".into(),
             ..Default::default()
-        })
+        }
     }
 
     #[test]
     fn equal_loads_of_a_module_are_held_once_and_others_apart() {
         let mut parts = SharedParts::default();
-        let first = parts.load(&id("m"), load("reg/m:6.1"));
-        let again = parts.load(&id("m"), load("reg/m:6.1"));
+        let first = parts.load(&id("m"), &load("reg/m:6.1"));
+        let again = parts.load(&id("m"), &load("reg/m:6.1"));
         assert!(Arc::ptr_eq(&first, &again));
-        let other_kernel = parts.load(&id("m"), load("reg/m:6.2"));
+        let other_kernel = parts.load(&id("m"), &load("reg/m:6.2"));
         assert!(!Arc::ptr_eq(&first, &other_kernel));
-        let other_module = parts.load(&id("n"), load("reg/m:6.1"));
+        let other_module = parts.load(&id("n"), &load("reg/m:6.1"));
         assert!(!Arc::ptr_eq(&first, &other_module), "kept per module");
     }
 
     #[test]
     fn pruning_forgets_only_what_nobody_holds() {
         let mut parts = SharedParts::default();
-        let kept = parts.load(&id("m"), load("reg/m:6.1"));
-        drop(parts.load(&id("m"), load("reg/m:6.2")));
+        let kept = parts.load(&id("m"), &load("reg/m:6.1"));
+        drop(parts.load(&id("m"), &load("reg/m:6.2")));
         let credential = PullCredential {
             id: "pull".into(),
             content: None,
         };
         drop(parts.credential(&credential));
         parts.prune();
-        assert!(Arc::ptr_eq(&kept, &parts.load(&id("m"), load("reg/m:6.1"))));
+        assert!(Arc::ptr_eq(
+            &kept,
+            &parts.load(&id("m"), &load("reg/m:6.1"))
+        ));
         assert_eq!(parts.loads[&id("m")].len(), 1, "6.2 forgotten");
         assert!(parts.credentials.is_empty());
     }
@@ -143,7 +137,7 @@ mod tests {
     fn the_message_carries_the_shared_parts() {
         let given = Given {
             id: id("m"),
-            load: Some(load("reg/m:6.1")),
+            load: Some(Arc::new(load("reg/m:6.1"))),
             credential: Some(Arc::new(PullCredential {
                 id: "pull".into(),
                 content: None,
