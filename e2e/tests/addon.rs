@@ -104,14 +104,27 @@ async fn ocm_deploys_kmm_signs_its_certificate_and_reports_it_available() -> Res
 
     let works: Api<DynamicObject> =
         Api::namespaced_with(fleet.hub.clone(), &spoke, &MANIFEST_WORK.api_resource());
-    let work = works.get("addon-kmm-deploy-0").await?;
-    for type_ in ["Applied", "Available"] {
-        ensure!(
-            condition(&work.data, type_).is_some_and(|c| c["status"] == "True"),
-            "ManifestWork addon-kmm-deploy-0 is not {type_}: {}",
-            work.data["status"]
-        );
-    }
+    // The work agent and the addon-manager report asynchronously: after an earlier test
+    // rolled the proxy, its Deployment's feedback (readyReplicas) lags the Pod's readiness.
+    wait_until(
+        "ManifestWork addon-kmm-deploy-0 Applied and Available",
+        WAIT,
+        || async {
+            let work = works
+                .get("addon-kmm-deploy-0")
+                .await
+                .map_err(|e| e.to_string())?;
+            if ["Applied", "Available"]
+                .iter()
+                .all(|t| condition(&work.data, t).is_some_and(|c| c["status"] == "True"))
+            {
+                Ok(())
+            } else {
+                Err(work.data["status"].to_string())
+            }
+        },
+    )
+    .await?;
 
     let csrs = Api::<CertificateSigningRequest>::all(fleet.hub.clone())
         .list(&ListParams::default().labels(&format!(
@@ -159,12 +172,8 @@ async fn ocm_deploys_kmm_signs_its_certificate_and_reports_it_available() -> Res
         "the proxy's hub session is open"
     );
 
+    fleet_kmm::wait_available(&fleet.hub, &spoke, WAIT).await?;
     let addon = fleet_kmm::addons(&fleet.hub, &spoke).get(ADDON).await?;
-    ensure!(
-        condition(&addon.data, "Available").is_some_and(|c| c["status"] == "True"),
-        "the add-on is Available: {}",
-        addon.data["status"]
-    );
     let degraded = condition(&addon.data, "Degraded").context("kmm-hub's Degraded condition")?;
     ensure!(
         degraded["status"] == "False" && degraded["reason"] == "HubSessionOpen",
