@@ -57,7 +57,7 @@ use self::watches::{Seen, reflected, wait_synced, watch_into};
 use self::webhook::WebhookError;
 use crate::build::BuildJobs;
 use crate::fleet::cluster_view::trim_managed_cluster;
-use crate::fleet::pacer::Pacer;
+use crate::fleet::pacer::{Pacer, count_spacing};
 use crate::fleet::revisions;
 use crate::fleet_ui::replica::{LeaseLookup, Replica, Role};
 
@@ -127,6 +127,7 @@ const MODULE_EVENTS_BUFFERED: usize = 256;
 
 /// Longest a touched module waits for its reconciliation while its clusters keep
 /// reporting: bounds both the status latency and the reconciliations of a busy fleet.
+/// A fleet whose modules take longer to count waits longer ([`count_spacing`]).
 const TOUCH_INTERVAL: Duration = Duration::from_millis(100);
 
 /// Runs the hub until `shutdown` is cancelled: the CA is loaded or created first, then the
@@ -531,7 +532,8 @@ fn observe_controller(
 }
 
 /// The modules an event touched, paced: a module is reconciled at once after a quiet
-/// period, and at most once per [`TOUCH_INTERVAL`] while its clusters keep reporting.
+/// period, and at most once per [`TOUCH_INTERVAL`] (or [`count_spacing`]) while its
+/// clusters keep reporting.
 fn touched_modules(
     state: Arc<FleetView>,
 ) -> impl futures::Stream<Item = ObjectRef<ManagedClusterModule>> + Send {
@@ -550,11 +552,11 @@ fn touched_modules(
                 };
                 let now = Instant::now();
                 ready.extend(pacer.due(now));
-                ready.extend(
-                    touched
-                        .into_iter()
-                        .filter(|name| pacer.request(name.clone(), now)),
-                );
+                let modules = state.known_modules().len();
+                ready.extend(touched.into_iter().filter(|name| {
+                    let cost = state.count_cost(name).unwrap_or_default();
+                    pacer.request_spaced(name.clone(), now, count_spacing(cost, modules))
+                }));
             }
         },
     )

@@ -1,10 +1,12 @@
 //! What the fleet view computes once and reuses: each module's resolutions per
 //! generation, its revisions, the distinct intents of every cluster's snapshot, and
-//! each module's clusters by state as its view was last counted.
+//! each module's clusters by state as its view was last counted, and what counting it
+//! took.
 //! Lock order, where two are held: the image book, then resolutions.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
 
 use crate::fleet::cluster_states::StateCounts;
 use crate::fleet::revisions::Revisions;
@@ -22,7 +24,15 @@ pub struct Caches {
     /// Per module, its clusters by state when its view was last counted (the controller
     /// counts it on every touch): the fleet UI shows every module without counting each
     /// one's 3,500 clusters again.
-    state_counts: Mutex<HashMap<String, StateCounts>>,
+    state_counts: Mutex<HashMap<String, Counted>>,
+}
+
+/// A module's view as last counted.
+#[derive(Clone, Copy, Debug)]
+struct Counted {
+    counts: StateCounts,
+    /// How long the count took: its clusters' sessions read one by one.
+    took: Duration,
 }
 
 impl Caches {
@@ -38,13 +48,22 @@ impl Caches {
         lock(&self.intents)
     }
 
-    /// Remembers the module's latest counts; whether they changed.
-    pub fn remember_counts(&self, module: &str, counts: StateCounts) -> bool {
-        lock(&self.state_counts).insert(module.to_owned(), counts) != Some(counts)
+    /// Remembers the module's latest counts and what counting took; whether the counts
+    /// changed.
+    pub fn remember_counts(&self, module: &str, counts: StateCounts, took: Duration) -> bool {
+        let counted = Counted { counts, took };
+        lock(&self.state_counts)
+            .insert(module.to_owned(), counted)
+            .is_none_or(|before| before.counts != counts)
     }
 
     pub fn state_counts(&self, module: &str) -> Option<StateCounts> {
-        lock(&self.state_counts).get(module).copied()
+        lock(&self.state_counts).get(module).map(|c| c.counts)
+    }
+
+    /// What the module's last count took.
+    pub fn count_cost(&self, module: &str) -> Option<Duration> {
+        lock(&self.state_counts).get(module).map(|c| c.took)
     }
 
     /// Forgets a module that is gone.

@@ -2,7 +2,7 @@
 //! view, and the image worker's records coming back.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use k8s_openapi::jiff::Timestamp;
 use kmm_api::{ManagedClusterModule, PreflightModuleStatus, PreflightValidation};
@@ -23,6 +23,7 @@ impl FleetView {
     /// its unload is not yet confirmed. Each cluster's lock is held only while that
     /// cluster is counted.
     pub fn module_view(&self, module: &ManagedClusterModule) -> ModuleView {
+        let started = Instant::now();
         let name = module.name_any();
         let namespace = module.spec.spoke_namespace.as_str();
         let generation = module.metadata.generation;
@@ -61,10 +62,18 @@ impl FleetView {
         let pinned = self.images.pin_generation(&name, pin_generation(module));
         view.status.pin_generation = (pinned > 0).then_some(pinned);
         let counts = state_counts(&view, &self.sessions.connections().borrow().open);
-        if self.caches.remember_counts(&name, counts) {
+        if self
+            .caches
+            .remember_counts(&name, counts, started.elapsed())
+        {
             self.signals.bump_counted();
         }
         view
+    }
+
+    /// What counting the module's view took last time, when it was counted.
+    pub fn count_cost(&self, module: &str) -> Option<Duration> {
+        self.caches.count_cost(module)
     }
 
     /// Why the module's spec is invalid, when it is (validated once per generation).
