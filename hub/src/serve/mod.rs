@@ -552,11 +552,13 @@ fn touched_modules(
                 };
                 let now = Instant::now();
                 ready.extend(pacer.due(now));
-                let modules = state.known_modules().len();
-                ready.extend(touched.into_iter().filter(|name| {
-                    let cost = state.count_cost(name).unwrap_or_default();
-                    pacer.request_spaced(name.clone(), now, count_spacing(cost, modules))
-                }));
+                for name in touched {
+                    let cost = state.count_cost(&name).unwrap_or_default();
+                    let spacing = count_spacing(cost, pacer.busy_with(&name));
+                    if pacer.request_spaced(name.clone(), now, spacing) {
+                        ready.push_back(name);
+                    }
+                }
             }
         },
     )

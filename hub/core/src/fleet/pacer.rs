@@ -15,10 +15,12 @@ use std::time::{Duration, Instant};
 pub const COUNTING_SHARE: u32 = 4;
 
 /// How long a module waits after its last count before the next, from what that count
-/// took, so that counting all `modules` keeps to `1 / COUNTING_SHARE` of a core. A small
-/// fleet counts in microseconds: the pacer's interval is the floor.
-pub fn count_spacing(cost: Duration, modules: usize) -> Duration {
-    cost.saturating_mul(u32::try_from(modules).unwrap_or(u32::MAX))
+/// took, so that counting the `busy` modules (those counted within their spacing, see
+/// [`Pacer::busy_with`]) keeps to `1 / COUNTING_SHARE` of a core. A small fleet counts in
+/// microseconds, and one module alone at OCM's full size in a few milliseconds: the
+/// pacer's interval is the floor.
+pub fn count_spacing(cost: Duration, busy: usize) -> Duration {
+    cost.saturating_mul(u32::try_from(busy.max(1)).unwrap_or(u32::MAX))
         .saturating_mul(COUNTING_SHARE)
 }
 
@@ -82,6 +84,12 @@ impl<K: Clone + Eq + Hash + Ord> Pacer<K> {
                 key
             })
             .collect()
+    }
+
+    /// The keys that went within their spacing, and `key`: the work going on now with
+    /// `key`'s, as of the last [`Pacer::due`].
+    pub fn busy_with(&self, key: &K) -> usize {
+        self.free.len() + usize::from(!self.free.contains_key(key))
     }
 
     /// When the next held-back key may go.
@@ -171,5 +179,26 @@ mod tests {
         assert!(!pacer.request("a", t0 + INTERVAL / 2));
         assert_eq!(pacer.due(t0 + INTERVAL), ["a"]);
         assert_eq!(count_spacing(Duration::MAX, usize::MAX), Duration::MAX);
+        // One module counted alone at OCM's full size keeps the interval too.
+        assert!(count_spacing(Duration::from_micros(13_700), 1) < INTERVAL);
+        assert_eq!(
+            count_spacing(Duration::from_millis(1), 0),
+            count_spacing(Duration::from_millis(1), 1)
+        );
+    }
+
+    #[test]
+    fn busy_keys_are_those_within_their_spacing() {
+        let t0 = Instant::now();
+        let mut pacer = Pacer::new(INTERVAL);
+        assert_eq!(pacer.busy_with(&"a"), 1);
+        assert!(pacer.request_spaced("a", t0, INTERVAL * 3));
+        assert!(pacer.request("b", t0));
+        assert_eq!(pacer.busy_with(&"a"), 2, "a is counted once");
+        assert_eq!(pacer.busy_with(&"c"), 3);
+        assert!(pacer.due(t0 + INTERVAL).is_empty());
+        assert_eq!(pacer.busy_with(&"a"), 1, "b's interval is over");
+        assert!(pacer.due(t0 + INTERVAL * 3).is_empty());
+        assert_eq!(pacer.busy_with(&"b"), 1);
     }
 }
