@@ -17,6 +17,7 @@ use crate::fleet::module_id::module_key;
 use crate::fleet::module_view::ClusterSight;
 use crate::fleet::node_statuses::{self, NodeStatuses};
 use crate::fleet::outbox::{Held, Outbox};
+use crate::images::awaited_checks::AwaitedChecks;
 use crate::outbound::OutboundSender;
 
 /// Identifies one stream among all the streams the hub has accepted.
@@ -60,6 +61,8 @@ pub struct ClusterSession {
     pub acked_revision: u64,
     /// Per module (namespace, name): its device plugin's (desired, available) Pods.
     device_plugins: BTreeMap<(String, String), (u32, u32)>,
+    /// The image checks its last recompute found unchecked.
+    pub awaited: AwaitedChecks,
 }
 
 impl ClusterSession {
@@ -85,6 +88,7 @@ impl ClusterSession {
         self.outbox.new_stream(held);
         self.kernels = None;
         self.inventory_revision = 0;
+        self.awaited = AwaitedChecks::default();
         self.statuses.forget_partial();
         replaced
     }

@@ -4,6 +4,7 @@
 //! pinned per cluster to the digest each cluster resolved (`spoke_pins`). The runtime
 //! (`serve::images`) does the I/O and feeds the outcomes back.
 
+pub mod awaited_checks;
 pub mod need;
 pub mod record;
 pub mod spoke_pins;

@@ -13,6 +13,7 @@ use crate::fleet::cluster_view::ClusterView;
 use crate::fleet::image_needs::ServedKernels;
 use crate::fleet::module_view::{ModuleView, ModuleViewBuilder};
 use crate::fleet::preflight::preflight_statuses;
+use crate::images::awaited_checks::AwaitedChecks;
 use crate::images::need::pin_generation;
 use crate::images::{ImageKey, ImageNeed, ImageRecord, SpokePins};
 
@@ -158,11 +159,11 @@ impl FleetView {
     /// recomputed only when what nodes get changes; status follows every change.
     pub fn set_image(&self, key: ImageKey, record: ImageRecord) -> ImageRecord {
         let module = key.module.clone();
-        let change = self.images.set(key, record);
+        let change = self.images.set(key.clone(), record);
         if change.verdict
             && let Some(module) = self.index.module(&module)
         {
-            self.mark_module_stale(&module);
+            self.mark_image_stale(&module, &key);
         }
         if change.reported {
             self.signals.touched.add([module]);
@@ -183,5 +184,6 @@ impl FleetView {
         let modules: BTreeSet<String> = self.index.modules().iter().map(|m| m.name_any()).collect();
         let touched = self.images.track(needs, &modules);
         self.signals.touched.add(touched);
+        self.release_waits(Some(&AwaitedChecks::needed(needs.keys())));
     }
 }

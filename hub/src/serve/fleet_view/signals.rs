@@ -155,6 +155,9 @@ pub struct Signals {
     /// Registry checks under way (see [`CheckUnderWay`]): the recompute task waits a
     /// moment for them.
     pub checks: watch::Sender<usize>,
+    /// Bumped when a cluster starts waiting for image checks (`images::awaited_checks`):
+    /// the recompute task sets its timer for it.
+    pub waits: watch::Sender<u64>,
     /// An image record or a PreflightValidation changed: wakes the preflight writer.
     pub preflight_changed: Notify,
     /// Bumped when a module's clusters by state, counted anew, changed: readers showing
@@ -173,6 +176,7 @@ impl Default for Signals {
             needs: watch::Sender::new(0),
             unchecked_images: UncheckedImages::default(),
             checks: watch::Sender::new(0),
+            waits: watch::Sender::new(0),
             preflight_changed: Notify::new(),
             counted: watch::Sender::new(0),
             events: watch::Sender::new(0),

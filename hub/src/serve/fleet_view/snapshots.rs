@@ -1,7 +1,8 @@
 //! Recomputing clusters' snapshots and sending those that changed.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kmm_api::ManagedClusterModule;
 use kmm_proto::v1::ModuleKey;
@@ -11,6 +12,8 @@ use crate::fleet::assignment::{ClusterFacts, cluster_modules, is_selected};
 use crate::fleet::cluster_view::ClusterView;
 use crate::fleet::intents::{ClusterImages, cluster_intents, while_unchecked};
 use crate::fleet::served_revisions::{MissingRevision, at_revisions};
+use crate::images::ImageKey;
+use crate::images::awaited_checks::{AWAIT_BOUND, AfterRecord};
 
 use super::sessions::ClusterSession;
 use super::signals::CheckUnderWay;
@@ -19,10 +22,57 @@ use super::{FleetView, lock};
 /// Longest the recompute task waits for registry checks under way.
 const STALE_HOLD: Duration = Duration::from_millis(100);
 
+/// Now, on the clock the recompute task's timers run on (a paused one in tests).
+fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
 impl FleetView {
     /// Marks the connected clusters the module is selected by or sent to as stale, for
     /// the recompute task.
     pub(super) fn mark_module_stale(&self, module: &ManagedClusterModule) {
+        self.mark_stale_where(module, |_| true);
+    }
+
+    /// The record of the module's image `key` changed: marks the module's clusters as
+    /// [`FleetView::mark_module_stale`] does, but for those still waiting for other
+    /// checks (see `images::awaited_checks`): the last of those marks them.
+    pub(super) fn mark_image_stale(&self, module: &ManagedClusterModule, key: &ImageKey) {
+        let now = now();
+        self.mark_stale_where(module, |session| {
+            session.awaited.recorded(key, now) == AfterRecord::Recompute
+        });
+    }
+
+    /// Marks as stale the connected clusters that waited their bound for image checks
+    /// or, given what is `needed` now, wait for one that will never be recorded. Returns
+    /// when a cluster still waiting is due next.
+    pub(super) fn release_waits(&self, needed: Option<&BTreeSet<u64>>) -> Option<Instant> {
+        let now = now();
+        let mut stale = Vec::new();
+        let mut next: Option<Instant> = None;
+        for (cluster, session) in self.sessions.all() {
+            let session = lock(&session);
+            let Some(due) = session.awaited.due().filter(|_| session.stream.is_some()) else {
+                continue;
+            };
+            let released = due <= now || needed.is_some_and(|n| session.awaited.abandoned(n));
+            // A released cluster is recomputed, and is due again then if it still waits.
+            let due = if released { now + AWAIT_BOUND } else { due };
+            next = Some(next.map_or(due, |next| next.min(due)));
+            if released {
+                stale.push(cluster);
+            }
+        }
+        self.signals.stale.add(stale);
+        next
+    }
+
+    fn mark_stale_where(
+        &self,
+        module: &ManagedClusterModule,
+        mut also: impl FnMut(&mut ClusterSession) -> bool,
+    ) {
         let name = module.name_any();
         let namespace = module.spec.spoke_namespace.as_str();
         let stale: Vec<String> = self
@@ -31,23 +81,26 @@ impl FleetView {
             .into_iter()
             .filter_map(|(cluster, session)| {
                 let view = self.index.cluster_view(&cluster);
-                let session = lock(&session);
+                let mut session = lock(&session);
                 (session.stream.is_some()
                     && (is_selected(module, view.as_ref().map(ClusterView::facts))
                         || session.carries(namespace, &name)
-                        || session.statuses.lingers(namespace, &name)))
+                        || session.statuses.lingers(namespace, &name))
+                    && also(&mut session))
                 .then_some(cluster)
             })
             .collect();
         self.signals.stale.add(stale);
     }
 
-    /// Recomputes the clusters marked stale until none is.
-    pub fn recompute_stale(&self) {
+    /// Recomputes the clusters marked stale until none is; returns when a cluster waiting
+    /// for image checks is due (see [`FleetView::release_waits`]).
+    pub fn recompute_stale(&self) -> Option<Instant> {
+        let due = self.release_waits(None);
         loop {
             let stale = self.signals.stale.take();
             if stale.is_empty() {
-                return;
+                return due;
             }
             for cluster in stale {
                 if let Some(session) = self.sessions.get(&cluster) {
@@ -61,13 +114,34 @@ impl FleetView {
     /// same clusters stale again within moments (a kernel upgrade checks each module's
     /// image for every new kernel: one recompute per check made a dozen snapshots per
     /// cluster), so the task waits for them to be recorded, up to [`STALE_HOLD`]: a
-    /// slow registry holds nothing up for longer.
+    /// slow registry holds nothing up for longer. A cluster waiting for image checks is
+    /// recomputed when it is due at the latest, whether or not anything else marks a
+    /// cluster stale meanwhile.
     pub async fn follow_stale(self: std::sync::Arc<Self>) {
         let mut checks = self.signals.checks.subscribe();
+        let mut waits = self.signals.waits.subscribe();
+        let mut due = self.release_waits(None);
         loop {
-            self.signals.stale.added().await;
+            let at_due = async {
+                match due {
+                    Some(due) => tokio::time::sleep_until(due.into()).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                () = self.signals.stale.added() => {}
+                changed = waits.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                    let new = now() + AWAIT_BOUND;
+                    due = Some(due.map_or(new, |due| due.min(new)));
+                    continue;
+                }
+                () = at_due => {}
+            }
             let _ = tokio::time::timeout(STALE_HOLD, checks.wait_for(|n| *n == 0)).await;
-            self.recompute_stale();
+            due = self.recompute_stale();
         }
     }
 
@@ -138,6 +212,11 @@ impl FleetView {
             &mut self.caches.resolutions(),
         );
         drop(images);
+        let was_waiting = session.awaited.due().is_some();
+        session.awaited.set(&intents.unchecked, now());
+        if !was_waiting && session.awaited.due().is_some() {
+            self.signals.waits.send_modify(|n| *n = n.wrapping_add(1));
+        }
         let mut snapshot = intents.snapshot;
         if !intents.unchecked.is_empty() {
             // The image worker checks them within moments and recomputes.

@@ -15,7 +15,8 @@ use super::*;
 use crate::fleet::assignment::FINALIZER;
 use crate::fleet::node_statuses::full_report;
 use crate::fleet::outbox::Held;
-use crate::images::ImageRecord;
+use crate::images::awaited_checks::AWAIT_BOUND;
+use crate::images::{ImageNeed, ImageRecord};
 use crate::serve::outbound::{Outbound, OutboundSender};
 
 fn view() -> FleetView {
@@ -1074,6 +1075,115 @@ fn modules_changed_together_cost_each_cluster_one_snapshot() {
     assert_eq!(
         sent_modules,
         BTreeSet::from(["hello", "second", "third", "fourth"])
+    );
+}
+
+/// A cluster whose snapshot waits for several image checks (modules created one after
+/// the other, each recomputed) is sent one snapshot when the last check is recorded, not
+/// one more module per check.
+#[test]
+fn a_cluster_waiting_for_several_checks_gets_one_snapshot_after_the_last() {
+    let mut fleet = Fleet::new();
+    fleet.add_cluster("spoke1");
+    fleet.add_module(hello().build());
+    let (_, sent) = connect(&fleet, "spoke1", 0);
+    for (i, name) in ["second", "third"].iter().enumerate() {
+        fleet.add_module(
+            ModuleBuilder::new(name)
+                .uid(&format!("u-{i}"))
+                .finalizers(&[FINALIZER])
+                .selector(&[("env", "prod")])
+                .build(),
+        );
+    }
+    let snapshots = || fleet.view.metrics.snapshots_sent.get();
+    let before = snapshots();
+    let unchecked: Vec<_> = fleet
+        .view
+        .image_needs(None)
+        .into_iter()
+        .filter(|(key, _)| fleet.view.image(key).is_none())
+        .collect();
+    assert_eq!(unchecked.len(), 2, "{unchecked:?}");
+    let record =
+        |need: &ImageNeed| ImageRecord::seeded(need, "sha256:0123".into(), Timestamp::now());
+
+    let (first, need) = &unchecked[0];
+    fleet.view.set_image(first.clone(), record(need));
+    fleet.view.recompute_stale();
+    assert_eq!(snapshots(), before, "waits for the other check");
+
+    let (last, need) = &unchecked[1];
+    fleet.view.set_image(last.clone(), record(need));
+    fleet.view.recompute_stale();
+    assert_eq!(snapshots(), before + 1);
+    let Outbound::Snapshot(snapshot) = &*sent.borrow() else {
+        panic!("a snapshot")
+    };
+    let sent_modules: BTreeSet<&str> = snapshot
+        .modules
+        .iter()
+        .filter_map(|m| m.key.as_ref().map(|k| k.name.as_str()))
+        .collect();
+    assert_eq!(sent_modules, BTreeSet::from(["hello", "second", "third"]));
+}
+
+/// A check that never comes (its module deleted meanwhile, say) holds a waiting cluster
+/// up to the bound and no longer.
+#[tokio::test(start_paused = true)]
+async fn a_cluster_waiting_for_a_check_that_lingers_is_recomputed_at_the_bound() {
+    let mut fleet = Fleet::new();
+    fleet.add_cluster("spoke1");
+    fleet.add_module(hello().build());
+    let (_, sent) = connect(&fleet, "spoke1", 0);
+    let view = Arc::new(fleet.view);
+    tokio::spawn(view.clone().follow_stale());
+    let settle = || async {
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+    };
+    settle().await;
+    // Created while the task runs: the recompute that leaves their checks to wait for
+    // sets its timer.
+    for (i, name) in ["second", "third"].iter().enumerate() {
+        let module = ModuleBuilder::new(name)
+            .uid(&format!("u-{i}"))
+            .finalizers(&[FINALIZER])
+            .selector(&[("env", "prod")])
+            .build();
+        fleet
+            .modules
+            .apply_watcher_event(&watcher::Event::Apply(module.clone()));
+        view.note_module(&module);
+    }
+    settle().await;
+    let snapshots = || view.metrics.snapshots_sent.get();
+    let before = snapshots();
+    let (key, need) = view
+        .image_needs(None)
+        .into_iter()
+        .find(|(key, _)| key.module == "second")
+        .expect("second's image is needed");
+    view.set_image(
+        key,
+        ImageRecord::seeded(&need, "sha256:0123".into(), Timestamp::now()),
+    );
+    tokio::time::advance(Duration::from_millis(100)).await;
+    settle().await;
+    assert_eq!(snapshots(), before, "waits for third's check");
+    tokio::time::advance(AWAIT_BOUND).await;
+    settle().await;
+    assert_eq!(snapshots(), before + 1, "recomputed at the bound");
+    let Outbound::Snapshot(snapshot) = &*sent.borrow() else {
+        panic!("a snapshot")
+    };
+    assert!(
+        snapshot
+            .modules
+            .iter()
+            .any(|m| m.key.as_ref().is_some_and(|k| k.name == "second")),
+        "the checked module is sent"
     );
 }
 
