@@ -1029,6 +1029,34 @@ fn a_change_of_a_module_marks_when_it_was_received_and_its_status_writes_do_not(
     assert!(received_on(&mut fleet, hello().generation(2).deleting().build()) > 0.0);
 }
 
+/// A module selecting the `env=prod` clusters, as `hello` does.
+fn prod_module(name: &str, uid: &str) -> ManagedClusterModule {
+    ModuleBuilder::new(name)
+        .uid(uid)
+        .finalizers(&[FINALIZER])
+        .selector(&[("env", "prod")])
+        .build()
+}
+
+/// The modules of the last snapshot sent on the stream.
+fn sent_modules(sent: &tokio::sync::watch::Receiver<Outbound>) -> BTreeSet<String> {
+    let Outbound::Snapshot(snapshot) = &*sent.borrow() else {
+        panic!("a snapshot")
+    };
+    snapshot
+        .modules
+        .iter()
+        .filter_map(|m| m.key.as_ref().map(|k| k.name.clone()))
+        .collect()
+}
+
+/// Lets the spawned tasks run until each waits (the clock is paused).
+async fn settle() {
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+}
+
 /// Changes that come together (modules created at once, the image checks of a kernel
 /// upgrade) cost each cluster one recompute and one snapshot, not one per change.
 #[test]
@@ -1040,11 +1068,7 @@ fn modules_changed_together_cost_each_cluster_one_snapshot() {
     let (before, _) = last_sent(&sent).expect("a snapshot");
     let names = ["second", "third", "fourth"];
     for (i, name) in names.iter().enumerate() {
-        let module = ModuleBuilder::new(name)
-            .uid(&format!("u-{i}"))
-            .finalizers(&[FINALIZER])
-            .selector(&[("env", "prod")])
-            .build();
+        let module = prod_module(name, &format!("u-{i}"));
         fleet
             .modules
             .apply_watcher_event(&watcher::Event::Apply(module.clone()));
@@ -1064,17 +1088,9 @@ fn modules_changed_together_cost_each_cluster_one_snapshot() {
     let snapshots = fleet.view.metrics.snapshots_sent.get();
     fleet.view.recompute_stale();
     assert_eq!(fleet.view.metrics.snapshots_sent.get(), snapshots + 1);
-    let Outbound::Snapshot(snapshot) = &*sent.borrow() else {
-        panic!("a snapshot")
-    };
-    let sent_modules: BTreeSet<&str> = snapshot
-        .modules
-        .iter()
-        .filter_map(|m| m.key.as_ref().map(|k| k.name.as_str()))
-        .collect();
     assert_eq!(
-        sent_modules,
-        BTreeSet::from(["hello", "second", "third", "fourth"])
+        sent_modules(&sent),
+        BTreeSet::from(["hello", "second", "third", "fourth"].map(String::from))
     );
 }
 
@@ -1088,13 +1104,7 @@ fn a_cluster_waiting_for_several_checks_gets_one_snapshot_after_the_last() {
     fleet.add_module(hello().build());
     let (_, sent) = connect(&fleet, "spoke1", 0);
     for (i, name) in ["second", "third"].iter().enumerate() {
-        fleet.add_module(
-            ModuleBuilder::new(name)
-                .uid(&format!("u-{i}"))
-                .finalizers(&[FINALIZER])
-                .selector(&[("env", "prod")])
-                .build(),
-        );
+        fleet.add_module(prod_module(name, &format!("u-{i}")));
     }
     let snapshots = || fleet.view.metrics.snapshots_sent.get();
     let before = snapshots();
@@ -1117,15 +1127,10 @@ fn a_cluster_waiting_for_several_checks_gets_one_snapshot_after_the_last() {
     fleet.view.set_image(last.clone(), record(need));
     fleet.view.recompute_stale();
     assert_eq!(snapshots(), before + 1);
-    let Outbound::Snapshot(snapshot) = &*sent.borrow() else {
-        panic!("a snapshot")
-    };
-    let sent_modules: BTreeSet<&str> = snapshot
-        .modules
-        .iter()
-        .filter_map(|m| m.key.as_ref().map(|k| k.name.as_str()))
-        .collect();
-    assert_eq!(sent_modules, BTreeSet::from(["hello", "second", "third"]));
+    assert_eq!(
+        sent_modules(&sent),
+        BTreeSet::from(["hello", "second", "third"].map(String::from))
+    );
 }
 
 /// A check that never comes (its module deleted meanwhile, say) holds a waiting cluster
@@ -1138,20 +1143,11 @@ async fn a_cluster_waiting_for_a_check_that_lingers_is_recomputed_at_the_bound()
     let (_, sent) = connect(&fleet, "spoke1", 0);
     let view = Arc::new(fleet.view);
     tokio::spawn(view.clone().follow_stale());
-    let settle = || async {
-        for _ in 0..10 {
-            tokio::task::yield_now().await;
-        }
-    };
     settle().await;
     // Created while the task runs: the recompute that leaves their checks to wait for
     // sets its timer.
     for (i, name) in ["second", "third"].iter().enumerate() {
-        let module = ModuleBuilder::new(name)
-            .uid(&format!("u-{i}"))
-            .finalizers(&[FINALIZER])
-            .selector(&[("env", "prod")])
-            .build();
+        let module = prod_module(name, &format!("u-{i}"));
         fleet
             .modules
             .apply_watcher_event(&watcher::Event::Apply(module.clone()));
@@ -1175,14 +1171,8 @@ async fn a_cluster_waiting_for_a_check_that_lingers_is_recomputed_at_the_bound()
     tokio::time::advance(AWAIT_BOUND).await;
     settle().await;
     assert_eq!(snapshots(), before + 1, "recomputed at the bound");
-    let Outbound::Snapshot(snapshot) = &*sent.borrow() else {
-        panic!("a snapshot")
-    };
     assert!(
-        snapshot
-            .modules
-            .iter()
-            .any(|m| m.key.as_ref().is_some_and(|k| k.name == "second")),
+        sent_modules(&sent).contains("second"),
         "the checked module is sent"
     );
 }
@@ -1197,19 +1187,10 @@ async fn the_recompute_task_waits_for_checks_under_way_up_to_its_hold() {
     let (_, sent) = connect(&fleet, "spoke1", 0);
     let view = Arc::new(fleet.view);
     tokio::spawn(view.clone().follow_stale());
-    let settle = || async {
-        for _ in 0..10 {
-            tokio::task::yield_now().await;
-        }
-    };
     settle().await;
     let snapshots = || view.metrics.snapshots_sent.get();
     let before = snapshots();
-    let second = ModuleBuilder::new("second")
-        .uid("u-2")
-        .finalizers(&[FINALIZER])
-        .selector(&[("env", "prod")])
-        .build();
+    let second = prod_module("second", "u-2");
 
     // A module created while a check is under way, its image then found.
     let check = view.checking();
