@@ -68,6 +68,8 @@ impl FleetView {
         next
     }
 
+    /// Marks the connected clusters for which `also` holds (asked of each first) and
+    /// that the module selects, was sent to or may still run on.
     fn mark_stale_where(
         &self,
         module: &ManagedClusterModule,
@@ -80,13 +82,20 @@ impl FleetView {
             .all()
             .into_iter()
             .filter_map(|(cluster, session)| {
-                let view = self.index.cluster_view(&cluster);
                 let mut session = lock(&session);
+                // The cluster's view is built last: a kernel upgrade's records leave most
+                // clusters waiting (`also`), each record asking every cluster.
                 (session.stream.is_some()
-                    && (is_selected(module, view.as_ref().map(ClusterView::facts))
-                        || session.carries(namespace, &name)
-                        || session.statuses.lingers(namespace, &name))
-                    && also(&mut session))
+                    && also(&mut session)
+                    && (session.carries(namespace, &name)
+                        || session.statuses.lingers(namespace, &name)
+                        || is_selected(
+                            module,
+                            self.index
+                                .cluster_view(&cluster)
+                                .as_ref()
+                                .map(ClusterView::facts),
+                        )))
                 .then_some(cluster)
             })
             .collect();
