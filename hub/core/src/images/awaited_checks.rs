@@ -18,7 +18,7 @@ pub const AWAIT_BOUND: Duration = Duration::from_secs(2);
 
 /// The checks one cluster waits for, kept as hashes: 3,500 clusters each waiting for
 /// dozens of images would otherwise hold a copy of every name. Two images sharing a hash
-/// only end the wait sooner (a recompute more), never later.
+/// can only end a wait sooner (a recompute more) or leave an abandoned one to the bound.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct AwaitedChecks {
     images: BTreeSet<u64>,
