@@ -102,14 +102,12 @@ impl FleetView {
         self.signals.stale.add(stale);
     }
 
-    /// Recomputes the clusters marked stale until none is; returns when a cluster waiting
-    /// for image checks is due (see [`FleetView::release_waits`]).
-    pub fn recompute_stale(&self) -> Option<Instant> {
-        let due = self.release_waits(None);
+    /// Recomputes the clusters marked stale until none is.
+    pub fn recompute_stale(&self) {
         loop {
             let stale = self.signals.stale.take();
             if stale.is_empty() {
-                return due;
+                return;
             }
             for cluster in stale {
                 if let Some(session) = self.sessions.get(&cluster) {
@@ -125,7 +123,8 @@ impl FleetView {
     /// cluster), so the task waits for them to be recorded, up to [`STALE_HOLD`]: a
     /// slow registry holds nothing up for longer. A cluster waiting for image checks is
     /// recomputed when it is due at the latest, whether or not anything else marks a
-    /// cluster stale meanwhile.
+    /// cluster stale meanwhile: the task keeps the earliest time one may be due (a
+    /// recompute only moves a cluster's later) and looks at every cluster only then.
     pub async fn follow_stale(self: std::sync::Arc<Self>) {
         let mut checks = self.signals.checks.subscribe();
         let mut waits = self.signals.waits.subscribe();
@@ -147,10 +146,10 @@ impl FleetView {
                     due = Some(due.map_or(new, |due| due.min(new)));
                     continue;
                 }
-                () = at_due => {}
+                () = at_due => due = self.release_waits(None),
             }
             let _ = tokio::time::timeout(STALE_HOLD, checks.wait_for(|n| *n == 0)).await;
-            due = self.recompute_stale();
+            self.recompute_stale();
         }
     }
 
