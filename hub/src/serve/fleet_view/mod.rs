@@ -18,7 +18,6 @@ mod on_stream;
 mod on_watch;
 mod readouts;
 mod reads;
-mod selections;
 pub mod signals;
 mod snapshots;
 

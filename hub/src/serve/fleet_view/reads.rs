@@ -30,7 +30,7 @@ impl FleetView {
         let generation = module.metadata.generation;
         let selected = self.index.selected_clusters(module);
         let mut view = ModuleViewBuilder::new(module);
-        for (cluster, (wave, hold)) in selected.iter() {
+        for (cluster, (wave, hold)) in &selected {
             let session = self.sessions.get(cluster);
             let session = session.as_ref().map(|s| lock(s));
             let sight = session
@@ -51,10 +51,7 @@ impl FleetView {
         }
         if view.counts_unselected() {
             for (cluster, session) in self.sessions.all() {
-                if selected
-                    .binary_search_by(|(selected, _)| selected.cmp(&cluster))
-                    .is_ok()
-                {
+                if selected.contains_key(&cluster) {
                     continue;
                 }
                 let session = lock(&session);
