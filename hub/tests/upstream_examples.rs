@@ -4,7 +4,6 @@
 //! as upstream documents the feature to behave.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::jiff::Timestamp;
@@ -12,7 +11,6 @@ use kmm_api::ManagedClusterModule;
 use kmm_api::labels::version_module_label;
 use kmm_hub::admission::review;
 use kmm_hub::build::request::BuildRequest;
-use kmm_hub::fleet::built_intents::BuiltIntents;
 use kmm_hub::fleet::intents::{ClusterImages, ModuleInput, cluster_intents, selects};
 use kmm_hub::images::{ImageKey, ImageNeed, ImageRecord, module_needs};
 use kmm_hub::resolutions::Resolutions;
@@ -119,7 +117,7 @@ fn sent(module: &ManagedClusterModule, kernels: &[&str], secrets: &[&str]) -> In
     let kernels: BTreeSet<String> = kernels.iter().map(|k| (*k).to_owned()).collect();
     cluster_intents(
         &[ModuleInput {
-            module: &Arc::new(module.clone()),
+            module,
             unload: false,
         }],
         &kernels,
@@ -129,13 +127,10 @@ fn sent(module: &ManagedClusterModule, kernels: &[&str], secrets: &[&str]) -> In
             spoke_pins: &BTreeMap::new(),
             cluster: "spoke1",
             mirrors: &[],
-            versions: &BTreeMap::new(),
         },
         &mut Resolutions::default(),
-        &mut BuiltIntents::default(),
     )
     .snapshot
-    .to_wire()
 }
 
 /// The load `kernel`'s nodes are sent.
