@@ -4,6 +4,7 @@
 //! as upstream documents the feature to behave.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::jiff::Timestamp;
@@ -11,6 +12,7 @@ use kmm_api::ManagedClusterModule;
 use kmm_api::labels::version_module_label;
 use kmm_hub::admission::review;
 use kmm_hub::build::request::BuildRequest;
+use kmm_hub::fleet::built_intents::BuiltIntents;
 use kmm_hub::fleet::intents::{ClusterImages, ModuleInput, cluster_intents, selects};
 use kmm_hub::images::{ImageKey, ImageNeed, ImageRecord, module_needs};
 use kmm_hub::resolutions::Resolutions;
@@ -117,7 +119,7 @@ fn sent(module: &ManagedClusterModule, kernels: &[&str], secrets: &[&str]) -> In
     let kernels: BTreeSet<String> = kernels.iter().map(|k| (*k).to_owned()).collect();
     cluster_intents(
         &[ModuleInput {
-            module,
+            module: &Arc::new(module.clone()),
             unload: false,
         }],
         &kernels,
@@ -127,10 +129,13 @@ fn sent(module: &ManagedClusterModule, kernels: &[&str], secrets: &[&str]) -> In
             spoke_pins: &BTreeMap::new(),
             cluster: "spoke1",
             mirrors: &[],
+            versions: &BTreeMap::new(),
         },
         &mut Resolutions::default(),
+        &mut BuiltIntents::default(),
     )
     .snapshot
+    .to_wire()
 }
 
 /// The load `kernel`'s nodes are sent.

@@ -9,6 +9,7 @@
 //! loading one whose deletion the hub could miss would leave it loaded forever.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use kmm_api::{ManagedClusterModule, PlacementRef};
 
@@ -80,7 +81,7 @@ pub fn is_deleting(module: &ManagedClusterModule) -> bool {
 /// to confirm a module's unload (see `Outbox::unload_unconfirmed`): such a module stays,
 /// to be unloaded, whatever the statuses say.
 pub fn cluster_modules<'a>(
-    modules: &[&'a ManagedClusterModule],
+    modules: &'a [Arc<ManagedClusterModule>],
     cluster: Option<ClusterFacts<'_>>,
     reported: &NodeStatuses,
     unconfirmed: &dyn Fn(&str, &str) -> bool,
@@ -88,7 +89,7 @@ pub fn cluster_modules<'a>(
     modules
         .iter()
         .filter(|module| is_guarded(module))
-        .filter_map(|&module| {
+        .filter_map(|module| {
             let selection = selection(module, cluster);
             let selected = selection == Selection::Selected;
             let name = module.metadata.name.as_deref().unwrap_or_default();
@@ -142,7 +143,9 @@ mod tests {
             placed: &placed,
             excuses: &excuses,
         });
-        cluster_modules(modules, cluster, statuses, &|_, _| false)
+        let modules: Vec<Arc<ManagedClusterModule>> =
+            modules.iter().map(|m| Arc::new((*m).clone())).collect();
+        cluster_modules(&modules, cluster, statuses, &|_, _| false)
             .iter()
             .map(|input| (input.module.metadata.name.clone().unwrap(), input.unload))
             .collect()
@@ -290,10 +293,15 @@ mod tests {
             placed: &placed,
             excuses,
         };
-        cluster_modules(&[module], Some(facts), statuses, &|_, _| false)
-            .iter()
-            .map(|input| (input.module.metadata.name.clone().unwrap(), input.unload))
-            .collect()
+        cluster_modules(
+            &[Arc::new(module.clone())],
+            Some(facts),
+            statuses,
+            &|_, _| false,
+        )
+        .iter()
+        .map(|input| (input.module.metadata.name.clone().unwrap(), input.unload))
+        .collect()
     }
 
     /// The `gpu` module selecting `fleet: a`, on that cluster.

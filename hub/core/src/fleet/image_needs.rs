@@ -35,9 +35,8 @@ impl ServedKernels {
         statuses: &NodeStatuses,
         kernels: &BTreeSet<String>,
     ) {
-        let refs: Vec<&ManagedClusterModule> = modules.iter().map(AsRef::as_ref).collect();
         // Modules only waiting for an unload's confirmation are unloads: they need no image.
-        for input in cluster_modules(&refs, facts, statuses, &|_, _| false) {
+        for input in cluster_modules(modules, facts, statuses, &|_, _| false) {
             if input.unload {
                 continue;
             }
@@ -45,13 +44,7 @@ impl ServedKernels {
             let served = &mut self
                 .served
                 .entry(key)
-                .or_insert_with(|| {
-                    let module = modules
-                        .iter()
-                        .find(|m| std::ptr::eq(m.as_ref(), input.module))
-                        .expect("an input is one of the modules given");
-                    (module.clone(), BTreeSet::new())
-                })
+                .or_insert_with(|| (input.module.clone(), BTreeSet::new()))
                 .1;
             // Most clusters run kernels seen already: look before copying.
             for kernel in kernels {

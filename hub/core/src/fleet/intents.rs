@@ -3,16 +3,18 @@
 //! IntentSnapshot streamed to its spoke proxy. Pure.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use kmm_api::{ManagedClusterModule, MaxUnavailable};
 use kmm_proto::v1::{
-    DevicePlugin, ImageResolution, IntentSnapshot, KernelTarget, Modprobe, ModprobeArgs,
-    ModuleIntent, ModuleKey, ModuleLoad, PullCredential, RegistryTls, Toleration, Unresolved,
-    kernel_target::Target, module_intent,
+    DevicePlugin, ImageResolution, KernelTarget, Modprobe, ModprobeArgs, ModuleIntent, ModuleKey,
+    ModuleLoad, PullCredential, RegistryTls, Toleration, Unresolved, kernel_target::Target,
+    module_intent,
 };
 use kmm_resolver::Resolution;
 use kube::ResourceExt;
 
+use super::built_intents::{BuiltFrom, BuiltIntents};
 use super::mirrors::{ImageMirror, mirrored};
 use super::shared_snapshot::SharedSnapshot;
 use crate::images::need::pin_generation;
@@ -23,7 +25,7 @@ use crate::resolutions::{ModuleResolutions, Resolutions};
 /// A module as the hub sees it for one cluster.
 #[derive(Clone, Copy, Debug)]
 pub struct ModuleInput<'a> {
-    pub module: &'a ManagedClusterModule,
+    pub module: &'a Arc<ManagedClusterModule>,
     /// Unload everywhere in the cluster: the module is being deleted, or the cluster is no
     /// longer selected. Unloading is always explicit, never inferred from absence.
     pub unload: bool,
@@ -40,7 +42,7 @@ pub fn selects(selector: &BTreeMap<String, String>, labels: &BTreeMap<String, St
 /// A cluster's snapshot, and whether an image it loads has not been checked yet.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ClusterIntents {
-    pub snapshot: IntentSnapshot,
+    pub snapshot: SharedSnapshot,
     /// The images to load that have no record yet: sending their modules now would tell
     /// nodes "not checked" where they may be running them fine (after a failover, say).
     /// See [`while_unchecked`].
@@ -53,17 +55,17 @@ pub struct ClusterIntents {
 /// it `runs` on the cluster (a failover: nothing to keep it at, and leaving it out would
 /// stop its device plugin). `None`: hold the whole snapshot until the checks.
 pub fn while_unchecked(
-    mut snapshot: IntentSnapshot,
+    mut snapshot: SharedSnapshot,
     unchecked: &BTreeSet<ImageKey>,
     previous: Option<&SharedSnapshot>,
     runs: impl Fn(&ModuleKey) -> bool,
-) -> Option<IntentSnapshot> {
+) -> Option<SharedSnapshot> {
     let before = |key: &ModuleKey| {
         previous?
             .modules
             .iter()
             .find(|m| m.key.as_ref() == Some(key))
-            .map(|m| ModuleIntent::clone(m))
+            .cloned()
     };
     let mut kept = Vec::with_capacity(snapshot.modules.len());
     for intent in std::mem::take(&mut snapshot.modules) {
@@ -110,6 +112,9 @@ pub struct ClusterImages<'a> {
     pub spoke_pins: &'a BTreeMap<ImageKey, SpokePins>,
     /// The cluster the snapshot is for: its own pins apply.
     pub cluster: &'a str,
+    /// Per module, a count that moves whenever one of its records changes: an intent
+    /// built from the records at one count holds until it moves (see `built_intents`).
+    pub versions: &'a BTreeMap<String, u64>,
     /// The cluster's image mirrors (its AddOnDeploymentConfig's `registries`): its loads
     /// and device plugins pull through them, a load still by its pinned digest.
     pub mirrors: &'a [ImageMirror],
@@ -120,48 +125,103 @@ pub struct ClusterImages<'a> {
 /// credentials an image of this snapshot needs are included. `images` is where each
 /// image stands: only an image with a digest is loaded, by that digest (the hub's, or the
 /// one this cluster resolved); one the cluster is to resolve is sent as a resolution.
+/// An intent built for another cluster from the same inputs is taken from `built`.
 pub fn cluster_intents(
     modules: &[ModuleInput<'_>],
     kernels: &BTreeSet<String>,
     credentials: &BTreeMap<String, PullCredential>,
     images: ClusterImages<'_>,
     resolutions: &mut Resolutions,
+    built: &mut BuiltIntents,
 ) -> ClusterIntents {
     let mut needed = BTreeSet::new();
     let mut unchecked = BTreeSet::new();
-    let intents = modules
-        .iter()
-        .map(|input| {
-            let mut intent = if input.module.spec.module_spec.module_loader.is_none() {
-                let valid = resolutions.invalid(input.module).is_none();
-                device_plugin_only_intent(input, valid)
-            } else {
-                module_intent(
-                    input,
-                    kernels,
-                    credentials,
-                    images,
-                    resolutions.resolve(input.module, kernels),
-                    &mut needed,
-                    &mut unchecked,
-                )
-            };
-            through_mirrors(&mut intent, images.mirrors);
-            intent
-        })
-        .collect();
+    let mut intents = Vec::with_capacity(modules.len());
+    for input in modules {
+        let module = input.module;
+        let name = module.metadata.name.as_deref().unwrap_or_default();
+        let from = BuiltFrom {
+            kernels,
+            mirrors: images.mirrors,
+            secret_found: image_repo_secret(module).is_none_or(|s| credentials.contains_key(s)),
+            images_version: images.versions.get(name).copied().unwrap_or_default(),
+        };
+        if let Some(found) = built.get(module, input.unload, &from) {
+            needed.extend(found.needed.iter().cloned());
+            unchecked.extend(found.unchecked.iter().cloned());
+            intents.push(found.intent.clone());
+            continue;
+        }
+        let mut module_needed = BTreeSet::new();
+        let mut module_unchecked = BTreeSet::new();
+        let mut cluster_specific = false;
+        let mut intent = if module.spec.module_spec.module_loader.is_none() {
+            let valid = resolutions.invalid(module).is_none();
+            device_plugin_only_intent(input, valid)
+        } else {
+            module_intent(
+                input,
+                kernels,
+                credentials,
+                images,
+                resolutions.resolve(module, kernels),
+                Found {
+                    needed: &mut module_needed,
+                    unchecked: &mut module_unchecked,
+                    cluster_specific: &mut cluster_specific,
+                },
+            )
+        };
+        through_mirrors(&mut intent, images.mirrors);
+        needed.extend(module_needed.iter().cloned());
+        unchecked.extend(module_unchecked.iter().cloned());
+        intents.push(if cluster_specific {
+            built.share(intent)
+        } else {
+            let secret = module_needed.into_iter().next();
+            built.keep(
+                module,
+                input.unload,
+                &from,
+                intent,
+                module_unchecked,
+                secret,
+            )
+        });
+    }
+    built.sweep();
     ClusterIntents {
-        snapshot: IntentSnapshot {
+        snapshot: SharedSnapshot {
             revision: 0,
             modules: intents,
             credentials: needed
                 .into_iter()
                 .filter_map(|id| credentials.get(&id).cloned())
                 .collect(),
-            ..IntentSnapshot::default()
         },
         unchecked,
     }
+}
+
+/// What building one module's intent found besides the intent.
+struct Found<'a> {
+    /// The pull credential its loads name.
+    needed: &'a mut BTreeSet<String>,
+    /// Its images without a record yet.
+    unchecked: &'a mut BTreeSet<ImageKey>,
+    /// Whether it holds what the cluster resolved (its own pins), so that another
+    /// cluster's intent differs.
+    cluster_specific: &'a mut bool,
+}
+
+/// The name of the module's `imageRepoSecret`, when it names one.
+fn image_repo_secret(mcm: &ManagedClusterModule) -> Option<&str> {
+    mcm.spec
+        .module_spec
+        .image_repo_secret
+        .as_ref()
+        .map(|s| s.name.as_str())
+        .filter(|n| !n.is_empty())
 }
 
 fn module_intent(
@@ -170,17 +230,17 @@ fn module_intent(
     credentials: &BTreeMap<String, PullCredential>,
     images: ClusterImages<'_>,
     resolutions: &ModuleResolutions,
-    needed: &mut BTreeSet<String>,
-    unchecked: &mut BTreeSet<ImageKey>,
+    found: Found<'_>,
 ) -> ModuleIntent {
+    let Found {
+        needed,
+        unchecked,
+        cluster_specific,
+    } = found;
     let mcm = input.module;
     let name = mcm.name_any();
     let spec = &mcm.spec.module_spec;
-    let secret = spec
-        .image_repo_secret
-        .as_ref()
-        .map(|s| s.name.clone())
-        .filter(|n| !n.is_empty());
+    let secret = image_repo_secret(mcm).map(str::to_owned);
     let generation = spec.image_rebuild_trigger_generation.unwrap_or_default();
     // The revision served loads the digests pinned by its pin generation.
     let pinned_at = pin_generation(mcm);
@@ -206,6 +266,8 @@ fn module_intent(
                                 image: resolution.container_image.clone(),
                             };
                             let verdict = images.records.get(&key).map(|r| r.verdict_at(pinned_at));
+                            // What this cluster resolved is its own.
+                            *cluster_specific |= matches!(verdict, Some(Verdict::ResolveOnSpoke));
                             match verdict {
                                 Some(Verdict::Load { digest }) => {
                                     needed.extend(secret.clone());
@@ -335,19 +397,9 @@ fn device_plugin(mcm: &ManagedClusterModule) -> Option<DevicePlugin> {
         .ok()
         .map(|spec_json| DevicePlugin {
             spec_json,
-            image_repo_secret: image_repo_secret_name(mcm),
+            // The plugin's Pods name it, as upstream's do, never the Secret's content.
+            image_repo_secret: image_repo_secret(mcm).unwrap_or_default().to_owned(),
         })
-}
-
-/// The name of the module's `imageRepoSecret` (empty when none): the plugin's Pods name
-/// it, as upstream's do, never the Secret's content.
-fn image_repo_secret_name(mcm: &ManagedClusterModule) -> String {
-    mcm.spec
-        .module_spec
-        .image_repo_secret
-        .as_ref()
-        .map(|s| s.name.clone())
-        .unwrap_or_default()
 }
 
 /// `nodeUpgrade.maxUnavailable` for the proxy; a value admission would refuse (stored
@@ -409,6 +461,7 @@ fn toleration(t: &k8s_openapi::api::core::v1::Toleration) -> Toleration {
 #[cfg(test)]
 mod tests {
     use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+    use kmm_proto::v1::IntentSnapshot;
     use kmm_proto::v1::pull_credential::Content;
 
     use kmm_api::testing::ModuleBuilder;
@@ -438,6 +491,7 @@ mod tests {
     const PINNED: &str = "sha256:0123";
 
     static NO_SPOKE_PINS: BTreeMap<ImageKey, SpokePins> = BTreeMap::new();
+    static NO_VERSIONS: BTreeMap<String, u64> = BTreeMap::new();
 
     /// The hub's records, no cluster's pins, for spoke1, without mirrors.
     fn hub_only(records: &BTreeMap<ImageKey, ImageRecord>) -> ClusterImages<'_> {
@@ -446,6 +500,7 @@ mod tests {
             spoke_pins: &NO_SPOKE_PINS,
             cluster: "spoke1",
             mirrors: &[],
+            versions: &NO_VERSIONS,
         }
     }
 
@@ -490,13 +545,19 @@ mod tests {
     /// A module's intent with no kernels, credentials or resolutions around it.
     fn bare_intent(module: &ManagedClusterModule, unload: bool) -> ModuleIntent {
         module_intent(
-            &ModuleInput { module, unload },
+            &ModuleInput {
+                module: &Arc::new(module.clone()),
+                unload,
+            },
             &kernels(&[]),
             &creds(&[]),
             hub_only(&pinned()),
             &ModuleResolutions::default(),
-            &mut BTreeSet::new(),
-            &mut BTreeSet::new(),
+            Found {
+                needed: &mut BTreeSet::new(),
+                unchecked: &mut BTreeSet::new(),
+                cluster_specific: &mut false,
+            },
         )
     }
 
@@ -513,13 +574,14 @@ mod tests {
         let digest_of = |module: &ManagedClusterModule| {
             let snapshot = cluster_intents(
                 &[ModuleInput {
-                    module,
+                    module: &Arc::new(module.clone()),
                     unload: false,
                 }],
                 &kernels(&["6.1.0-13-amd64"]),
                 &creds(&["pull"]),
                 hub_only(&images),
                 &mut Resolutions::default(),
+                &mut BuiltIntents::default(),
             )
             .snapshot;
             match &snapshot.modules[0].kernels[0].target {
@@ -575,7 +637,7 @@ mod tests {
         }];
         let snapshot = cluster_intents(
             &[ModuleInput {
-                module: &module,
+                module: &Arc::new(module.clone()),
                 unload: false,
             }],
             &kernels(&["6.1.0-13-amd64"]),
@@ -585,6 +647,7 @@ mod tests {
                 ..hub_only(&records)
             },
             &mut Resolutions::default(),
+            &mut BuiltIntents::default(),
         )
         .snapshot;
         let intent = &snapshot.modules[0];
@@ -610,13 +673,14 @@ mod tests {
         let module = mcm("hello", HELLO);
         let snapshot = cluster_intents(
             &[ModuleInput {
-                module: &module,
+                module: &Arc::new(module.clone()),
                 unload: false,
             }],
             &kernels(&["6.1.0-13-amd64", "5.14.0-427.el9.x86_64"]),
             &creds(&["pull", "unrelated"]),
             hub_only(&pinned()),
             &mut Resolutions::default(),
+            &mut BuiltIntents::default(),
         )
         .snapshot;
         let intent = &snapshot.modules[0];
@@ -719,7 +783,11 @@ mod tests {
         record.state = crate::images::ImageState::SpokeResolved;
         let record = record.clone();
         let mut pins = BTreeMap::from([(key.clone(), SpokePins::default())]);
-        let target = |pins: &BTreeMap<ImageKey, SpokePins>, cluster: &str| {
+        // One module object and one cache for every cluster, as the hub has them: what a
+        // cluster resolved is its own, whatever another cluster was sent.
+        let module = Arc::new(module);
+        let mut built = BuiltIntents::default();
+        let mut target = |pins: &BTreeMap<ImageKey, SpokePins>, cluster: &str| {
             let intents = cluster_intents(
                 &[ModuleInput {
                     module: &module,
@@ -732,8 +800,10 @@ mod tests {
                     spoke_pins: pins,
                     cluster,
                     mirrors: &[],
+                    versions: &NO_VERSIONS,
                 },
                 &mut Resolutions::default(),
+                &mut built,
             );
             assert!(intents.unchecked.is_empty(), "the hub looked");
             assert!(intents.snapshot.credentials.is_empty());
@@ -787,6 +857,123 @@ mod tests {
         ));
     }
 
+    #[test]
+    fn an_intent_built_for_an_earlier_cluster_is_what_building_it_again_gives() {
+        let hello = Arc::new(mcm("hello", HELLO));
+        let mut edited = mcm(
+            "hello",
+            &HELLO.replace("parameters: [a=1]", "parameters: [a=2]"),
+        );
+        edited.metadata.generation = Some(5);
+        let edited = Arc::new(edited);
+        let kernel_sets = [
+            kernels(&["6.1.0-13-amd64"]),
+            kernels(&["6.1.0-13-amd64", "6.2.0-1-amd64", "5.14.0-427.el9.x86_64"]),
+            kernels(&[]),
+        ];
+        let mirrors = [crate::fleet::mirrors::ImageMirror {
+            source: "r.example".into(),
+            mirror: "mirror.internal".into(),
+        }];
+        // The records as the image worker moves them: none, one pinned, then both pinned
+        // to other digests; each move moves the module's version.
+        let none = BTreeMap::new();
+        let one = pinned();
+        let mut both = pinned();
+        for record in both.values_mut() {
+            record.digest = Some("sha256:4567".into());
+        }
+        let need = crate::images::ImageNeed::for_kernels([]);
+        both.insert(
+            ImageKey {
+                module: "hello".into(),
+                image: "r.example/hello:6.2.0-1-amd64".into(),
+            },
+            ImageRecord::seeded(
+                &need,
+                "sha256:89ab".into(),
+                k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+            ),
+        );
+        let mut built = BuiltIntents::default();
+        let mut resolutions = Resolutions::default();
+        // Every combination of module object, kernels, unload, credential and mirrors,
+        // twice, in a scrambled order, so that most find one built for an earlier cluster.
+        let mut combinations: Vec<usize> = (0..2 * 48).map(|i| i % 48).collect();
+        let mut seed = 7_u64;
+        for i in (1..combinations.len()).rev() {
+            seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            combinations.swap(i, (seed >> 33) as usize % (i + 1));
+        }
+        let mut compared = 0;
+        for (version, records) in [(0, &none), (1, &one), (2, &both)] {
+            let versions = BTreeMap::from([("hello".to_owned(), version)]);
+            for &c in &combinations {
+                let module = [&hello, &edited][c % 2];
+                let kernels = &kernel_sets[c / 2 % 3];
+                let unload = c / 6 % 2 == 1;
+                let credentials = creds(if c / 12 % 2 == 1 { &["pull"] } else { &[] });
+                let images = ClusterImages {
+                    mirrors: if c / 24 == 1 { &mirrors } else { &[] },
+                    versions: &versions,
+                    ..hub_only(records)
+                };
+                let input = [ModuleInput { module, unload }];
+                let taken = cluster_intents(
+                    &input,
+                    kernels,
+                    &credentials,
+                    images,
+                    &mut resolutions,
+                    &mut built,
+                );
+                let fresh = cluster_intents(
+                    &input,
+                    kernels,
+                    &credentials,
+                    images,
+                    &mut Resolutions::default(),
+                    &mut BuiltIntents::default(),
+                );
+                assert_eq!(
+                    taken.snapshot.to_wire(),
+                    fresh.snapshot.to_wire(),
+                    "combination {c}"
+                );
+                assert_eq!(taken.unchecked, fresh.unchecked, "combination {c}");
+                compared += 1;
+            }
+        }
+        assert_eq!(compared, 3 * 96);
+        assert!(built.modules_kept() <= 2, "one entry per module object");
+    }
+
+    #[test]
+    fn clusters_alike_share_one_intent() {
+        let hello = Arc::new(mcm("hello", HELLO));
+        let mut built = BuiltIntents::default();
+        let mut snapshot = |kernels: &BTreeSet<String>| {
+            cluster_intents(
+                &[ModuleInput {
+                    module: &hello,
+                    unload: false,
+                }],
+                kernels,
+                &creds(&["pull"]),
+                hub_only(&pinned()),
+                &mut Resolutions::default(),
+                &mut built,
+            )
+            .snapshot
+        };
+        let first = snapshot(&kernels(&["6.1.0-13-amd64"]));
+        let second = snapshot(&kernels(&["6.1.0-13-amd64"]));
+        let other = snapshot(&kernels(&["6.2.0-1-amd64"]));
+        assert!(Arc::ptr_eq(&first.modules[0], &second.modules[0]));
+        assert_ne!(first.modules[0], other.modules[0]);
+        assert_eq!(second.credentials.len(), 1, "the credential, as when built");
+    }
+
     const PLUGIN_ONLY: &str = r#"    selector: {role: gpu}
     tolerations: [{key: gpu, operator: Exists, effect: NoSchedule}]
     devicePlugin:
@@ -799,13 +986,14 @@ mod tests {
         for unload in [false, true] {
             let intents = cluster_intents(
                 &[ModuleInput {
-                    module: &module,
+                    module: &Arc::new(module.clone()),
                     unload,
                 }],
                 &kernels(&["6.1.0-13-amd64", "5.14.0-427.el9.x86_64"]),
                 &creds(&["pull"]),
                 hub_only(&BTreeMap::new()),
                 &mut Resolutions::default(),
+                &mut BuiltIntents::default(),
             );
             assert!(intents.unchecked.is_empty(), "no image to check");
             let snapshot = intents.snapshot;
@@ -825,13 +1013,14 @@ mod tests {
         }
         let loader = cluster_intents(
             &[ModuleInput {
-                module: &mcm("hello", HELLO),
+                module: &Arc::new(mcm("hello", HELLO)),
                 unload: false,
             }],
             &kernels(&[]),
             &creds(&[]),
             hub_only(&pinned()),
             &mut Resolutions::default(),
+            &mut BuiltIntents::default(),
         );
         assert!(!loader.snapshot.modules[0].device_plugin_only);
     }
@@ -842,13 +1031,14 @@ mod tests {
         module.spec.spoke_namespace = "Not A Namespace".into();
         let snapshot = cluster_intents(
             &[ModuleInput {
-                module: &module,
+                module: &Arc::new(module.clone()),
                 unload: false,
             }],
             &kernels(&["6.1.0-13-amd64"]),
             &creds(&[]),
             hub_only(&BTreeMap::new()),
             &mut Resolutions::default(),
+            &mut BuiltIntents::default(),
         )
         .snapshot;
         let intent = &snapshot.modules[0];
@@ -861,13 +1051,14 @@ mod tests {
         let module = mcm("hello", HELLO);
         let snapshot = cluster_intents(
             &[ModuleInput {
-                module: &module,
+                module: &Arc::new(module.clone()),
                 unload: false,
             }],
             &kernels(&["6.1.0-13-amd64"]),
             &BTreeMap::new(),
             hub_only(&pinned()),
             &mut Resolutions::default(),
+            &mut BuiltIntents::default(),
         )
         .snapshot;
         let Some(Target::Unresolved(why)) = &snapshot.modules[0].kernels[0].target else {
@@ -882,13 +1073,14 @@ mod tests {
         let module = mcm("hello", HELLO);
         let snapshot = cluster_intents(
             &[ModuleInput {
-                module: &module,
+                module: &Arc::new(module.clone()),
                 unload: false,
             }],
             &kernels(&["5.14.0-427.el9.x86_64"]),
             &creds(&["pull"]),
             hub_only(&pinned()),
             &mut Resolutions::default(),
+            &mut BuiltIntents::default(),
         )
         .snapshot;
         assert!(snapshot.credentials.is_empty());
@@ -902,13 +1094,14 @@ mod tests {
         );
         let snapshot = cluster_intents(
             &[ModuleInput {
-                module: &broken,
+                module: &Arc::new(broken.clone()),
                 unload: true,
             }],
             &kernels(&["6.1.0"]),
             &BTreeMap::new(),
             hub_only(&pinned()),
             &mut Resolutions::default(),
+            &mut BuiltIntents::default(),
         )
         .snapshot;
         let intent = &snapshot.modules[0];
@@ -928,7 +1121,7 @@ mod tests {
     fn an_image_the_hub_has_not_found_is_a_reason_and_unchecked_ones_hold_the_snapshot() {
         let module = mcm("hello", HELLO);
         let input = [ModuleInput {
-            module: &module,
+            module: &Arc::new(module.clone()),
             unload: false,
         }];
         let kernels = kernels(&["6.1.0-13-amd64"]);
@@ -943,6 +1136,7 @@ mod tests {
             &creds(&["pull"]),
             hub_only(&images),
             &mut Resolutions::default(),
+            &mut BuiltIntents::default(),
         );
         assert!(intents.unchecked.is_empty());
         let Some(Target::Unresolved(why)) = &intents.snapshot.modules[0].kernels[0].target else {
@@ -961,6 +1155,7 @@ mod tests {
             &creds(&["pull"]),
             hub_only(&BTreeMap::new()),
             &mut Resolutions::default(),
+            &mut BuiltIntents::default(),
         );
         assert_eq!(
             held.unchecked,
@@ -970,7 +1165,7 @@ mod tests {
             }])
         );
         let unloading = [ModuleInput {
-            module: &module,
+            module: &Arc::new(module.clone()),
             unload: true,
         }];
         assert!(
@@ -980,6 +1175,7 @@ mod tests {
                 &creds(&["pull"]),
                 hub_only(&BTreeMap::new()),
                 &mut Resolutions::default(),
+                &mut BuiltIntents::default(),
             )
             .unchecked
             .is_empty(),
@@ -1005,7 +1201,7 @@ mod tests {
         }
     }
 
-    fn names(snapshot: &IntentSnapshot) -> Vec<(String, String, bool)> {
+    fn names(snapshot: &SharedSnapshot) -> Vec<(String, String, bool)> {
         snapshot
             .modules
             .iter()
@@ -1029,14 +1225,14 @@ mod tests {
         });
         let mut unload_b = intent("b", "r/b:v1", "");
         unload_b.unload = true;
-        let now = IntentSnapshot {
+        let now = SharedSnapshot::from(IntentSnapshot {
             modules: vec![
                 intent("a", "r/a:v2", ""),
                 unload_b,
                 intent("c", "r/c:v1", ""),
             ],
             ..IntentSnapshot::default()
-        };
+        });
         let unchecked = BTreeSet::from([
             ImageKey {
                 module: "a".into(),

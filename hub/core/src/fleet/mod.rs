@@ -5,6 +5,7 @@
 pub mod addon_config;
 pub mod addon_status;
 pub mod assignment;
+pub mod built_intents;
 pub mod cluster_identity;
 pub mod cluster_states;
 pub mod cluster_view;

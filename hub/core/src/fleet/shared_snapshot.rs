@@ -83,22 +83,8 @@ pub struct IntentPool {
 }
 
 impl IntentPool {
-    /// `snapshot` with each intent replaced by the equal one already held, if any.
-    pub fn share(&mut self, snapshot: IntentSnapshot) -> SharedSnapshot {
-        let modules = snapshot
-            .modules
-            .into_iter()
-            .map(|intent| self.intent(intent))
-            .collect();
-        self.sweep();
-        SharedSnapshot {
-            revision: snapshot.revision,
-            modules,
-            credentials: snapshot.credentials,
-        }
-    }
-
-    fn intent(&mut self, intent: ModuleIntent) -> Arc<ModuleIntent> {
+    /// The intent equal to `intent` held already, or `intent`, now held.
+    pub fn intent(&mut self, intent: ModuleIntent) -> Arc<ModuleIntent> {
         let bucket = self.by_hash.entry(content_hash(&intent)).or_default();
         if let Some(held) = bucket
             .iter()
@@ -115,7 +101,7 @@ impl IntentPool {
 
     /// Forgets intents no snapshot holds any more, once the pool doubled since the last
     /// time, so that it stays as large as what is held.
-    fn sweep(&mut self) {
+    pub fn sweep(&mut self) {
         if self.entries <= 64 || self.entries <= 2 * self.swept {
             return;
         }
@@ -183,6 +169,21 @@ mod tests {
         }
     }
 
+    /// `snapshot` with its intents taken from `pool`, as the hub's snapshots hold them.
+    fn share(pool: &mut IntentPool, snapshot: IntentSnapshot) -> SharedSnapshot {
+        let shared = SharedSnapshot {
+            revision: snapshot.revision,
+            modules: snapshot
+                .modules
+                .into_iter()
+                .map(|m| pool.intent(m))
+                .collect(),
+            credentials: snapshot.credentials,
+        };
+        pool.sweep();
+        shared
+    }
+
     fn snapshot(revision: u64, modules: Vec<ModuleIntent>) -> IntentSnapshot {
         IntentSnapshot {
             revision,
@@ -194,14 +195,14 @@ mod tests {
     #[test]
     fn equal_intents_of_different_clusters_are_held_once() {
         let mut pool = IntentPool::default();
-        let one = pool.share(snapshot(
-            1,
-            vec![intent("a", &["k1"]), intent("b", &["k1"])],
-        ));
-        let two = pool.share(snapshot(
-            7,
-            vec![intent("a", &["k1"]), intent("b", &["k2"])],
-        ));
+        let one = share(
+            &mut pool,
+            snapshot(1, vec![intent("a", &["k1"]), intent("b", &["k1"])]),
+        );
+        let two = share(
+            &mut pool,
+            snapshot(7, vec![intent("a", &["k1"]), intent("b", &["k2"])]),
+        );
         assert!(Arc::ptr_eq(&one.modules[0], &two.modules[0]), "same a");
         assert!(!Arc::ptr_eq(&one.modules[1], &two.modules[1]), "b differs");
         assert_eq!(pool.len(), 3);
@@ -216,30 +217,33 @@ mod tests {
     #[test]
     fn the_pool_forgets_what_no_snapshot_holds() {
         let mut pool = IntentPool::default();
-        let kept = pool.share(snapshot(1, vec![intent("kept", &["k"])]));
+        let kept = share(&mut pool, snapshot(1, vec![intent("kept", &["k"])]));
         for i in 0..200 {
-            drop(pool.share(snapshot(1, vec![intent(&format!("m{i}"), &["k"])])));
+            drop(share(
+                &mut pool,
+                snapshot(1, vec![intent(&format!("m{i}"), &["k"])]),
+            ));
         }
         assert!(
             pool.len() < 150,
             "{} entries for one held intent",
             pool.len()
         );
-        let again = pool.share(snapshot(2, vec![intent("kept", &["k"])]));
+        let again = share(&mut pool, snapshot(2, vec![intent("kept", &["k"])]));
         assert!(Arc::ptr_eq(&kept.modules[0], &again.modules[0]));
     }
 
     #[test]
     fn a_delta_is_what_changed_since_the_previous_snapshot() {
         let mut pool = IntentPool::default();
-        let before = pool.share(snapshot(
-            1,
-            vec![intent("a", &["k1"]), intent("b", &["k1"])],
-        ));
-        let after = pool.share(snapshot(
-            2,
-            vec![intent("a", &["k1"]), intent("c", &["k1"])],
-        ));
+        let before = share(
+            &mut pool,
+            snapshot(1, vec![intent("a", &["k1"]), intent("b", &["k1"])]),
+        );
+        let after = share(
+            &mut pool,
+            snapshot(2, vec![intent("a", &["k1"]), intent("c", &["k1"])]),
+        );
         let delta = after.delta_from(&before);
         assert!(delta.delta);
         assert_eq!(delta.revision, 2);
@@ -255,14 +259,17 @@ mod tests {
     #[test]
     fn snapshots_compare_by_content_whether_their_intents_are_shared_or_not() {
         let mut pool = IntentPool::default();
-        let shared = pool.share(snapshot(1, vec![intent("a", &["k1"])]));
-        let again = pool.share(snapshot(1, vec![intent("a", &["k1"])]));
+        let shared = share(&mut pool, snapshot(1, vec![intent("a", &["k1"])]));
+        let again = share(&mut pool, snapshot(1, vec![intent("a", &["k1"])]));
         let unshared = SharedSnapshot::from(snapshot(1, vec![intent("a", &["k1"])]));
         let other = SharedSnapshot::from(snapshot(1, vec![intent("a", &["k2"])]));
         assert_eq!(shared, again);
         assert_eq!(shared, unshared);
         assert_ne!(shared, other);
-        assert_ne!(shared, pool.share(snapshot(2, vec![intent("a", &["k1"])])));
+        assert_ne!(
+            shared,
+            share(&mut pool, snapshot(2, vec![intent("a", &["k1"])]))
+        );
         assert_ne!(shared, SharedSnapshot::from(snapshot(1, vec![])));
     }
 }

@@ -2,15 +2,15 @@
 //! generation, its revisions, the distinct intents of every cluster's snapshot, and
 //! each module's clusters by state as its view was last counted, and what counting it
 //! took.
-//! Lock order, where two are held: the image book, then resolutions.
+//! Lock order, where two are held: the image book, then resolutions, then intents.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
+use crate::fleet::built_intents::BuiltIntents;
 use crate::fleet::cluster_states::StateCounts;
 use crate::fleet::revisions::Revisions;
-use crate::fleet::shared_snapshot::IntentPool;
 use crate::resolutions::Resolutions;
 
 use super::lock;
@@ -19,8 +19,9 @@ use super::lock;
 pub struct Caches {
     resolutions: Mutex<Resolutions>,
     revisions: Mutex<Revisions>,
-    /// The intents of every cluster's snapshot, each distinct one held once.
-    intents: Mutex<IntentPool>,
+    /// The intents of every cluster's snapshot, each distinct one held once, and by
+    /// what they were built from.
+    intents: Mutex<BuiltIntents>,
     /// Per module, its clusters by state when its view was last counted (the controller
     /// counts it on every touch): the fleet UI shows every module without counting each
     /// one's 3,500 clusters again.
@@ -44,7 +45,7 @@ impl Caches {
         lock(&self.revisions)
     }
 
-    pub fn intents(&self) -> MutexGuard<'_, IntentPool> {
+    pub fn intents(&self) -> MutexGuard<'_, BuiltIntents> {
         lock(&self.intents)
     }
 

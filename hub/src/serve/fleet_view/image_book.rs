@@ -25,6 +25,24 @@ pub struct Images {
     needed: BTreeMap<ImageKey, BTreeSet<String>>,
     /// The clusters' digests of the images the hub cannot check (spoke-resolved).
     pub spoke_pins: BTreeMap<ImageKey, SpokePins>,
+    /// Per module, a count that moves whenever one of its records changes (see
+    /// `intents::ClusterImages::versions`). Counts come from one counter, so that a
+    /// module's never comes back to one it had.
+    pub versions: BTreeMap<String, u64>,
+    counter: u64,
+}
+
+impl Images {
+    /// One of `module`'s records changed.
+    fn moved(&mut self, module: &str) {
+        self.counter += 1;
+        match self.versions.get_mut(module) {
+            Some(version) => *version = self.counter,
+            None => {
+                self.versions.insert(module.to_owned(), self.counter);
+            }
+        }
+    }
 }
 
 /// What a new record changed.
@@ -73,6 +91,7 @@ impl ImageBook {
         if record.state != ImageState::SpokeResolved {
             images.spoke_pins.remove(&key);
         }
+        images.moved(&key.module);
         let previous = images.records.insert(key, record.clone());
         drop(images);
         RecordChange {
@@ -142,6 +161,10 @@ impl ImageBook {
                 .map(|key| key.module.clone()),
         );
         images.needed = needed;
+        images.versions.retain(|module, _| modules.contains(module));
+        for module in touched.iter().filter(|module| modules.contains(*module)) {
+            images.moved(module);
+        }
         touched
     }
 
@@ -248,6 +271,31 @@ mod tests {
         assert_eq!(book.pin_generation("hello", 0), 2);
         assert_eq!(book.pin_generation("hello", 5), 5, "as status records it");
         assert_eq!(book.pin_generation("other", 0), 0);
+    }
+
+    #[test]
+    fn every_change_of_a_modules_records_moves_its_version_and_never_back() {
+        let book = ImageBook::default();
+        let version = || book.read().versions.get("hello").copied();
+        assert_eq!(version(), None);
+        book.set(key("6.1"), record("6.1", None));
+        let first = version().unwrap();
+        book.set(key("6.1"), record("6.1", Some(1)));
+        let pinned = version().unwrap();
+        assert!(pinned > first, "a new record");
+        book.set(key("6.2"), record("6.2", None));
+        let unpinned = version().unwrap();
+        let hello = BTreeSet::from(["hello".to_owned()]);
+        book.track(&BTreeMap::new(), &hello);
+        assert!(!book.read().records.contains_key(&key("6.2")));
+        let dropped = version().unwrap();
+        assert!(dropped > unpinned, "an unneeded record dropped");
+        book.track(&BTreeMap::new(), &hello);
+        assert_eq!(version(), Some(dropped), "nothing changed");
+        book.track(&BTreeMap::new(), &BTreeSet::new());
+        assert_eq!(version(), None, "the module is gone");
+        book.set(key("6.1"), record("6.1", None));
+        assert!(version().unwrap() > dropped, "a count it never had");
     }
 
     #[test]

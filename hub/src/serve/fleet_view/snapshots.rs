@@ -197,14 +197,15 @@ impl FleetView {
         let view = self.index.cluster_view(cluster);
         let facts = view.as_ref().map(ClusterView::facts);
         let modules = self.served_modules(&self.index.modules(), cluster, facts);
-        let refs: Vec<&ManagedClusterModule> = modules.iter().map(AsRef::as_ref).collect();
         let unconfirmed = |namespace: &str, name: &str| {
             session
                 .outbox
                 .unload_unconfirmed(namespace, name, session.acked_revision)
         };
-        let inputs = cluster_modules(&refs, facts, &session.statuses, &unconfirmed);
-        let credentials = self.index.credentials(inputs.iter().map(|i| i.module));
+        let inputs = cluster_modules(&modules, facts, &session.statuses, &unconfirmed);
+        let credentials = self
+            .index
+            .credentials(inputs.iter().map(|i| i.module.as_ref()));
         let images = self.images.read();
         let mirrors = self.mirrors_of(cluster);
         let intents = cluster_intents(
@@ -216,8 +217,10 @@ impl FleetView {
                 spoke_pins: &images.spoke_pins,
                 cluster,
                 mirrors: &mirrors,
+                versions: &images.versions,
             },
             &mut self.caches.resolutions(),
+            &mut self.caches.intents(),
         );
         drop(images);
         let was_waiting = session.awaited.due().is_some();
@@ -243,8 +246,7 @@ impl FleetView {
                 None => return,
             }
         }
-        let shared = self.caches.intents().share(snapshot);
-        let shared = match session.outbox.resume(shared) {
+        let shared = match session.outbox.resume(snapshot) {
             Ok(held) => {
                 tracing::info!(
                     cluster,
