@@ -688,6 +688,7 @@ mod tests {
                 name: name.into(),
             }),
             generation: 1,
+            pin_generation: 0,
             node_selector: [("kubernetes.io/os".to_owned(), "linux".to_owned())].into(),
             tolerations: vec![],
             kernels,

@@ -48,6 +48,7 @@ fn intent_for_node(spoke: &Spoke, name: &str, i: usize) -> ModuleIntent {
     ModuleIntent {
         key: Some(key(spoke, name)),
         generation: 1,
+        pin_generation: 0,
         node_selector: [(
             "kubernetes.io/hostname".to_string(),
             spoke.node_name(i).to_string(),

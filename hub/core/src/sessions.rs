@@ -17,6 +17,7 @@ use crate::fleet::module_id::module_key;
 use crate::fleet::module_view::ClusterSight;
 use crate::fleet::node_statuses::{self, NodeStatuses};
 use crate::fleet::outbox::{Held, Outbox};
+use crate::fleet::revisions::RevisionMark;
 use crate::images::awaited_checks::AwaitedChecks;
 use crate::outbound::OutboundSender;
 
@@ -190,16 +191,18 @@ impl ClusterSession {
         kernels + self.statuses.bytes() + plugins
     }
 
-    /// What the session shows of one module at `generation`.
-    pub fn sight(&self, namespace: &str, name: &str, generation: Option<i64>) -> ClusterSight<'_> {
+    /// What the session shows of one module at revision `mark`.
+    pub fn sight(
+        &self,
+        namespace: &str,
+        name: &str,
+        mark: Option<RevisionMark>,
+    ) -> ClusterSight<'_> {
         ClusterSight {
             connected: self.stream.is_some(),
-            reflects_generation: self.outbox.reflects(
-                namespace,
-                name,
-                generation,
-                self.acked_revision,
-            ),
+            reflects_revision: self
+                .outbox
+                .reflects(namespace, name, mark, self.acked_revision),
             kernels: self
                 .carried_intent(namespace, name)
                 .map(|m| m.kernels.as_slice())

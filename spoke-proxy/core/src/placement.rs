@@ -174,6 +174,7 @@ mod tests {
                 name: "m".into(),
             }),
             generation: 1,
+            pin_generation: 0,
             node_selector: [("role".to_string(), "worker".to_string())].into(),
             tolerations: vec![],
             kernels: vec![

@@ -365,6 +365,7 @@ fn placed_intent(input: &ModuleInput<'_>) -> ModuleIntent {
             name: mcm.name_any(),
         }),
         generation: mcm.metadata.generation.unwrap_or_default(),
+        pin_generation: pin_generation(mcm),
         node_selector: spec.selector.clone().into_iter().collect(),
         tolerations: spec.tolerations.iter().flatten().map(toleration).collect(),
         kernels: Vec::new(),

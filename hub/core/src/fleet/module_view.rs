@@ -35,8 +35,8 @@ pub struct ModuleView {
 pub struct ClusterSight<'a> {
     /// Whether the cluster's proxy is connected now.
     pub connected: bool,
-    /// Whether its node statuses were made with the module's current generation applied.
-    pub reflects_generation: bool,
+    /// Whether its node statuses were made with the module's current revision applied.
+    pub reflects_revision: bool,
     /// The module's per-kernel resolution in the cluster's last snapshot.
     pub kernels: &'a [KernelTarget],
     /// Every node status the cluster reported.
@@ -109,7 +109,7 @@ impl<'m> ModuleViewBuilder<'m> {
             None => ClusterReport {
                 cluster,
                 connected: false,
-                reflects_generation: false,
+                reflects_revision: false,
                 kernels: &[],
                 nodes: &[],
                 device_plugin_only,
@@ -118,7 +118,7 @@ impl<'m> ModuleViewBuilder<'m> {
             Some(sight) => ClusterReport {
                 cluster,
                 connected: sight.connected,
-                reflects_generation: sight.reflects_generation,
+                reflects_revision: sight.reflects_revision,
                 kernels: sight.kernels,
                 nodes: sight.statuses.module(namespace, &self.name),
                 device_plugin_only,
@@ -213,7 +213,7 @@ mod tests {
     fn sight(statuses: &NodeStatuses, known: bool) -> ClusterSight<'_> {
         ClusterSight {
             connected: true,
-            reflects_generation: true,
+            reflects_revision: true,
             kernels: &[],
             statuses,
             statuses_known: known,

@@ -10,6 +10,7 @@ use kmm_proto::v1::ModuleIntent;
 use kmm_proto::v1::kernel_target::Target;
 
 use super::module_id::{ModuleId, module_key};
+use super::revisions::RevisionMark;
 use super::shared_snapshot::SharedSnapshot;
 
 /// The snapshots sent to one cluster, kept across its reconnects.
@@ -22,13 +23,23 @@ pub struct Outbox {
     /// What the current stream's proxy said it holds, until the stream's first snapshot.
     held: Option<Held>,
     delivered_on_stream: bool,
-    /// Per module (namespace, name) in the last snapshot: the generation it carries, a
-    /// digest of the image digests it loads, and the revision of the first snapshot that
-    /// carried both (a followed tag moves the digests and not the generation).
-    generations: BTreeMap<ModuleId, (i64, u64, u64)>,
+    /// Per module (namespace, name) in the last snapshot: what it sent of the module.
+    sent: BTreeMap<ModuleId, Sent>,
     /// Per module the last snapshot unloads: the revision of the first snapshot that
     /// unloaded it. Only a report made with that revision applied can confirm the unload.
     unloads: BTreeMap<ModuleId, u64>,
+}
+
+/// What the last snapshot carried of one module.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Sent {
+    /// The module's revision the intent was made of.
+    mark: RevisionMark,
+    /// A digest of the image digests it loads: a cluster resolving a tag itself moves
+    /// them with neither generation moving.
+    loads: u64,
+    /// The revision of the first snapshot that carried both.
+    since: u64,
 }
 
 /// What a proxy's hello says it holds: the revision it applied last and the digest of
@@ -101,27 +112,24 @@ impl Outbox {
 
     /// `content`, at its revision, as what the stream now has.
     fn record(&mut self, content: SharedSnapshot) -> Arc<SharedSnapshot> {
-        let mut generations = BTreeMap::new();
+        let mut sent = BTreeMap::new();
         let mut unloads = BTreeMap::new();
         for intent in &content.modules {
             let Some(key) = &intent.key else { continue };
             let id = (key.namespace.clone(), key.name.clone());
+            let mark = RevisionMark::of_intent(intent);
             let loads = loaded_digests(intent);
-            let first = match self.generations.get(&id) {
-                Some(&(generation, digests, revision))
-                    if (generation, digests) == (intent.generation, loads) =>
-                {
-                    revision
-                }
+            let since = match self.sent.get(&id) {
+                Some(before) if (before.mark, before.loads) == (mark, loads) => before.since,
                 _ => content.revision,
             };
             if intent.unload {
                 let since = self.unloads.get(&id).copied().unwrap_or(content.revision);
                 unloads.insert(id.clone(), since);
             }
-            generations.insert(id, (intent.generation, loads, first));
+            sent.insert(id, Sent { mark, loads, since });
         }
-        self.generations = generations;
+        self.sent = sent;
         self.unloads = unloads;
         let content = Arc::new(content);
         self.last = Some(content.clone());
@@ -129,19 +137,20 @@ impl Outbox {
         content
     }
 
-    /// Whether statuses the proxy made with revision `acked` applied reflect `generation`
-    /// of module `namespace/name`: a snapshot carrying that generation, and the digests
-    /// the module loads now, went out, and the proxy has applied it (or a later one).
+    /// Whether statuses the proxy made with revision `acked` applied reflect the module
+    /// `namespace/name` at revision `mark`: a snapshot carrying an intent made of that
+    /// revision, and the digests the module loads now, went out, and the proxy has applied
+    /// it (or a later one).
     pub fn reflects(
         &self,
         namespace: &str,
         name: &str,
-        generation: Option<i64>,
+        mark: Option<RevisionMark>,
         acked: u64,
     ) -> bool {
-        self.generations
+        self.sent
             .get(module_key(&(namespace, name)))
-            .is_some_and(|&(sent, _, revision)| Some(sent) == generation && acked >= revision)
+            .is_some_and(|sent| Some(sent.mark) == mark && acked >= sent.since)
     }
 
     /// Whether the last snapshot unloads the module and no report made with that unload
@@ -195,6 +204,13 @@ mod tests {
             revision,
             digest: None,
         }
+    }
+
+    fn mark(generation: i64, pin_generation: i64) -> Option<RevisionMark> {
+        Some(RevisionMark {
+            generation,
+            pin_generation,
+        })
     }
 
     fn with_generation(names: &[&str], generation: i64) -> SharedSnapshot {
@@ -287,28 +303,28 @@ mod tests {
         let mut outbox = Outbox::default();
         outbox.new_stream(Held::default());
         assert!(
-            !outbox.reflects("drivers", "a", Some(1), 0),
+            !outbox.reflects("drivers", "a", mark(1, 0), 0),
             "nothing sent yet"
         );
         outbox.offer(with_generation(&["a"], 1)).unwrap();
-        assert!(!outbox.reflects("drivers", "a", Some(1), 0));
-        assert!(outbox.reflects("drivers", "a", Some(1), 1));
+        assert!(!outbox.reflects("drivers", "a", mark(1, 0), 0));
+        assert!(outbox.reflects("drivers", "a", mark(1, 0), 1));
         // Another module's change sends revision 2; a's generation 1 stays reflected.
         outbox.offer(with_generation(&["a", "b"], 1)).unwrap();
-        assert!(outbox.reflects("drivers", "a", Some(1), 1));
-        assert!(!outbox.reflects("drivers", "b", Some(1), 1));
+        assert!(outbox.reflects("drivers", "a", mark(1, 0), 1));
+        assert!(!outbox.reflects("drivers", "b", mark(1, 0), 1));
         // a's spec changes: only revision 3 (or later) reflects generation 2.
         outbox.offer(with_generation(&["a", "b"], 2)).unwrap();
-        assert!(!outbox.reflects("drivers", "a", Some(2), 2));
-        assert!(outbox.reflects("drivers", "a", Some(2), 3));
+        assert!(!outbox.reflects("drivers", "a", mark(2, 0), 2));
+        assert!(outbox.reflects("drivers", "a", mark(2, 0), 3));
         assert!(
-            !outbox.reflects("drivers", "a", Some(1), 3),
+            !outbox.reflects("drivers", "a", mark(1, 0), 3),
             "an older generation"
         );
         assert!(!outbox.reflects("drivers", "a", None, 3));
         // A module left out of the snapshot is reflected no more.
         outbox.offer(with_generation(&["b"], 2)).unwrap();
-        assert!(!outbox.reflects("drivers", "a", Some(2), 4));
+        assert!(!outbox.reflects("drivers", "a", mark(2, 0), 4));
     }
 
     #[test]
@@ -330,14 +346,46 @@ mod tests {
         let mut outbox = Outbox::default();
         outbox.new_stream(Held::default());
         outbox.offer(loading("sha256:d1")).unwrap();
-        assert!(outbox.reflects("drivers", "a", Some(1), 1));
+        assert!(outbox.reflects("drivers", "a", mark(1, 0), 1));
         let moved = outbox.offer(loading("sha256:d2")).unwrap();
         assert_eq!(moved.revision, 2);
         assert!(
-            !outbox.reflects("drivers", "a", Some(1), 1),
+            !outbox.reflects("drivers", "a", mark(1, 0), 1),
             "nodes that loaded the old digest do not count for the new one"
         );
-        assert!(outbox.reflects("drivers", "a", Some(1), 2));
+        assert!(outbox.reflects("drivers", "a", mark(1, 0), 2));
+    }
+
+    #[test]
+    fn a_revision_of_a_moved_tag_is_reflected_only_once_an_intent_of_it_is_applied() {
+        use kmm_proto::v1::{KernelTarget, ModuleLoad};
+        let at_pin = |pin_generation: i64, digest: &str| {
+            let mut s = snapshot(&["a"]);
+            let intent = Arc::make_mut(&mut s.modules[0]);
+            intent.generation = 1;
+            intent.pin_generation = pin_generation;
+            intent.kernels = vec![KernelTarget {
+                kernel: "6.1".into(),
+                target: Some(Target::Load(ModuleLoad {
+                    digest: digest.into(),
+                    ..ModuleLoad::default()
+                })),
+            }];
+            s
+        };
+        let mut outbox = Outbox::default();
+        outbox.new_stream(Held::default());
+        outbox.offer(at_pin(0, "sha256:d1")).unwrap();
+        assert!(outbox.reflects("drivers", "a", mark(1, 0), 1));
+        assert!(
+            !outbox.reflects("drivers", "a", mark(1, 1), 1),
+            "assigned the new revision before it was sent: the old bytes do not count"
+        );
+        let moved = outbox.offer(at_pin(1, "sha256:d2")).unwrap();
+        assert_eq!(moved.revision, 2);
+        assert!(!outbox.reflects("drivers", "a", mark(1, 1), 1));
+        assert!(outbox.reflects("drivers", "a", mark(1, 1), 2));
+        assert!(!outbox.reflects("drivers", "a", mark(1, 0), 2));
     }
 
     #[test]
@@ -421,10 +469,10 @@ mod tests {
         assert_eq!(outbox.resume(content.clone()).map(|s| s.revision), Ok(41));
         assert_eq!(outbox.offer(content.clone()), None, "the stream has it");
         assert!(
-            outbox.reflects("drivers", "a", Some(3), 41),
+            outbox.reflects("drivers", "a", mark(3, 0), 41),
             "reports made with 41 applied speak for what it carries"
         );
-        assert!(!outbox.reflects("drivers", "a", Some(3), 40));
+        assert!(!outbox.reflects("drivers", "a", mark(3, 0), 40));
         // The next change continues from the revision the proxy holds.
         let next = with_generation(&["a"], 3);
         assert_eq!(outbox.offer(next.clone()).unwrap().revision, 42);

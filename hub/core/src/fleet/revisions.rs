@@ -16,6 +16,7 @@ use k8s_openapi::api::apps::v1::ControllerRevision;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
 use kmm_api::{ManagedClusterModule, ManagedClusterModuleStatus, ModuleSpec};
+use kmm_proto::v1::ModuleIntent;
 use kube::{Resource, ResourceExt};
 use sha2::{Digest, Sha256};
 
@@ -49,6 +50,34 @@ pub fn revision_at(spec: &ModuleSpec, pin_generation: i64) -> String {
 /// The module's current revision: its spec at the pin generation its status records.
 pub fn module_revision(module: &ManagedClusterModule) -> String {
     revision_at(&module.spec.module_spec, pin_generation(module))
+}
+
+/// What tells a module's revisions apart where they run: the generation (its spec) and the
+/// pin generation (the digests a followed tag moved to). An intent carries both, so that
+/// a cluster's reports count for a revision only once it applied an intent of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RevisionMark {
+    pub generation: i64,
+    pub pin_generation: i64,
+}
+
+impl RevisionMark {
+    /// The mark of the module's current revision (none before the apiserver gave it a
+    /// generation).
+    pub fn of(module: &ManagedClusterModule) -> Option<Self> {
+        Some(Self {
+            generation: module.metadata.generation?,
+            pin_generation: pin_generation(module),
+        })
+    }
+
+    /// The mark of the revision an intent was made of.
+    pub fn of_intent(intent: &ModuleIntent) -> Self {
+        Self {
+            generation: intent.generation,
+            pin_generation: intent.pin_generation,
+        }
+    }
 }
 
 fn hex10(bytes: &[u8]) -> String {

@@ -22,9 +22,9 @@ pub struct ClusterReport<'a> {
     pub cluster: &'a str,
     /// Whether the cluster's spoke proxy is connected now.
     pub connected: bool,
-    /// Whether its node statuses were made with the module's current generation applied:
+    /// Whether its node statuses were made with the module's current revision applied:
     /// until then the cluster cannot have converged, whatever its nodes said before.
-    pub reflects_generation: bool,
+    pub reflects_revision: bool,
     /// The module's per-kernel resolution for this cluster.
     pub kernels: &'a [KernelTarget],
     /// The module's per-node status in this cluster.
@@ -101,7 +101,7 @@ impl StatusTally {
         } else {
             self.count_nodes(report)
         };
-        let converged = report.connected && report.reflects_generation && in_place;
+        let converged = report.connected && report.reflects_revision && in_place;
         if report.connected {
             self.clusters.connected += 1;
         }
@@ -307,7 +307,7 @@ mod tests {
                 ClusterReport {
                     cluster: "a",
                     connected: true,
-                    reflects_generation: true,
+                    reflects_revision: true,
                     kernels: &kernels,
                     nodes: &a,
                     device_plugin_only: false,
@@ -316,7 +316,7 @@ mod tests {
                 ClusterReport {
                     cluster: "b",
                     connected: true,
-                    reflects_generation: true,
+                    reflects_revision: true,
                     kernels: &kernels,
                     nodes: &b,
                     device_plugin_only: false,
@@ -325,7 +325,7 @@ mod tests {
                 ClusterReport {
                     cluster: "c",
                     connected: false,
-                    reflects_generation: false,
+                    reflects_revision: false,
                     kernels: &[],
                     nodes: &c,
                     device_plugin_only: false,
@@ -385,7 +385,7 @@ mod tests {
             &[ClusterReport {
                 cluster: "mixed",
                 connected: true,
-                reflects_generation: true,
+                reflects_revision: true,
                 kernels: &kernels,
                 nodes: &nodes,
                 device_plugin_only: false,
@@ -410,7 +410,7 @@ mod tests {
         let report = [ClusterReport {
             cluster: "big",
             connected: true,
-            reflects_generation: true,
+            reflects_revision: true,
             kernels: &[],
             nodes: &many,
             device_plugin_only: false,
@@ -433,10 +433,10 @@ mod tests {
         let loaded = [node("n1", ModuleState::Loaded, "")];
         let none: [NodeStatus; 0] = [];
         for nodes in [&loaded[..], &none[..]] {
-            let report = |reflects_generation| ClusterReport {
+            let report = |reflects_revision| ClusterReport {
                 cluster: "a",
                 connected: true,
-                reflects_generation,
+                reflects_revision,
                 kernels: &[],
                 nodes,
                 device_plugin_only: false,
@@ -460,7 +460,7 @@ mod tests {
             &[ClusterReport {
                 cluster,
                 connected: true,
-                reflects_generation: true,
+                reflects_revision: true,
                 kernels: &[],
                 nodes,
                 device_plugin_only: false,
@@ -547,10 +547,10 @@ mod tests {
             node("n1", ModuleState::Pending, "DevicePluginStopping"),
             node("n2", ModuleState::Unloaded, ""),
         ];
-        let report = |device_plugin, reflects_generation| ClusterReport {
+        let report = |device_plugin, reflects_revision| ClusterReport {
             cluster: "a",
             connected: true,
-            reflects_generation,
+            reflects_revision,
             kernels: &[],
             nodes: &stopping,
             device_plugin_only: true,

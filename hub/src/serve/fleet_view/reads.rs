@@ -13,6 +13,7 @@ use crate::fleet::cluster_view::ClusterView;
 use crate::fleet::image_needs::ServedKernels;
 use crate::fleet::module_view::{ModuleView, ModuleViewBuilder};
 use crate::fleet::preflight::preflight_statuses;
+use crate::fleet::revisions::RevisionMark;
 use crate::images::awaited_checks::AwaitedChecks;
 use crate::images::need::pin_generation;
 use crate::images::{ImageKey, ImageNeed, ImageRecord, SpokePins};
@@ -27,15 +28,13 @@ impl FleetView {
         let started = Instant::now();
         let name = module.name_any();
         let namespace = module.spec.spoke_namespace.as_str();
-        let generation = module.metadata.generation;
+        let mark = RevisionMark::of(module);
         let selected = self.index.selected_clusters(module);
         let mut view = ModuleViewBuilder::new(module);
         for (cluster, (wave, hold)) in &selected {
             let session = self.sessions.get(cluster);
             let session = session.as_ref().map(|s| lock(s));
-            let sight = session
-                .as_ref()
-                .map(|s| s.sight(namespace, &name, generation));
+            let sight = session.as_ref().map(|s| s.sight(namespace, &name, mark));
             match (hold, sight) {
                 (None, sight) => view.selected(cluster, wave.clone(), sight),
                 // Held only where the module still runs.
@@ -55,7 +54,7 @@ impl FleetView {
                     continue;
                 }
                 let session = lock(&session);
-                view.unselected(&cluster, session.sight(namespace, &name, generation));
+                view.unselected(&cluster, session.sight(namespace, &name, mark));
             }
         }
         let persisted = module.status.as_ref().map_or(&[][..], |s| &s.images[..]);

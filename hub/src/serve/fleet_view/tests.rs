@@ -874,6 +874,91 @@ fn a_followed_tag_moves_each_cluster_only_as_the_rollout_releases_it() {
     );
 }
 
+#[test]
+fn a_cluster_released_to_a_moved_tag_converges_only_once_it_applied_the_new_digests() {
+    let mut fleet = Fleet::new();
+    fleet.add_cluster("spoke1");
+    let module = hello()
+        .resource_version("1")
+        .with(
+            "/spec/moduleSpec/moduleLoader/container/imagePullPolicy",
+            "Always",
+        )
+        .with("/spec/rolloutStrategy/type", "Progressive");
+    let at0 = module.clone().build();
+    let r0 = fleet.view.current_revision(&at0);
+    let released_to = |builder: ModuleBuilder, base: &str, revision: Option<&str>| {
+        let clusters: Vec<_> = revision
+            .map(|revision| {
+                serde_json::json!({
+                    "cluster": "spoke1", "revision": revision, "state": "Progressing",
+                    "since": "2026-01-01T00:00:00Z",
+                })
+            })
+            .into_iter()
+            .collect();
+        builder
+            .with(
+                "/status/rollout",
+                serde_json::json!({
+                    "revision": base, "baseRevision": base, "state": "Progressing",
+                    "summary": "", "clusters": clusters,
+                }),
+            )
+            .build()
+    };
+    fleet.keep_revision(&at0);
+    fleet.add_module(released_to(module.clone(), &r0, None));
+    let (id, spoke1) = connect(&fleet, "spoke1", 0);
+    let (revision, _) = last_sent(&spoke1).unwrap();
+    let report = |revision| NodeStatusReport {
+        intent_revision: revision,
+        ..loaded_on("n1")
+    };
+    fleet.view.status("spoke1", id, report(revision));
+    assert!(fleet.view.module_view(&at0).observed["spoke1"].converged);
+
+    // The tag moves; the new revision is kept and released to spoke1.
+    let follow = Some(std::time::Duration::from_secs(5));
+    let (key, need) = fleet.view.image_needs(follow).into_iter().next().unwrap();
+    let before = fleet.view.image(&key).unwrap();
+    let moved = crate::images::record::observe(
+        &need,
+        Some(&before),
+        crate::images::Next::Resolve,
+        crate::images::Observation::Found {
+            digest: "sha256:4567".into(),
+        },
+        Timestamp::now(),
+    );
+    fleet.view.set_image(key, moved);
+    let at1 = module.clone().with("/status/pinGeneration", 1).build();
+    let r1 = fleet.view.current_revision(&at1);
+    fleet.keep_revision(&at1);
+    let released = released_to(module.with("/status/pinGeneration", 1), &r0, Some(&r1));
+    // The status write assigning spoke1 the new revision lands in the store; the count
+    // may come before the recompute that sends spoke1 the new digests.
+    fleet
+        .modules
+        .apply_watcher_event(&watcher::Event::Apply(released.clone()));
+    fleet.view.note_module(&released);
+    assert_eq!(loaded_digest(&spoke1).as_deref(), Some("sha256:0123"));
+    assert!(
+        !fleet.view.module_view(&released).observed["spoke1"].converged,
+        "spoke1 runs the earlier bytes: it has not converged to {r1}"
+    );
+    fleet.view.recompute_stale();
+    assert_eq!(loaded_digest(&spoke1).as_deref(), Some("sha256:4567"));
+    assert!(
+        !fleet.view.module_view(&released).observed["spoke1"].converged,
+        "the new digests are sent, not yet applied"
+    );
+    let (sent_at, _) = last_sent(&spoke1).unwrap();
+    assert!(sent_at > revision);
+    fleet.view.status("spoke1", id, report(sent_at));
+    assert!(fleet.view.module_view(&released).observed["spoke1"].converged);
+}
+
 /// The target of the module's one kernel in the last snapshot sent on `stream`.
 fn sent_target(
     stream: &tokio::sync::watch::Receiver<Outbound>,

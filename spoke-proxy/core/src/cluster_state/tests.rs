@@ -43,6 +43,7 @@ fn intent(name: &str, version: &str) -> ModuleIntent {
     ModuleIntent {
         key: Some(key(name)),
         generation: 1,
+        pin_generation: 0,
         node_selector: [("role".to_string(), "worker".to_string())].into(),
         tolerations: vec![],
         kernels: vec![
