@@ -23,6 +23,7 @@ use crate::fleet::rollout::Wave;
 use crate::fleet::served_revisions::assignment_key;
 
 use super::lock;
+use super::selections::{Selected, Selections};
 
 /// The watched objects the hub computes from.
 #[derive(Clone, Debug)]
@@ -76,6 +77,7 @@ pub struct FleetIndex {
     /// When clusters recently left Placements' decisions.
     departures: Mutex<Departures>,
     modules: Mutex<ModuleBook>,
+    selections: Selections,
 }
 
 /// A cluster a module selects or holds: the wave its rollout moves it in, and why it is
@@ -92,6 +94,7 @@ impl FleetIndex {
             deciding: RwLock::default(),
             departures: Mutex::default(),
             modules: Mutex::default(),
+            selections: Selections::default(),
         }
     }
 
@@ -123,6 +126,8 @@ impl FleetIndex {
     /// Remembers the cluster's view as it is now; `None` when it did not change since
     /// last remembered.
     pub fn remember_view(&self, cluster: &str) -> Option<ViewChange> {
+        // The store holds the change already: a selection kept from before it is stale.
+        self.selections.facts_changed();
         let now = self.cluster_view(cluster);
         let mut views = lock(&self.views);
         let before = match &now {
@@ -134,6 +139,7 @@ impl FleetIndex {
 
     /// Remembers every cluster's view afresh (after a re-list).
     pub fn remember_all_views(&self) {
+        self.selections.facts_changed();
         let mut views = lock(&self.views);
         views.clear();
         for cluster in self.stores.clusters.state() {
@@ -168,21 +174,27 @@ impl FleetIndex {
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(deciding(&now));
         *placed = now;
+        self.selections.facts_changed();
         changed
     }
 
     /// Forgets departures from Placements' decisions that are old enough to be meant;
     /// returns the clusters that lost one.
     pub fn expire_departures(&self, now: Instant) -> Vec<String> {
-        lock(&self.departures).expire(now)
+        let expired = lock(&self.departures).expire(now);
+        if !expired.is_empty() {
+            self.selections.facts_changed();
+        }
+        expired
     }
 
-    /// Each cluster the module selects or holds, with the wave its rollout moves it in
-    /// and why it is held.
-    pub fn selected_clusters(
-        &self,
-        module: &ManagedClusterModule,
-    ) -> BTreeMap<String, ClusterPick> {
+    /// Each cluster the module selects or holds, sorted by name, with the wave its rollout
+    /// moves it in and why it is held.
+    pub fn selected_clusters(&self, module: &ManagedClusterModule) -> Selected {
+        self.selections.get_or(module, || self.select(module))
+    }
+
+    fn select(&self, module: &ManagedClusterModule) -> Vec<(String, ClusterPick)> {
         let placed = self
             .placed
             .read()
@@ -313,6 +325,7 @@ impl FleetIndex {
 
     /// The hub released the module's finalizer: it is gone.
     pub fn forget(&self, module: &ManagedClusterModule) {
+        self.selections.forget(&module.name_any());
         let mut book = lock(&self.modules);
         book.seen.remove(&module.name_any());
         if let Some(uid) = module.uid() {

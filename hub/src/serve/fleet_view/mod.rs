@@ -18,6 +18,7 @@ mod on_stream;
 mod on_watch;
 mod readouts;
 mod reads;
+mod selections;
 pub mod signals;
 mod snapshots;
 

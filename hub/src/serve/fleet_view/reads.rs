@@ -31,7 +31,7 @@ impl FleetView {
         let mark = RevisionMark::of(module);
         let selected = self.index.selected_clusters(module);
         let mut view = ModuleViewBuilder::new(module);
-        for (cluster, (wave, hold)) in &selected {
+        for (cluster, (wave, hold)) in selected.iter() {
             let session = self.sessions.get(cluster);
             let session = session.as_ref().map(|s| lock(s));
             let sight = session.as_ref().map(|s| s.sight(namespace, &name, mark));
@@ -50,7 +50,10 @@ impl FleetView {
         }
         if view.counts_unselected() {
             for (cluster, session) in self.sessions.all() {
-                if selected.contains_key(&cluster) {
+                if selected
+                    .binary_search_by(|(selected, _)| selected.cmp(&cluster))
+                    .is_ok()
+                {
                     continue;
                 }
                 let session = lock(&session);

@@ -596,6 +596,38 @@ fn a_cluster_ocm_drops_for_a_lapsed_lease_keeps_its_module_until_the_drop_is_mea
 }
 
 #[test]
+fn a_modules_count_follows_its_clusters_labels_and_its_selector() {
+    let mut fleet = Fleet::new();
+    fleet.add_cluster("spoke1");
+    fleet.add_cluster("spoke2");
+    let module = hello().build();
+    fleet.add_module(module.clone());
+    let selected = |fleet: &Fleet, module: &ManagedClusterModule| {
+        fleet.view.module_view(module).status.clusters.selected
+    };
+    assert_eq!(selected(&fleet, &module), 2);
+    assert_eq!(
+        selected(&fleet, &module),
+        2,
+        "counted again, nothing changed"
+    );
+
+    let mut relabelled = Fleet::managed_cluster("spoke2");
+    relabelled.metadata.labels = Some(BTreeMap::from([("env".into(), "dev".into())]));
+    fleet
+        .clusters
+        .apply_watcher_event(&watcher::Event::Apply(relabelled));
+    fleet.view.cluster_changed("spoke2");
+    assert_eq!(selected(&fleet, &module), 1, "spoke2 left the selector");
+
+    let mut edited = hello().selector(&[("env", "dev")]).generation(2).build();
+    assert_eq!(selected(&fleet, &edited), 1, "a new spec selects anew");
+    edited.spec.selector = BTreeMap::new();
+    edited.metadata.generation = Some(3);
+    assert_eq!(selected(&fleet, &edited), 2);
+}
+
+#[test]
 fn a_placement_that_decides_nothing_any_more_holds_its_clusters() {
     let mut fleet = Fleet::new();
     let (module, sent) = placed_and_loaded(&mut fleet);
