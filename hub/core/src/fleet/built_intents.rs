@@ -44,24 +44,24 @@ pub struct Built {
 struct ForModule {
     /// Held so that the object's address, the key, names this object while it is kept.
     module: Arc<ManagedClusterModule>,
+    /// The version of the module's image records every intent in `built` was built at.
+    images_version: u64,
     built: Vec<(Inputs, Built)>,
 }
 
-/// [`BuiltFrom`], owned, and whether the cluster unloads the module.
+/// What an intent was built from besides the module object and its image records.
 #[derive(Debug, PartialEq)]
 struct Inputs {
     unload: bool,
     kernels: BTreeSet<String>,
     mirrors: Vec<ImageMirror>,
     secret_found: bool,
-    images_version: u64,
 }
 
 impl Inputs {
     fn matches(&self, unload: bool, from: &BuiltFrom<'_>) -> bool {
         self.unload == unload
             && self.secret_found == from.secret_found
-            && self.images_version == from.images_version
             && self.mirrors == from.mirrors
             && &self.kernels == from.kernels
     }
@@ -88,8 +88,7 @@ impl BuiltIntents {
         from: &BuiltFrom<'_>,
     ) -> Option<&Built> {
         let kept = self.by_module.get_mut(&address(module))?;
-        kept.built
-            .retain(|(inputs, _)| inputs.images_version == from.images_version);
+        kept.moved_to(from.images_version);
         kept.built
             .iter()
             .find(|(inputs, _)| inputs.matches(unload, from))
@@ -117,16 +116,17 @@ impl BuiltIntents {
             kernels: from.kernels.clone(),
             mirrors: from.mirrors.to_vec(),
             secret_found: from.secret_found,
-            images_version: from.images_version,
         };
-        self.by_module
+        let kept = self
+            .by_module
             .entry(address(module))
             .or_insert_with(|| ForModule {
                 module: module.clone(),
+                images_version: from.images_version,
                 built: Vec::new(),
-            })
-            .built
-            .push((inputs, built));
+            });
+        kept.moved_to(from.images_version);
+        kept.built.push((inputs, built));
         shared
     }
 
@@ -150,13 +150,25 @@ impl BuiltIntents {
     }
 
     /// How many module objects have intents kept.
+    #[cfg(test)]
     pub fn modules_kept(&self) -> usize {
         self.by_module.len()
     }
 
     /// How many distinct intents are shared (see [`IntentPool::len`]).
+    #[cfg(test)]
     pub fn shared_len(&self) -> usize {
         self.pool.len()
+    }
+}
+
+impl ForModule {
+    /// Forgets what was built from image records older than `images_version`.
+    fn moved_to(&mut self, images_version: u64) {
+        if self.images_version != images_version {
+            self.built.clear();
+            self.images_version = images_version;
+        }
     }
 }
 
