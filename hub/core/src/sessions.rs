@@ -102,15 +102,8 @@ impl ClusterSession {
     /// The module's intent in the last snapshot.
     pub fn carried_intent(&self, namespace: &str, name: &str) -> Option<&ModuleIntent> {
         self.outbox
-            .last()?
-            .modules
-            .iter()
-            .map(AsRef::as_ref)
-            .find(|m| {
-                m.key
-                    .as_ref()
-                    .is_some_and(|k| k.name == name && k.namespace == namespace)
-            })
+            .carried(namespace, name)
+            .map(|carried| carried.intent)
     }
 
     /// The modules of the last snapshot, by name.
@@ -198,22 +191,17 @@ impl ClusterSession {
         name: &str,
         mark: Option<RevisionMark>,
     ) -> ClusterSight<'_> {
+        // Counted for every selected cluster of a module, up to ten times a second: the
+        // module is looked up once.
+        let carried = self.outbox.carried(namespace, name);
+        let acked = self.acked_revision;
         ClusterSight {
             connected: self.stream.is_some(),
-            reflects_revision: self
-                .outbox
-                .reflects(namespace, name, mark, self.acked_revision),
-            kernels: self
-                .carried_intent(namespace, name)
-                .map(|m| m.kernels.as_slice())
-                .unwrap_or_default(),
+            reflects_revision: carried.is_some_and(|c| c.reflects(mark, acked)),
+            kernels: carried.map_or(&[], |c| c.intent.kernels.as_slice()),
             statuses: &self.statuses,
             statuses_known: self.statuses_known,
-            unload_unconfirmed: self.outbox.unload_unconfirmed(
-                namespace,
-                name,
-                self.acked_revision,
-            ),
+            unload_unconfirmed: carried.is_some_and(|c| c.unload_unconfirmed(acked)),
             device_plugin: self
                 .device_plugins
                 .get(module_key(&(namespace, name)))

@@ -25,9 +25,8 @@ pub struct Outbox {
     delivered_on_stream: bool,
     /// Per module (namespace, name) in the last snapshot: what it sent of the module.
     sent: BTreeMap<ModuleId, Sent>,
-    /// Per module the last snapshot unloads: the revision of the first snapshot that
-    /// unloaded it. Only a report made with that revision applied can confirm the unload.
-    unloads: BTreeMap<ModuleId, u64>,
+    /// Whether the last snapshot unloads any module.
+    unloading: bool,
 }
 
 /// What the last snapshot carried of one module.
@@ -40,6 +39,35 @@ struct Sent {
     loads: u64,
     /// The revision of the first snapshot that carried both.
     since: u64,
+    /// When it unloads the module: the revision of the first snapshot that unloaded it.
+    /// Only a report made with that revision applied can confirm the unload.
+    unloaded_since: Option<u64>,
+    /// Where its intent is in the snapshot.
+    at: usize,
+}
+
+/// One module's intent in the last snapshot, with what was sent of it.
+#[derive(Clone, Copy, Debug)]
+pub struct Carried<'a> {
+    pub intent: &'a ModuleIntent,
+    sent: &'a Sent,
+}
+
+impl Carried<'_> {
+    /// Whether statuses the proxy made with revision `acked` applied reflect the module
+    /// at revision `mark`: the intent was made of that revision, and the proxy applied the
+    /// snapshot that first carried it with the digests it loads now (or a later one).
+    pub fn reflects(&self, mark: Option<RevisionMark>, acked: u64) -> bool {
+        Some(self.sent.mark) == mark && acked >= self.sent.since
+    }
+
+    /// Whether the intent unloads the module and no report made with that unload applied
+    /// (`acked`) arrived yet: until one does, no status (nor the absence of one) confirms
+    /// the unload. A restarted proxy's first report, made before it had any intents, is
+    /// one such.
+    pub fn unload_unconfirmed(&self, acked: u64) -> bool {
+        self.sent.unloaded_since.is_some_and(|since| acked < since)
+    }
 }
 
 /// What a proxy's hello says it holds: the revision it applied last and the digest of
@@ -113,8 +141,7 @@ impl Outbox {
     /// `content`, at its revision, as what the stream now has.
     fn record(&mut self, content: SharedSnapshot) -> Arc<SharedSnapshot> {
         let mut sent = BTreeMap::new();
-        let mut unloads = BTreeMap::new();
-        for intent in &content.modules {
+        for (at, intent) in content.modules.iter().enumerate() {
             let Some(key) = &intent.key else { continue };
             let id = (key.namespace.clone(), key.name.clone());
             let mark = RevisionMark::of_intent(intent);
@@ -123,24 +150,37 @@ impl Outbox {
                 Some(before) if (before.mark, before.loads) == (mark, loads) => before.since,
                 _ => content.revision,
             };
-            if intent.unload {
-                let since = self.unloads.get(&id).copied().unwrap_or(content.revision);
-                unloads.insert(id.clone(), since);
-            }
-            sent.insert(id, Sent { mark, loads, since });
+            let unloaded_since = intent.unload.then(|| {
+                self.sent
+                    .get(&id)
+                    .and_then(|before| before.unloaded_since)
+                    .unwrap_or(content.revision)
+            });
+            let module = Sent {
+                mark,
+                loads,
+                since,
+                unloaded_since,
+                at,
+            };
+            sent.insert(id, module);
         }
+        self.unloading = sent.values().any(|s| s.unloaded_since.is_some());
         self.sent = sent;
-        self.unloads = unloads;
         let content = Arc::new(content);
         self.last = Some(content.clone());
         self.delivered_on_stream = true;
         content
     }
 
-    /// Whether statuses the proxy made with revision `acked` applied reflect the module
-    /// `namespace/name` at revision `mark`: a snapshot carrying an intent made of that
-    /// revision, and the digests the module loads now, went out, and the proxy has applied
-    /// it (or a later one).
+    /// The module's intent in the last snapshot, if it carries one.
+    pub fn carried(&self, namespace: &str, name: &str) -> Option<Carried<'_>> {
+        let sent = self.sent.get(module_key(&(namespace, name)))?;
+        let intent = self.last.as_ref()?.modules.get(sent.at)?;
+        Some(Carried { intent, sent })
+    }
+
+    /// [`Carried::reflects`] of module `namespace/name`; false when it is not carried.
     pub fn reflects(
         &self,
         namespace: &str,
@@ -148,24 +188,19 @@ impl Outbox {
         mark: Option<RevisionMark>,
         acked: u64,
     ) -> bool {
-        self.sent
-            .get(module_key(&(namespace, name)))
-            .is_some_and(|sent| Some(sent.mark) == mark && acked >= sent.since)
+        self.carried(namespace, name)
+            .is_some_and(|carried| carried.reflects(mark, acked))
     }
 
-    /// Whether the last snapshot unloads the module and no report made with that unload
-    /// applied (`acked`) arrived yet: until one does, no status (nor the absence of one)
-    /// confirms the unload. A restarted proxy's first report, made before it had any
-    /// intents, is one such.
+    /// [`Carried::unload_unconfirmed`] of module `namespace/name`.
     pub fn unload_unconfirmed(&self, namespace: &str, name: &str, acked: u64) -> bool {
-        self.unloads
-            .get(module_key(&(namespace, name)))
-            .is_some_and(|&since| acked < since)
+        self.carried(namespace, name)
+            .is_some_and(|carried| carried.unload_unconfirmed(acked))
     }
 
     /// Whether the last snapshot unloads any module.
     pub fn unloads(&self) -> bool {
-        !self.unloads.is_empty()
+        self.unloading
     }
 
     /// What a report's intent revision may acknowledge: no more than the proxy can have
@@ -386,6 +421,25 @@ mod tests {
         assert!(!outbox.reflects("drivers", "a", mark(1, 1), 1));
         assert!(outbox.reflects("drivers", "a", mark(1, 1), 2));
         assert!(!outbox.reflects("drivers", "a", mark(1, 0), 2));
+    }
+
+    #[test]
+    fn each_module_carried_is_its_own_intent_of_the_last_snapshot() {
+        let carried = |outbox: &Outbox, name: &str| {
+            outbox
+                .carried("drivers", name)
+                .and_then(|c| c.intent.key.as_ref())
+                .map(|k| k.name.clone())
+        };
+        let mut outbox = Outbox::default();
+        outbox.new_stream(Held::default());
+        outbox.offer(snapshot(&["a", "b", "c"])).unwrap();
+        assert_eq!(carried(&outbox, "c").as_deref(), Some("c"));
+        outbox.offer(snapshot(&["b", "c"])).unwrap();
+        assert_eq!(carried(&outbox, "a"), None);
+        assert_eq!(carried(&outbox, "b").as_deref(), Some("b"));
+        assert_eq!(carried(&outbox, "c").as_deref(), Some("c"));
+        assert!(outbox.carried("other", "c").is_none());
     }
 
     #[test]
