@@ -80,7 +80,7 @@ fuzz_target!(|data: &[u8]| {
             &[ClusterReport {
                 cluster: "c",
                 connected: true,
-                reflects_generation: true,
+                reflects_revision: true,
                 kernels: &[],
                 nodes,
                 device_plugin_only: false,
