@@ -362,27 +362,30 @@ mod tests {
         assert!(!outbox.reflects("drivers", "a", mark(2, 0), 4));
     }
 
+    /// Module a at generation 1 and `pin_generation`, loading `digest` on kernel 6.1.
+    fn loading(pin_generation: i64, digest: &str) -> SharedSnapshot {
+        use kmm_proto::v1::{KernelTarget, ModuleLoad};
+        let mut s = snapshot(&["a"]);
+        let intent = Arc::make_mut(&mut s.modules[0]);
+        intent.generation = 1;
+        intent.pin_generation = pin_generation;
+        intent.kernels = vec![KernelTarget {
+            kernel: "6.1".into(),
+            target: Some(Target::Load(ModuleLoad {
+                digest: digest.into(),
+                ..ModuleLoad::default()
+            })),
+        }];
+        s
+    }
+
     #[test]
     fn a_new_digest_is_reflected_only_once_applied_though_the_generation_stayed() {
-        use kmm_proto::v1::{KernelTarget, ModuleLoad};
-        let loading = |digest: &str| {
-            let mut s = snapshot(&["a"]);
-            let intent = Arc::make_mut(&mut s.modules[0]);
-            intent.generation = 1;
-            intent.kernels = vec![KernelTarget {
-                kernel: "6.1".into(),
-                target: Some(Target::Load(ModuleLoad {
-                    digest: digest.into(),
-                    ..ModuleLoad::default()
-                })),
-            }];
-            s
-        };
         let mut outbox = Outbox::default();
         outbox.new_stream(Held::default());
-        outbox.offer(loading("sha256:d1")).unwrap();
+        outbox.offer(loading(0, "sha256:d1")).unwrap();
         assert!(outbox.reflects("drivers", "a", mark(1, 0), 1));
-        let moved = outbox.offer(loading("sha256:d2")).unwrap();
+        let moved = outbox.offer(loading(0, "sha256:d2")).unwrap();
         assert_eq!(moved.revision, 2);
         assert!(
             !outbox.reflects("drivers", "a", mark(1, 0), 1),
@@ -393,30 +396,15 @@ mod tests {
 
     #[test]
     fn a_revision_of_a_moved_tag_is_reflected_only_once_an_intent_of_it_is_applied() {
-        use kmm_proto::v1::{KernelTarget, ModuleLoad};
-        let at_pin = |pin_generation: i64, digest: &str| {
-            let mut s = snapshot(&["a"]);
-            let intent = Arc::make_mut(&mut s.modules[0]);
-            intent.generation = 1;
-            intent.pin_generation = pin_generation;
-            intent.kernels = vec![KernelTarget {
-                kernel: "6.1".into(),
-                target: Some(Target::Load(ModuleLoad {
-                    digest: digest.into(),
-                    ..ModuleLoad::default()
-                })),
-            }];
-            s
-        };
         let mut outbox = Outbox::default();
         outbox.new_stream(Held::default());
-        outbox.offer(at_pin(0, "sha256:d1")).unwrap();
+        outbox.offer(loading(0, "sha256:d1")).unwrap();
         assert!(outbox.reflects("drivers", "a", mark(1, 0), 1));
         assert!(
             !outbox.reflects("drivers", "a", mark(1, 1), 1),
             "assigned the new revision before it was sent: the old bytes do not count"
         );
-        let moved = outbox.offer(at_pin(1, "sha256:d2")).unwrap();
+        let moved = outbox.offer(loading(1, "sha256:d2")).unwrap();
         assert_eq!(moved.revision, 2);
         assert!(!outbox.reflects("drivers", "a", mark(1, 1), 1));
         assert!(outbox.reflects("drivers", "a", mark(1, 1), 2));

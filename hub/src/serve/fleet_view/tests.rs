@@ -16,7 +16,7 @@ use crate::fleet::assignment::FINALIZER;
 use crate::fleet::node_statuses::full_report;
 use crate::fleet::outbox::Held;
 use crate::images::awaited_checks::AWAIT_BOUND;
-use crate::images::{ImageNeed, ImageRecord};
+use crate::images::{ImageKey, ImageNeed, ImageRecord};
 use crate::serve::outbound::{Outbound, OutboundSender};
 
 fn view() -> FleetView {
@@ -814,36 +814,63 @@ fn loaded_digest(stream: &tokio::sync::watch::Receiver<Outbound>) -> Option<Stri
     }
 }
 
-#[test]
-fn a_followed_tag_moves_each_cluster_only_as_the_rollout_releases_it() {
-    let mut fleet = Fleet::new();
-    fleet.add_cluster("spoke1");
-    fleet.add_cluster("spoke2");
-    let module = hello()
+/// `hello` following its tag (`imagePullPolicy: Always`), rolled out progressively.
+fn following_its_tag() -> ModuleBuilder {
+    hello()
         .resource_version("1")
         .with(
             "/spec/moduleSpec/moduleLoader/container/imagePullPolicy",
             "Always",
         )
-        .with("/spec/rolloutStrategy/type", "Progressive");
+        .with("/spec/rolloutStrategy/type", "Progressive")
+}
+
+/// The module whose status says its rollout from `base` released each (cluster,
+/// revision) of `released`.
+fn rolled_out(
+    builder: ModuleBuilder,
+    base: &str,
+    released: &[(&str, &str)],
+) -> ManagedClusterModule {
+    builder
+        .with(
+            "/status/rollout",
+            serde_json::json!({
+                "revision": base, "baseRevision": base, "state": "Progressing",
+                "summary": "",
+                "clusters": released.iter().map(|(cluster, revision)| serde_json::json!({
+                    "cluster": cluster, "revision": revision, "state": "Progressing",
+                    "since": "2026-01-01T00:00:00Z",
+                })).collect::<Vec<_>>(),
+            }),
+        )
+        .build()
+}
+
+/// The image worker's part: the image's followed tag is found moved to `digest`.
+fn move_tag(fleet: &Fleet, key: &ImageKey, need: &ImageNeed, digest: &str) {
+    let before = fleet.view.image(key).expect("checked");
+    let moved = crate::images::record::observe(
+        need,
+        Some(&before),
+        crate::images::Next::Resolve,
+        crate::images::Observation::Found {
+            digest: digest.into(),
+        },
+        Timestamp::now(),
+    );
+    fleet.view.set_image(key.clone(), moved);
+}
+
+#[test]
+fn a_followed_tag_moves_each_cluster_only_as_the_rollout_releases_it() {
+    let mut fleet = Fleet::new();
+    fleet.add_cluster("spoke1");
+    fleet.add_cluster("spoke2");
+    let module = following_its_tag();
     // Rolled out everywhere at pin generation 0.
     let at0 = module.clone().build();
     let r0 = fleet.view.current_revision(&at0);
-    let rolled_out = |builder: ModuleBuilder, base: &str, released: &[(&str, &str)]| {
-        builder
-            .with(
-                "/status/rollout",
-                serde_json::json!({
-                    "revision": base, "baseRevision": base, "state": "Progressing",
-                    "summary": "",
-                    "clusters": released.iter().map(|(cluster, revision)| serde_json::json!({
-                        "cluster": cluster, "revision": revision, "state": "Progressing",
-                        "since": "2026-01-01T00:00:00Z",
-                    })).collect::<Vec<_>>(),
-                }),
-            )
-            .build()
-    };
     fleet.keep_revision(&at0);
     fleet.add_module(rolled_out(module.clone(), &r0, &[]));
     let (_, spoke1) = connect(&fleet, "spoke1", 0);
@@ -856,17 +883,7 @@ fn a_followed_tag_moves_each_cluster_only_as_the_rollout_releases_it() {
     let mut kept = needs.clone();
     let (key, need) = needs.into_iter().next().expect("one image");
     assert!(need.follow_interval.is_some(), "Always follows the tag");
-    let before = fleet.view.image(&key).expect("checked");
-    let moved = crate::images::record::observe(
-        &need,
-        Some(&before),
-        crate::images::Next::Resolve,
-        crate::images::Observation::Found {
-            digest: "sha256:4567".into(),
-        },
-        Timestamp::now(),
-    );
-    fleet.view.set_image(key.clone(), moved);
+    move_tag(&fleet, &key, &need, "sha256:4567");
     assert_eq!(
         loaded_digest(&spoke1).as_deref(),
         Some("sha256:0123"),
@@ -910,37 +927,11 @@ fn a_followed_tag_moves_each_cluster_only_as_the_rollout_releases_it() {
 fn a_cluster_released_to_a_moved_tag_converges_only_once_it_applied_the_new_digests() {
     let mut fleet = Fleet::new();
     fleet.add_cluster("spoke1");
-    let module = hello()
-        .resource_version("1")
-        .with(
-            "/spec/moduleSpec/moduleLoader/container/imagePullPolicy",
-            "Always",
-        )
-        .with("/spec/rolloutStrategy/type", "Progressive");
+    let module = following_its_tag();
     let at0 = module.clone().build();
     let r0 = fleet.view.current_revision(&at0);
-    let released_to = |builder: ModuleBuilder, base: &str, revision: Option<&str>| {
-        let clusters: Vec<_> = revision
-            .map(|revision| {
-                serde_json::json!({
-                    "cluster": "spoke1", "revision": revision, "state": "Progressing",
-                    "since": "2026-01-01T00:00:00Z",
-                })
-            })
-            .into_iter()
-            .collect();
-        builder
-            .with(
-                "/status/rollout",
-                serde_json::json!({
-                    "revision": base, "baseRevision": base, "state": "Progressing",
-                    "summary": "", "clusters": clusters,
-                }),
-            )
-            .build()
-    };
     fleet.keep_revision(&at0);
-    fleet.add_module(released_to(module.clone(), &r0, None));
+    fleet.add_module(rolled_out(module.clone(), &r0, &[]));
     let (id, spoke1) = connect(&fleet, "spoke1", 0);
     let (revision, _) = last_sent(&spoke1).unwrap();
     let report = |revision| NodeStatusReport {
@@ -953,21 +944,15 @@ fn a_cluster_released_to_a_moved_tag_converges_only_once_it_applied_the_new_dige
     // The tag moves; the new revision is kept and released to spoke1.
     let follow = Some(std::time::Duration::from_secs(5));
     let (key, need) = fleet.view.image_needs(follow).into_iter().next().unwrap();
-    let before = fleet.view.image(&key).unwrap();
-    let moved = crate::images::record::observe(
-        &need,
-        Some(&before),
-        crate::images::Next::Resolve,
-        crate::images::Observation::Found {
-            digest: "sha256:4567".into(),
-        },
-        Timestamp::now(),
-    );
-    fleet.view.set_image(key, moved);
+    move_tag(&fleet, &key, &need, "sha256:4567");
     let at1 = module.clone().with("/status/pinGeneration", 1).build();
     let r1 = fleet.view.current_revision(&at1);
     fleet.keep_revision(&at1);
-    let released = released_to(module.with("/status/pinGeneration", 1), &r0, Some(&r1));
+    let released = rolled_out(
+        module.with("/status/pinGeneration", 1),
+        &r0,
+        &[("spoke1", &r1)],
+    );
     // The status write assigning spoke1 the new revision lands in the store; the count
     // may come before the recompute that sends spoke1 the new digests.
     fleet
