@@ -156,6 +156,7 @@ impl FleetView {
             connections: self.sessions.connections(),
             needs: self.signals.needs.subscribe(),
             events: self.signals.events.subscribe(),
+            sent: self.signals.sent.subscribe(),
         }
     }
 

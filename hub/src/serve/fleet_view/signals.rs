@@ -165,6 +165,10 @@ pub struct Signals {
     pub counted: watch::Sender<u64>,
     /// Bumped when a module's recent Events changed.
     pub events: watch::Sender<u64>,
+    /// Bumped when a cluster is sent a snapshot, or resumes the one its proxy holds: what
+    /// each node is sent (the UI shows its versions) changed after the touch that led to
+    /// it.
+    pub sent: watch::Sender<u64>,
 }
 
 impl Default for Signals {
@@ -180,6 +184,7 @@ impl Default for Signals {
             preflight_changed: Notify::new(),
             counted: watch::Sender::new(0),
             events: watch::Sender::new(0),
+            sent: watch::Sender::new(0),
         }
     }
 }
@@ -200,12 +205,16 @@ impl Signals {
     pub fn bump_events(&self) {
         self.events.send_modify(|n| *n = n.wrapping_add(1));
     }
+
+    pub fn bump_sent(&self) {
+        self.sent.send_modify(|n| *n = n.wrapping_add(1));
+    }
 }
 
 /// Everything a reader of the view follows to know that what it shows may be stale: a
 /// module touched (statuses, images, selection) or counted anew, a session opened or
-/// closed, the fleet's kernels changed, a module's recent Events changed. Each wait returns once any of them changed since
-/// the last.
+/// closed, the fleet's kernels changed, a module's recent Events changed, a cluster sent
+/// a snapshot. Each wait returns once any of them changed since the last.
 #[derive(Debug)]
 pub struct Changes {
     pub(super) touched: watch::Receiver<u64>,
@@ -213,6 +222,7 @@ pub struct Changes {
     pub(super) connections: watch::Receiver<super::Connections>,
     pub(super) needs: watch::Receiver<u64>,
     pub(super) events: watch::Receiver<u64>,
+    pub(super) sent: watch::Receiver<u64>,
 }
 
 impl Changes {
@@ -224,6 +234,7 @@ impl Changes {
             changed = self.connections.changed() => changed,
             changed = self.needs.changed() => changed,
             changed = self.events.changed() => changed,
+            changed = self.sent.changed() => changed,
         };
         // What changed at once with it is taken too: one wake-up for a burst.
         self.mark_seen();
@@ -237,6 +248,7 @@ impl Changes {
         self.connections.mark_unchanged();
         self.needs.mark_unchanged();
         self.events.mark_unchanged();
+        self.sent.mark_unchanged();
     }
 }
 

@@ -257,6 +257,7 @@ impl FleetView {
                 if let Some((_, stream)) = &session.stream {
                     stream.held(held);
                 }
+                self.signals.bump_sent();
                 return;
             }
             Err(shared) => shared,
@@ -276,5 +277,6 @@ impl FleetView {
             self.metrics.snapshots_sent.inc();
             stream.snapshot(snapshot);
         }
+        self.signals.bump_sent();
     }
 }

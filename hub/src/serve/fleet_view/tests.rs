@@ -1333,3 +1333,44 @@ async fn the_recompute_task_waits_for_checks_under_way_up_to_its_hold() {
     assert!(last_sent(&sent).is_some());
     drop(lingering);
 }
+
+/// The fleet UI shows the version each node is sent, which the snapshot carries: a page
+/// fetched on the module's touch, before the recompute sent the new version, must be
+/// told again once it is sent, or it shows the earlier version until something else
+/// changes (a flake of the in-process browser test, issue 31's pipeline).
+#[test]
+fn a_snapshot_sent_after_the_touch_tells_the_views_readers_again() {
+    let mut fleet = Fleet::new();
+    fleet.add_cluster("spoke1");
+    let version = |generation: i64, version: &str| {
+        hello()
+            .generation(generation)
+            .with("/spec/moduleSpec/moduleLoader/container/version", version)
+            .build()
+    };
+    fleet.add_module(version(1, "1.0"));
+    let (_, sent) = connect(&fleet, "spoke1", 0);
+    let first = last_sent(&sent).expect("a snapshot").0;
+
+    let mut changes = fleet.view.changes();
+    changes.mark_seen();
+    let module = version(2, "2.0");
+    fleet
+        .modules
+        .apply_watcher_event(&watcher::Event::Apply(module.clone()));
+    fleet.view.note_module(&module);
+    assert!(
+        futures::FutureExt::now_or_never(changes.changed()).is_some(),
+        "the touch is told"
+    );
+    changes.mark_seen();
+    fleet.view.recompute_stale();
+    assert!(
+        last_sent(&sent).expect("a snapshot").0 > first,
+        "2.0 is sent"
+    );
+    assert!(
+        futures::FutureExt::now_or_never(changes.changed()).is_some(),
+        "the snapshot sent is told"
+    );
+}
