@@ -120,22 +120,30 @@ fn generation(module: &ManagedClusterModule) -> Result<i64> {
         .ok_or_else(|| Error::Invalid(format!("module {} has no generation", module.name_any())))
 }
 
-/// Deletes the run's modules: the hub releases each once every node confirmed the unload.
+/// Deletes the run's modules, all at once as a `kubectl delete -f` of them would reach a
+/// hub that is not busy: one after the other, each request waited behind the fleet's
+/// reaction to the previous deletions on a machine the simulated proxies saturate, which
+/// spread the deletions over seconds (and the hub's snapshots with them). The hub
+/// releases each once every node confirmed the unload.
 pub async fn delete_all(hub: &Client, run: &str) -> Result<()> {
     let api = Api::<ManagedClusterModule>::all(hub.clone());
-    for module in api
+    let listed = api
         .list_metadata(&ListParams::default().labels(&module_selector(run)))
-        .await?
-    {
-        match api
-            .delete(&module.name_any(), &DeleteParams::background())
-            .await
-        {
-            Ok(_) => {}
-            Err(kube::Error::Api(s)) if s.code == 404 => {}
-            Err(e) => return Err(e.into()),
+        .await?;
+    let deletions = listed.iter().map(|module| {
+        let api = api.clone();
+        async move {
+            match api
+                .delete(&module.name_any(), &DeleteParams::background())
+                .await
+            {
+                Ok(_) => Ok(()),
+                Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+                Err(e) => Err(Error::from(e)),
+            }
         }
-    }
+    });
+    futures::future::try_join_all(deletions).await?;
     Ok(())
 }
 

@@ -506,18 +506,27 @@ impl Harness {
         Ok(())
     }
 
+    /// Creates the modules at once (see [`modules::delete_all`] for why not one after
+    /// the other).
     async fn create_modules(&mut self, indices: std::ops::Range<usize>) -> Result<()> {
-        for index in indices {
-            let name = modules::module_name(&self.run, index);
-            let module = modules::module(
-                &self.run,
-                &name,
-                &self.fleet.state.registry,
-                &self.version.to_string(),
-            )?;
-            let generation = modules::create(&self.fleet.hub, &module).await?;
-            self.modules.insert(name, generation);
-        }
+        let version = self.version.to_string();
+        let objects = indices
+            .map(|index| {
+                let name = modules::module_name(&self.run, index);
+                let module =
+                    modules::module(&self.run, &name, &self.fleet.state.registry, &version)?;
+                Ok((name, module))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let hub = &self.fleet.hub;
+        let created =
+            futures::future::try_join_all(objects.into_iter().map(|(name, module)| async move {
+                modules::create(hub, &module)
+                    .await
+                    .map(|generation| (name, generation))
+            }))
+            .await?;
+        self.modules.extend(created);
         Ok(())
     }
 
