@@ -12,6 +12,7 @@ use kmm_proto::limits::{INVENTORY_KERNELS, KERNEL_RELEASE};
 use kmm_proto::v1::{DevicePluginReport, KernelInventory, ModuleIntent};
 use tokio::sync::watch;
 
+use crate::fleet::forgetting::HeldForgetting;
 use crate::fleet::inventory::{self, InventoryRefused};
 use crate::fleet::module_id::module_key;
 use crate::fleet::module_view::ClusterSight;
@@ -64,6 +65,8 @@ pub struct ClusterSession {
     device_plugins: BTreeMap<(String, String), (u32, u32)>,
     /// The image checks its last recompute found unchecked.
     pub awaited: AwaitedChecks,
+    /// A snapshot that only forgets unloads done, held back (see `fleet::forgetting`).
+    pub forgetting: HeldForgetting,
 }
 
 impl ClusterSession {
@@ -90,6 +93,7 @@ impl ClusterSession {
         self.kernels = None;
         self.inventory_revision = 0;
         self.awaited = AwaitedChecks::default();
+        self.forgetting = HeldForgetting::default();
         self.statuses.forget_partial();
         replaced
     }

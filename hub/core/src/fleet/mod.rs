@@ -12,6 +12,7 @@ pub mod cluster_view;
 pub mod credentials;
 pub mod deletion;
 pub mod device_plugins;
+pub mod forgetting;
 pub mod image_needs;
 pub mod intents;
 pub mod inventory;

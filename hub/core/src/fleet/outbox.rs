@@ -92,6 +92,11 @@ impl Outbox {
         !self.delivered_on_stream && self.held.is_some_and(|held| held.digest.is_some())
     }
 
+    /// Whether the current stream was sent the last snapshot (or resumed it).
+    pub fn delivered(&self) -> bool {
+        self.delivered_on_stream
+    }
+
     /// Takes `content` as the stream's first snapshot without sending it when the proxy
     /// holds it already (its hello named its digest, at a revision no older than the last
     /// this hub sent): a hub restart, a leader change or a reconnect then costs the

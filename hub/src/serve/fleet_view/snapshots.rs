@@ -10,6 +10,7 @@ use kube::ResourceExt;
 
 use crate::fleet::assignment::{ClusterFacts, cluster_modules, is_selected};
 use crate::fleet::cluster_view::ClusterView;
+use crate::fleet::forgetting::only_forgets;
 use crate::fleet::intents::{ClusterImages, cluster_intents, while_unchecked};
 use crate::fleet::served_revisions::{MissingRevision, at_revisions};
 use crate::images::ImageKey;
@@ -45,15 +46,20 @@ impl FleetView {
     }
 
     /// Marks as stale the connected clusters that waited their bound for image checks
-    /// or, given what is `needed` now, wait for one that will never be recorded. Returns
-    /// when a cluster still waiting is due next.
+    /// or, given what is `needed` now, wait for one that will never be recorded, and
+    /// those whose snapshot that only forgets (`fleet::forgetting`) waited its bound.
+    /// Returns when a cluster still waiting is due next.
     pub(super) fn release_waits(&self, needed: Option<&BTreeSet<u64>>) -> Option<Instant> {
         let now = now();
         let mut stale = Vec::new();
         let mut next: Option<Instant> = None;
         for (cluster, session) in self.sessions.all() {
             let session = lock(&session);
-            let Some(due) = session.awaited.due().filter(|_| session.stream.is_some()) else {
+            let due = match (session.awaited.due(), session.forgetting.due()) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            let Some(due) = due.filter(|_| session.stream.is_some()) else {
                 continue;
             };
             let released = due <= now || needed.is_some_and(|n| session.awaited.abandoned(n));
@@ -262,6 +268,16 @@ impl FleetView {
             }
             Err(shared) => shared,
         };
+        if only_forgets(&session.outbox, &shared) {
+            let was_holding = session.forgetting.due().is_some();
+            if session.forgetting.hold(now()) {
+                if !was_holding {
+                    self.signals.waits.send_modify(|n| *n = n.wrapping_add(1));
+                }
+                return;
+            }
+        }
+        session.forgetting.release();
         let Some(snapshot) = session.outbox.offer(shared) else {
             return;
         };

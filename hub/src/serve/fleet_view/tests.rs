@@ -13,6 +13,7 @@ use kube::runtime::watcher;
 
 use super::*;
 use crate::fleet::assignment::FINALIZER;
+use crate::fleet::forgetting::FORGET_BOUND;
 use crate::fleet::node_statuses::full_report;
 use crate::fleet::outbox::Held;
 use crate::images::awaited_checks::AWAIT_BOUND;
@@ -1373,4 +1374,119 @@ fn a_snapshot_sent_after_the_touch_tells_the_views_readers_again() {
         futures::FutureExt::now_or_never(changes.changed()).is_some(),
         "the snapshot sent is told"
     );
+}
+
+/// `second`, selecting the `env=prod` clusters as `hello` does.
+fn second() -> ModuleBuilder {
+    ModuleBuilder::new("second")
+        .uid("u2")
+        .finalizers(&[FINALIZER])
+        .selector(&[("env", "prod")])
+}
+
+/// spoke1 runs `hello` and `second` on n1, then both are deleted: its stream, and the
+/// revision of the snapshot unloading both.
+fn both_unloading(fleet: &mut Fleet) -> (SessionId, tokio::sync::watch::Receiver<Outbound>, u64) {
+    fleet.add_cluster("spoke1");
+    fleet.add_module(hello().build());
+    fleet.add_module(second().build());
+    let (id, sent) = connect(fleet, "spoke1", 0);
+    let (loaded_at, _) = last_sent(&sent).expect("both are sent");
+    let report = |state| full_report(&[("hello", "n1", state), ("second", "n1", state)]);
+    fleet.view.status(
+        "spoke1",
+        id,
+        NodeStatusReport {
+            intent_revision: loaded_at,
+            ..report(ModuleState::Loaded)
+        },
+    );
+    fleet.add_module(hello().deleting().build());
+    fleet.add_module(second().deleting().build());
+    let (unload_at, unload) = last_sent(&sent).expect("the unloads are sent");
+    assert_eq!(unload, Some(true));
+    assert_eq!(
+        sent_modules(&sent),
+        BTreeSet::from(["hello".into(), "second".into()])
+    );
+    (id, sent, unload_at)
+}
+
+/// spoke1's report, made with revision `at`, of `hello` unloaded and `second` in `state`.
+fn hello_unloaded(at: u64, second: ModuleState) -> NodeStatusReport {
+    NodeStatusReport {
+        intent_revision: at,
+        ..full_report(&[
+            ("hello", "n1", ModuleState::Unloaded),
+            ("second", "n1", second),
+        ])
+    }
+}
+
+/// The hub released the deleted module (its unloads confirmed): its watch drops it.
+fn release(modules: &mut Writer<ManagedClusterModule>, view: &FleetView, module: ModuleBuilder) {
+    let module = module.deleting().build();
+    modules.apply_watcher_event(&watcher::Event::Delete(module.clone()));
+    view.forget_module(&module);
+}
+
+/// Forgetting a released module's confirmed unload changes nothing a node does: while
+/// the cluster still unloads another module, the snapshot that would only forget waits,
+/// and the last release sends one snapshot forgetting both (a fleet-wide deletion of
+/// twenty modules sent every cluster ten or more).
+#[test]
+fn released_modules_are_forgotten_together_once_the_last_unload_is_done() {
+    let mut fleet = Fleet::new();
+    let (id, sent, unload_at) = both_unloading(&mut fleet);
+    let snapshots = |view: &FleetView| view.metrics.snapshots_sent.get();
+    let view = fleet.view;
+    let before = snapshots(&view);
+
+    view.status("spoke1", id, hello_unloaded(unload_at, ModuleState::Loaded));
+    release(&mut fleet.modules, &view, hello());
+    view.recompute_stale();
+    assert_eq!(
+        snapshots(&view),
+        before,
+        "hello's forgetting waits for second's unload"
+    );
+    assert_eq!(last_sent(&sent).map(|(at, _)| at), Some(unload_at));
+
+    view.status(
+        "spoke1",
+        id,
+        hello_unloaded(unload_at, ModuleState::Unloaded),
+    );
+    release(&mut fleet.modules, &view, second());
+    view.recompute_stale();
+    assert_eq!(snapshots(&view), before + 1, "one snapshot forgets both");
+    assert!(sent_modules(&sent).is_empty(), "{:?}", sent_modules(&sent));
+}
+
+/// A stuck unload holds the others' forgetting for the bound, no longer: the recompute
+/// task's timer sends it then.
+#[tokio::test(start_paused = true)]
+async fn a_stuck_unload_holds_the_others_forgetting_for_the_bound_only() {
+    let mut fleet = Fleet::new();
+    let (id, sent, unload_at) = both_unloading(&mut fleet);
+    let view = Arc::new(fleet.view);
+    tokio::spawn(view.clone().follow_stale());
+    settle().await;
+    let snapshots = || view.metrics.snapshots_sent.get();
+    let before = snapshots();
+
+    view.status("spoke1", id, hello_unloaded(unload_at, ModuleState::Loaded));
+    release(&mut fleet.modules, &view, hello());
+    settle().await;
+    tokio::time::advance(FORGET_BOUND - Duration::from_millis(10)).await;
+    settle().await;
+    assert_eq!(
+        snapshots(),
+        before,
+        "within the bound, hello's forgetting waits"
+    );
+    tokio::time::advance(Duration::from_millis(20)).await;
+    settle().await;
+    assert_eq!(snapshots(), before + 1, "at the bound it goes");
+    assert_eq!(sent_modules(&sent), BTreeSet::from(["second".into()]));
 }
