@@ -1,8 +1,8 @@
-//! When a snapshot that only forgets unloads already done goes out. Once a cluster
-//! confirmed a module's unload, the module leaves its snapshot; deleting twenty modules
-//! then sent every cluster one snapshot per confirmation and per release (ten or more a
-//! cluster, each decoded, applied and acknowledged by its proxy), though forgetting an
-//! unload changes nothing any node does. Such a snapshot waits while the cluster still
+//! When a snapshot that only forgets unloads already done goes out. A module whose unload
+//! a cluster confirmed leaves its snapshot once the cluster is no longer selected, or once
+//! the hub released the deleted module; deleting twenty modules then sent every cluster
+//! one snapshot per release (ten or more a cluster, each decoded, applied and acknowledged
+//! by its proxy), though forgetting an unload changes nothing any node does. Such a snapshot waits while the cluster still
 //! unloads other modules, and goes with the last of them, or after [`FORGET_BOUND`] at the
 //! latest: a stuck unload holds the others' forgetting no longer. Pure.
 
@@ -26,19 +26,18 @@ pub fn only_forgets(outbox: &Outbox, next: &SharedSnapshot) -> bool {
         return false;
     };
     let unloads = |s: &SharedSnapshot| s.modules.iter().filter(|m| m.unload).count();
-    let kept = next.modules.iter().all(|intent| {
-        intent.key.as_ref().is_some_and(|key| {
-            outbox
-                .carried(&key.namespace, &key.name)
-                .is_some_and(|sent| {
-                    std::ptr::eq(sent.intent, Arc::as_ptr(intent)) || sent.intent == &**intent
-                })
-        })
-    });
-    kept && next.modules.len() < last.modules.len()
+    // The counts first: most recomputes change nothing, or add.
+    next.modules.len() < last.modules.len()
+        && unloads(next) > 0
         // What it leaves out are unloads: as many loads as before.
         && next.modules.len() - unloads(next) == last.modules.len() - unloads(last)
-        && unloads(next) > 0
+        && next.modules.iter().all(|intent| {
+            intent.key.as_ref().is_some_and(|key| {
+                outbox.carried(&key.namespace, &key.name).is_some_and(|sent| {
+                    std::ptr::eq(sent.intent, Arc::as_ptr(intent)) || sent.intent == &**intent
+                })
+            })
+        })
         && next
             .credentials
             .iter()
