@@ -206,6 +206,10 @@ impl Signals {
         self.events.send_modify(|n| *n = n.wrapping_add(1));
     }
 
+    pub fn bump_waits(&self) {
+        self.waits.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
     pub fn bump_sent(&self) {
         self.sent.send_modify(|n| *n = n.wrapping_add(1));
     }

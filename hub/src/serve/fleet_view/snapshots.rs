@@ -55,10 +55,10 @@ impl FleetView {
         let mut next: Option<Instant> = None;
         for (cluster, session) in self.sessions.all() {
             let session = lock(&session);
-            let due = match (session.awaited.due(), session.forgetting.due()) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            };
+            let due = [session.awaited.due(), session.forgetting.due()]
+                .into_iter()
+                .flatten()
+                .min();
             let Some(due) = due.filter(|_| session.stream.is_some()) else {
                 continue;
             };
@@ -232,7 +232,7 @@ impl FleetView {
         let was_waiting = session.awaited.due().is_some();
         session.awaited.set(&intents.unchecked, now());
         if !was_waiting && session.awaited.due().is_some() {
-            self.signals.waits.send_modify(|n| *n = n.wrapping_add(1));
+            self.signals.bump_waits();
         }
         let mut snapshot = intents.snapshot;
         if !intents.unchecked.is_empty() {
@@ -272,7 +272,7 @@ impl FleetView {
             let was_holding = session.forgetting.due().is_some();
             if session.forgetting.hold(now()) {
                 if !was_holding {
-                    self.signals.waits.send_modify(|n| *n = n.wrapping_add(1));
+                    self.signals.bump_waits();
                 }
                 return;
             }
