@@ -14,7 +14,7 @@ use tokio::sync::watch;
 
 use crate::fleet::forgetting::HeldForgetting;
 use crate::fleet::inventory::{self, InventoryRefused};
-use crate::fleet::module_id::module_key;
+use crate::fleet::module_id::{ModuleId, module_id, module_key};
 use crate::fleet::module_view::ClusterSight;
 use crate::fleet::node_statuses::{self, NodeStatuses};
 use crate::fleet::outbox::{Held, Outbox};
@@ -62,7 +62,7 @@ pub struct ClusterSession {
     /// every report).
     pub acked_revision: u64,
     /// Per module (namespace, name): its device plugin's (desired, available) Pods.
-    device_plugins: BTreeMap<(String, String), (u32, u32)>,
+    device_plugins: BTreeMap<ModuleId, (u32, u32)>,
     /// The image checks its last recompute found unchecked.
     pub awaited: AwaitedChecks,
     /// A snapshot that only forgets unloads done, held back (see `fleet::forgetting`).
@@ -147,7 +147,7 @@ impl ClusterSession {
         known: impl Fn(&str, &str) -> bool,
     ) -> (BTreeSet<String>, usize) {
         let mut unknown = 0;
-        let now: BTreeMap<(String, String), (u32, u32)> = report
+        let now: BTreeMap<ModuleId, (u32, u32)> = report
             .plugins
             .into_iter()
             .filter_map(|p| {
@@ -156,7 +156,10 @@ impl ClusterSession {
                     unknown += 1;
                     return None;
                 }
-                Some(((key.namespace, key.name), (p.desired, p.available)))
+                Some((
+                    module_id(&key.namespace, &key.name),
+                    (p.desired, p.available),
+                ))
             })
             .collect();
         let changed = now
@@ -167,7 +170,7 @@ impl ClusterSession {
                     .iter()
                     .filter(|(key, _)| !now.contains_key(*key)),
             )
-            .map(|((_, name), _)| name.clone())
+            .map(|((_, name), _)| name.to_string())
             .collect();
         self.device_plugins = now;
         (changed, unknown)
@@ -219,7 +222,10 @@ pub type Session = Arc<Mutex<ClusterSession>>;
 /// Every cluster's session, the connections they make, and the hub's end of them all.
 #[derive(Debug)]
 pub struct Sessions {
-    clusters: RwLock<HashMap<String, Session>>,
+    /// Looked up for every selected cluster of a module at each count: hashed with
+    /// foldhash, several times cheaper than the default SipHash on a cluster's name and
+    /// still seeded per process (names come from ManagedClusters and client certificates).
+    clusters: RwLock<HashMap<String, Session, foldhash::fast::RandomState>>,
     next_id: AtomicU64,
     /// Changes only when a session opens or closes.
     connections: watch::Sender<Connections>,

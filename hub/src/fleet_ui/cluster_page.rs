@@ -7,6 +7,7 @@ use std::sync::Arc;
 use kmm_proto::v1::ModuleState;
 use kmm_proto::v1::kernel_target::Target;
 
+use crate::fleet::module_id::ModuleId;
 use crate::fleet::node_statuses::{Node, NodeStatus};
 use crate::serve::fleet_view::{ClusterReadout, FleetView};
 
@@ -91,7 +92,7 @@ pub fn state_name(state: ModuleState) -> &'static str {
 /// One module's status on one node, with the version the node's kernel was sent.
 pub fn module_on_node(
     cluster: ClusterReadout<'_>,
-    (namespace, name): &(String, String),
+    (namespace, name): &ModuleId,
     status: &NodeStatus,
 ) -> ModuleOnNode {
     let version = cluster
@@ -103,8 +104,8 @@ pub fn module_on_node(
             _ => None,
         });
     ModuleOnNode {
-        module: name.clone(),
-        namespace: namespace.clone(),
+        module: name.to_string(),
+        namespace: namespace.to_string(),
         state: state_name(status.state),
         version,
         reason: status.reason().to_owned(),

@@ -63,7 +63,7 @@ pub fn module_page(
     filter: GridFilter,
 ) -> ModulePage {
     let module_view = view.module_view(module);
-    let states = cluster_states(&module_view, &view.connected_clusters());
+    let states = cluster_states(&module_view);
     let rollout = module
         .status
         .as_ref()

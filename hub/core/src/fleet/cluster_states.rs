@@ -1,7 +1,7 @@
 //! Where each selected cluster stands with a module, as the fleet UI shows it: one state
 //! per cluster, from what the module's view observed of it. Pure.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use super::module_view::ModuleView;
 use super::rollout::Observation;
@@ -47,15 +47,10 @@ impl ClusterState {
 }
 
 /// Where `cluster` stands, from what the module's view observed of it.
-fn state_of(
-    view: &ModuleView,
-    cluster: &str,
-    observation: &Observation,
-    connected: &BTreeSet<String>,
-) -> ClusterState {
+fn state_of(view: &ModuleView, cluster: &str, observation: &Observation) -> ClusterState {
     if observation.failure.is_some() {
         ClusterState::Failed
-    } else if !connected.contains(cluster) {
+    } else if !observation.connected {
         ClusterState::Disconnected
     } else if view.held.contains(cluster) {
         ClusterState::Held
@@ -67,26 +62,18 @@ fn state_of(
 }
 
 /// Each selected cluster's state with the module, by cluster name.
-pub fn cluster_states(
-    view: &ModuleView,
-    connected: &BTreeSet<String>,
-) -> BTreeMap<String, ClusterState> {
+pub fn cluster_states(view: &ModuleView) -> BTreeMap<String, ClusterState> {
     view.observed
         .iter()
-        .map(|(cluster, observation)| {
-            (
-                cluster.clone(),
-                state_of(view, cluster, observation, connected),
-            )
-        })
+        .map(|(cluster, observation)| (cluster.clone(), state_of(view, cluster, observation)))
         .collect()
 }
 
 /// How many of the module's selected clusters are in each state.
-pub fn state_counts(view: &ModuleView, connected: &BTreeSet<String>) -> StateCounts {
+pub fn state_counts(view: &ModuleView) -> StateCounts {
     let mut counts = StateCounts::default();
     for (cluster, observation) in &view.observed {
-        *counts.slot(state_of(view, cluster, observation, connected)) += 1;
+        *counts.slot(state_of(view, cluster, observation)) += 1;
     }
     counts
 }

@@ -57,7 +57,9 @@ pub struct ModuleViewBuilder<'m> {
     name: String,
     deleting: bool,
     tally: StatusTally,
-    observed: BTreeMap<String, Observation>,
+    /// In the order counted; a map once finished (one bulk build rather than thousands
+    /// of inserts).
+    observed: Vec<(String, Observation)>,
     held: BTreeSet<String>,
     plugins: Vec<(String, (u32, u32))>,
     leftovers: Leftovers,
@@ -70,7 +72,7 @@ impl<'m> ModuleViewBuilder<'m> {
             name: module.name_any(),
             deleting: is_deleting(module),
             tally: StatusTally::default(),
-            observed: BTreeMap::new(),
+            observed: Vec::new(),
             held: BTreeSet::new(),
             plugins: Vec::new(),
             leftovers: Leftovers::default(),
@@ -127,7 +129,7 @@ impl<'m> ModuleViewBuilder<'m> {
         };
         let mut observation = self.tally.add(&report);
         observation.wave = wave;
-        self.observed.insert(cluster.to_owned(), observation);
+        self.observed.push((cluster.to_owned(), observation));
         if let Some(counts) = sight.and_then(|s| s.device_plugin) {
             self.plugins.push((cluster.to_owned(), counts));
         }
@@ -171,7 +173,7 @@ impl<'m> ModuleViewBuilder<'m> {
         ModuleView {
             status,
             leftovers: self.leftovers,
-            observed: self.observed,
+            observed: self.observed.into_iter().collect(),
             held: self.held,
         }
     }

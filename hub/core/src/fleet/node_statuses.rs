@@ -11,6 +11,7 @@
 //! [`ERROR_TEXT`] bytes) and time ([`REPORT_DEADLINE`] for a report in parts). A report
 //! breaking one is refused whole ([`ReportRefused`]) and what it staged forgotten.
 
+use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -18,8 +19,7 @@ use std::time::{Duration, Instant};
 use kmm_proto::limits::{ERROR_TEXT, truncate};
 use kmm_proto::v1::{ModuleKey, ModuleNodeStatus, ModuleState, NodeStatusReport};
 
-use super::module_id::ModuleId;
-use super::module_id::module_key;
+use super::module_id::{ModuleId, module_id, module_key};
 
 /// Node statuses one cluster may hold: a report that would go beyond is refused, so no
 /// proxy can grow the hub's memory without bound (5,000 nodes with 50 modules fit).
@@ -295,10 +295,21 @@ impl Staged {
 
     fn update(&mut self, module: ModuleId, status: NodeStatus) {
         self.bytes += std::mem::size_of::<NodeStatus>();
-        if !self.updates.contains_key(&module) {
-            self.bytes += module_bytes(&module);
+        // A proxy sends a module's statuses together: most go to the module of the one
+        // before, which needs no search.
+        if let Some(mut last) = self.updates.last_entry()
+            && *last.key() == module
+        {
+            last.get_mut().push(status);
+            return;
         }
-        self.updates.entry(module).or_default().push(status);
+        match self.updates.entry(module) {
+            Entry::Occupied(held) => held.into_mut().push(status),
+            Entry::Vacant(new) => {
+                self.bytes += module_bytes(new.key());
+                new.insert(vec![status]);
+            }
+        }
     }
 
     fn removal(&mut self, module: ModuleId, node: Arc<str>) {
@@ -393,24 +404,33 @@ impl NodeStatuses {
         // What an unfinished report dropped above had interned goes too, so that parts
         // that never finish cannot grow the sets.
         self.strings.sweep();
-        for status in part.statuses {
-            let Some((module, node)) = status
-                .key
-                .as_ref()
-                .and_then(|k| entry_key(k.module.as_ref(), &k.node))
-            else {
+        // A module's statuses come together: it is looked up once for them.
+        let mut last_known: Option<(ModuleId, bool)> = None;
+        for mut status in part.statuses {
+            let Some(key) = status.key.take() else {
                 continue;
             };
-            if known(&module.0, &module.1) {
-                let status = NodeStatus::from_report(status, &node, &mut self.strings);
+            let Some(module) = entry_key(key.module.as_ref(), &key.node) else {
+                continue;
+            };
+            let is_known = match &last_known {
+                Some((last, is_known)) if *last == module => *is_known,
+                _ => {
+                    let is_known = known(&module.0, &module.1);
+                    last_known = Some((module.clone(), is_known));
+                    is_known
+                }
+            };
+            if is_known {
+                let status = NodeStatus::from_report(status, &key.node, &mut self.strings);
                 staged.update(module, status);
             }
         }
         for removed in &part.removed {
-            if let Some((module, node)) = entry_key(removed.module.as_ref(), &removed.node)
+            if let Some(module) = entry_key(removed.module.as_ref(), &removed.node)
                 && (known(&module.0, &module.1) || self.modules.contains_key(&module))
             {
-                let node = self.strings.get(&node);
+                let node = self.strings.get(&removed.node);
                 staged.removal(module, node);
             }
         }
@@ -690,15 +710,13 @@ fn latest_per_node(mut nodes: Vec<NodeStatus>) -> Vec<NodeStatus> {
     nodes
 }
 
-fn entry_key(module: Option<&ModuleKey>, node: &str) -> Option<(ModuleId, String)> {
+/// The module of an entry naming `node`, when the entry names both.
+fn entry_key(module: Option<&ModuleKey>, node: &str) -> Option<ModuleId> {
     let module = module?;
     if module.name.is_empty() || node.is_empty() {
         return None;
     }
-    Some((
-        (module.namespace.clone(), module.name.clone()),
-        node.to_owned(),
-    ))
+    Some(module_id(&module.namespace, &module.name))
 }
 
 #[cfg(test)]
@@ -759,7 +777,7 @@ mod tests {
                 ..NodeStatusReport::default()
             };
             statuses.apply(report, |_, _| true).unwrap();
-            let held = &statuses.modules[&("drivers".to_owned(), "a".to_owned())];
+            let held = &statuses.modules[&module_id("drivers", "a")];
             assert_eq!(held.len(), n + 1);
             assert!(
                 held.capacity() <= held.len() + held.len() / 8 + 1,
@@ -775,10 +793,7 @@ mod tests {
             ..NodeStatusReport::default()
         };
         statuses.apply(batch, |_, _| true).unwrap();
-        assert_eq!(
-            statuses.modules[&("drivers".to_owned(), "b".to_owned())].capacity(),
-            20
-        );
+        assert_eq!(statuses.modules[&module_id("drivers", "b")].capacity(), 20);
     }
 
     #[test]
@@ -839,6 +854,55 @@ mod tests {
             statuses.module("other", "c").is_empty(),
             "namespace is part of the key"
         );
+    }
+
+    #[test]
+    fn statuses_interleaved_across_modules_each_reach_their_module() {
+        // Proxies send a module's statuses together, which staging and the known check
+        // take a shortcut for; a report that does not is held all the same.
+        let mut statuses = NodeStatuses::default();
+        let asked = std::cell::RefCell::new(Vec::new());
+        let changed = statuses
+            .apply(
+                NodeStatusReport {
+                    full: true,
+                    statuses: vec![
+                        status("b", "n2", ModuleState::Loaded),
+                        status("b", "n1", ModuleState::Pending),
+                        status("a", "n1", ModuleState::Loaded),
+                        status("x", "n1", ModuleState::Loaded),
+                        status("b", "n3", ModuleState::Failed),
+                        status("a", "n2", ModuleState::Pending),
+                        status("x", "n2", ModuleState::Loaded),
+                        status("a", "n1", ModuleState::Failed),
+                    ],
+                    ..NodeStatusReport::default()
+                },
+                |namespace, name| {
+                    asked.borrow_mut().push(name.to_owned());
+                    namespace == "drivers" && name != "x"
+                },
+            )
+            .unwrap();
+        assert_eq!(
+            changed,
+            [module_id("drivers", "a"), module_id("drivers", "b")].into()
+        );
+        assert_eq!(nodes(statuses.module("drivers", "b")), ["n1", "n2", "n3"]);
+        let a = statuses.module("drivers", "a");
+        assert_eq!(nodes(a), ["n1", "n2"]);
+        assert_eq!(
+            a[0].state,
+            ModuleState::Failed,
+            "the later status of a node wins"
+        );
+        assert!(
+            statuses.module("drivers", "x").is_empty(),
+            "unknown, dropped"
+        );
+        assert_eq!(statuses.len(), 5);
+        // Asked once per run of one module's statuses.
+        assert_eq!(asked.into_inner(), ["b", "a", "x", "b", "a", "x", "a"]);
     }
 
     #[test]
@@ -932,7 +996,7 @@ mod tests {
         assert_eq!(
             whole,
             Applied {
-                changed: [("drivers".to_owned(), "a".to_owned())].into(),
+                changed: [module_id("drivers", "a")].into(),
                 full: true,
                 intent_revision: 3,
             }

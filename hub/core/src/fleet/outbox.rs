@@ -9,7 +9,7 @@ use std::sync::Arc;
 use kmm_proto::v1::ModuleIntent;
 use kmm_proto::v1::kernel_target::Target;
 
-use super::module_id::{ModuleId, module_key};
+use super::module_id::{ModuleId, module_id, module_key};
 use super::revisions::RevisionMark;
 use super::shared_snapshot::SharedSnapshot;
 
@@ -148,7 +148,7 @@ impl Outbox {
         let mut sent = BTreeMap::new();
         for (at, intent) in content.modules.iter().enumerate() {
             let Some(key) = &intent.key else { continue };
-            let id = (key.namespace.clone(), key.name.clone());
+            let id = module_id(&key.namespace, &key.name);
             let mark = RevisionMark::of_intent(intent);
             let loads = loaded_digests(intent);
             let since = match self.sent.get(&id) {

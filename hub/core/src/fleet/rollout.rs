@@ -38,6 +38,8 @@ pub struct Observation {
     pub failure: Option<String>,
     /// The decision group that placed it, when a Placement chose it.
     pub wave: Option<Wave>,
+    /// Its proxy was connected when it was counted.
+    pub connected: bool,
 }
 
 /// The decision group a Placement put a cluster in: the wave it moves with. Clusters

@@ -134,6 +134,7 @@ impl StatusTally {
             converged,
             failure,
             wave: None,
+            connected: report.connected,
         }
     }
 

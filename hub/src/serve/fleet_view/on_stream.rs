@@ -173,7 +173,10 @@ impl ClusterStreams for FleetView {
         if snapshot_may_change {
             self.signals.stale.add([cluster.to_owned()]);
         }
-        let mut touched: BTreeSet<String> = changed.into_iter().map(|(_, name)| name).collect();
+        let mut touched: BTreeSet<String> = changed
+            .into_iter()
+            .map(|(_, name)| name.into_string())
+            .collect();
         if newly_acked {
             // The statuses now reflect newer intents: a generation may have converged.
             touched.extend(session.carried().map(str::to_owned));

@@ -63,7 +63,7 @@ impl FleetView {
             Some(counts) => counts,
             None => {
                 let view = self.module_view(module);
-                state_counts(&view, &self.sessions.connections().borrow().open)
+                state_counts(&view)
             }
         }
     }

@@ -64,7 +64,7 @@ impl FleetView {
         let mut view = view.finish(self.images.statuses(&name, persisted));
         let pinned = self.images.pin_generation(&name, pin_generation(module));
         view.status.pin_generation = (pinned > 0).then_some(pinned);
-        let counts = state_counts(&view, &self.sessions.connections().borrow().open);
+        let counts = state_counts(&view);
         if self
             .caches
             .remember_counts(&name, counts, started.elapsed())
