@@ -17,7 +17,7 @@ use kmm_runtime::events::EventType;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, ResourceExt};
 
-use super::events::EventPublisher;
+use super::events::{EventPublisher, EventQueue};
 use super::fleet_view::FleetView;
 use super::image_tasks::ImageTasks;
 use super::signing::{MAX_IMAGE_BYTES, sign_image, signing_key};
@@ -73,6 +73,7 @@ pub async fn run(worker: ImageWorker) {
     let worker = Arc::new(worker);
     let mut needs_changed = worker.state.needs_changed();
     let mut tasks = ImageTasks::default();
+    let events = EventQueue::start(worker.events.clone());
     let mut cas_before = worker.cas_fingerprint();
     let mut needs = BTreeMap::new();
     let mut pass = tokio::time::Instant::now();
@@ -113,8 +114,9 @@ pub async fn run(worker: ImageWorker) {
                 if tasks.len() < IN_FLIGHT {
                     let worker = worker.clone();
                     let (task_key, task_need) = (key.clone(), need.clone());
+                    let events = events.clone();
                     tasks.spawn(key.clone(), need, async move {
-                        worker.advance(&task_key, &task_need, record).await;
+                        worker.advance(&task_key, &task_need, record, &events).await;
                     });
                 }
             } else if let Some(record) = &record {
@@ -205,7 +207,13 @@ impl ImageWorker {
 
     /// Performs the due steps of one image until none is due now.
     #[tracing::instrument(name = "image", skip_all, fields(module = %key.module, image = %key.image))]
-    async fn advance(&self, key: &ImageKey, need: &ImageNeed, mut record: Option<ImageRecord>) {
+    async fn advance(
+        &self,
+        key: &ImageKey,
+        need: &ImageNeed,
+        mut record: Option<ImageRecord>,
+        events: &EventQueue,
+    ) {
         for _ in 0..MAX_STEPS {
             let now = Timestamp::now();
             let Some(step) = due(need, record.as_ref(), now) else {
@@ -217,7 +225,7 @@ impl ImageWorker {
             let next = observe(need, record.as_ref(), step, observation, Timestamp::now());
             let next = self.state.set_image(key.clone(), next);
             drop(check);
-            self.announce(key, record.as_ref(), &next).await;
+            self.announce(key, record.as_ref(), &next, events);
             record = Some(next);
         }
     }
@@ -511,7 +519,13 @@ impl ImageWorker {
     }
 
     /// An Event when the image's state or reason changes.
-    async fn announce(&self, key: &ImageKey, before: Option<&ImageRecord>, after: &ImageRecord) {
+    fn announce(
+        &self,
+        key: &ImageKey,
+        before: Option<&ImageRecord>,
+        after: &ImageRecord,
+        events: &EventQueue,
+    ) {
         if before.is_some_and(|b| {
             (b.state, &b.reason, &b.digest) == (after.state, &after.reason, &after.digest)
         }) {
@@ -551,9 +565,7 @@ impl ImageWorker {
         } else {
             EventType::Normal
         };
-        self.events
-            .publish(&module, type_, &after.reason, "Image", note)
-            .await;
+        events.publish(module, type_, &after.reason, "Image", note);
     }
 }
 
