@@ -19,7 +19,7 @@ use kube::{Api, ResourceExt};
 
 use super::events::{EventPublisher, EventQueue};
 use super::fleet_view::FleetView;
-use super::image_tasks::ImageTasks;
+use super::image_tasks::{Finished, ImageTasks, Wake};
 use super::signing::{MAX_IMAGE_BYTES, sign_image, signing_key};
 use crate::build::{BuildJobs, BuildProgress, BuildRequest};
 use crate::images::record::{Next, Observation, due, observe};
@@ -79,9 +79,13 @@ pub async fn run(worker: ImageWorker) {
     let mut pass = tokio::time::Instant::now();
     let mut spacing = PASS_INTERVAL;
     let mut read = Read::Fleet;
+    // The fleet's needs changed since the last pass read them: the next pass is due at
+    // `pass + spacing`.
+    let mut needs_pending = false;
     loop {
         match read {
             Read::Fleet => {
+                needs_pending = false;
                 pass = tokio::time::Instant::now();
                 needs = worker.state.image_needs(Some(worker.follow_interval));
                 spacing = PASS_INTERVAL.max(pass.elapsed() * PASS_SPACING);
@@ -130,30 +134,35 @@ pub async fn run(worker: ImageWorker) {
         let in_flight = tasks.keys().clone();
         let full = tasks.len() >= IN_FLIGHT;
         let covered = |key: &ImageKey| full || in_flight.contains(key);
-        read = tokio::select! {
-            finished = tasks.next() => {
-                if let Some(panic) = finished.panic {
-                    worker.failed_unexpectedly(finished.key, &finished.need, &panic);
+        let other = async {
+            tokio::select! {
+                // Unless a snapshot waits for an image nobody checked yet (a module just
+                // created): its clusters get nothing until then.
+                () = worker.state.images_unchecked(covered) => {}
+                () = worker.access_changed(access) => {}
+                () = tokio::time::sleep(until) => {}
+            }
+        };
+        // Changes come in bursts (clusters connecting send their kernels one by one): a
+        // read goes through them all, so the fleet is read at most once per spacing.
+        let woken = tasks
+            .wake(
+                &mut needs_changed,
+                &mut needs_pending,
+                pass + spacing,
+                other,
+            )
+            .await;
+        read = match woken {
+            Wake::Finished(finished) => {
+                let Finished { key, need, panic } = *finished;
+                if let Some(panic) = panic {
+                    worker.failed_unexpectedly(key, &need, &panic);
                 }
                 Read::Pins
             }
-            changed = needs_changed.changed() => {
-                if changed.is_err() {
-                    return;
-                }
-                // Changes come in bursts (clusters connecting send their kernels one by
-                // one): a pass goes through them all, so look at most once per spacing,
-                // unless a snapshot waits for an image nobody checked yet (a module just
-                // created): its clusters get nothing until then.
-                tokio::select! {
-                    () = tokio::time::sleep_until(pass + spacing) => {}
-                    () = worker.state.images_unchecked(covered) => {}
-                }
-                Read::Fleet
-            }
-            () = worker.state.images_unchecked(covered) => Read::Fleet,
-            () = worker.access_changed(access) => Read::Fleet,
-            () = tokio::time::sleep(until) => Read::Fleet,
+            Wake::Fleet => Read::Fleet,
+            Wake::Stopped => return,
         };
     }
 }
