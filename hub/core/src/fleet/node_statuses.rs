@@ -410,7 +410,7 @@ impl NodeStatuses {
             let Some(key) = status.key.take() else {
                 continue;
             };
-            let Some(module) = entry_key(key.module.as_ref(), &key.node) else {
+            let Some(module) = entry_module(key.module.as_ref(), &key.node) else {
                 continue;
             };
             let is_known = match &last_known {
@@ -427,7 +427,7 @@ impl NodeStatuses {
             }
         }
         for removed in &part.removed {
-            if let Some(module) = entry_key(removed.module.as_ref(), &removed.node)
+            if let Some(module) = entry_module(removed.module.as_ref(), &removed.node)
                 && (known(&module.0, &module.1) || self.modules.contains_key(&module))
             {
                 let node = self.strings.get(&removed.node);
@@ -711,7 +711,7 @@ fn latest_per_node(mut nodes: Vec<NodeStatus>) -> Vec<NodeStatus> {
 }
 
 /// The module of an entry naming `node`, when the entry names both.
-fn entry_key(module: Option<&ModuleKey>, node: &str) -> Option<ModuleId> {
+fn entry_module(module: Option<&ModuleKey>, node: &str) -> Option<ModuleId> {
     let module = module?;
     if module.name.is_empty() || node.is_empty() {
         return None;
