@@ -1,7 +1,8 @@
 //! The image worker's tasks in flight: at most one per image. A task that panics (a bug,
 //! or a malformed image tripping a library) lets its image go with the panic's message,
 //! so that the worker records a failure and retries after a backoff, instead of keeping
-//! the image in flight for good or taking the hub down.
+//! the image in flight for good or taking the hub down. [`ImageTasks::wake`] is what the
+//! worker waits on between its passes.
 
 use std::collections::{BTreeSet, HashMap};
 use std::future::Future;
@@ -86,9 +87,7 @@ impl ImageTasks {
             }
         }
     }
-}
 
-impl ImageTasks {
     /// Waits for what wakes the worker: a task ending, at once whatever else is awaited
     /// (waiting for the next read of the fleet held every place idle for up to its
     /// spacing, seconds at thousands of clusters, so a kernel upgrade's checks went
