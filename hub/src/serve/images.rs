@@ -17,7 +17,7 @@ use kmm_runtime::events::EventType;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, ResourceExt};
 
-use super::events::{EventPublisher, EventQueue};
+use super::events::EventQueue;
 use super::fleet_view::FleetView;
 use super::image_tasks::{Finished, ImageTasks, Wake};
 use super::signing::{MAX_IMAGE_BYTES, sign_image, signing_key};
@@ -51,7 +51,8 @@ pub struct ImageWorker {
     pub config_maps: Api<ConfigMap>,
     pub namespace: String,
     pub builds: BuildJobs,
-    pub events: EventPublisher,
+    /// The images' Events, recorded in order without holding a check's place.
+    pub events: EventQueue,
     /// PEM CAs the registries chain to besides the system's (`--registry-ca-file`), read
     /// at each step: its optional ConfigMap may come, change or go while the hub runs.
     pub registry_ca_file: Option<std::path::PathBuf>,
@@ -73,7 +74,6 @@ pub async fn run(worker: ImageWorker) {
     let worker = Arc::new(worker);
     let mut needs_changed = worker.state.needs_changed();
     let mut tasks = ImageTasks::default();
-    let events = EventQueue::start(worker.events.clone());
     let mut cas_before = worker.cas_fingerprint();
     let mut needs = BTreeMap::new();
     let mut pass = tokio::time::Instant::now();
@@ -118,9 +118,8 @@ pub async fn run(worker: ImageWorker) {
                 if tasks.len() < IN_FLIGHT {
                     let worker = worker.clone();
                     let (task_key, task_need) = (key.clone(), need.clone());
-                    let events = events.clone();
                     tasks.spawn(key.clone(), need, async move {
-                        worker.advance(&task_key, &task_need, record, &events).await;
+                        worker.advance(&task_key, &task_need, record).await;
                     });
                 }
             } else if let Some(record) = &record {
@@ -216,13 +215,7 @@ impl ImageWorker {
 
     /// Performs the due steps of one image until none is due now.
     #[tracing::instrument(name = "image", skip_all, fields(module = %key.module, image = %key.image))]
-    async fn advance(
-        &self,
-        key: &ImageKey,
-        need: &ImageNeed,
-        mut record: Option<ImageRecord>,
-        events: &EventQueue,
-    ) {
+    async fn advance(&self, key: &ImageKey, need: &ImageNeed, mut record: Option<ImageRecord>) {
         for _ in 0..MAX_STEPS {
             let now = Timestamp::now();
             let Some(step) = due(need, record.as_ref(), now) else {
@@ -234,7 +227,7 @@ impl ImageWorker {
             let next = observe(need, record.as_ref(), step, observation, Timestamp::now());
             let next = self.state.set_image(key.clone(), next);
             drop(check);
-            self.announce(key, record.as_ref(), &next, events);
+            self.announce(key, record.as_ref(), &next);
             record = Some(next);
         }
     }
@@ -528,13 +521,7 @@ impl ImageWorker {
     }
 
     /// An Event when the image's state or reason changes.
-    fn announce(
-        &self,
-        key: &ImageKey,
-        before: Option<&ImageRecord>,
-        after: &ImageRecord,
-        events: &EventQueue,
-    ) {
+    fn announce(&self, key: &ImageKey, before: Option<&ImageRecord>, after: &ImageRecord) {
         if before.is_some_and(|b| {
             (b.state, &b.reason, &b.digest) == (after.state, &after.reason, &after.digest)
         }) {
@@ -574,7 +561,8 @@ impl ImageWorker {
         } else {
             EventType::Normal
         };
-        events.publish(module, type_, &after.reason, "Image", note);
+        self.events
+            .publish(module, type_, &after.reason, "Image", note);
     }
 }
 

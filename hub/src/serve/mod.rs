@@ -48,7 +48,7 @@ use self::ca::{CaError, RenewingCertificate};
 use self::controller::deletion_clock::DeletionClock;
 use self::controller::status_writer::StatusPacer;
 use self::controller::{Context, ReconcileError};
-use self::events::EventPublisher;
+use self::events::{EventPublisher, EventQueue};
 use self::fleet_view::{FleetView, Stores};
 use self::leadership::{Election, LeaderElection, LeadershipError};
 use self::metrics::Metrics;
@@ -388,7 +388,7 @@ pub async fn run(
         config_maps: Api::namespaced(client.clone(), &settings.namespace),
         namespace: settings.namespace.clone(),
         builds: BuildJobs::new(client.clone(), &settings.namespace, &settings.builder_image),
-        events: events.clone(),
+        events: EventQueue::start(events.clone()),
         registry_ca_file: settings.registry_ca_file.clone(),
         follow_interval: settings.image_follow_interval,
     })));
